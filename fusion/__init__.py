@@ -1,0 +1,98 @@
+"""ONNX graph passes: fold BatchNorm, fuse LayerNorm and RMSNorm. Usable alone on any .onnx::
+
+    import onnx_ir as ir
+    import fusion
+
+    model = ir.load("model.onnx")
+    report = fusion.optimize(model, target="ort")   # in place
+    fusion.check(model)
+    ir.save(model, "model.opt.onnx")
+    print(report.to_dict())
+
+Every rewrite is exact (up to float rounding): a candidate that cannot be expressed exactly by
+the fused op is left alone and recorded in the report with its reason.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import onnx
+import onnx_ir as ir
+
+from fusion.cleanup import cleanup
+from fusion.fold_batchnorm import FoldBatchNorm
+from fusion.fuse_layernorm import FuseLayerNorm
+from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.report import FUSION_KINDS, FusionReport, Refusal
+
+__all__ = [
+    "FUSION_KINDS",
+    "TARGETS",
+    "FusionReport",
+    "Refusal",
+    "check",
+    "cleanup",
+    "norm_ops",
+    "optimize",
+]
+
+#: ``target`` values: ``"ort"`` may use ONNX Runtime's com.microsoft ops (e.g.
+#: SimplifiedLayerNormalization for RMSNorm below opset 23); ``"onnx"`` keeps to standard ops.
+TARGETS = ("ort", "onnx")
+
+#: Op types that the report counts before and after optimizing.
+NORM_OPS = (
+    "BatchNormalization",
+    "LayerNormalization",
+    "RMSNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+)
+
+
+def optimize(model: ir.Model, *, target: str = "ort") -> FusionReport:
+    """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
+
+    Runs: exact clean-up (constant folding, CSE, dead nodes), FoldBatchNorm, FuseLayerNorm,
+    FuseRMSNorm, clean-up again. The model's opset is never raised: an op is only emitted where
+    the model's opset (or, for ``target="ort"``, ONNX Runtime's com.microsoft domain) has it.
+
+    Args:
+        model: the model, changed in place.
+        target: one of :data:`TARGETS`.
+
+    Returns:
+        What was fused, and what was refused with the reason.
+
+    Raises:
+        ValueError: ``target`` is not one of :data:`TARGETS`.
+    """
+    if target not in TARGETS:
+        raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
+    report = FusionReport()
+    cleanup(model)
+    for fusion_pass in (
+        FoldBatchNorm(report),
+        FuseLayerNorm(report),
+        FuseRMSNorm(report, target=target),
+    ):
+        fusion_pass(model)
+    cleanup(model)
+    return report
+
+
+def check(model: ir.Model) -> None:
+    """Run the full ONNX checker (with strict shape inference of the standard ops).
+
+    Raises:
+        onnx.checker.ValidationError: the model is not valid ONNX.
+    """
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+
+
+def norm_ops(model: ir.Model) -> dict[str, int]:
+    """How many nodes of each :data:`NORM_OPS` type the main graph holds (zeros left out)."""
+    counts = Counter(node.op_type for node in model.graph if node.op_type in NORM_OPS)
+    return dict(sorted(counts.items()))

@@ -1,0 +1,59 @@
+"""What the fusion passes did to a model: counts of each rewrite, and each refusal with its reason.
+
+A refusal is a feature, not a failure: a subgraph that looks like a norm but is not exactly one
+(eps outside the square root, a BatchNorm before a padded Conv, a linear layer whose output has
+another consumer) is left alone and recorded here so that a user can see why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+#: The count keys that every report carries, zero or not.
+FUSION_KINDS = ("batchnorm_folded", "layernorm_fused", "rmsnorm_fused", "skip_fused")
+
+
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One candidate subgraph that a pass matched but left alone.
+
+    Attributes:
+        kind: the family of the candidate: ``"batchnorm"``, ``"layernorm"``, ``"rmsnorm"``
+            or ``"skip"``.
+        node: name of the anchor node (the BatchNormalization, or the node that produces the
+            normalized output), as it appears in the ONNX graph.
+        reason: one sentence that says why the rewrite would not be exact.
+    """
+
+    kind: str
+    node: str
+    reason: str
+
+
+@dataclasses.dataclass
+class FusionReport:
+    """Counts of rewrites per kind (see :data:`FUSION_KINDS`) and the refusals, in graph order.
+
+    Passes add to one shared report; a refusal of the same (kind, node) is kept once, so a pass
+    that is run twice does not repeat its reasons.
+    """
+
+    counts: Counter = dataclasses.field(default_factory=Counter)
+    refused: list[Refusal] = dataclasses.field(default_factory=list)
+
+    def count(self, kind: str, n: int = 1) -> None:
+        """Add ``n`` rewrites of ``kind`` (one of :data:`FUSION_KINDS`)."""
+        self.counts[kind] += n
+
+    def refuse(self, kind: str, node: str, reason: str) -> None:
+        """Record that the candidate anchored at ``node`` was left alone, and why."""
+        if any(r.kind == kind and r.node == node for r in self.refused):
+            return
+        self.refused.append(Refusal(kind, node, reason))
+
+    def to_dict(self) -> dict:
+        """JSON-ready form: ``{kind: count, ..., "refused": [{kind, node, reason}, ...]}``."""
+        out = {kind: self.counts.get(kind, 0) for kind in FUSION_KINDS}
+        out["refused"] = [dataclasses.asdict(r) for r in self.refused]
+        return out

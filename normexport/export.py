@@ -1,0 +1,144 @@
+"""PyTorch -> ONNX: the dynamo exporter first, the TorchScript exporter as fallback.
+
+The dynamo exporter is called with ``optimize=False``: its built-in onnxscript optimizer drops
+an ``Add`` of eps 1e-8 (it matches constants with ``abs_tol=1e-8``), which turns a constant row
+into NaN. What that optimizer does that is exact (constant folding, dead-node removal) is done
+afterwards by :func:`fusion.cleanup.cleanup`; BatchNorm folding and norm fusion are normexport's
+own passes, which report what they did.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import onnx_ir as ir
+import torch
+
+from fusion.cleanup import cleanup
+
+
+class ExportError(RuntimeError):
+    """Neither exporter could turn the module into ONNX; the message holds both errors."""
+
+
+@dataclasses.dataclass
+class Exported:
+    """An exported model and how it was made.
+
+    Attributes:
+        model: the ONNX model (onnx_ir), constant-folded, not otherwise optimized.
+        exporter: ``"dynamo"`` or ``"torchscript"``.
+        fallback_reason: why the dynamo exporter was not used (first line of its error), or
+            None when it was.
+    """
+
+    model: ir.Model
+    exporter: str
+    fallback_reason: str | None = None
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence the exporters' progress prints and warnings (they are not the user's concern)."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+    ):
+        warnings.simplefilter("ignore")
+        try:
+            yield
+        finally:
+            logger.setLevel(level)
+
+
+def export_module(
+    module: torch.nn.Module | torch.export.ExportedProgram,
+    args: Sequence[torch.Tensor],
+    kwargs: Mapping[str, torch.Tensor] | None = None,
+    *,
+    opset: int | None = None,
+    input_names: Sequence[str] | None = None,
+    dynamic_axes: Mapping[str, Mapping[int, str]] | None = None,
+    exporter: str = "auto",
+) -> Exported:
+    """Export ``module`` (put in eval mode) to ONNX.
+
+    Args:
+        module: the model, called as ``module(*args, **kwargs)``, or a ``torch.export``
+            program (exported as it is, dynamo exporter only).
+        args: positional example inputs.
+        kwargs: keyword example inputs (a named ``--input-shape`` gives these).
+        opset: the ai.onnx opset to target; None takes the exporter's default (20 for dynamo
+            in torch 2.13, 17 for the TorchScript fallback).
+        input_names: names for the graph inputs, in the order args then kwargs.
+        dynamic_axes: ``{input_name: {axis: dim_name}}`` for axes that stay symbolic.
+        exporter: ``"auto"`` (dynamo, then TorchScript on failure), ``"dynamo"`` or
+            ``"torchscript"``.
+
+    Returns:
+        :class:`Exported`, its model cleaned up by :func:`fusion.cleanup.cleanup`.
+
+    Raises:
+        ExportError: the chosen exporter(s) failed; the message names each error.
+    """
+    is_program = isinstance(module, torch.export.ExportedProgram)
+    if not is_program:
+        module = module.eval()
+    kwargs = dict(kwargs or {})
+    errors = []
+    if exporter in ("auto", "dynamo"):
+        try:
+            with _quiet(), torch.no_grad():
+                program = torch.onnx.export(
+                    module,
+                    tuple(args),
+                    kwargs=kwargs or None,
+                    dynamo=True,
+                    optimize=False,
+                    opset_version=opset,
+                    input_names=list(input_names) if input_names else None,
+                    dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
+                )
+            model = program.model
+            cleanup(model)
+            return Exported(model, "dynamo")
+        except Exception as err:  # the exporter raises many types; all mean "try the other"
+            errors.append(f"dynamo exporter: {_first_line(err)}")
+    if exporter in ("auto", "torchscript") and not is_program:
+        try:
+            with tempfile.TemporaryDirectory() as tmp, _quiet(), torch.no_grad():
+                path = Path(tmp) / "model.onnx"
+                torch.onnx.export(
+                    module,
+                    tuple(args) + ((kwargs,) if kwargs else ()),
+                    str(path),
+                    dynamo=False,
+                    opset_version=opset or 17,
+                    input_names=list(input_names) if input_names else None,
+                    dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
+                )
+                model = ir.load(path)
+                # Read the weights into memory before the folder goes away.
+                for value in model.graph.initializers.values():
+                    value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
+            cleanup(model)
+            return Exported(model, "torchscript", errors[0] if errors else None)
+        except Exception as err:
+            errors.append(f"TorchScript exporter: {_first_line(err)}")
+    raise ExportError("; ".join(errors))
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"

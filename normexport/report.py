@@ -1,0 +1,134 @@
+"""The report: a table on the terminal, JSON on request, and a latency chart (PNG)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fusion import FUSION_KINDS
+
+
+def render(report: dict, console: Console) -> None:
+    """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
+    console.print(
+        f"[bold]{report['model']}[/] ({report['kind'].replace('_', ' ')}, exporter "
+        f"{report['exporter']}, opset {report['opset']}, target {report['target']}) -> "
+        f"[bold]{report['output']}[/]"
+    )
+    fusions = report["fusions"]
+    table = Table(title="Fusions", title_justify="left")
+    table.add_column("kind")
+    table.add_column("count", justify="right")
+    for kind in FUSION_KINDS:
+        table.add_row(kind, str(fusions[kind]))
+    norm = report["norm_ops"]
+    for op in sorted(set(norm["before"]) | set(norm["after"])):
+        table.add_row(f"{op} nodes", f"{norm['before'].get(op, 0)} -> {norm['after'].get(op, 0)}")
+    console.print(table)
+    if fusions["refused"]:
+        refused = Table(title="Left alone", title_justify="left")
+        for col in ("kind", "node", "reason"):
+            refused.add_column(col, overflow="fold")
+        for r in fusions["refused"]:
+            refused.add_row(r["kind"], r["node"], r["reason"])
+        console.print(refused)
+
+    parity = report["parity"]
+    table = Table(
+        title=f"Parity vs {parity['reference']} (atol {parity['atol']:g}, rtol "
+        f"{parity['rtol']:g}; inputs: {', '.join(parity['probes'])})",
+        title_justify="left",
+    )
+    for col in ("output", "max abs err", "rel L2 err", "max |ref|", "verdict"):
+        table.add_column(col, justify="right" if col != "output" else "left")
+    for name, e in parity["outputs"].items():
+        table.add_row(
+            name,
+            f"{e['max_abs_err']:.3g}",
+            f"{e['rel_l2_err']:.3g}",
+            f"{e['max_abs_ref']:.3g}",
+            "[green]pass[/]" if e["passed"] else "[red]FAIL[/]",
+        )
+    console.print(table)
+    for f in parity["failures"][:10]:
+        console.print(
+            f"[red]diverges[/]: output {f['output']!r} on input set {f['probe']!r}: max abs err "
+            f"{f['max_abs_err']:.3g}, rel L2 {f['rel_l2_err']:.3g}, "
+            f"{f['nonfinite_mismatch']} NaN/Inf where the reference is finite"
+        )
+
+    console.print(f"provider: [bold]{report['provider']}[/]")
+    if report["provider_note"]:
+        console.print(f"[yellow]{report['provider_note']}[/]")
+    latency = report["latency_ms"]
+    if latency:
+        table = Table(title="Latency (ms per call)", title_justify="left")
+        for col in ("variant", "median", "p90", "runs", "optimized / variant"):
+            table.add_column(col, justify="right" if col != "variant" else "left")
+        opt = latency["ort_optimized"]["median_ms"]
+        for name, t in latency.items():
+            table.add_row(
+                name,
+                f"{t['median_ms']:.3f}",
+                f"{t['p90_ms']:.3f}",
+                str(t["runs"]),
+                f"{opt / t['median_ms']:.2f}x",
+            )
+        console.print(table)
+    verdict = "[green]parity passed[/]" if parity["passed"] else "[red]parity FAILED[/]"
+    console.print(verdict)
+
+
+def write_json(report: dict, path: Path) -> None:
+    """Write ``report`` as JSON, atomically (temporary file in the same folder, then rename)."""
+    _atomic_write(path, json.dumps(report, indent=2).encode())
+
+
+def write_chart(report: dict, path: Path) -> bool:
+    """Bar chart of median latency (p90 as error bar) per variant, as PNG.
+
+    Returns:
+        False (and writes nothing) when the report has no latency.
+    """
+    latency = report["latency_ms"]
+    if not latency:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(latency)
+    med = [latency[n]["median_ms"] for n in names]
+    p90 = [latency[n]["p90_ms"] - latency[n]["median_ms"] for n in names]
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.barh(names, med, xerr=[[0] * len(names), p90], color=["#999", "#69c", "#2a6"][-len(names) :])
+    ax.set_xlabel(f"ms per call, median (bar) and p90 (whisker), {report['provider']}")
+    ax.set_title(Path(report["model"]).name)
+    fig.tight_layout()
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        Path(tmp).unlink(missing_ok=True)
+    return True
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,119 @@
+"""ONNX Runtime sessions: the one place in normexport where they are made.
+
+Providers are always named explicitly. onnxruntime-gpu lists CUDAExecutionProvider in
+``get_available_providers()`` even where the CUDA libraries are missing, and then quietly falls
+back to CPU; so a session asked for CUDA is checked with ``sess.get_providers()`` and refused
+if CUDA did not load, rather than ever calling a CPU number a CUDA number.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+CPU = "CPUExecutionProvider"
+CUDA = "CUDAExecutionProvider"
+
+#: ``--provider`` choices mapped to the ORT provider lists tried for them.
+PROVIDERS = {"cpu": [CPU], "cuda": [CUDA, CPU]}
+
+
+class ProviderUnavailable(RuntimeError):
+    """The requested execution provider could not be loaded by ONNX Runtime."""
+
+
+def _model_bytes(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike) -> bytes | str:
+    if isinstance(model, ir.Model):
+        return ir.to_proto(model).SerializeToString()
+    if isinstance(model, onnx.ModelProto):
+        return model.SerializeToString()
+    if isinstance(model, bytes):
+        return model
+    return os.fspath(model)
+
+
+def make_session(
+    model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike,
+    provider: str = "cpu",
+    *,
+    optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    optimized_model_path: str | None = None,
+) -> ort.InferenceSession:
+    """Create an inference session on one named execution provider.
+
+    Args:
+        model: an onnx_ir model, a ModelProto, serialized bytes, or a path to an .onnx file.
+        provider: ``"cpu"`` or ``"cuda"`` (see :data:`PROVIDERS`).
+        optimization_level: ORT's session graph optimization level (ORT_ENABLE_ALL by default,
+            what a deployment would use).
+        optimized_model_path: if given, ORT writes the model after its session-time
+            optimizations there.
+
+    Returns:
+        The session; ``session.get_providers()[0]`` is the provider that was asked for.
+
+    Raises:
+        ValueError: ``provider`` is not one of :data:`PROVIDERS`.
+        ProviderUnavailable: CUDA was asked for but did not load (ORT fell back to CPU).
+    """
+    if provider not in PROVIDERS:
+        raise ValueError(f"unknown provider {provider!r}: choose one of {sorted(PROVIDERS)}")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = optimization_level
+    options.log_severity_level = 3  # errors only: the CUDA fallback is reported by us, not ORT
+    if optimized_model_path:
+        options.optimized_model_filepath = optimized_model_path
+    session = ort.InferenceSession(_model_bytes(model), options, providers=PROVIDERS[provider])
+    if session.get_providers()[0] != PROVIDERS[provider][0]:
+        raise ProviderUnavailable(
+            f"{PROVIDERS[provider][0]} did not load (ONNX Runtime fell back to "
+            f"{session.get_providers()[0]}); use --provider cpu, or install the CUDA libraries "
+            "that onnxruntime-gpu needs"
+        )
+    return session
+
+
+def resolve_provider(requested: str) -> tuple[str, str | None]:
+    """Pick the provider for ``--provider auto|cpu|cuda``.
+
+    ``auto`` takes CUDA when a CUDA session really loads, else CPU.
+
+    Returns:
+        ``(provider, note)``: provider is ``"cpu"`` or ``"cuda"``; note is a sentence for the
+        report when CUDA was not used under ``auto`` (None otherwise).
+
+    Raises:
+        ProviderUnavailable: ``cuda`` was requested and does not load.
+    """
+    if requested == "cpu":
+        return "cpu", None
+    probe = _probe_model()
+    try:
+        make_session(probe, "cuda")
+    except ProviderUnavailable as err:
+        if requested == "cuda":
+            raise
+        return "cpu", f"CUDA was not available ({err.args[0].split(';')[0]}): timed on CPU"
+    return "cuda", None
+
+
+def _probe_model() -> onnx.ModelProto:
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "probe", [x], [y])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Run ``session`` on ``feeds`` (input name -> array) and return its outputs in order."""
+    return session.run(None, dict(feeds))
+
+
+def input_names(session: ort.InferenceSession) -> Sequence[str]:
+    """The session's graph input names, in order."""
+    return [i.name for i in session.get_inputs()]

@@ -1,0 +1,208 @@
+"""The command line, in process: every input kind, every exit code, the report's contents."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+from torch import nn
+
+import fusion
+from normexport import cli, pipeline
+from normexport.export import export_module
+
+
+class ConvBNNet(nn.Module):
+    """Conv -> BN -> ReLU -> Conv -> BN, then a hand-written LayerNorm over the last axis."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(6)
+        self.conv2 = nn.Conv2d(6, 4, 3, bias=False)
+        self.bn2 = nn.BatchNorm2d(4)
+        self.w = nn.Parameter(torch.randn(6))
+        self.b = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        y = self.bn2(self.conv2(torch.relu(self.bn1(self.conv1(x)))))
+        mean = y.mean(-1, keepdim=True)
+        var = ((y - mean) ** 2).mean(-1, keepdim=True)
+        return (y - mean) / torch.sqrt(var + 1e-5) * self.w + self.b
+
+
+def make_net() -> ConvBNNet:
+    torch.manual_seed(0)
+    net = ConvBNNet()
+    for bn in (net.bn1, net.bn2):
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.data.uniform_(0.5, 1.5)
+        bn.bias.data.uniform_(-0.5, 0.5)
+    return net.eval()
+
+
+SHAPE = "2,3,8,8"
+FAST = ["--budget", "0.2"]
+
+
+def digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def pickled(tmp_path):
+    path = tmp_path / "net.pt"
+    torch.save(make_net(), path)
+    return path
+
+
+def test_pickled_module_needs_trust(capsys, pickled):
+    code, _, err = run_cli(capsys, pickled, "--input-shape", SHAPE)
+    assert code == 2
+    assert "--trust-pickle" in err and "Traceback" not in err
+    assert not pipeline.default_output(pickled).exists()
+
+
+def test_pickled_module_end_to_end(capsys, pickled, tmp_path):
+    before = digest(pickled)
+    report_path = tmp_path / "out" / "report.json"
+    code, out, _ = run_cli(
+        capsys, pickled, "--trust-pickle", "--input-shape", SHAPE, "--report", report_path, *FAST
+    )
+    assert code == 0, out
+    assert digest(pickled) == before  # the input is never touched
+    report = json.loads(report_path.read_text())
+    assert report["kind"] == "pickled_module"
+    assert report["fusions"]["batchnorm_folded"] == 2
+    assert report["fusions"]["layernorm_fused"] == 1
+    assert report["norm_ops"]["after"] == {"LayerNormalization": 1}
+    assert report["parity"]["passed"] and report["parity"]["reference"] == "pytorch"
+    assert {"constant", "zeros", "tiny_1e-4", "huge_1e3"} <= set(report["parity"]["probes"])
+    assert set(report["latency_ms"]) == {"pytorch_eager", "ort_raw", "ort_optimized"}
+    assert report["provider"] in ("CPUExecutionProvider", "CUDAExecutionProvider")
+    assert report_path.with_suffix(".png").stat().st_size > 1000
+    written = ir.load(pipeline.default_output(pickled))
+    assert "BatchNormalization" not in fusion.norm_ops(written)
+    assert "parity passed" in out
+
+
+def test_state_dict_needs_model_class(capsys, tmp_path):
+    from models.resnet import ResNetSmall
+
+    path = tmp_path / "weights.pt"
+    torch.save(ResNetSmall().state_dict(), path)
+    code, _, err = run_cli(capsys, path, "--input-shape", "1,3,32,32")
+    assert code == 2 and "--model-class" in err
+    code, _, err = run_cli(
+        capsys, path, "--input-shape", "1,3,32,32", "--model-class", "models.resnet:Nope"
+    )
+    assert code == 2 and "models.resnet:Nope" in err
+    code, out, _ = run_cli(
+        capsys,
+        path,
+        "--input-shape",
+        "1,3,32,32",
+        "--model-class",
+        "models.resnet:ResNetSmall",
+        "--no-benchmark",
+    )
+    assert code == 0, out
+
+
+def test_torchscript_archive(capsys, tmp_path):
+    path = tmp_path / "scripted.pt"
+    net = make_net()
+    torch.jit.save(torch.jit.trace(net, torch.randn(2, 3, 8, 8)), path)
+    out_path = tmp_path / "custom.onnx"
+    code, out, _ = run_cli(
+        capsys, path, "--input-shape", SHAPE, "-o", out_path, "--no-benchmark"
+    )
+    assert code == 0, out
+    assert out_path.exists()
+
+
+def test_exported_program_carries_its_inputs(capsys, tmp_path):
+    path = tmp_path / "program.pt2"
+    torch.export.save(torch.export.export(make_net(), (torch.randn(2, 3, 8, 8),)), path)
+    report_path = tmp_path / "r.json"
+    code, out, _ = run_cli(capsys, path, "--no-benchmark", "--report", report_path)
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["kind"] == "exported_program"
+    assert report["fusions"]["batchnorm_folded"] == 2
+
+
+def test_onnx_input_is_checked_against_unoptimized_onnx(capsys, tmp_path):
+    exported = export_module(make_net(), [torch.randn(2, 3, 8, 8)], input_names=["x"])
+    path = tmp_path / "net.onnx"
+    ir.save(exported.model, path)
+    before = digest(path)
+    report_path = tmp_path / "r.json"
+    code, out, _ = run_cli(capsys, path, "--report", report_path, *FAST)
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["parity"]["reference"] == "onnx"
+    assert set(report["latency_ms"]) == {"ort_raw", "ort_optimized"}
+    assert digest(path) == before
+    assert (tmp_path / "net.opt.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["missing.pt"], "no such file"),
+        (["garbage.bin"], "not a model file"),
+        (["net.pt", "--trust-pickle"], "--input-shape"),
+        (["net.pt", "--trust-pickle", "--input-shape", "1;3"], "--input-shape"),
+        (["net.pt", "--trust-pickle", "--input-shape", SHAPE, "--dynamic", "x:zz"], "--dynamic"),
+        (["net.pt", "--trust-pickle", "--input-shape", SHAPE, "-o", "net.pt"], "never overwrites"),
+    ],
+)
+def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, monkeypatch, argv, needle):
+    monkeypatch.chdir(tmp_path)
+    torch.save(make_net(), tmp_path / "net.pt")
+    (tmp_path / "garbage.bin").write_bytes(b"\x00not a model\x01" * 10)
+    code, _, err = run_cli(capsys, *argv, "--no-benchmark")
+    assert code == 2
+    assert needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    with pytest.raises(Exception, match="no such file"):
+        cli.main([str(tmp_path / "missing.pt"), "--debug"])
+
+
+def test_wrong_model_fails_parity_and_exits_1(capsys, pickled, monkeypatch, tmp_path):
+    """A deliberately broken optimizer: the parity check must catch it."""
+    real_optimize = fusion.optimize
+
+    def broken_optimize(model, **kwargs):
+        report = real_optimize(model, **kwargs)
+        conv = next(n for n in model.graph if n.op_type == "Conv")
+        weight = conv.inputs[1].const_value
+        conv.inputs[1].const_value = ir.tensor(weight.numpy() * 1.01, name=weight.name)
+        return report
+
+    monkeypatch.setattr(fusion, "optimize", broken_optimize)
+    report_path = tmp_path / "r.json"
+    code, out, _ = run_cli(
+        capsys, pickled, "--trust-pickle", "--input-shape", SHAPE, "--no-benchmark",
+        "--report", report_path,
+    )
+    assert code == 1
+    assert pipeline.default_output(pickled).exists()  # still written
+    report = json.loads(report_path.read_text())
+    assert not report["parity"]["passed"] and report["parity"]["failures"]
+    assert "diverges" in out
