@@ -95,8 +95,9 @@ def run(opts: Options) -> dict:
     fusion.check(optimized)
     _save_atomic(optimized, output)
 
-    raw_session = runtime.make_session(raw_bytes, provider)
-    opt_session = runtime.make_session(output, provider)
+    # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
+    raw_session = runtime.make_session(raw_bytes, provider, spinning=False)
+    opt_session = runtime.make_session(output, provider, spinning=False)
     feed_names = runtime.input_names(opt_session)
     sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
 

