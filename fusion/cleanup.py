@@ -10,14 +10,25 @@ and delete an ``Add`` of an eps of 1e-8 (DESIGN.md, "Measured facts").
 
 from __future__ import annotations
 
+import logging
+
 import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxscript.optimizer
 
 
+# The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
+_folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
+
+
 def cleanup(model: ir.Model) -> None:
     """Fold constants, merge common subexpressions, drop dead nodes, sort (in place)."""
-    onnxscript.optimizer.fold_constants(model)
+    level = _folder_log.level
+    _folder_log.setLevel(logging.ERROR)
+    try:
+        onnxscript.optimizer.fold_constants(model)
+    finally:
+        _folder_log.setLevel(level)
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.TopologicalSortPass()(model)
