@@ -71,3 +71,103 @@ def replace_output(graph: ir.Graph, old: ir.Value, new: ir.Value) -> None:
     if new.shape is None:
         new.shape = old.shape
     old.replace_all_uses_with(new, replace_graph_outputs=True)
+
+
+def scalar_const(value: ir.Value | None) -> float | None:
+    """The number behind a one-element constant ``value`` (any shape), or None."""
+    array = const_array(value)
+    return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
+
+
+def rank_of(*values: ir.Value | None) -> int | None:
+    """The rank of the first of ``values`` whose shape is known, or None."""
+    for value in values:
+        if value is not None and value.shape is not None:
+            return len(value.shape)
+    return None
+
+
+def reduce_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | None:
+    """The axes a Reduce* node reduces over, as written (may be negative); None if unknown.
+
+    Axes are an attribute below opset 18 and an input from 18. No axes means all axes (which
+    needs ``rank``), except under ``noop_with_empty_axes=1``, where the node reduces nothing
+    (None). Axes held in a non-constant input are unknown (None).
+    """
+    if len(node.inputs) > 1 and node.inputs[1] is not None:
+        array = const_array(node.inputs[1])
+        if array is None:
+            return None
+        axes = tuple(int(a) for a in array.reshape(-1))
+    else:
+        axes = tuple(node.attributes.get_ints("axes", ()))
+    if axes:
+        return axes
+    if node.attributes.get_int("noop_with_empty_axes", 0) or rank is None:
+        return None
+    return tuple(range(rank))
+
+
+def as_division(node: ir.Node) -> tuple[ir.Value, ir.Value, list[ir.Node]] | None:
+    """``(numerator, denominator, inverse_nodes)`` when ``node`` divides a tensor by a value.
+
+    Recognized: ``Div(n, d)``, ``Mul(n, Reciprocal(d))`` and ``Mul(n, Div(1, d))`` (either Mul
+    operand order), the inverse maybe times an exact 1 (torch writes ``1.0 / t`` as
+    ``Reciprocal(t) * 1``); ``inverse_nodes`` holds the nodes between ``node`` and ``d``. A
+    constant numerator makes an inverse, not a division of a tensor: None.
+    """
+    if len(node.inputs) != 2 or node.domain != "":
+        return None
+    if node.op_type == "Div" and const_array(node.inputs[0]) is None:
+        return node.inputs[0], node.inputs[1], []
+    if node.op_type != "Mul":
+        return None
+    for numerator, inverse in (node.inputs, node.inputs[::-1]):
+        if numerator is None or inverse is None or const_array(numerator) is not None:
+            continue
+        nodes = []
+        producer = inverse.producer()
+        if producer is not None and producer.op_type == "Mul" and producer.domain == "":
+            one = next((v for v in producer.inputs if scalar_const(v) == 1.0), None)
+            inverse = other_input(producer, one) if one is not None else None
+            nodes = [producer]
+            producer = inverse.producer() if inverse is not None else None
+        if producer is None or producer.domain != "":
+            continue
+        if producer.op_type == "Reciprocal":
+            return numerator, producer.inputs[0], [*nodes, producer]
+        if producer.op_type == "Div" and scalar_const(producer.inputs[0]) == 1.0:
+            return numerator, producer.inputs[1], [*nodes, producer]
+    return None
+
+
+def escaping_value(nodes: list[ir.Node], keep: ir.Value) -> ir.Value | None:
+    """An output of ``nodes`` other than ``keep`` that is read outside them, or None.
+
+    A value counts as read outside when a node not in ``nodes`` uses it or it is a graph output.
+    """
+    inside = set(nodes)
+    for node in nodes:
+        for value in node.outputs:
+            if value is keep:
+                continue
+            if value.is_graph_output() or any(use.node not in inside for use in value.uses()):
+                return value
+    return None
+
+
+def remove_nodes(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Remove ``nodes`` (whose outputs must be unused by then) and the constants only they read.
+
+    A Constant node or an initializer (not a graph input) that no remaining node reads goes too.
+    """
+    inputs = {value for node in nodes for value in node.inputs if value is not None}
+    graph.remove(nodes, safe=True)
+    for value in inputs:
+        if value.uses() or value.is_graph_output() or value.is_graph_input():
+            continue
+        producer = value.producer()
+        if producer is not None and producer.op_type == "Constant" and producer.graph is graph:
+            graph.remove(producer, safe=True)
+        elif value.is_initializer() and value.name in graph.initializers:
+            graph.initializers.pop(value.name)

@@ -16,7 +16,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxscript.optimizer
 
-
 # The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 

@@ -19,8 +19,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import onnx_ir as ir
+import onnx_ir.passes.common
 import torch
 
+from fusion._ir import const_array
 from fusion.cleanup import cleanup
 
 
@@ -112,6 +114,7 @@ def export_module(
                 )
             model = program.model
             cleanup(model)
+            _drop_malformed_zero_conv_bias(model)
             return Exported(model, "dynamo")
         except Exception as err:  # the exporter raises many types; all mean "try the other"
             errors.append(f"dynamo exporter: {_first_line(err)}")
@@ -137,6 +140,22 @@ def export_module(
         except Exception as err:
             errors.append(f"TorchScript exporter: {_first_line(err)}")
     raise ExportError("; ".join(errors))
+
+
+def _drop_malformed_zero_conv_bias(model: ir.Model) -> None:
+    """Work around a torch 2.13 dynamo-exporter bug (``optimize=False`` path).
+
+    A Conv3d without bias is exported with the bias ``Expand(0, [C_out, 2])``: shape
+    (C_out, 2), which the checker accepts and ONNX Runtime rejects ("bias must be a 1D tensor").
+    An all-zero bias is exactly no bias, so such an input is dropped. Correct biases (1-D, or
+    any non-zero one) are left alone.
+    """
+    for node in model.graph:
+        if node.op_type == "Conv" and len(node.inputs) == 3:
+            bias = const_array(node.inputs[2])
+            if bias is not None and bias.ndim != 1 and not bias.any():
+                node.resize_inputs(2)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
 
 
 def _first_line(err: BaseException) -> str:

@@ -14,7 +14,9 @@ import onnx_ir as ir
 
 from normexport.errors import UsageError
 
-_SPEC = re.compile(r"^(?:(?P<name>[A-Za-z_][\w.:/-]*)=)?(?P<dims>\d+(?:[x,]\d+)*)(?::(?P<dtype>\w+))?$")
+_SPEC = re.compile(
+    r"^(?:(?P<name>[A-Za-z_][\w.:/-]*)=)?(?P<dims>\d+(?:[x,]\d+)*)(?::(?P<dtype>\w+))?$"
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,8 +63,6 @@ def time_interleaved(
             variants[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)
     return {
-        name: Timing(
-            float(np.median(s)), float(np.percentile(s, 90)), float(np.min(s)), len(s)
-        )
+        name: Timing(float(np.median(s)), float(np.percentile(s, 90)), float(np.min(s)), len(s))
         for name, s in samples.items()
     }

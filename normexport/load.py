@@ -199,7 +199,7 @@ def _named_arrays(
     flat = [*args, *kwargs.values()]
     return {
         str(name): t.detach().cpu().numpy()
-        for name, t in zip(names, flat)
+        for name, t in zip(names, flat, strict=False)
         if isinstance(t, torch.Tensor)
     }
 

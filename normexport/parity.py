@@ -135,8 +135,7 @@ def check_parity(
         got, ref = list(candidate(feeds)), list(reference(feeds))
         if len(got) != len(ref):
             raise ValueError(f"{len(got)} outputs vs {len(ref)} from the reference")
-        probes[set_name] = [
-            compare(n, g, r, atol, rtol) for n, g, r in zip(output_names, got, ref)
-        ]
+        triples = zip(output_names, got, ref, strict=True)
+        probes[set_name] = [compare(n, g, r, atol, rtol) for n, g, r in triples]
     passed = all(e.passed for errors in probes.values() for e in errors)
     return ParityResult(passed, reference_kind, atol, rtol, probes)

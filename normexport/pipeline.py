@@ -203,7 +203,7 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
     names = [s.name or (f"input_{i}" if len(specs) > 1 else "input") for i, s in enumerate(specs)]
     return {
         name: inputs_mod.random_array(dataclasses.replace(s, name=name), rng)
-        for name, s in zip(names, specs)
+        for name, s in zip(names, specs, strict=True)
     }
 
 
@@ -286,7 +286,7 @@ def _by_feed_name(example: dict[str, np.ndarray], feed_names: list[str]) -> dict
             f"the exported graph has inputs {feed_names} but {len(example)} example inputs "
             f"({list(example)}) were given"
         )
-    return dict(zip(feed_names, example.values()))
+    return dict(zip(feed_names, example.values(), strict=True))
 
 
 def _save_atomic(model: ir.Model, path: Path) -> None:

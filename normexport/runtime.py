@@ -102,7 +102,7 @@ def resolve_provider(requested: str) -> tuple[str, str | None]:
     ort.set_default_logger_severity(4)  # the failed CUDA load is reported by us, once
     try:
         make_session(probe, "cuda")
-    except ProviderUnavailable as err:
+    except ProviderUnavailable:
         if requested == "cuda":
             raise
         return "cpu", "CUDA was not available (the CUDA provider did not load): ran on CPU"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 
-import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
@@ -125,9 +124,7 @@ def test_torchscript_archive(capsys, tmp_path):
     net = make_net()
     torch.jit.save(torch.jit.trace(net, torch.randn(2, 3, 8, 8)), path)
     out_path = tmp_path / "custom.onnx"
-    code, out, _ = run_cli(
-        capsys, path, "--input-shape", SHAPE, "-o", out_path, "--no-benchmark"
-    )
+    code, out, _ = run_cli(capsys, path, "--input-shape", SHAPE, "-o", out_path, "--no-benchmark")
     assert code == 0, out
     assert out_path.exists()
 
@@ -198,8 +195,14 @@ def test_wrong_model_fails_parity_and_exits_1(capsys, pickled, monkeypatch, tmp_
     monkeypatch.setattr(fusion, "optimize", broken_optimize)
     report_path = tmp_path / "r.json"
     code, out, _ = run_cli(
-        capsys, pickled, "--trust-pickle", "--input-shape", SHAPE, "--no-benchmark",
-        "--report", report_path,
+        capsys,
+        pickled,
+        "--trust-pickle",
+        "--input-shape",
+        SHAPE,
+        "--no-benchmark",
+        "--report",
+        report_path,
     )
     assert code == 1
     assert pipeline.default_output(pickled).exists()  # still written

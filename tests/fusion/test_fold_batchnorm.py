@@ -1,0 +1,480 @@
+"""FoldBatchNorm: real torch modules (dynamo export) and hand-built ONNX graphs.
+
+Every BatchNorm statistic and affine parameter is randomized (default init, mean 0 / var 1 /
+weight 1 / bias 0, would hide a fold that forgets one of them). Each fold is checked against
+PyTorch eager (or a float64 numpy reference) and against ONNX Runtime on the unfolded graph, with
+the full ONNX checker, and by a second run of the pass that must change nothing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from fusion.fold_batchnorm import FoldBatchNorm
+from fusion.report import FusionReport
+from normexport.export import export_module
+from normexport.runtime import make_session, run
+
+torch.set_num_threads(1)
+
+
+def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
+    """max |actual - expected| <= 1e-4 + 1e-4 * max |expected|, and all finite."""
+    assert actual.shape == expected.shape
+    assert np.isfinite(actual).all()
+    err = np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()
+    assert err <= 1e-4 + 1e-4 * np.abs(expected).max(), f"max abs err {err}"
+
+
+def _randomize(module: torch.nn.Module) -> torch.nn.Module:
+    """Random running stats, affine parameters and hand-written norm buffers; eval mode."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+                sub.running_mean.uniform_(-1.0, 1.0)
+                sub.running_var.uniform_(0.3, 3.0)
+                sub.weight.uniform_(-2.0, 2.0)
+                sub.bias.uniform_(-1.0, 1.0)
+    return module.eval()
+
+
+def _bn(cls, channels: int) -> torch.nn.Module:
+    return cls(channels, eps=1e-3)
+
+
+class HandBatchNorm(torch.nn.Module):
+    """A conv and a BatchNorm written out: (x - mean) / sqrt(var + eps) * gamma + beta."""
+
+    def __init__(self, channels: int, buffer_shape: tuple[int, ...]):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, channels, 3)
+        shape = tuple(channels if s == "C" else 1 for s in buffer_shape)
+        self.register_buffer("mean", torch.empty(shape).uniform_(-1, 1))
+        self.register_buffer("var", torch.empty(shape).uniform_(0.3, 3.0))
+        self.gamma = torch.nn.Parameter(torch.empty(shape).uniform_(-2, 2))
+        self.beta = torch.nn.Parameter(torch.empty(shape).uniform_(-1, 1))
+
+    def forward(self, x):
+        return (self.conv(x) - self.mean) / torch.sqrt(self.var + 1e-5) * self.gamma + self.beta
+
+
+class FrozenBatchNormAfterConv(torch.nn.Module):
+    """A conv and torchvision's FrozenBatchNorm2d forward: ``x * scale + shift``."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, channels, 3, padding=1)
+        self.register_buffer("weight", torch.empty(channels).uniform_(-2, 2))
+        self.register_buffer("bias", torch.empty(channels).uniform_(-1, 1))
+        self.register_buffer("running_mean", torch.empty(channels).uniform_(-1, 1))
+        self.register_buffer("running_var", torch.empty(channels).uniform_(0.3, 3.0))
+
+    def forward(self, x):
+        scale = self.weight * (self.running_var + 1e-5).rsqrt()
+        shift = self.bias - self.running_mean * scale
+        return self.conv(x) * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
+
+
+class ConvBiasAddThenBatchNorm(torch.nn.Module):
+    """Conv with its bias added as a separate per-channel Add, then BatchNorm2d."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(channels, 3, 3, 3) * 0.3)
+        self.bias = torch.nn.Parameter(torch.randn(channels))
+        self.bn = torch.nn.BatchNorm2d(channels)
+
+    def forward(self, x):
+        return self.bn(torch.nn.functional.conv2d(x, self.weight) + self.bias.reshape(1, -1, 1, 1))
+
+
+def _seq(*layers: torch.nn.Module) -> torch.nn.Module:
+    return torch.nn.Sequential(*layers)
+
+
+# name -> (module factory, input shape, batchnorms expected folded)
+FOLDS = {
+    "conv1d": (lambda: _seq(torch.nn.Conv1d(4, 6, 3), _bn(torch.nn.BatchNorm1d, 6)), (2, 4, 9)),
+    "conv1d_nobias": (
+        lambda: _seq(torch.nn.Conv1d(4, 6, 3, bias=False), _bn(torch.nn.BatchNorm1d, 6)),
+        (2, 4, 9),
+    ),
+    "conv2d": (lambda: _seq(torch.nn.Conv2d(3, 5, 3), _bn(torch.nn.BatchNorm2d, 5)), (2, 3, 7, 7)),
+    "conv2d_nobias": (
+        lambda: _seq(torch.nn.Conv2d(3, 5, 3, bias=False, padding=1), torch.nn.BatchNorm2d(5)),
+        (2, 3, 7, 7),
+    ),
+    "conv3d": (
+        lambda: _seq(torch.nn.Conv3d(2, 4, 3), _bn(torch.nn.BatchNorm3d, 4)),
+        (1, 2, 5, 5, 5),
+    ),
+    "conv3d_nobias": (
+        lambda: _seq(torch.nn.Conv3d(2, 4, 3, bias=False), _bn(torch.nn.BatchNorm3d, 4)),
+        (1, 2, 5, 5, 5),
+    ),
+    "conv2d_grouped": (
+        lambda: _seq(torch.nn.Conv2d(4, 6, 3, groups=2), _bn(torch.nn.BatchNorm2d, 6)),
+        (2, 4, 6, 6),
+    ),
+    "conv2d_depthwise": (
+        lambda: _seq(torch.nn.Conv2d(4, 4, 3, groups=4, padding=1), _bn(torch.nn.BatchNorm2d, 4)),
+        (2, 4, 6, 6),
+    ),
+    "convtranspose2d_groups2": (
+        lambda: _seq(
+            torch.nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2), _bn(torch.nn.BatchNorm2d, 6)
+        ),
+        (2, 4, 4, 4),
+    ),
+    "linear_batchnorm1d": (
+        lambda: _seq(torch.nn.Linear(5, 6), _bn(torch.nn.BatchNorm1d, 6)),
+        (3, 5),
+    ),
+    "hand_written_1C11": (lambda: HandBatchNorm(4, (1, "C", 1, 1)), (2, 3, 6, 6)),
+    "hand_written_C11": (lambda: HandBatchNorm(4, ("C", 1, 1)), (2, 3, 6, 6)),
+    "frozen_batchnorm": (lambda: FrozenBatchNormAfterConv(4), (2, 3, 6, 6)),
+    "conv_bias_add_then_bn": (lambda: ConvBiasAddThenBatchNorm(4), (2, 3, 6, 6)),
+    # Stretch: a BatchNorm before an unpadded Conv / a Linear folds into the layer after it.
+    "bn_then_unpadded_conv": (
+        lambda: _seq(_bn(torch.nn.BatchNorm2d, 4), torch.nn.Conv2d(4, 6, 3, groups=2)),
+        (2, 4, 6, 6),
+    ),
+    "bn_then_linear": (lambda: _seq(_bn(torch.nn.BatchNorm1d, 5), torch.nn.Linear(5, 3)), (4, 5)),
+}
+
+
+def _export(module: torch.nn.Module, shape: tuple[int, ...]):
+    torch.manual_seed(1)
+    x = torch.randn(shape)
+    model = export_module(module, (x,), input_names=["x"], exporter="dynamo").model
+    with torch.no_grad():
+        eager = module(x).numpy()
+    return model, {"x": x.numpy()}, eager
+
+
+def _ops(model: ir.Model) -> list[str]:
+    return [node.op_type for node in model.graph]
+
+
+def _fold(model: ir.Model) -> tuple[FusionReport, bool]:
+    report = FusionReport()
+    return report, FoldBatchNorm(report)(model).modified
+
+
+def _assert_second_run_is_noop(model: ir.Model) -> None:
+    before = ir.to_proto(model).SerializeToString()
+    report, modified = _fold(model)
+    assert not modified
+    assert report.counts["batchnorm_folded"] == 0
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+@pytest.mark.parametrize("name", list(FOLDS))
+def test_folds_torch_module(name):
+    factory, shape = FOLDS[name]
+    torch.manual_seed(0)
+    module = _randomize(factory())
+    model, feeds, eager = _export(module, shape)
+    outputs = [v.name for v in model.graph.outputs]
+    unfolded = run(make_session(model), feeds)[0]
+    affine_ops = sum(op in ("BatchNormalization", "Mul", "Div") for op in _ops(model))
+    assert affine_ops >= 1, "the export should contain the BatchNorm to fold"
+
+    report, modified = _fold(model)
+
+    assert modified
+    assert report.counts["batchnorm_folded"] == 1
+    assert report.refused == []
+    ops = _ops(model)
+    assert not {"BatchNormalization", "Mul", "Div", "Sub"} & set(ops), ops
+    assert len(ops) == 1, ops  # only the linear layer is left (Gemm carries its bias)
+    assert [v.name for v in model.graph.outputs] == outputs
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    folded = run(make_session(model), feeds)[0]
+    _assert_close(folded, eager)
+    _assert_close(folded, unfolded)
+    _assert_second_run_is_noop(model)
+
+
+def _assert_refused_unchanged(model, feeds, eager, anchor_op: str, *reason_parts: str) -> None:
+    proto = ir.to_proto(model).SerializeToString()
+    anchors = [n.name for n in model.graph if n.op_type == anchor_op]
+    report, modified = _fold(model)
+    assert not modified
+    assert report.counts["batchnorm_folded"] == 0
+    assert ir.to_proto(model).SerializeToString() == proto
+    refused = {r.node: r.reason for r in report.refused if r.kind == "batchnorm"}
+    assert anchors and set(anchors) <= set(refused), (anchors, report.refused)
+    for anchor in anchors:
+        for part in reason_parts:
+            assert part in refused[anchor], refused[anchor]
+    _assert_close(run(make_session(model), feeds)[0], eager)
+
+
+def test_refuses_batchnorm_after_relu_crepe_style():
+    torch.manual_seed(0)
+    module = _randomize(
+        _seq(
+            torch.nn.Conv2d(1, 4, (5, 1)),
+            torch.nn.ReLU(),
+            torch.nn.BatchNorm2d(4),
+            torch.nn.MaxPool2d((2, 1)),
+            torch.nn.ZeroPad2d((0, 0, 1, 1)),
+            torch.nn.Conv2d(4, 4, (3, 1)),
+        )
+    )
+    model, feeds, eager = _export(module, (2, 1, 16, 1))
+    _assert_refused_unchanged(
+        model,
+        feeds,
+        eager,
+        "BatchNormalization",
+        "input comes from Relu, not from Conv/ConvTranspose/Gemm/MatMul",
+        "no linear layer to fold into",
+        "MaxPool",
+    )
+    assert _ops(model).count("BatchNormalization") == 1
+
+
+class SharedConvOutput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.bn = torch.nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn(y) + y
+
+
+def test_refuses_conv_output_with_second_consumer():
+    torch.manual_seed(0)
+    model, feeds, eager = _export(_randomize(SharedConvOutput()), (2, 3, 6, 6))
+    _assert_refused_unchanged(
+        model, feeds, eager, "BatchNormalization", "Conv output", "has 2 consumers"
+    )
+
+
+class MulNotPerChannel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.register_buffer("c", torch.empty(1, 1, 4, 4).uniform_(0.5, 2.0))
+
+    def forward(self, x):
+        return self.conv(x) * self.c
+
+
+def test_refuses_mul_by_constant_that_is_not_per_channel():
+    torch.manual_seed(0)
+    model, feeds, eager = _export(MulNotPerChannel().eval(), (2, 3, 6, 6))
+    _assert_refused_unchanged(
+        model, feeds, eager, "Mul", "constant of shape (1, 1, 4, 4) is not per-channel"
+    )
+
+
+def test_refuses_batchnorm_before_padded_conv():
+    torch.manual_seed(0)
+    module = _randomize(_seq(torch.nn.BatchNorm2d(4), torch.nn.Conv2d(4, 4, 3, padding=1)))
+    model, feeds, eager = _export(module, (2, 4, 6, 6))
+    _assert_refused_unchanged(
+        model, feeds, eager, "BatchNormalization", "is a graph input", "pads its input"
+    )
+
+
+# ---- hand-built graphs: MatMul, Gemm attributes, BatchNormalization opsets, Div by zero ----
+
+
+def _bn_params(rng: np.random.Generator, c: int) -> list[np.ndarray]:
+    return [
+        rng.uniform(-2, 2, c).astype(np.float32),  # scale
+        rng.uniform(-1, 1, c).astype(np.float32),  # B
+        rng.uniform(-1, 1, c).astype(np.float32),  # input_mean
+        rng.uniform(0.3, 3.0, c).astype(np.float32),  # input_var
+    ]
+
+
+def _bn_ref(x: np.ndarray, params: list[np.ndarray], eps: float, axis: int = 1) -> np.ndarray:
+    scale, bias, mean, var = (p.astype(np.float64) for p in params)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    s, t = scale / np.sqrt(var + eps), bias - mean * scale / np.sqrt(var + eps)
+    return x * s.reshape(shape) + t.reshape(shape)
+
+
+def _bn_node(inp: str, out: str, opset: int, eps: float, **attrs) -> onnx.NodeProto:
+    names = [f"{out}_{p}" for p in ("scale", "B", "mean", "var")]
+    return helper.make_node(
+        "BatchNormalization", [inp, *names], [out], name=f"bn_{out}", epsilon=eps, **attrs
+    )
+
+
+def _bn_inits(out: str, params: list[np.ndarray]) -> list[onnx.TensorProto]:
+    names = [f"{out}_{p}" for p in ("scale", "B", "mean", "var")]
+    return [numpy_helper.from_array(a, n) for a, n in zip(params, names, strict=True)]
+
+
+def _model(nodes, inits, x_shape, y_shape, opset: int) -> ir.Model:
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape or [None] * len(x_shape))],
+        inits,
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    onnx.checker.check_model(proto, full_check=True)
+    return ir.from_proto(proto)
+
+
+def _check_fold(model, x, reference, folded: int, gone: str) -> None:
+    feeds = {"x": x}
+    unfolded = run(make_session(model), feeds)[0]
+    _assert_close(unfolded, reference.astype(np.float32))
+    report, modified = _fold(model)
+    assert modified
+    assert report.counts["batchnorm_folded"] == folded
+    assert report.refused == []
+    assert gone not in _ops(model), _ops(model)
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    result = run(make_session(model), feeds)[0]
+    _assert_close(result, reference)
+    _assert_close(result, unfolded)
+    _assert_second_run_is_noop(model)
+
+
+@pytest.mark.parametrize("opset", [9, 14, 15])
+def test_folds_matmul_add_batchnorm_across_opsets(opset):
+    rng = np.random.default_rng(opset)
+    w = rng.normal(size=(5, 6)).astype(np.float32)
+    b = rng.normal(size=6).astype(np.float32)
+    params = _bn_params(rng, 6)
+    attrs = {"training_mode": 0} if opset >= 14 else {}
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+        helper.make_node("Add", ["mm", "b"], ["lin"], name="add"),
+        _bn_node("lin", "y", opset, 1e-3, **attrs),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
+    model = _model(nodes, inits + _bn_inits("y", params), [3, 5], [3, 6], opset)
+    x = rng.normal(size=(3, 5)).astype(np.float32)
+    reference = _bn_ref(x.astype(np.float64) @ w + b, params, 1e-3)
+    _check_fold(model, x, reference, folded=1, gone="BatchNormalization")
+    assert _ops(model) == ["MatMul", "Add"]
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+@pytest.mark.parametrize("c_shape", [None, (6,), (3, 6)])
+def test_folds_gemm_with_alpha_beta_and_trans_b(trans_b, c_shape):
+    rng = np.random.default_rng(7)
+    w = rng.normal(size=(5, 6)).astype(np.float32)  # (K, N)
+    params = _bn_params(rng, 6)
+    inputs = ["x", "w"] + (["c"] if c_shape else [])
+    nodes = [
+        helper.make_node("Gemm", inputs, ["g"], alpha=0.7, beta=1.3, transB=trans_b, name="g"),
+        _bn_node("g", "y", 15, 1e-5),
+    ]
+    inits = [numpy_helper.from_array(w.T.copy() if trans_b else w, "w")]
+    c = rng.normal(size=c_shape).astype(np.float32) if c_shape else np.float32(0)
+    if c_shape:
+        inits.append(numpy_helper.from_array(c, "c"))
+    model = _model(nodes, inits + _bn_inits("y", params), [3, 5], [3, 6], 15)
+    x = rng.normal(size=(3, 5)).astype(np.float32)
+    linear = 0.7 * x.astype(np.float64) @ w + 1.3 * c.astype(np.float64)
+    _check_fold(model, x, _bn_ref(linear, params, 1e-5), folded=1, gone="BatchNormalization")
+
+
+def test_folds_batchnorm_before_matmul():
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(5, 4)).astype(np.float32)
+    params = _bn_params(rng, 5)
+    nodes = [
+        _bn_node("x", "n", 15, 1e-5),
+        helper.make_node("MatMul", ["n", "w"], ["y"], name="mm"),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), *_bn_inits("n", params)]
+    model = _model(nodes, inits, [3, 5], [3, 4], 15)
+    x = rng.normal(size=(3, 5)).astype(np.float32)
+    reference = _bn_ref(x.astype(np.float64), params, 1e-5) @ w
+    _check_fold(model, x, reference, folded=1, gone="BatchNormalization")
+
+
+def _conv_then(op_nodes, inits, opset: int = 15) -> ir.Model:
+    rng = np.random.default_rng(5)
+    w = rng.normal(size=(4, 3, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), *op_nodes]
+    return _model(nodes, [numpy_helper.from_array(w, "w"), *inits], [1, 3, 5, 5], None, opset)
+
+
+@pytest.mark.parametrize(
+    ("op", "w_shape", "group", "x_shape"),
+    [
+        ("Conv", (4, 2, 3), 1, (2, 2, 7)),
+        ("Conv", (4, 1, 2, 2, 2), 2, (1, 2, 4, 4, 4)),
+        ("ConvTranspose", (4, 3, 3, 3), 2, (1, 4, 4, 4)),
+    ],
+)
+def test_folds_into_layer_without_bias_input(op, w_shape, group, x_shape):
+    """No bias input at all (the dynamo exporter always writes one): the fold must create it."""
+    rng = np.random.default_rng(11)
+    w = rng.normal(size=w_shape).astype(np.float32)
+    channels = w_shape[0] if op == "Conv" else w_shape[1] * group
+    params = _bn_params(rng, channels)
+    nodes = [
+        helper.make_node(op, ["x", "w"], ["lin"], group=group, name="lin"),
+        _bn_node("lin", "y", 15, 1e-4),
+    ]
+    model = _model(
+        nodes, [numpy_helper.from_array(w, "w"), *_bn_inits("y", params)], x_shape, None, 15
+    )
+    x = rng.normal(size=x_shape).astype(np.float32)
+    conv = getattr(
+        torch.nn.functional, f"conv{'_transpose' if op != 'Conv' else ''}{len(w_shape) - 2}d"
+    )
+    linear = conv(torch.from_numpy(x).double(), torch.from_numpy(w).double(), groups=group).numpy()
+    _check_fold(model, x, _bn_ref(linear, params, 1e-4), folded=1, gone="BatchNormalization")
+    assert len(list(model.graph)[0].inputs) == 3
+
+
+def test_refuses_division_by_constant_with_zero():
+    d = np.array([1.0, 0.0, 2.0, 3.0], np.float32).reshape(1, 4, 1, 1)
+    node = helper.make_node("Div", ["c", "d"], ["y"], name="div")
+    model = _conv_then([node], [numpy_helper.from_array(d, "d")])
+    report, modified = _fold(model)
+    assert not modified
+    assert [(r.node, r.reason) for r in report.refused] == [
+        ("div", "divides by a constant with a zero element: no exact reciprocal")
+    ]
+    assert _ops(model) == ["Conv", "Div"]
+
+
+def test_refuses_training_mode_batchnorm():
+    params = _bn_params(np.random.default_rng(0), 4)
+    node = _bn_node("c", "y", 15, 1e-5, training_mode=1)
+    node.output.extend(["running_mean", "running_var"])  # unused, as the spec requires
+    model = _conv_then([node], _bn_inits("y", params))
+    report, modified = _fold(model)
+    assert not modified
+    assert [r.node for r in report.refused] == ["bn_y"]
+    assert report.refused[0].reason.startswith("training_mode=1")
+    assert "BatchNormalization" in _ops(model)
+
+
+def test_refuses_batchnorm_on_axis_1_of_rank_3_matmul():
+    rng = np.random.default_rng(1)
+    params = _bn_params(rng, 2)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+        _bn_node("mm", "y", 15, 1e-5),
+    ]
+    w = numpy_helper.from_array(rng.normal(size=(5, 6)).astype(np.float32), "w")
+    model = _model(nodes, [w, *_bn_inits("y", params)], [3, 2, 5], [3, 2, 6], 15)
+    report, modified = _fold(model)
+    assert not modified
+    assert "has its channels on axis 2" in report.refused[0].reason
+    assert report.refused[0].node == "bn_y"
