@@ -1,0 +1,273 @@
+"""Fuse a hand-written RMSNorm into ``RMSNormalization`` (opset 23) or ORT's fused op.
+
+The math
+--------
+RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization") over the trailing axes
+``A = (r-k, ..., r-1)`` of ``x``::
+
+    y = x / sqrt(mean_A(x * x) + eps) * w
+
+It is LayerNorm without the centering. Two ops compute it in one node:
+
+* ONNX ``RMSNormalization`` (opset 23, onnx/docs/Operators.md#RMSNormalization):
+  ``Normalized = Div(X, Sqrt(Add(ReduceMean(Mul(X, X)), epsilon)))`` over ``[axis, ..., r-1]``,
+  computed in float32 under ``stash_type=1`` and cast back to the type of ``X``, then
+  ``Y = Mul(Normalized, Scale)``.
+* ONNX Runtime's ``SimplifiedLayerNormalization`` (contrib op, onnxruntime
+  ``core/graph/contrib_ops/contrib_defs.cc``; the CPU and CUDA kernels accumulate in float32):
+  the same ``Y`` with attributes ``axis`` and ``epsilon``. ORT registers it in the default ONNX
+  domain (version 1), not in ``com.microsoft``: a ``com.microsoft:SimplifiedLayerNormalization``
+  node is rejected when ORT 1.31 loads the model ("not a registered function/op"). ORT's own
+  session-time fusion writes it the same way. Being no standard op, it is not accepted by
+  ``onnx.checker``; it is what ``target="ort"`` means below opset 23.
+
+Spellings accepted (the LLaMA / HF ``LlamaRMSNorm`` forms as both exporters write them)::
+
+    square       Pow(x, 2) | Mul(x, x)
+    divide       Div(x, den) | Mul(x, Reciprocal(den)) | Mul(x, Div(1, den))
+    den          Sqrt(Add(ReduceMean(square), eps)), eps a one-element float32 constant
+    after        [Cast] [Mul by constant w (either operand order)]
+
+The HF upcast ``Cast(x, float32) ... Cast(back)``: a Cast to float32 is a no-op in a float32
+model and is absorbed. A genuine float16 -> float32 -> float16 round trip with the weight
+applied after the cast back in float16 (``w * y.to(float16)``) is fused on the float16 ``x``
+with ``stash_type=1``: the op computes in float32 and casts the normalized value back before
+the weight, as the original does (the tests hold ORT's fused kernels to one float16 ulp of the
+unfused graph; on CPU they agreed exactly). Any other mix of types (bfloat16 included) is fused
+inside the float32 region, its Casts left where they are.
+
+Before and after (dynamo export of ``LlamaRMSNorm``)::
+
+    x ─ Pow(., 2) ─ ReduceMean ─ Add(eps) ─ Sqrt ─ Reciprocal ─┐
+    x ───────────────────────────────────────────────────────── Mul ─ Mul(w) ─ y
+
+    x ─ RMSNormalization(x, w; axis=-k, epsilon=eps, stash_type=1) ─ y      (opset >= 23)
+    x ─ SimplifiedLayerNormalization(x, w; axis=-k, epsilon=eps) ─ y        (opset < 23, "ort")
+
+Left intact, with the reason in the report:
+
+* ``x / (sqrt(mean(x^2)) + eps)``: eps outside the square root is not an RMSNorm; for
+  ``|x| ~ 1e-4`` and eps 1e-6 it differs from RMSNorm by orders of magnitude.
+* ``F.normalize(x) * sqrt(d)`` (``x / max(ReduceL2(x), eps) * sqrt(d)``, written with Max or
+  Clip): it clamps the norm instead of adding eps to the mean square.
+* ``target="onnx"`` below opset 23, which has no RMSNormalization (the opset is never raised).
+* means over axes that are not trailing, an intermediate value read elsewhere, a non-constant
+  eps, or a norm computed in a type other than float32.
+
+A weight that varies along an axis that is not normalized stays a separate Mul (reported).
+``x - mean(x)`` normalized this way is a LayerNorm, left to :mod:`fusion.fuse_layernorm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import (
+    add_initializer,
+    as_division,
+    escaping_value,
+    opset_version,
+    rank_of,
+    remove_nodes,
+    replace_output,
+    sole_consumer,
+)
+from fusion.fuse_layernorm import (
+    FLOAT,
+    NormRefused,
+    absorb_const,
+    affine_param,
+    centered,
+    label,
+    match_eps_outside_sqrt,
+    match_mean_square,
+    normalized_dims,
+    param_value,
+    producer,
+    reduced_trailing,
+)
+from fusion.report import FusionReport
+
+#: ``target`` values: ONNX Runtime (its contrib ops allowed) or portable standard ONNX.
+TARGETS = ("ort", "onnx")
+
+EPS_OUTSIDE = (
+    "eps outside the square root: not an RMSNorm; differs by orders of magnitude for small inputs"
+)
+F_NORMALIZE = (
+    "F.normalize(x) * sqrt(d) is not RMSNorm: it clamps the L2 norm at eps instead of adding "
+    "eps to the mean square"
+)
+
+
+def _clamped_l2_norm(den: ir.Value) -> bool:
+    """Whether ``den`` is ``Max(ReduceL2(.), c)`` or ``Clip(ReduceL2(.), c)``, maybe Expanded."""
+    expand = producer(den, "Expand")
+    if expand is not None:
+        den = expand.inputs[0]
+    clamp = producer(den, "Max")
+    if clamp is None:
+        clamp = producer(den, "Clip")
+    return clamp is not None and any(producer(v, "ReduceL2") is not None for v in clamp.inputs)
+
+
+@dataclasses.dataclass
+class _RMSNorm:
+    """A matched RMSNorm: its input, what replaces it, and the nodes it covers."""
+
+    x: ir.Value
+    k: int
+    dims: tuple[int | None, ...]
+    eps: float
+    dtype: ir.DataType
+    nodes: list[ir.Node]
+    output: ir.Value
+    scale: ir.Value | None = None
+
+
+class FuseRMSNorm(ir.passes.InPlacePass):
+    """Replace each hand-written RMSNorm in the main graph by one fused node.
+
+    Opset 23 and up: ``RMSNormalization``. Below 23: ORT's ``SimplifiedLayerNormalization``
+    for ``target="ort"``; nothing for ``target="onnx"`` (each candidate refused with the reason).
+    Fusions are counted as ``"rmsnorm_fused"``; look-alikes and candidates that cannot be fused
+    exactly are left intact and recorded as ``"rmsnorm"`` refusals (see the module docstring).
+    """
+
+    def __init__(self, report: FusionReport, target: str = "ort"):
+        """Args: report: shared record of fusions and refusals; target: one of :data:`TARGETS`.
+
+        Raises:
+            ValueError: ``target`` is not one of :data:`TARGETS`.
+        """
+        super().__init__()
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
+        self.report = report
+        self.target = target
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        """Fuse every RMSNorm that can be fused exactly; return whether the model changed."""
+        graph = model.graph
+        modified = False
+        for node in list(graph):
+            if node.graph is not graph:  # removed by an earlier fusion
+                continue
+            try:
+                match = self._match(model, node)
+            except NormRefused as refusal:
+                self.report.refuse("rmsnorm", label(node), refusal.args[0])
+                continue
+            if match is not None:
+                self._rewrite(model, match)
+                self.report.count("rmsnorm_fused")
+                modified = True
+        return ir.passes.PassResult(model, modified=modified)
+
+    def _match(self, model: ir.Model, node: ir.Node) -> _RMSNorm | None:
+        """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight."""
+        division = as_division(node)
+        if division is None:
+            return None
+        numerator, den, inverse = division
+        outside = match_eps_outside_sqrt(den)
+        if outside is not None and centered(outside) is None:
+            raise NormRefused(EPS_OUTSIDE)
+        if _clamped_l2_norm(den):
+            raise NormRefused(F_NORMALIZE)
+        core = match_mean_square(den)
+        if core is None or centered(core.value) is not None:
+            return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)
+        x = core.value
+        if numerator is not x:
+            raise NormRefused("divides a tensor other than the one whose mean square is taken")
+        if core.eps is None:
+            raise NormRefused("eps is not a one-element constant: it cannot become an attribute")
+        rank = rank_of(x, node.outputs[0])
+        k = reduced_trailing(core.reduce, rank)
+        if core.eps.dtype != FLOAT.numpy():
+            raise NormRefused(
+                f"computes in {core.eps.dtype}: only float32 norms are fused (the fused op "
+                "with stash_type=1 computes in float32)"
+            )
+        nodes = [*core.nodes, *inverse, node]
+        escaping = escaping_value(nodes, node.outputs[0])
+        if escaping is not None:
+            raise NormRefused(f"{escaping.name} is also read outside the RMSNorm subgraph")
+        opset = opset_version(model)
+        if opset < 23 and self.target == "onnx":
+            raise NormRefused(
+                f"opset {opset} has no RMSNormalization (needs 23): export with --opset 23 "
+                "or target ONNX Runtime"
+            )
+        dims = normalized_dims(k, x, node.outputs[0])
+        match = _RMSNorm(x, k, dims, float(core.eps), FLOAT, nodes, node.outputs[0])
+        self._absorb_casts(match)
+        self._absorb_weight(model.graph, match, rank)
+        return match
+
+    def _absorb_casts(self, match: _RMSNorm) -> None:
+        """Take in a no-op Cast to float32 after the norm, or a float16 round trip around it."""
+        cast = sole_consumer(match.output)
+        if cast is None or cast.op_type != "Cast" or cast.domain != "":
+            return
+        to = cast.attributes.get_int("to")
+        upcast = producer(match.x, "Cast")
+        source = upcast.inputs[0] if upcast is not None else None
+        if to == FLOAT:
+            match.nodes.append(cast)
+        elif (
+            source is not None
+            and source.dtype == ir.DataType.FLOAT16
+            and to == ir.DataType.FLOAT16
+            and escaping_value([upcast, *match.nodes], match.output) is None
+        ):
+            match.nodes = [upcast, *match.nodes, cast]
+            match.x = source
+            match.dtype = ir.DataType.FLOAT16
+        else:
+            return
+        match.output = cast.outputs[0]
+
+    def _absorb_weight(self, graph: ir.Graph, match: _RMSNorm, rank: int | None) -> None:
+        """Take in a Mul by a constant weight that varies along the normalized axes only."""
+        found = absorb_const(match.output, "Mul", match.dtype)
+        if found is None:
+            return
+        node, operand, array = found
+        param = affine_param(array, match.k, rank, match.dims)
+        if param is None:
+            self.report.refuse(
+                "rmsnorm",
+                label(node),
+                f"weight of shape {list(array.shape)} varies along an axis that is not "
+                "normalized: kept as a separate Mul after the fused RMSNorm",
+            )
+            return
+        match.scale = param_value(graph, operand, param, f"{label(node)}_weight")
+        match.nodes.append(node)
+        match.output = node.outputs[0]
+
+    def _rewrite(self, model: ir.Model, match: _RMSNorm) -> None:
+        """Insert the fused node, move the readers over, drop the old nodes."""
+        graph = model.graph
+        anchor = match.nodes[-1]
+        if match.scale is None:
+            shape = [d if d is not None else 1 for d in match.dims]
+            ones = np.ones(shape, dtype=match.dtype.numpy())
+            match.scale = add_initializer(graph, f"{label(anchor)}_scale", ones)
+        attributes = {"axis": -match.k, "epsilon": match.eps}
+        if opset_version(model) >= 23:
+            op_type = "RMSNormalization"
+            attributes["stash_type"] = 1
+        else:
+            op_type = "SimplifiedLayerNormalization"
+        fused = ir.node(
+            op_type, [match.x, match.scale], attributes, name=f"{label(anchor)}_{op_type}"
+        )
+        graph.insert_before(anchor, fused)
+        replace_output(graph, match.output, fused.outputs[0])
+        remove_nodes(graph, match.nodes)
