@@ -504,7 +504,12 @@ class FoldBatchNorm(ir.passes.InPlacePass):
             return False  # nothing, or only bias adds: not a BatchNorm
         replace_output(graph, value, _fold_after(graph, layer, s, t))
         remove_nodes(graph, chain)
-        self.report.count("batchnorm_folded", max(batchnorms, 1))
+        self.report.record(
+            "batchnorm_folded",
+            _label(node),
+            f"folded into {node.op_type} '{_label(node)}'",
+            max(batchnorms, 1),
+        )
         return True
 
     def _fold_into_next(self, graph: ir.Graph, bn: ir.Node, stops: dict) -> bool:
@@ -516,13 +521,15 @@ class FoldBatchNorm(ir.passes.InPlacePass):
             return False
         after = _after_reason(bn.outputs[0])
         if after is None:
+            following = bn.outputs[0].consumers()[0]
             try:
-                _fold_before(graph, bn, bn.outputs[0].consumers()[0])
+                _fold_before(graph, bn, following)
             except _Refusal as refusal:
                 after = refusal.reason
             else:
                 stops.pop(bn, None)
-                self.report.count("batchnorm_folded")
+                became = f"folded into the following {following.op_type} '{_label(following)}'"
+                self.report.record("batchnorm_folded", _label(bn), became)
                 return True
         before = stops.get(bn) or _explain(bn.inputs[0], stops)
         stops[bn] = f"{before}; and it cannot fold into the layer after it: {after}"

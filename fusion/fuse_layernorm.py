@@ -297,7 +297,7 @@ class FuseLayerNorm(ir.passes.InPlacePass):
                 continue
             if match is not None:
                 self._rewrite(graph, match)
-                self.report.count("layernorm_fused")
+                self.report.record("layernorm_fused", label(node), "LayerNormalization")
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
 

@@ -162,8 +162,8 @@ class FuseRMSNorm(ir.passes.InPlacePass):
                 self.report.refuse("rmsnorm", label(node), refusal.args[0])
                 continue
             if match is not None:
-                self._rewrite(model, match)
-                self.report.count("rmsnorm_fused")
+                op_type = self._rewrite(model, match)
+                self.report.record("rmsnorm_fused", label(node), op_type)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
 
@@ -251,8 +251,8 @@ class FuseRMSNorm(ir.passes.InPlacePass):
         match.nodes.append(node)
         match.output = node.outputs[0]
 
-    def _rewrite(self, model: ir.Model, match: _RMSNorm) -> None:
-        """Insert the fused node, move the readers over, drop the old nodes."""
+    def _rewrite(self, model: ir.Model, match: _RMSNorm) -> str:
+        """Insert the fused node, move the readers over, drop the old nodes; return its op."""
         graph = model.graph
         anchor = match.nodes[-1]
         if match.scale is None:
@@ -271,3 +271,4 @@ class FuseRMSNorm(ir.passes.InPlacePass):
         graph.insert_before(anchor, fused)
         replace_output(graph, match.output, fused.outputs[0])
         remove_nodes(graph, match.nodes)
+        return op_type

@@ -31,20 +31,48 @@ class Refusal:
     reason: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+    """One rewrite that a pass made.
+
+    Attributes:
+        kind: one of :data:`FUSION_KINDS`.
+        node: name of the anchor node (the BatchNormalization or linear layer, or the node that
+            produced the normalized output) in the graph before the rewrite.
+        became: what it was rewritten into, e.g. ``"LayerNormalization"`` or
+            ``"folded into Conv 'conv1'"``.
+        count: how many norms the rewrite removed (a chain of two BatchNorms folded at once
+            counts 2).
+    """
+
+    kind: str
+    node: str
+    became: str
+    count: int = 1
+
+
 @dataclasses.dataclass
 class FusionReport:
-    """Counts of rewrites per kind (see :data:`FUSION_KINDS`) and the refusals, in graph order.
+    """What the passes did: rewrites and refusals, in graph order; counts per kind.
 
     Passes add to one shared report; a refusal of the same (kind, node) is kept once, so a pass
     that is run twice does not repeat its reasons.
     """
 
-    counts: Counter = dataclasses.field(default_factory=Counter)
+    fused: list[Fusion] = dataclasses.field(default_factory=list)
     refused: list[Refusal] = dataclasses.field(default_factory=list)
 
-    def count(self, kind: str, n: int = 1) -> None:
-        """Add ``n`` rewrites of ``kind`` (one of :data:`FUSION_KINDS`)."""
-        self.counts[kind] += n
+    @property
+    def counts(self) -> Counter:
+        """Norms rewritten per kind (see :data:`FUSION_KINDS`)."""
+        counts = Counter()
+        for f in self.fused:
+            counts[f.kind] += f.count
+        return counts
+
+    def record(self, kind: str, node: str, became: str, count: int = 1) -> None:
+        """Record a rewrite of ``kind`` anchored at ``node`` into ``became``."""
+        self.fused.append(Fusion(kind, node, became, count))
 
     def refuse(self, kind: str, node: str, reason: str) -> None:
         """Record that the candidate anchored at ``node`` was left alone, and why."""
@@ -53,7 +81,9 @@ class FusionReport:
         self.refused.append(Refusal(kind, node, reason))
 
     def to_dict(self) -> dict:
-        """JSON-ready form: ``{kind: count, ..., "refused": [{kind, node, reason}, ...]}``."""
-        out = {kind: self.counts.get(kind, 0) for kind in FUSION_KINDS}
+        """JSON-ready form: ``{kind: count, ..., "fused": [...], "refused": [...]}``."""
+        counts = self.counts
+        out = {kind: counts.get(kind, 0) for kind in FUSION_KINDS}
+        out["fused"] = [dataclasses.asdict(f) for f in self.fused]
         out["refused"] = [dataclasses.asdict(r) for r in self.refused]
         return out

@@ -1,5 +1,9 @@
 """Command line: ``normexport MODEL [options]`` (also ``python -m normexport``).
 
+Subcommands: ``normexport explain MODEL [options]`` lists every normalization-like subgraph,
+what it became, and why each one left alone was left alone; ``normexport bench MODEL
+[options]`` compares the latency of the optimizers' variants of one model.
+
 Exit codes: 0 all went well; 1 parity failed (the optimized model is still written and the
 report says where outputs diverge); 2 a usage or input error (one line, no traceback; add
 ``--debug`` for it); 3 an internal error (a bug: please report it with the ``--debug`` output).
@@ -8,6 +12,7 @@ report says where outputs diverge); 2 a usage or input error (one line, no trace
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -17,21 +22,14 @@ from normexport.errors import UsageError
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for the main command."""
-    p = argparse.ArgumentParser(
-        prog="normexport",
-        description="Export a PyTorch model (or optimize an ONNX one): fold BatchNorm, fuse "
-        "LayerNorm / RMSNorm, prove parity, time it on ONNX Runtime.",
-    )
+def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """MODEL and the flags that say how to load and export it (main command and explain)."""
     p.add_argument(
         "model",
         type=Path,
         help="torch.save'd nn.Module (needs --trust-pickle) or state_dict (needs "
         "--model-class), TorchScript archive, torch.export .pt2, or .onnx",
     )
-    p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
-    p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
     p.add_argument(
         "--input-shape",
         action="append",
@@ -50,6 +48,33 @@ def build_parser() -> argparse.ArgumentParser:
         default="ort",
         help="ort: ONNX Runtime ops allowed (default); onnx: standard ops only",
     )
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="allow loading a pickled nn.Module (this runs code from the file)",
+    )
+    p.add_argument("--model-class", metavar="PKG.MODULE:CLASS", help="class for a state_dict")
+    p.add_argument("--model-kwargs", metavar="JSON", help="constructor arguments, JSON object")
+    p.add_argument(
+        "--exporter", choices=["auto", "dynamo", "torchscript"], default="auto", help="see README"
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for the main command."""
+    p = argparse.ArgumentParser(
+        prog="normexport",
+        description="Export a PyTorch model (or optimize an ONNX one): fold BatchNorm, fuse "
+        "LayerNorm / RMSNorm, prove parity, time it on ONNX Runtime. "
+        "See also: normexport explain MODEL.",
+    )
+    _add_model_arguments(p)
+    p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
+    p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
+    p.add_argument(
+        "--explain", action="store_true", help="also list every candidate and what became of it"
+    )
     p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-benchmark", action="store_true", help="skip the latency comparison")
     p.add_argument(
@@ -62,53 +87,79 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_RTOL,
         help="parity relative tolerance (times the output's max magnitude)",
     )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="allow loading a pickled nn.Module (this runs code from the file)",
+    return p
+
+
+def build_explain_parser() -> argparse.ArgumentParser:
+    """The argument parser for ``normexport explain``."""
+    p = argparse.ArgumentParser(
+        prog="normexport explain",
+        description="List every normalization-like subgraph of MODEL, what it became, and why "
+        "each one left alone was left alone. Writes nothing.",
     )
-    p.add_argument("--model-class", metavar="PKG.MODULE:CLASS", help="class for a state_dict")
-    p.add_argument("--model-kwargs", metavar="JSON", help="constructor arguments, JSON object")
-    p.add_argument(
-        "--exporter", choices=["auto", "dynamo", "torchscript"], default="auto", help="see README"
-    )
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    _add_model_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command; returns the exit code (see the module docstring)."""
-    args = build_parser().parse_args(argv)
-    console = Console(stderr=False, highlight=False)
-    try:
-        from normexport import pipeline, report
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["explain"]:
+        args = build_explain_parser().parse_args(argv[1:])
+        return _guarded(_explain, args)
+    if argv[:1] == ["bench"]:
+        from normexport import bench
 
-        opts = pipeline.Options(
-            model=args.model,
-            output=args.output,
-            input_shape=args.input_shape,
-            inputs=args.inputs,
-            dynamic=args.dynamic,
-            opset=args.opset,
-            target=args.target,
-            provider=args.provider,
-            benchmark=not args.no_benchmark,
-            atol=args.atol,
-            rtol=args.rtol,
-            trust_pickle=args.trust_pickle,
-            model_class=args.model_class,
-            model_kwargs=args.model_kwargs,
-            exporter=args.exporter,
-            budget_s=args.budget,
-        )
-        result = pipeline.run(opts)
-        report.render(result, console)
-        if args.report:
-            report.write_json(result, args.report)
-            if report.write_chart(result, args.report.with_suffix(".png")):
-                console.print(f"report: {args.report} and {args.report.with_suffix('.png')}")
-            else:
-                console.print(f"report: {args.report}")
+        args = bench.build_parser().parse_args(argv[1:])
+        return _guarded(bench.run, args)
+    args = build_parser().parse_args(argv)
+    return _guarded(_main, args)
+
+
+def _options(args: argparse.Namespace):
+    from normexport import pipeline
+
+    known = {f.name for f in dataclasses.fields(pipeline.Options)}
+    values = {k: v for k, v in vars(args).items() if k in known}
+    if "no_benchmark" in vars(args):
+        values["benchmark"] = not args.no_benchmark
+    if "budget" in vars(args):
+        values["budget_s"] = args.budget
+    return pipeline.Options(**values)
+
+
+def _main(args: argparse.Namespace, console: Console) -> int:
+    from normexport import explain, pipeline, report
+
+    result = pipeline.run(_options(args))
+    report.render(result, console)
+    if args.explain:
+        findings = explain.from_report(result["fusions"], result["fusions"]["already_fused"])
+        explain.render(findings, f"What became of each norm in {args.model}", console)
+    if args.report:
+        report.write_json(result, args.report)
+        if report.write_chart(result, args.report.with_suffix(".png")):
+            console.print(f"report: {args.report} and {args.report.with_suffix('.png')}")
+        else:
+            console.print(f"report: {args.report}")
+    return 0 if result["parity"]["passed"] else 1
+
+
+def _explain(args: argparse.Namespace, console: Console) -> int:
+    from normexport import explain, pipeline
+
+    _, _, model, exporter = pipeline.prepare(_options(args))
+    source = "as exported" if exporter != "none" else "as given"
+    findings = explain.explain(model, target=args.target)
+    explain.render(findings, f"Normalization in {args.model} ({source})", console)
+    return 0
+
+
+def _guarded(command, args: argparse.Namespace) -> int:
+    """Run ``command(args, console)``, turning errors into a message and an exit code."""
+    console = Console(highlight=False)
+    try:
+        return command(args, console)
     except UsageError as err:
         if args.debug:
             raise
@@ -123,7 +174,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 3
-    return 0 if result["parity"]["passed"] else 1
 
 
 if __name__ == "__main__":

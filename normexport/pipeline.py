@@ -14,8 +14,8 @@ import onnxruntime
 import torch
 
 import fusion
+from normexport import explain, runtime
 from normexport import inputs as inputs_mod
-from normexport import runtime
 from normexport.errors import UsageError
 from normexport.export import ExportError, export_module
 from normexport.latency import time_interleaved
@@ -76,19 +76,11 @@ def run(opts: Options) -> dict:
     output = Path(opts.output) if opts.output else default_output(Path(opts.model))
     if output.exists() and output.resolve() == Path(opts.model).resolve():
         raise UsageError(f"-o {output} is the input file; normexport never overwrites its input")
-    if opts.target not in fusion.TARGETS:
-        raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(fusion.TARGETS)}")
-    loaded = load_model(
-        opts.model,
-        trust_pickle=opts.trust_pickle,
-        model_class=opts.model_class,
-        model_kwargs=opts.model_kwargs,
-    )
+    loaded, example, raw, exporter = prepare(opts)
     provider, provider_note = runtime.resolve_provider(opts.provider)
-    example = _example_inputs(loaded, opts)
-    raw, exporter = _raw_onnx(loaded, example, opts)
     raw_bytes = ir.to_proto(raw).SerializeToString()
     ops_before = fusion.norm_ops(raw)
+    already = explain.already_fused(raw)
 
     optimized = raw  # optimized in place; the raw model lives on as raw_bytes
     fusions = fusion.optimize(optimized, target=opts.target)
@@ -161,7 +153,7 @@ def run(opts: Options) -> dict:
         "target": opts.target,
         "output": str(output),
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in example.items()},
-        "fusions": fusions.to_dict(),
+        "fusions": fusions.to_dict() | {"already_fused": already},
         "norm_ops": {"before": ops_before, "after": fusion.norm_ops(optimized)},
         "parity": parity.to_dict() | {"raw_export_max_abs_err": raw_vs_reference},
         "provider": runtime.PROVIDERS[provider][0],
@@ -173,6 +165,29 @@ def run(opts: Options) -> dict:
             "onnxruntime": onnxruntime.__version__,
         },
     }
+
+
+def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model, str]:
+    """Load the model, settle its example inputs, export it (or take the ONNX as it is).
+
+    Returns:
+        ``(loaded, example inputs by name, ONNX model before normexport's passes, exporter)``;
+        exporter is ``"dynamo"``, ``"torchscript"`` or ``"none"`` for ONNX input.
+
+    Raises:
+        UsageError: see :func:`run`.
+    """
+    if opts.target not in fusion.TARGETS:
+        raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(fusion.TARGETS)}")
+    loaded = load_model(
+        opts.model,
+        trust_pickle=opts.trust_pickle,
+        model_class=opts.model_class,
+        model_kwargs=opts.model_kwargs,
+    )
+    example = _example_inputs(loaded, opts)
+    raw, exporter = _raw_onnx(loaded, example, opts)
+    return loaded, example, raw, exporter
 
 
 def fusion_opset(model: ir.Model) -> int:

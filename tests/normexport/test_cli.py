@@ -209,3 +209,39 @@ def test_wrong_model_fails_parity_and_exits_1(capsys, pickled, monkeypatch, tmp_
     report = json.loads(report_path.read_text())
     assert not report["parity"]["passed"] and report["parity"]["failures"]
     assert "diverges" in out
+
+
+class LookAlike(nn.Module):
+    """A LayerNorm next to an RMSNorm look-alike with eps outside the root (not an RMSNorm)."""
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        y = (x - mean) / torch.sqrt(var + 1e-5)
+        return y / (torch.sqrt((y * y).mean(-1, keepdim=True)) + 1e-6)
+
+
+def test_explain_lists_fused_and_left_alone_with_reasons(capsys, tmp_path):
+    exported = export_module(LookAlike(), [torch.randn(2, 8)], input_names=["x"])
+    path = tmp_path / "lookalike.onnx"
+    ir.save(exported.model, path)
+    code, out, _ = run_cli(capsys, "explain", path)
+    assert code == 0
+    assert "LayerNormalization" in out and "fused: 1" in out
+    assert "eps outside the square root" in " ".join(out.split())
+    assert "left alone: 1" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lookalike.onnx"]  # writes nothing
+
+
+def test_main_command_explain_flag(capsys, pickled):
+    code, out, _ = run_cli(
+        capsys, pickled, "--trust-pickle", "--input-shape", SHAPE, "--no-benchmark", "--explain"
+    )
+    assert code == 0
+    assert "What became of each norm" in out
+    assert "folded into Conv" in " ".join(out.split())
+
+
+def test_explain_usage_error_exits_2(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "explain", tmp_path / "nope.onnx")
+    assert code == 2 and "no such file" in err

@@ -1,0 +1,94 @@
+"""``normexport explain``: every normalization-like subgraph, what it became, or why not.
+
+The question users ask most about these tools is "why wasn't my LayerNorm fused?". This lists,
+for one model, each candidate the passes found: the norms the exporter already emitted as one
+op, each rewrite (what it became), and each candidate left alone with its reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+from rich.console import Console
+from rich.table import Table
+
+import fusion
+
+_KIND = {
+    "LayerNormalization": "layernorm",
+    "RMSNormalization": "rmsnorm",
+    "SimplifiedLayerNormalization": "rmsnorm",
+    "SkipLayerNormalization": "skip",
+    "SkipSimplifiedLayerNormalization": "skip",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One normalization-like subgraph.
+
+    Attributes:
+        kind: ``batchnorm``, ``layernorm``, ``rmsnorm`` or ``skip``.
+        node: the anchor node's name in the model as given.
+        outcome: ``"already fused"``, ``"fused"`` or ``"left alone"``.
+        detail: the op it is or became, or the reason it was left alone.
+    """
+
+    kind: str
+    node: str
+    outcome: str
+    detail: str
+
+
+def already_fused(model: ir.Model) -> list[dict]:
+    """The norms that ``model`` already holds as one op: ``[{kind, node, op}, ...]``."""
+    return [
+        {"kind": _KIND[node.op_type], "node": node.name or node.op_type, "op": node.op_type}
+        for node in model.graph
+        if node.op_type in _KIND
+    ]
+
+
+def from_report(fusions: dict, already: list[dict]) -> list[Finding]:
+    """Findings from a report's ``fusions`` (:meth:`fusion.FusionReport.to_dict`) and the
+    output of :func:`already_fused` on the model before the passes."""
+    findings = [Finding(a["kind"], a["node"], "already fused", a["op"]) for a in already]
+    findings += [
+        Finding(f["kind"].split("_")[0], f["node"], "fused", f["became"]) for f in fusions["fused"]
+    ]
+    findings += [
+        Finding(r["kind"], r["node"], "left alone", r["reason"]) for r in fusions["refused"]
+    ]
+    return findings
+
+
+def explain(model: ir.Model, target: str = "ort") -> list[Finding]:
+    """Run the passes on ``model`` (in place) and list what they found.
+
+    Args:
+        model: the model; it is optimized in place (pass a copy to keep the original).
+        target: one of :data:`fusion.TARGETS`.
+
+    Raises:
+        ValueError: ``target`` is unknown.
+    """
+    already = already_fused(model)
+    return from_report(fusion.optimize(model, target=target).to_dict(), already)
+
+
+def render(findings: list[Finding], title: str, console: Console) -> None:
+    """Print ``findings`` as one table, with a count per outcome below it."""
+    table = Table(title=title, title_justify="left")
+    for col in ("kind", "node", "outcome", "what it is / became, or why not"):
+        table.add_column(col, overflow="fold")
+    style = {"fused": "green", "already fused": "cyan", "left alone": "yellow"}
+    for f in findings:
+        table.add_row(f.kind, f.node, f"[{style[f.outcome]}]{f.outcome}[/]", f.detail)
+    console.print(table)
+    if not findings:
+        console.print("no normalization-like subgraph found")
+    for outcome in style:
+        n = sum(f.outcome == outcome for f in findings)
+        if n:
+            console.print(f"{outcome}: {n}")

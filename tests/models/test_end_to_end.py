@@ -1,0 +1,37 @@
+"""One table-driven end-to-end test over the zoo: save as a user would, run the main job.
+
+Each zoo model is saved in its demo format (pickle, state_dict, TorchScript, .pt2, .onnx),
+run through :func:`normexport.pipeline.run` without timing, and must pass parity and meet what
+:data:`models.demo.EXPECTED` says of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import models
+from models.demo import EXPECTED, save_model_file
+from normexport import pipeline
+
+
+@pytest.mark.parametrize("name", list(models.ZOO))
+def test_zoo_model_end_to_end(name, tmp_path):
+    zoo = models.load(name)
+    path, flags = save_model_file(zoo, tmp_path)
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, **zoo.inputs)
+    opts = pipeline.Options(model=path, inputs=inputs, benchmark=False)
+    if "--trust-pickle" in flags:
+        opts = dataclasses.replace(opts, trust_pickle=True)
+    if "--model-class" in flags:
+        opts = dataclasses.replace(opts, model_class=flags[flags.index("--model-class") + 1])
+    report = pipeline.run(opts)
+
+    failures = report["parity"]["failures"]
+    assert report["parity"]["passed"], failures[:3]
+    for description, holds in EXPECTED[name]:
+        assert holds(report), f"{name}: {description}: {report['fusions']} {report['norm_ops']}"
+    assert (tmp_path / path.name.split(".")[0]).with_suffix(".opt.onnx").exists()
