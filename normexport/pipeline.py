@@ -14,6 +14,7 @@ import onnxruntime
 import torch
 
 import fusion
+from fusion._ir import opset_version
 from normexport import explain, runtime
 from normexport import inputs as inputs_mod
 from normexport.errors import UsageError
@@ -60,8 +61,9 @@ class Options:
 
 
 def default_output(model_path: Path) -> Path:
-    """``dir/name.pt`` -> ``dir/name.opt.onnx`` (``name.onnx`` -> ``name.opt.onnx``)."""
-    return model_path.with_name(model_path.name.split(".")[0] + ".opt.onnx")
+    """``dir/name.pt`` -> ``dir/name.opt.onnx``: the last suffix is replaced, so
+    ``ch_ppocr_mobile_v2.0_cls_infer.onnx`` -> ``ch_ppocr_mobile_v2.0_cls_infer.opt.onnx``."""
+    return model_path.with_name(model_path.stem + ".opt.onnx")
 
 
 def run(opts: Options) -> dict:
@@ -149,7 +151,7 @@ def run(opts: Options) -> dict:
         "model": str(opts.model),
         "kind": loaded.kind,
         "exporter": exporter,
-        "opset": fusion_opset(optimized),
+        "opset": opset_version(optimized),
         "target": opts.target,
         "output": str(output),
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in example.items()},
@@ -188,11 +190,6 @@ def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model
     example = _example_inputs(loaded, opts)
     raw, exporter = _raw_onnx(loaded, example, opts)
     return loaded, example, raw, exporter
-
-
-def fusion_opset(model: ir.Model) -> int:
-    """The model's ai.onnx opset version."""
-    return model.opset_imports.get("", 0)
 
 
 def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]:

@@ -34,4 +34,4 @@ def test_zoo_model_end_to_end(name, tmp_path):
     assert report["parity"]["passed"], failures[:3]
     for description, holds in EXPECTED[name]:
         assert holds(report), f"{name}: {description}: {report['fusions']} {report['norm_ops']}"
-    assert (tmp_path / path.name.split(".")[0]).with_suffix(".opt.onnx").exists()
+    assert pipeline.default_output(path).exists()

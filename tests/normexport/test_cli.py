@@ -245,3 +245,15 @@ def test_main_command_explain_flag(capsys, pickled):
 def test_explain_usage_error_exits_2(capsys, tmp_path):
     code, _, err = run_cli(capsys, "explain", tmp_path / "nope.onnx")
     assert code == 2 and "no such file" in err
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("net.pt", "net.opt.onnx"),
+        ("ch_ppocr_mobile_v2.0_cls_infer.onnx", "ch_ppocr_mobile_v2.0_cls_infer.opt.onnx"),
+        ("model.opt.onnx", "model.opt.opt.onnx"),
+    ],
+)
+def test_default_output_is_beside_the_input(tmp_path, name, expected):
+    assert pipeline.default_output(tmp_path / name) == tmp_path / expected
