@@ -140,9 +140,10 @@ def print_summary(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="normexport demo: summary")
-    cols = ["model", "BN folded", "LN fused", "RMS fused", "refused", "max abs err",
-            "rel L2 err", "eager ms", "ORT raw ms", "ORT opt ms", "parity"]  # fmt: skip
+    table = Table(title="normexport demo: summary (CPU; latency medians in ms)")
+    cols = ["model", "file", "BN folded", "LN fused", "RMS fused", "left alone",
+            "norm ops after", "max abs err", "rel L2 err", "eager", "ORT raw", "ORT opt",
+            "parity"]  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
     for row in rows:
@@ -156,12 +157,15 @@ def print_summary(rows: list[dict]) -> None:
         def ms(key, lat=lat):
             return f"{lat[key]['median_ms']:.2f}" if key in lat else "-"
 
+        after = ", ".join(f"{op} {n}" for op, n in r["norm_ops"]["after"].items()) or "-"
         table.add_row(
             row["model"],
+            r["kind"].replace("_", " "),
             str(f["batchnorm_folded"]),
             str(f["layernorm_fused"]),
             str(f["rmsnorm_fused"]),
             str(len(f["refused"])),
+            after,
             f"{max(e['max_abs_err'] for e in worst):.2g}",
             f"{max(e['rel_l2_err'] for e in worst):.2g}",
             ms("pytorch_eager"),
@@ -169,7 +173,7 @@ def print_summary(rows: list[dict]) -> None:
             ms("ort_optimized"),
             "pass" if r["parity"]["passed"] and not row["unmet"] else "FAIL",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 170)).print(table)
 
 
 if __name__ == "__main__":
