@@ -26,6 +26,12 @@ demo: install
 test: install lint
 	$(PY) -m pytest -q
 
+# Latency benchmarks (CPU here, CUDA where a GPU is): JSON + PNG in benchmarks/results/.
+bench: install
+	$(PY) benchmarks/forms.py
+	$(PY) benchmarks/norm_stack.py
+	$(PY) benchmarks/demo_models.py
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

@@ -22,7 +22,7 @@ from normexport.errors import UsageError
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL
 
 
-def _add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """MODEL and the flags that say how to load and export it (main command and explain)."""
     p.add_argument(
         "model",
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         "LayerNorm / RMSNorm, prove parity, time it on ONNX Runtime. "
         "See also: normexport explain MODEL.",
     )
-    _add_model_arguments(p)
+    add_model_arguments(p)
     p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
     p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
     p.add_argument(
@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--no-benchmark", action="store_true", help="skip the latency comparison")
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="time the exact alternative forms on this machine's provider and keep the fastest",
+    )
     p.add_argument(
         "--budget", type=float, default=10.0, metavar="SECONDS", help="time spent on timing"
     )
@@ -97,7 +102,7 @@ def build_explain_parser() -> argparse.ArgumentParser:
         description="List every normalization-like subgraph of MODEL, what it became, and why "
         "each one left alone was left alone. Writes nothing.",
     )
-    _add_model_arguments(p)
+    add_model_arguments(p)
     return p
 
 

@@ -4,29 +4,129 @@ Each round runs every variant once, in a rotated order, so that drift of a share
 (frequency, other tenants) lands on all variants alike. After a warm-up, rounds continue until
 ``budget_s`` is spent (at least ``min_runs``, at most ``max_runs``). Medians and p90 are quoted;
 compare variants by their ratio, never by absolute numbers from different runs.
+
+Spread: each :class:`Timing` carries a 95% percentile-bootstrap confidence interval of its
+median (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13) and its min and
+max. Because round ``i`` of every variant ran back to back, two variants are compared by the
+median of their per-round ratios (:func:`paired_ratio`), whose bootstrap interval is much
+tighter than one computed from two independent medians on a machine whose speed drifts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
+
+#: Bootstrap resamples for the confidence intervals.
+BOOTSTRAP_RESAMPLES = 2000
+#: Two-sided confidence level of the intervals.
+CONFIDENCE = 0.95
 
 
 @dataclasses.dataclass
 class Timing:
-    """Latency of one variant, in milliseconds per call."""
+    """Latency of one variant, in milliseconds per call.
+
+    Attributes:
+        median_ms, p90_ms, min_ms: over the timed runs.
+        runs: number of timed runs.
+        max_ms: slowest timed run.
+        ci_low_ms, ci_high_ms: 95% bootstrap confidence interval of the median.
+        samples_ms: every timed run, in round order (left out of :meth:`to_dict`).
+    """
 
     median_ms: float
     p90_ms: float
     min_ms: float
     runs: int
+    max_ms: float = float("nan")
+    ci_low_ms: float = float("nan")
+    ci_high_ms: float = float("nan")
+    samples_ms: tuple[float, ...] = dataclasses.field(default=(), repr=False, compare=False)
+
+    @classmethod
+    def from_samples(cls, samples_ms: Sequence[float], seed: int = 0) -> Timing:
+        """Summarize per-call times (ms, in round order)."""
+        s = np.asarray(samples_ms, dtype=float)
+        low, high = bootstrap_ci(s, np.median, seed=seed)
+        return cls(
+            median_ms=float(np.median(s)),
+            p90_ms=float(np.percentile(s, 90)),
+            min_ms=float(s.min()),
+            runs=len(s),
+            max_ms=float(s.max()),
+            ci_low_ms=low,
+            ci_high_ms=high,
+            samples_ms=tuple(float(x) for x in s),
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (ms), without the raw samples."""
+        d = dataclasses.asdict(self)
+        del d["samples_ms"]
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """How many times slower one variant is than another (> 1: slower), per-round paired.
+
+    Attributes:
+        median: median over rounds of ``time_a / time_b``.
+        ci_low, ci_high: 95% bootstrap confidence interval of that median.
+        runs: number of paired rounds.
+    """
+
+    median: float
+    ci_low: float
+    ci_high: float
+    runs: int
+
+    @property
+    def significant(self) -> bool:
+        """True when the interval excludes 1: the two differ by more than the spread."""
+        return self.ci_low > 1.0 or self.ci_high < 1.0
 
     def to_dict(self) -> dict:
         """JSON-ready form."""
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"significant": self.significant}
+
+
+def bootstrap_ci(
+    samples: np.ndarray,
+    statistic: Callable[..., np.ndarray] = np.median,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of ``statistic`` over 1-D ``samples``.
+
+    ``statistic`` must accept ``axis=1`` (numpy reductions do). Deterministic for a given seed.
+    """
+    samples = np.asarray(samples, dtype=float)
+    rng = np.random.default_rng(seed)
+    draws = samples[rng.integers(0, len(samples), size=(resamples, len(samples)))]
+    values = statistic(draws, axis=1)
+    tail = (1.0 - confidence) / 2 * 100
+    low, high = np.percentile(values, [tail, 100 - tail])
+    return float(low), float(high)
+
+
+def paired_ratio(a: Timing, b: Timing, seed: int = 0) -> Ratio:
+    """``a`` relative to ``b`` from their per-round samples (both from one interleaved run).
+
+    Raises:
+        ValueError: the two timings do not hold the same number of samples (not one run).
+    """
+    if len(a.samples_ms) != len(b.samples_ms) or not a.samples_ms:
+        raise ValueError("paired_ratio needs two timings from the same time_interleaved call")
+    r = np.asarray(a.samples_ms) / np.asarray(b.samples_ms)
+    low, high = bootstrap_ci(r, np.median, seed=seed)
+    return Ratio(float(np.median(r)), low, high, len(r))
 
 
 def time_interleaved(
@@ -41,13 +141,14 @@ def time_interleaved(
 
     Args:
         variants: name -> callable that runs the model once (synchronized: it returns when the
-            result is ready).
-        warmup: untimed rounds first (lazy initialization, caches, allocator).
+            result is ready; for PyTorch on CUDA that means after ``torch.cuda.synchronize()``).
+        warmup: untimed rounds first (lazy initialization, caches, allocator, CUDA graph
+            capture).
         min_runs, max_runs: bounds on the number of timed rounds.
         budget_s: wall-clock seconds to aim for across all timed rounds.
 
     Returns:
-        name -> :class:`Timing`.
+        name -> :class:`Timing`; sample ``i`` of every variant comes from round ``i``.
     """
     names = list(variants)
     start = time.perf_counter()
@@ -62,7 +163,4 @@ def time_interleaved(
             t0 = time.perf_counter()
             variants[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {
-        name: Timing(float(np.median(s)), float(np.percentile(s, 90)), float(np.min(s)), len(s))
-        for name, s in samples.items()
-    }
+    return {name: Timing.from_samples(s) for name, s in samples.items()}

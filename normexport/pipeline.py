@@ -15,7 +15,7 @@ import torch
 
 import fusion
 from fusion._ir import opset_version
-from normexport import explain, runtime
+from normexport import autotune, explain, runtime
 from normexport import inputs as inputs_mod
 from normexport.errors import UsageError
 from normexport.export import ExportError, export_module
@@ -40,6 +40,8 @@ class Options:
         benchmark: time the variants.
         atol, rtol: parity tolerances (see :mod:`normexport.parity`).
         budget_s: seconds of timed runs to aim for.
+        autotune: time the exact alternative forms of the optimized model (and the ORT
+            session settings they need) on ``provider`` and keep the fastest.
     """
 
     model: Path
@@ -58,6 +60,7 @@ class Options:
     model_kwargs: str | None = None
     exporter: str = "auto"
     budget_s: float = 10.0
+    autotune: bool = False
 
 
 def default_output(model_path: Path) -> Path:
@@ -84,16 +87,31 @@ def run(opts: Options) -> dict:
     ops_before = fusion.norm_ops(raw)
     already = explain.already_fused(raw)
 
+    feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
+    sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
     optimized = raw  # optimized in place; the raw model lives on as raw_bytes
     fusions = fusion.optimize(optimized, target=opts.target)
     fusion.check(optimized)
+    tuned = None
+    if opts.autotune:
+        tuned = autotune.autotune(
+            autotune.candidates(optimized, target=opts.target),
+            sets["example"],
+            provider,
+            budget_s=opts.budget_s / 2,
+            atol=opts.atol,
+            rtol=opts.rtol,
+        )
+        optimized = ir.from_proto(onnx.load_from_string(tuned.model))
+        fusion.check(optimized)
+    disabled = tuned.disabled_optimizers if tuned else ()
     _save_atomic(optimized, output)
 
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
     raw_session = runtime.make_session(raw_bytes, provider, spinning=False)
-    opt_session = runtime.make_session(output, provider, spinning=False)
-    feed_names = runtime.input_names(opt_session)
-    sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
+    opt_session = runtime.make_session(
+        output, provider, spinning=False, disabled_optimizers=disabled
+    )
 
     def candidate(feeds):
         return runtime.run(opt_session, feeds)
@@ -161,6 +179,7 @@ def run(opts: Options) -> dict:
         "provider": runtime.PROVIDERS[provider][0],
         "provider_note": provider_note,
         "latency_ms": latency,
+        "autotune": tuned.to_dict() if tuned else None,
         "versions": {
             "torch": torch.__version__,
             "onnx": onnx.__version__,

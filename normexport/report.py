@@ -83,6 +83,19 @@ def render(report: dict, console: Console) -> None:
                 f"{t['median_ms'] / opt:.2f}x",
             )
         console.print(table)
+    tuned = report.get("autotune")
+    if tuned:
+        line = f"autotune on {tuned['provider']}: kept [bold]{tuned['best']}[/]"
+        if tuned["best"] != tuned["default"]:
+            ratio = tuned["ratio_to_default"][tuned["best"]]
+            line += f" ({ratio['median']:.2f}x the time of {tuned['default']})"
+        console.print(line)
+        if tuned["disabled_optimizers"]:
+            console.print(
+                "[yellow]deploy it with this ORT session setting: "
+                f"disabled_optimizers={tuned['disabled_optimizers']}[/] (ORT's own fusion would "
+                "undo the faster form)"
+            )
     verdict = "[green]parity passed[/]" if parity["passed"] else "[red]parity FAILED[/]"
     console.print(verdict)
 

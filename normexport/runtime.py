@@ -9,7 +9,7 @@ if CUDA did not load, rather than ever calling a CPU number a CUDA number.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -44,6 +44,8 @@ def make_session(
     optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
     optimized_model_path: str | None = None,
     spinning: bool = True,
+    cuda_graph: bool = False,
+    disabled_optimizers: Sequence[str] = (),
 ) -> ort.InferenceSession:
     """Create an inference session on one named execution provider.
 
@@ -57,6 +59,11 @@ def make_session(
         spinning: let ORT's intra-op threads spin-wait between runs. Sessions timed
             interleaved with other variants turn it off: spinning threads keep the cores busy
             after ``run`` returns and slow down whatever runs next.
+        cuda_graph: CUDA only: capture the run as a CUDA graph and replay it (run it through
+            :class:`BoundRun`; every input shape needs its own session).
+        disabled_optimizers: names of ORT graph transformers to leave out, e.g.
+            ``"SkipLayerNormFusion"`` (which turns Add + LayerNormalization back into
+            SkipLayerNormalization under ORT_ENABLE_ALL).
 
     Returns:
         The session; ``session.get_providers()[0]`` is the provider that was asked for.
@@ -67,6 +74,8 @@ def make_session(
     """
     if provider not in PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}: choose one of {sorted(PROVIDERS)}")
+    if cuda_graph and provider != "cuda":
+        raise ValueError("cuda_graph needs provider 'cuda'")
     options = ort.SessionOptions()
     options.graph_optimization_level = optimization_level
     options.log_severity_level = 3  # errors only: the CUDA fallback is reported by us, not ORT
@@ -74,7 +83,15 @@ def make_session(
         options.optimized_model_filepath = optimized_model_path
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    session = ort.InferenceSession(_model_bytes(model), options, providers=PROVIDERS[provider])
+    providers: list = list(PROVIDERS[provider])
+    if cuda_graph:
+        providers[0] = (CUDA, {"enable_cuda_graph": "1"})
+    session = ort.InferenceSession(
+        _model_bytes(model),
+        options,
+        providers=providers,
+        disabled_optimizers=list(disabled_optimizers) or None,
+    )
     if session.get_providers()[0] != PROVIDERS[provider][0]:
         raise ProviderUnavailable(
             f"{PROVIDERS[provider][0]} did not load (ONNX Runtime fell back to "
@@ -128,3 +145,56 @@ def run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[
 def input_names(session: ort.InferenceSession) -> Sequence[str]:
     """The session's graph input names, in order."""
     return [i.name for i in session.get_inputs()]
+
+
+class BoundRun:
+    """A session run through IO binding, with inputs and outputs resident on its device.
+
+    Calling it runs the session once and returns when the outputs are ready (ORT synchronizes
+    the CUDA stream at the end of ``run_with_iobinding``); nothing is copied between host and
+    device. :meth:`outputs` copies the latest outputs to numpy arrays.
+    """
+
+    def __init__(self, session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]):
+        device = "cuda" if session.get_providers()[0] == CUDA else "cpu"
+        self._session = session
+        self._binding = session.io_binding()
+        # Keep the device copies alive: the binding holds their addresses.
+        self._inputs = {
+            name: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), device, 0)
+            for name, a in feeds.items()
+        }
+        for name, value in self._inputs.items():
+            self._binding.bind_ortvalue_input(name, value)
+        names = [o.name for o in session.get_outputs()]
+        for name in names:
+            self._binding.bind_output(name, device, 0)
+        # The first run allocates the outputs on the device; binding those same buffers keeps
+        # their addresses fixed from then on, which CUDA graph replay requires.
+        session.run_with_iobinding(self._binding)
+        self._outputs = self._binding.get_outputs()
+        self._binding.clear_binding_outputs()
+        for name, value in zip(names, self._outputs, strict=True):
+            self._binding.bind_ortvalue_output(name, value)
+
+    def __call__(self) -> None:
+        self._session.run_with_iobinding(self._binding)
+
+    def outputs(self) -> list[np.ndarray]:
+        """The latest outputs, copied to host memory."""
+        return [v.numpy() for v in self._outputs]
+
+
+def runner(
+    session: ort.InferenceSession, feeds: Mapping[str, np.ndarray], *, io_binding: bool
+) -> tuple[Callable[[], object], Callable[[], list[np.ndarray]]]:
+    """A zero-argument function that runs ``session`` once, and one that returns its outputs.
+
+    With ``io_binding`` the run is :class:`BoundRun` (no host-device copies timed); without, it
+    is :func:`run` on host arrays, what a plain ``session.run`` user pays.
+    """
+    if io_binding:
+        bound = BoundRun(session, feeds)
+        return bound, bound.outputs
+    feeds = dict(feeds)
+    return (lambda: session.run(None, feeds)), (lambda: session.run(None, feeds))

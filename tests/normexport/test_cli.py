@@ -257,3 +257,32 @@ def test_explain_usage_error_exits_2(capsys, tmp_path):
 )
 def test_default_output_is_beside_the_input(tmp_path, name, expected):
     assert pipeline.default_output(tmp_path / name) == tmp_path / expected
+
+
+class Residual(nn.Module):
+    """x + linear(x), then LayerNorm: the Add + LayerNormalization that ORT turns into Skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 32)
+        self.norm = nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.norm(x + self.linear(x))
+
+
+def test_autotune_records_candidates_and_keeps_parity(capsys, tmp_path):
+    path = tmp_path / "residual.pt"
+    torch.save(Residual().eval(), path)
+    report_path = tmp_path / "r.json"
+    code, out, _ = run_cli(
+        capsys, path, "--trust-pickle", "--input-shape", "2,16,32", "--autotune",
+        "--no-benchmark", "--budget", "0.4", "--report", report_path,
+    )  # fmt: skip
+    assert code == 0, out
+    tuned = json.loads(report_path.read_text())["autotune"]
+    assert tuned["best"] in tuned["timings_ms"] and tuned["default"] in tuned["timings_ms"]
+    assert len(tuned["timings_ms"]) >= 2  # the default and at least one alternative form
+    assert "autotune on CPUExecutionProvider" in out
+    if tuned["disabled_optimizers"]:
+        assert "disabled_optimizers" in out

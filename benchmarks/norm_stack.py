@@ -1,0 +1,233 @@
+"""Norm-heavy microbenchmark: a residual stack of hand-written LayerNorm / RMSNorm blocks.
+
+Each of ``--blocks`` blocks is ``h = h + norm(h)`` at hidden size 2048 (the pre-norm residual
+stream of a transformer, without the matmuls, so that the norms are the work), input
+(4, 256, 2048) float32. The norms are written by hand the way the literature and its code do:
+
+- LayerNorm (Ba, Kiros and Hinton, 2016): ``(x - mean) / sqrt(var + eps) * w + b``, biased
+  variance, eps 1e-5 (kind ``layernorm``), and the same with ``* rsqrt(var + eps)``
+  (kind ``layernorm_rsqrt``; the dynamo exporter writes rsqrt as Reciprocal(Sqrt));
+- RMSNorm (Zhang and Sennrich, 2019), as transformers' LlamaRMSNorm:
+  ``x * rsqrt(mean(x^2) + eps) * w``, eps 1e-6.
+
+Timed side by side (one process, interleaved; see ``normexport bench``): the raw export under
+ORT_ENABLE_ALL (``ort_raw``), the other optimizers' variants, normexport's model, the same
+stack written with ``nn.LayerNorm`` / ``nn.RMSNorm`` and exported at opset 23 (``nn_opset23``),
+the same stack with ReLU in place of each norm (``relu_stack``: the elementwise floor of the
+whole stack), and PyTorch eager. Targets (issue 4): normexport >= 2x faster than ``ort_raw``,
+and within 1.2x of ``nn_opset23``.
+
+    python benchmarks/norm_stack.py [--provider auto] [--budget 30] [--out benchmarks/results]
+
+Writes ``norm_stack_<provider>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import torch
+from rich.console import Console
+from torch import nn
+
+from normexport import bench, runtime, variants
+from normexport.export import export_module
+
+SHAPE = (4, 256, 2048)
+KINDS = ("layernorm", "layernorm_rsqrt", "rmsnorm")
+#: Targets of issue 4: (description, variant, least value of that variant's time over
+#: normexport's, as a per-round paired ratio).
+TARGETS = (
+    ("normexport >= 2x faster than ORT_ENABLE_ALL on the raw export", "ort_raw", 2.0),
+    ("normexport within 1.2x of nn.* exported at opset 23", "nn_opset23", 1 / 1.2),
+)
+
+
+class HandLayerNorm(nn.Module):
+    """LayerNorm over the last axis, written out (biased variance); divides by the standard
+    deviation, or with ``rsqrt`` multiplies by its reciprocal."""
+
+    def __init__(self, hidden: int, eps: float = 1e-5, rsqrt: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.5 * torch.randn(hidden))
+        self.bias = nn.Parameter(0.1 * torch.randn(hidden))
+        self.eps = eps
+        self.rsqrt = rsqrt
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        if self.rsqrt:
+            return (x - mean) * torch.rsqrt(var + self.eps) * self.weight + self.bias
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class HandRMSNorm(nn.Module):
+    """RMSNorm as transformers' LlamaRMSNorm writes it."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.5 * torch.randn(hidden))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+class NormStack(nn.Module):
+    """``blocks`` residual blocks ``h = h + norm(h)``.
+
+    Args:
+        kind: ``"layernorm"``, ``"layernorm_rsqrt"`` or ``"rmsnorm"``.
+        form: ``"hand"`` (hand-written), ``"nn"`` (nn.LayerNorm / nn.RMSNorm with the same
+            weights) or ``"relu"`` (nn.ReLU in place of each norm: the floor).
+        blocks, hidden: stack depth and width.
+    """
+
+    def __init__(self, kind: str, form: str, blocks: int = 8, hidden: int = SHAPE[-1]):
+        super().__init__()
+        torch.manual_seed(0)
+        if kind == "rmsnorm":
+            norms = [HandRMSNorm(hidden) for _ in range(blocks)]
+        else:
+            norms = [HandLayerNorm(hidden, rsqrt=kind == "layernorm_rsqrt") for _ in range(blocks)]
+        if form == "nn":
+            norms = [_as_nn(n, hidden) for n in norms]
+        elif form == "relu":
+            norms = [nn.ReLU() for _ in range(blocks)]
+        self.norms = nn.ModuleList(norms)
+        self.eval()
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for norm in self.norms:
+            h = h + norm(h)
+        return h
+
+
+def _as_nn(hand: nn.Module, hidden: int) -> nn.Module:
+    """The nn.LayerNorm / nn.RMSNorm computing the same as ``hand``."""
+    if isinstance(hand, HandLayerNorm):
+        module = nn.LayerNorm(hidden, eps=hand.eps)
+        module.bias.data.copy_(hand.bias.data)
+    else:
+        module = nn.RMSNorm(hidden, eps=hand.eps)
+    module.weight.data.copy_(hand.weight.data)
+    return module
+
+
+def _export(module: nn.Module, x: np.ndarray, opset: int | None) -> bytes:
+    exported = export_module(module, [torch.from_numpy(x)], opset=opset, input_names=["h"])
+    return ir.to_proto(exported.model).SerializeToString()
+
+
+def run_kind(kind: str, provider: str, blocks: int, budget_s: float) -> dict:
+    """Bench one stack kind; returns :func:`normexport.bench.bench_model`'s result plus
+    ``targets`` (each with the paired ratio and whether it is met)."""
+    x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
+    hand = NormStack(kind, "hand", blocks)
+    raw = _export(hand, x, opset=None)
+    extra = {
+        "nn_opset23": variants.Variant.extra(
+            "nn_opset23",
+            _export(NormStack(kind, "nn", blocks), x, opset=23),
+            f"the stack with nn.{'RMSNorm' if kind == 'rmsnorm' else 'LayerNorm'}, dynamo "
+            "export at opset 23, ORT_ENABLE_ALL",
+        ),
+        "relu_stack": variants.Variant.extra(
+            "relu_stack",
+            _export(NormStack(kind, "relu", blocks), x, opset=None),
+            "the stack with ReLU in place of each norm: the elementwise floor (not the same "
+            "function)",
+        ),
+    }
+    result = bench.bench_model(
+        raw,
+        {"h": x},
+        module=hand,
+        provider=provider,
+        io_binding=provider == "cuda",
+        budget_s=budget_s,
+        extra=extra,
+    )
+    ratios = result["points"][0]["ratio_to_normexport"]
+    result["targets"] = []
+    for text, key, bound in TARGETS:
+        r = ratios.get(key)
+        result["targets"].append(
+            {
+                "target": text,
+                "versus": key,
+                "ratio_other_over_normexport": r,
+                "met": r is not None and r["median"] >= bound,
+                "met_beyond_spread": r is not None and r["ci_low"] >= bound,
+            }
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both stack kinds, write JSON + PNG, print the tables and the target verdicts."""
+    p = argparse.ArgumentParser(prog="python benchmarks/norm_stack.py", description=__doc__)
+    p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--budget", type=float, default=30.0, help="timing seconds per stack kind")
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    console = Console(highlight=False, width=150)
+    provider, note = runtime.resolve_provider(args.provider)
+    if note:
+        console.print(note)
+    results = {}
+    for kind in KINDS:
+        result = run_kind(kind, provider, args.blocks, args.budget)
+        results[kind] = {"model": f"norm_stack[{kind}] x{args.blocks}, input {SHAPE}"} | result
+        bench.render(results[kind], console)
+        for t in result["targets"]:
+            r = t["ratio_other_over_normexport"]
+            verdict = "MET" if t["met"] else "NOT MET"
+            console.print(f"{kind}: {t['target']}: {bench.fmt_ratio(r)} -> {verdict}")
+    name = f"norm_stack_{provider}"
+    out = {"shape": list(SHAPE), "blocks": args.blocks, "provider_note": note} | results
+    bench.write_json(out, args.out / f"{name}.json")
+    _chart(results, args.out / f"{name}.png")
+    console.print(f"wrote {args.out / name}.json and .png")
+    return 0
+
+
+def _chart(results: dict, path: Path) -> None:
+    """Bar chart: median ms (95% CI whiskers) per variant, one panel per stack kind."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 3.8))
+    for ax, result in zip(axes, results.values(), strict=True):
+        lat = result["points"][0]["latency_ms"]
+        names = list(lat)
+        med = np.array([lat[n]["median_ms"] for n in names])
+        err = [
+            med - [lat[n]["ci_low_ms"] for n in names],
+            [lat[n]["ci_high_ms"] for n in names] - med,
+        ]
+        colors = [
+            "#2a6" if n == "normexport" else "#c55" if n == "ort_raw" else "#889" for n in names
+        ]
+        ax.barh(names, med, xerr=err, color=colors, capsize=3)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"ms per call (median, 95% CI), {result['provider']}")
+        ax.set_title(f"{result['model']}", fontsize=9)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

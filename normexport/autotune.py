@@ -1,0 +1,205 @@
+"""Pick, among exact forms of one model, the one that runs fastest on the user's provider.
+
+The exact fused form is not always the fastest (measured on ORT 1.31's CPU provider, see
+``benchmarks/results/forms_cpu.json``): SkipLayerNormalization is several times slower than
+Add + LayerNormalization, and ORT_ENABLE_ALL turns Add + LayerNormalization back into
+SkipLayerNormalization unless its ``SkipLayerNormFusion`` is disabled. So a candidate is a model
+*and* the session settings it needs; :func:`candidates` builds them from
+:func:`normexport.variants.exact_forms`, and :func:`autotune` times them interleaved
+(:func:`normexport.latency.time_interleaved`) and keeps the default unless another is faster
+by more than the spread (the 95% bootstrap interval of the paired ratio lies below 1).
+
+Every candidate's outputs are compared with the default's first: one that differs by more than
+``atol + rtol * max|ref|`` (or gives NaN/Inf where the default does not) is rejected, never
+picked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from normexport import runtime, variants
+from normexport.latency import Ratio, Timing, paired_ratio, time_interleaved
+
+#: ORT graph transformer that fuses Add + LayerNormalization into SkipLayerNormalization.
+SKIP_FUSION = "SkipLayerNormFusion"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One exact form: the model and the ORT session settings it must run under.
+
+    Attributes:
+        model: serialized ONNX.
+        disabled_optimizers: ORT graph transformers the session must leave out.
+    """
+
+    model: bytes
+    disabled_optimizers: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass
+class AutotuneResult:
+    """What :func:`autotune` measured and chose.
+
+    Attributes:
+        best: name of the chosen candidate.
+        default: name of the candidate kept unless another is significantly faster.
+        provider: ORT provider name the timings were taken on.
+        timings: name -> :class:`Timing` (ms) of every candidate that ran.
+        ratio_to_default: name -> :class:`Ratio`, per-round paired (< 1: faster).
+        max_abs_diff: name -> max |output - default's output|.
+        rejected: name -> why it was not considered (failed to load or run, or inexact).
+        io_binding: whether the runs used IO binding.
+    """
+
+    best: str
+    default: str
+    provider: str
+    timings: dict[str, Timing]
+    ratio_to_default: dict[str, Ratio]
+    max_abs_diff: dict[str, float]
+    rejected: dict[str, str]
+    io_binding: bool
+    candidates: dict[str, Candidate] = dataclasses.field(repr=False, default_factory=dict)
+
+    @property
+    def model(self) -> bytes:
+        """The chosen model, serialized."""
+        return self.candidates[self.best].model
+
+    @property
+    def disabled_optimizers(self) -> tuple[str, ...]:
+        """ORT transformers the chosen model's deployment session must disable."""
+        return self.candidates[self.best].disabled_optimizers
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (timings in ms)."""
+        return {
+            "best": self.best,
+            "default": self.default,
+            "provider": self.provider,
+            "io_binding": self.io_binding,
+            "disabled_optimizers": list(self.disabled_optimizers),
+            "timings_ms": {k: t.to_dict() for k, t in self.timings.items()},
+            "ratio_to_default": {k: r.to_dict() for k, r in self.ratio_to_default.items()},
+            "max_abs_diff": self.max_abs_diff,
+            "rejected": self.rejected,
+        }
+
+
+def _has_add_into_norm(model: bytes) -> bool:
+    """True when an Add feeds a LayerNormalization (what SkipLayerNormFusion rewrites)."""
+    graph = ir.from_proto(onnx.load_from_string(model)).graph
+    for node in graph:
+        if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
+            producer = node.inputs[0].producer() if node.inputs[0] is not None else None
+            if producer is not None and producer.op_type == "Add":
+                return True
+    return False
+
+
+def candidates(model: ir.Model | bytes, *, target: str = "ort") -> dict[str, Candidate]:
+    """The exact forms of ``model`` (:func:`normexport.variants.exact_forms`) as candidates;
+    each form with an Add feeding a norm also as ``FORM+no_skip_fusion``, run with ORT's
+    SkipLayerNormFusion disabled. The first entry, ``as_built``, is the default."""
+    out = {}
+    for name, data in variants.exact_forms(model, target=target).items():
+        out[name] = Candidate(data)
+        if _has_add_into_norm(data):
+            out[f"{name}+no_skip_fusion"] = Candidate(data, (SKIP_FUSION,))
+    return out
+
+
+def _agrees(got: list[np.ndarray], ref: list[np.ndarray], atol: float, rtol: float) -> float | None:
+    """max |got - ref| if within ``atol + rtol * max|ref|`` with no new NaN/Inf, else None."""
+    worst = 0.0
+    for g, r in zip(got, ref, strict=True):
+        if g.shape != r.shape or (np.isfinite(r) & ~np.isfinite(g)).any():
+            return None
+        finite = np.isfinite(r)
+        diff = float(np.max(np.abs(g[finite].astype(np.float64) - r[finite]), initial=0.0))
+        if diff > atol + rtol * float(np.max(np.abs(r[finite]), initial=0.0)):
+            return None
+        worst = max(worst, diff)
+    return worst
+
+
+def autotune(
+    cands: Mapping[str, Candidate | bytes],
+    feeds: Mapping[str, np.ndarray],
+    provider: str = "cpu",
+    *,
+    default: str | None = None,
+    io_binding: bool | None = None,
+    budget_s: float = 5.0,
+    atol: float = 1e-4,
+    rtol: float = 1e-4,
+) -> AutotuneResult:
+    """Time the candidates on ``provider`` and return the fastest that is exact.
+
+    Args:
+        cands: name -> :class:`Candidate` (or serialized ONNX, run with default settings),
+            e.g. from :func:`candidates`.
+        feeds: inputs by graph input name (the user's example inputs).
+        provider: ``"cpu"`` or ``"cuda"``, as resolved by
+            :func:`normexport.runtime.resolve_provider`.
+        default: the candidate to keep unless another is faster beyond the spread (default: the
+            first).
+        io_binding: run through IO binding (default: on for CUDA).
+        budget_s: seconds of timed runs.
+        atol, rtol: how far a candidate's outputs may be from the default's.
+
+    Returns:
+        :class:`AutotuneResult`.
+
+    Raises:
+        ValueError: no candidates, or the default fails to run.
+    """
+    if not cands:
+        raise ValueError("autotune needs at least one candidate")
+    cands = {k: v if isinstance(v, Candidate) else Candidate(v) for k, v in cands.items()}
+    default = default or next(iter(cands))
+    io_binding = provider == "cuda" if io_binding is None else io_binding
+    runners, outputs, rejected = {}, {}, {}
+    for name, cand in cands.items():
+        try:
+            session = runtime.make_session(
+                cand.model, provider, spinning=False, disabled_optimizers=cand.disabled_optimizers
+            )
+            runners[name], get = runtime.runner(session, feeds, io_binding=io_binding)
+            outputs[name] = get()
+        except Exception as err:  # a form ORT cannot load here is simply not a candidate
+            if name == default:
+                raise ValueError(f"the default candidate {name!r} does not run: {err}") from err
+            rejected[name] = f"{type(err).__name__}: {err}"
+    diffs = {}
+    for name in list(runners):
+        diff = _agrees(outputs[name], outputs[default], atol, rtol)
+        if diff is None:
+            rejected[name] = "outputs differ from the default's beyond the tolerance"
+            del runners[name]
+        else:
+            diffs[name] = diff
+    timings = time_interleaved(runners, budget_s=budget_s)
+    ratios = {k: paired_ratio(t, timings[default]) for k, t in timings.items() if k != default}
+    best = default
+    fastest = min(timings, key=lambda k: timings[k].median_ms)
+    if fastest != default and ratios[fastest].ci_high < 1.0:
+        best = fastest
+    return AutotuneResult(
+        best=best,
+        default=default,
+        provider=runtime.PROVIDERS[provider][0],
+        timings=timings,
+        ratio_to_default=ratios,
+        max_abs_diff=diffs,
+        rejected=rejected,
+        io_binding=io_binding,
+        candidates=dict(cands),
+    )

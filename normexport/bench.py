@@ -1,0 +1,604 @@
+"""``normexport bench MODEL``: latency of every optimizer's variant of one model, swept over
+batch (and sequence) sizes, on one execution provider, with PyTorch eager beside them.
+
+What is timed, and how (see :mod:`normexport.latency` for the statistics):
+
+- the variants of :data:`normexport.variants.VARIANTS`, each in its own ORT session on the
+  provider :func:`normexport.runtime.resolve_provider` picked (a CPU run is never labelled
+  CUDA; ``auto`` without CUDA prints one line saying so);
+- PyTorch eager on the same device, ``torch.inference_mode``, followed by
+  ``torch.cuda.synchronize()`` on CUDA so that the clock stops when the result is ready;
+- ``--io-binding`` (the default on CUDA): inputs copied to the device once and outputs kept
+  there (:class:`normexport.runtime.BoundRun`), so host-device copies are not timed;
+  ``--cuda-graph`` adds CUDA graph capture and replay (one session per input shape);
+- all of them in one process, interleaved in rotated order, after a warm-up; per variant the
+  median, p90, min-max and a 95% bootstrap interval of the median; ratios to normexport and to
+  eager are medians of per-round ratios, with their own bootstrap interval;
+- what ORT really ran: each variant's norm ops after ORT's session optimizations (ORT_ENABLE_ALL
+  turns Add + LayerNormalization into SkipLayerNormalization on its own, for one);
+- each variant's output is compared with the reference (eager, else the raw export) at every
+  point, so that a fast but inexact optimizer shows as such;
+- the floor: the first fused norm of normexport's model, alone, against one elementwise op
+  (Relu: one read, one write) over the same tensor on the same provider: how far the norm is
+  from the memory-bound limit.
+
+A variant that fails to build or to run at some shape is recorded with its error; the rest of
+the comparison goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import fusion
+from normexport import runtime, variants
+from normexport.errors import UsageError
+from normexport.latency import Timing, paired_ratio, time_interleaved
+from normexport.load import detect_kind
+
+#: Name of the PyTorch eager entry among the variants' timings.
+EAGER = "pytorch_eager"
+#: Fused norm ops the floor is measured for.
+FUSED_NORMS = (
+    "LayerNormalization",
+    "RMSNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for ``normexport bench``."""
+    from normexport.cli import add_model_arguments
+
+    p = argparse.ArgumentParser(
+        prog="normexport bench",
+        description="Time the raw export, ORT's offline optimization, onnxscript's "
+        "optimize_for_ort, ORT's transformer optimizer and normexport's model of MODEL, with "
+        "PyTorch eager, interleaved in one process, over a sweep of batch (and sequence) sizes.",
+    )
+    add_model_arguments(p)
+    p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--batch", default="1,8,64", metavar="B,B,...", help="batch sizes to sweep")
+    p.add_argument(
+        "--seq",
+        metavar="S,S,...",
+        help="sequence lengths to sweep (axis 1 of every input of rank >= 2; sequence models)",
+    )
+    p.add_argument(
+        "--io-binding",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="inputs and outputs resident on the device, copies not timed (default: on for "
+        "CUDA, off for CPU)",
+    )
+    p.add_argument("--cuda-graph", action="store_true", help="CUDA graphs (CUDA provider only)")
+    p.add_argument(
+        "--variants",
+        metavar="NAME,...",
+        help=f"variants to time (default: all of {', '.join(variants.VARIANTS)})",
+    )
+    p.add_argument("--no-eager", action="store_true", help="leave PyTorch eager out")
+    p.add_argument("--no-floor", action="store_true", help="skip the elementwise floor")
+    p.add_argument(
+        "--budget", type=float, default=20.0, metavar="SECONDS", help="timing seconds, in all"
+    )
+    p.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
+    p.add_argument("--chart", type=Path, metavar="OUT.png", help="latency vs batch chart")
+    return p
+
+
+def _sizes(text: str | None, flag: str) -> list[int | None]:
+    if not text:
+        return [None]
+    try:
+        sizes = [int(s) for s in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: give sizes like 1,8,64") from None
+    if any(s < 1 for s in sizes):
+        raise UsageError(f"{flag} {text!r}: sizes must be positive")
+    return sizes
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Run ``normexport bench``; returns the exit code (0; errors raise)."""
+    from normexport import pipeline
+
+    if args.cuda_graph and args.provider == "cpu":
+        raise UsageError("--cuda-graph needs the CUDA provider, not --provider cpu")
+    batches = _sizes(args.batch, "--batch")
+    seqs = _sizes(args.seq, "--seq")
+    only = args.variants.split(",") if args.variants else None
+    if only and (unknown := [v for v in only if v not in variants.VARIANTS]):
+        raise UsageError(f"--variants: unknown {unknown}; choose from {list(variants.VARIANTS)}")
+    dynamic = args.dynamic
+    if dynamic is None and detect_kind(args.model) != "onnx":
+        dynamic = "batch,sequence" if seqs != [None] else "batch"
+    opts = pipeline.Options(
+        model=args.model,
+        input_shape=args.input_shape,
+        inputs=args.inputs,
+        dynamic=dynamic,
+        opset=args.opset,
+        target=args.target,
+        trust_pickle=args.trust_pickle,
+        model_class=args.model_class,
+        model_kwargs=args.model_kwargs,
+        exporter=args.exporter,
+    )
+    loaded, example, raw, _ = pipeline.prepare(opts)
+    provider, note = _provider(args.provider)
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    if args.cuda_graph and provider != "cuda":
+        raise UsageError("--cuda-graph needs the CUDA provider, and it is not in use here")
+    module = None if args.no_eager else loaded.module
+    result = bench_model(
+        raw,
+        example,
+        module=module,
+        provider=provider,
+        batches=batches,
+        seqs=seqs,
+        io_binding=args.io_binding if args.io_binding is not None else provider == "cuda",
+        cuda_graph=args.cuda_graph,
+        target=args.target,
+        only=only,
+        floor=not args.no_floor,
+        budget_s=args.budget,
+    )
+    result = {"model": str(args.model), "provider_note": note} | result
+    render(result, console)
+    if args.json:
+        write_json(result, args.json)
+        console.print(f"results: {args.json}")
+    if args.chart:
+        write_chart(result, args.chart)
+        console.print(f"chart: {args.chart}")
+    return 0
+
+
+def _provider(requested: str) -> tuple[str, str | None]:
+    try:
+        return runtime.resolve_provider(requested)
+    except runtime.ProviderUnavailable as err:
+        raise UsageError(f"--provider cuda: {err}") from None
+
+
+def machine(provider: str) -> dict:
+    """What the numbers were measured on: CPU model and cores, GPU name on CUDA, versions."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    out = {
+        "cpu": cpu,
+        "cpu_cores_visible": len(os.sched_getaffinity(0)),
+        "platform": platform.platform(),
+        "provider": runtime.PROVIDERS[provider][0],
+        "versions": {
+            "onnxruntime": onnxruntime.__version__,
+            "torch": torch.__version__,
+            "onnx": onnx.__version__,
+        },
+    }
+    if provider == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "unknown"
+    return out
+
+
+def resize_inputs(
+    example: dict[str, np.ndarray], batch: int | None, seq: int | None
+) -> dict[str, np.ndarray]:
+    """The example inputs at another batch (axis 0) and sequence length (axis 1 of inputs of
+    rank >= 2), repeating the example cyclically so that token ids and masks stay valid."""
+    out = {}
+    for name, a in example.items():
+        for axis, size in ((0, batch), (1, seq)):
+            if size is not None and a.ndim > axis and (axis == 0 or a.ndim >= 2):
+                a = np.take(a, np.arange(size) % a.shape[axis], axis=axis)
+        out[name] = np.ascontiguousarray(a)
+    return out
+
+
+def _eager_runner(module, arrays: list[np.ndarray], provider: str):
+    """(run once, get outputs as numpy) for PyTorch eager on the provider's device."""
+    if isinstance(module, torch.export.ExportedProgram):
+        module = module.module()
+    device = "cuda" if provider == "cuda" else "cpu"
+    module = module.to(device)
+    tensors = [torch.from_numpy(a).to(device) for a in arrays]
+
+    def call():
+        with torch.inference_mode():
+            out = module(*tensors)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    def outputs() -> list[np.ndarray]:
+        leaves = torch.utils._pytree.tree_leaves(call())
+        return [t.detach().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
+
+    return call, outputs
+
+
+def _max_abs_diff(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    return max(
+        float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)), initial=0.0))
+        for g, r in zip(got, ref, strict=True)
+    )
+
+
+def _error(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+
+
+def bench_model(
+    raw: ir.Model | bytes,
+    example: dict[str, np.ndarray],
+    *,
+    module=None,
+    provider: str = "cpu",
+    batches: list[int | None] = (None,),
+    seqs: list[int | None] = (None,),
+    io_binding: bool = False,
+    cuda_graph: bool = False,
+    target: str = "ort",
+    only: list[str] | None = None,
+    floor: bool = True,
+    budget_s: float = 20.0,
+    extra: dict[str, variants.Variant] | None = None,
+) -> dict:
+    """Build the variants of ``raw`` and time them (and eager) at each (batch, seq) point.
+
+    Args:
+        raw: the export before any optimizer (dynamic axes where the sweep changes sizes).
+        example: example inputs by graph input name; resized per point by
+            :func:`resize_inputs` (None keeps the example's size).
+        module: the PyTorch model for the eager entry, or None.
+        provider: ``"cpu"`` or ``"cuda"`` (already resolved).
+        io_binding, cuda_graph: see the module docstring.
+        target: normexport's target.
+        only: variants to build (default: all).
+        floor: measure the elementwise floor.
+        budget_s: timing seconds over all points.
+        extra: models of the caller's own to time beside the variants
+            (:meth:`normexport.variants.Variant.extra`); not counted as optimizers in
+            ``normexport_vs_best``.
+
+    Returns:
+        JSON-ready dict: ``machine``, ``settings``, ``variants`` (build info per variant),
+        ``points`` (per point: ``batch``, ``seq``, ``inputs``, ``latency_ms`` per variant,
+        ``errors``, ``ratio_to_normexport``, ``ratio_to_eager``, ``max_abs_diff`` vs
+        ``reference``, ``normexport_vs_best``) and ``floor``.
+    """
+    built = variants.build_variants(raw, provider, target=target, only=only) | (extra or {})
+    points = [(b, s) for s in seqs for b in batches]
+    sessions: dict[str, object] = {}
+    point_results = []
+    for batch, seq in points:
+        feeds = resize_inputs(example, batch, seq)
+        point_results.append(
+            _bench_point(
+                built,
+                sessions,
+                feeds,
+                module,
+                provider,
+                io_binding=io_binding,
+                cuda_graph=cuda_graph,
+                budget_s=budget_s / len(points),
+            )
+            | {"batch": batch, "seq": seq}
+        )
+    floor_result = None
+    ran = [
+        pt for pt, r in zip(points, point_results, strict=True) if "normexport" in r["latency_ms"]
+    ]
+    if floor and ran:  # at the first size normexport's model ran at
+        feeds = resize_inputs(example, *ran[0])
+        try:
+            floor_result = norm_floor(
+                built["normexport"].model, feeds, provider, budget_s=max(2.0, budget_s / 10)
+            )
+        except Exception as err:  # the floor is a side measurement: record, go on
+            floor_result = {"error": _error(err)}
+    return {
+        "machine": machine(provider),
+        "provider": runtime.PROVIDERS[provider][0],
+        "settings": {
+            "io_binding": io_binding,
+            "cuda_graph": cuda_graph,
+            "target": target,
+            "budget_s": budget_s,
+            "eager": module is not None,
+        },
+        "variants": {
+            k: v.to_dict() | {"ort_ran_norm_ops": _ran_norm_ops(v, provider)}
+            for k, v in built.items()
+        },
+        "points": point_results,
+        "floor": floor_result,
+    }
+
+
+def _ran_norm_ops(variant: variants.Variant, provider: str) -> dict[str, int] | None:
+    """Norm op counts of the graph ORT really runs for ``variant`` (after its session
+    optimizations, written out with ``optimized_model_filepath``); None if it does not load."""
+    if variant.model is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "session.onnx"
+        try:
+            runtime.make_session(
+                variant.model,
+                provider,
+                optimization_level=variant.optimization_level,
+                optimized_model_path=str(path),
+            )
+        except Exception:  # the timing step records why it does not load
+            return None
+        return fusion.norm_ops(ir.load(path))
+
+
+def _session(variant: variants.Variant, provider: str, cuda_graph: bool):
+    return runtime.make_session(
+        variant.model,
+        provider,
+        optimization_level=variant.optimization_level,
+        spinning=False,
+        cuda_graph=cuda_graph,
+    )
+
+
+def _bench_point(
+    built: dict[str, variants.Variant],
+    sessions: dict,
+    feeds: dict[str, np.ndarray],
+    module,
+    provider: str,
+    *,
+    io_binding: bool,
+    cuda_graph: bool,
+    budget_s: float,
+) -> dict:
+    """Time every variant at one input size; see :func:`bench_model`."""
+    runners, outputs, errors = {}, {}, {}
+    if module is not None:
+        try:
+            call, get = _eager_runner(module, list(feeds.values()), provider)
+            outputs[EAGER] = get()
+            runners[EAGER] = call
+        except Exception as err:  # e.g. an exported program specialized to one shape
+            errors[EAGER] = _error(err)
+    for name, variant in built.items():
+        if variant.model is None:
+            errors[name] = f"not built: {variant.error}"
+            continue
+        try:
+            if cuda_graph or name not in sessions:  # a CUDA graph is captured for one shape
+                sessions[name] = _session(variant, provider, cuda_graph)
+            call, get = runtime.runner(sessions[name], feeds, io_binding=io_binding or cuda_graph)
+            outputs[name] = get()
+            runners[name] = call
+        except Exception as err:
+            errors[name] = _error(err)
+    reference = EAGER if EAGER in outputs else "ort_raw" if "ort_raw" in outputs else None
+    diffs = {}
+    if reference is not None:
+        for name, out in outputs.items():
+            try:
+                diffs[name] = _max_abs_diff(out, outputs[reference])
+            except (ValueError, TypeError) as err:  # different output count or shape
+                diffs[name] = None
+                errors.setdefault(name, f"outputs differ in structure: {err}")
+    timings = time_interleaved(runners, budget_s=budget_s) if runners else {}
+    return {
+        "inputs": {k: list(v.shape) for k, v in feeds.items()},
+        "latency_ms": {k: t.to_dict() for k, t in timings.items()},
+        "errors": errors,
+        "ratio_to_normexport": _ratios(timings, variants.REFERENCE_VARIANT),
+        "ratio_to_eager": _ratios(timings, EAGER),
+        "reference": reference,
+        "max_abs_diff": diffs,
+        "normexport_vs_best": _vs_best(timings),
+    }
+
+
+def _ratios(timings: dict[str, Timing], base: str) -> dict[str, dict]:
+    if base not in timings:
+        return {}
+    return {k: paired_ratio(t, timings[base]).to_dict() for k, t in timings.items() if k != base}
+
+
+def _vs_best(timings: dict[str, Timing]) -> dict | None:
+    """normexport against the fastest other optimizer's variant: ratio and whether it is within
+    the spread (the ratio's 95% interval reaches 1 or below)."""
+    ref = variants.REFERENCE_VARIANT
+    others = {k: t for k, t in timings.items() if k in variants.VARIANTS and k != ref}
+    if ref not in timings or not others:
+        return None
+    best = min(others, key=lambda k: others[k].median_ms)
+    ratio = paired_ratio(timings[ref], others[best])
+    return {"best_other": best, "ratio": ratio.to_dict(), "within_spread": ratio.ci_low <= 1.0}
+
+
+def _norm_input_shapes(model: bytes, feeds, provider: str) -> tuple[ir.Model, ir.Node, dict]:
+    """normexport's model, its first fused norm node, and that node's input shapes (probed by
+    running a copy of the model with the node's inputs added as graph outputs)."""
+    copy = ir.from_proto(onnx.load_from_string(model))
+    node = next((n for n in copy.graph if n.op_type in FUSED_NORMS), None)
+    if node is None:
+        return copy, None, {}
+    probed = [
+        v for v in node.inputs if v is not None and ir.convenience.get_const_tensor(v) is None
+    ]
+    extra = [v for v in probed if not v.is_graph_output() and not v.is_graph_input()]
+    copy.graph.outputs.extend(extra)
+    session = runtime.make_session(copy, provider, spinning=False)
+    names = [o.name for o in session.get_outputs()]
+    arrays = dict(zip(names, runtime.run(session, feeds), strict=True)) | feeds
+    for value in extra:
+        copy.graph.outputs.remove(value)
+    return copy, node, {v.name: tuple(arrays[v.name].shape) for v in probed}
+
+
+def norm_floor(model: bytes, feeds: dict[str, np.ndarray], provider: str, budget_s: float = 3.0):
+    """Time the first fused norm of ``model`` alone and one Relu over its input tensor.
+
+    Both run with IO binding on ``provider``, interleaved. Relu reads the tensor once and
+    writes it once, the least any op over it can do: ``norm_over_floor`` says how far the norm
+    is from that memory-bound limit.
+
+    Returns:
+        ``{"node", "op", "shape", "norm_ms", "elementwise_ms", "norm_over_floor"}`` (timings as
+        :class:`normexport.latency.Timing` dicts, ms), or None when the model has no fused norm.
+    """
+    copy, node, shapes = _norm_input_shapes(model, feeds, provider)
+    if node is None:
+        return None
+    x = node.inputs[0].name
+    shape = shapes[x]
+    single = variants.isolate_node(copy, node, shapes)
+    rng = np.random.default_rng(0)
+    norm_feeds = {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+    relu = variants.op_model("Relu", shape)
+    runners = {}
+    for name, m, f in (
+        ("norm", single, norm_feeds),
+        ("elementwise", relu, {"x": norm_feeds[x]}),
+    ):
+        session = runtime.make_session(m, provider, spinning=False)
+        runners[name] = runtime.runner(session, f, io_binding=True)[0]
+    t = time_interleaved(runners, budget_s=budget_s)
+    ratio = paired_ratio(t["norm"], t["elementwise"])
+    return {
+        "node": node.name,
+        "op": node.op_type,
+        "shape": list(shape),
+        "provider": runtime.PROVIDERS[provider][0],
+        "norm_ms": t["norm"].to_dict(),
+        "elementwise_ms": t["elementwise"].to_dict(),
+        "norm_over_floor": ratio.to_dict(),
+    }
+
+
+def fmt_ratio(r: dict | None) -> str:
+    if not r:
+        return "-"
+    return f"{r['median']:.2f}x [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+
+
+def render(result: dict, console: Console) -> None:
+    """Print one table per point, then the floor."""
+    m = result["machine"]
+    where = m.get("gpu") or f"{m['cpu']}, {m['cpu_cores_visible']} cores"
+    settings = result["settings"]
+    console.print(
+        f"[bold]{result.get('model', '')}[/] on [bold]{result['provider']}[/] ({where}); "
+        f"io_binding={settings['io_binding']}, cuda_graph={settings['cuda_graph']}"
+    )
+    for name, v in result["variants"].items():
+        if not v["built"]:
+            console.print(f"[red]{name} not built[/]: {v['error']}")
+            continue
+        ops = ", ".join(f"{k} {n}" for k, n in v["norm_ops"].items()) or "no norm ops"
+        ran = v.get("ort_ran_norm_ops")
+        ran = "?" if ran is None else ", ".join(f"{k} {n}" for k, n in ran.items()) or "none"
+        console.print(f"  {name}: {v['nodes']} nodes, {ops}; ORT ran: {ran}")
+    for point in result["points"]:
+        title = ", ".join(f"{k} {v}" for k, v in point["inputs"].items())
+        table = Table(
+            title=f"{title}: ms per call (median [95% CI], p90, min-max); ratios > 1: slower",
+            title_justify="left",
+        )
+        cols = ("variant", "median", "p90", "min-max", "÷ normexport", "÷ eager", "max |Δ|")
+        for col in cols:
+            table.add_column(col, justify="left" if col == "variant" else "right")
+        for name, t in point["latency_ms"].items():
+            diff = point["max_abs_diff"].get(name)
+            table.add_row(
+                name,
+                f"{t['median_ms']:.3f} [{t['ci_low_ms']:.3f}, {t['ci_high_ms']:.3f}]",
+                f"{t['p90_ms']:.3f}",
+                f"{t['min_ms']:.3f}-{t['max_ms']:.3f}",
+                fmt_ratio(point["ratio_to_normexport"].get(name)),
+                fmt_ratio(point["ratio_to_eager"].get(name)),
+                "-" if diff is None else f"{diff:.2g}",
+            )
+        console.print(table)
+        for name, err in point["errors"].items():
+            console.print(f"[red]{name}[/]: {err}")
+    floor = result.get("floor")
+    if floor and "error" in floor:
+        console.print(f"[red]floor not measured[/]: {floor['error']}")
+    elif floor:
+        console.print(
+            f"floor: {floor['op']} over {floor['shape']} takes "
+            f"{floor['norm_ms']['median_ms']:.3f} ms, one Relu over it "
+            f"{floor['elementwise_ms']['median_ms']:.3f} ms: "
+            f"{fmt_ratio(floor['norm_over_floor'])} the memory-bound floor"
+        )
+
+
+def write_json(result: dict, path: Path) -> None:
+    """Write ``result`` as JSON (atomically)."""
+    from normexport import report
+
+    report.write_json(result, path)
+
+
+def write_chart(result: dict, path: Path, title: str | None = None) -> None:
+    """Latency (median, 95% CI as error bars) against batch, one line per variant; one panel
+    per sequence length. Log-log axes, provider in the axis label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = list(dict.fromkeys(p["seq"] for p in result["points"]))
+    fig, axes = plt.subplots(1, len(seqs), figsize=(5.5 * len(seqs), 4), squeeze=False)
+    names = list(dict.fromkeys(k for p in result["points"] for k in p["latency_ms"]))
+    for ax, seq in zip(axes[0], seqs, strict=True):
+        pts = [p for p in result["points"] if p["seq"] == seq]
+        for name in names:
+            xs, ys, lo, hi = [], [], [], []
+            for p in pts:
+                t = p["latency_ms"].get(name)
+                if t is None:
+                    continue
+                xs.append(p["batch"] or p["inputs"][next(iter(p["inputs"]))][0])
+                ys.append(t["median_ms"])
+                lo.append(t["median_ms"] - t["ci_low_ms"])
+                hi.append(t["ci_high_ms"] - t["median_ms"])
+            style = {"linewidth": 2.5, "color": "black"} if name == "normexport" else {}
+            ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel(f"ms per call (median, 95% CI), {result['provider']}")
+        ax.set_title(
+            (title or Path(result.get("model", "")).name) + (f", seq {seq}" if seq else "")
+        )
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

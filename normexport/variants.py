@@ -1,0 +1,440 @@
+"""The models that a latency comparison puts side by side, and the exact forms of a fused norm.
+
+Three things live here, all graph building (sessions are made by :mod:`normexport.runtime`):
+
+1. :func:`build_variants`: one exported model as each optimizer leaves it (:data:`VARIANTS`);
+   a variant that fails to build is kept with its error, so one broken optimizer never stops
+   the comparison.
+2. :func:`exact_forms`: an optimized model with its fused norms rewritten into the other
+   exact forms ONNX Runtime can run (RMSNormalization <-> SimplifiedLayerNormalization,
+   SkipLayerNormalization -> Add + LayerNormalization), for :mod:`normexport.autotune`.
+3. :func:`op_model` and :func:`isolate_node`: one-op models for the forms microbenchmark and for
+   the elementwise floor (one read, one write of the tensor: the memory-bound limit).
+
+Op definitions: ONNX operators (onnx.ai/onnx/operators: LayerNormalization since opset 17,
+RMSNormalization since opset 23) and ONNX Runtime's contrib operators
+(onnxruntime/docs/ContribOperators.md: SkipLayerNormalization,
+SkipSimplifiedLayerNormalization in com.microsoft; SimplifiedLayerNormalization, which ORT
+registers in the default domain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+import fusion
+from fusion._ir import opset_version, remove_nodes, replace_output
+from normexport import runtime
+
+#: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
+#: session, what a user deploying that file gets.
+VARIANTS = {
+    "ort_raw": "the raw export as is; ORT applies its session optimizations (ORT_ENABLE_ALL)",
+    "ort_offline": "the raw export after ORT_ENABLE_ALL, written out with "
+    "optimized_model_filepath and loaded with optimizations off (ORT's offline mode)",
+    "onnxscript_ort": "onnxscript.rewriter.ort_fusions.optimize_for_ort, then ORT_ENABLE_ALL",
+    "ort_transformers": "onnxruntime.transformers.optimizer.optimize_model (model_type bert, "
+    "Python fusions only, opt_level 0), then ORT_ENABLE_ALL",
+    "normexport": "normexport's fusion.optimize, then ORT_ENABLE_ALL",
+}
+
+#: The variant the others are compared with.
+REFERENCE_VARIANT = "normexport"
+
+
+@dataclasses.dataclass
+class Variant:
+    """One variant of a model.
+
+    Attributes:
+        name: a key of :data:`VARIANTS`.
+        model: serialized ONNX, or None when building failed.
+        optimization_level: the ORT session optimization level to run it under.
+        error: why it could not be built (``"ExcType: message"``), or None.
+        build_s: seconds the optimizer took.
+        nodes: node count of the main graph.
+        norm_ops: normalization op counts (see :func:`fusion.norm_ops`).
+        details: what the optimizer said it did (fusion counts), when it says.
+        description: what it is (default: from :data:`VARIANTS`).
+    """
+
+    name: str
+    model: bytes | None
+    optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    error: str | None = None
+    build_s: float = 0.0
+    nodes: int = 0
+    norm_ops: dict[str, int] = dataclasses.field(default_factory=dict)
+    details: dict = dataclasses.field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self):
+        self.description = self.description or VARIANTS.get(self.name, "")
+
+    @classmethod
+    def extra(cls, name: str, model: bytes, description: str) -> Variant:
+        """A model of the caller's own to time beside the built variants (ORT_ENABLE_ALL)."""
+        loaded = _copy(model)
+        return cls(
+            name,
+            model,
+            nodes=len(loaded.graph),
+            norm_ops=fusion.norm_ops(loaded),
+            description=description,
+        )
+
+    def to_dict(self) -> dict:
+        """JSON-ready summary (without the model bytes)."""
+        return {
+            "description": self.description,
+            "session_optimization": self.optimization_level.name,
+            "built": self.model is not None,
+            "error": self.error,
+            "build_s": self.build_s,
+            "nodes": self.nodes,
+            "norm_ops": self.norm_ops,
+            "details": self.details,
+        }
+
+
+def _copy(model_bytes: bytes) -> ir.Model:
+    return ir.from_proto(onnx.load_from_string(model_bytes))
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Keep the optimizers' progress logs and prints off the user's terminal."""
+    loggers = [logging.getLogger(n) for n in ("onnxscript", "onnxruntime", "fusion")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _ort_offline(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "ort_optimized.onnx"
+        runtime.make_session(raw, provider, optimized_model_path=str(path))
+        return path.read_bytes(), {}
+
+
+def _onnxscript_ort(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
+    from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+    model, counts = optimize_for_ort(_copy(raw))
+    return ir.to_proto(model).SerializeToString(), {k: v for k, v in counts.items() if v}
+
+
+def _ort_transformers(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
+    # onnxruntime.transformers puts its own folder on sys.path, whose `models` package would
+    # then shadow a user's `models` (e.g. for --model-class): put sys.path back afterwards.
+    saved = sys.path[:]
+    try:
+        from onnxruntime.transformers.optimizer import optimize_model
+
+        optimized = optimize_model(
+            onnx.load_from_string(raw), model_type="bert", opt_level=0, use_gpu=provider == "cuda"
+        )
+    finally:
+        sys.path[:] = saved
+    counts = optimized.get_fused_operator_statistics()
+    return optimized.model.SerializeToString(), {k: v for k, v in counts.items() if v}
+
+
+def _normexport(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
+    model = _copy(raw)
+    report = fusion.optimize(model, target=target)
+    fusion.check(model)
+    counts = {k: v for k, v in report.to_dict().items() if k in fusion.FUSION_KINDS and v}
+    return ir.to_proto(model).SerializeToString(), counts
+
+
+_BUILDERS: dict[str, Callable[[bytes, str, str], tuple[bytes, dict]]] = {
+    "ort_raw": lambda raw, provider, target: (raw, {}),
+    "ort_offline": _ort_offline,
+    "onnxscript_ort": _onnxscript_ort,
+    "ort_transformers": _ort_transformers,
+    "normexport": _normexport,
+}
+
+
+def build_variants(
+    raw: ir.Model | bytes, provider: str, *, target: str = "ort", only: list[str] | None = None
+) -> dict[str, Variant]:
+    """Build every variant of :data:`VARIANTS` (or those in ``only``) from the raw export.
+
+    Args:
+        raw: the model before any optimizer (not changed).
+        provider: ``"cpu"`` or ``"cuda"``: ORT's session optimizations, and the transformer
+            optimizer's ``use_gpu``, depend on it.
+        target: normexport's ``fusion.optimize`` target.
+        only: variant names to build, in that order (default: all).
+
+    Returns:
+        name -> :class:`Variant`; a failed build has ``model=None`` and ``error`` set.
+    """
+    raw_bytes = raw if isinstance(raw, bytes) else ir.to_proto(raw).SerializeToString()
+    out = {}
+    for name in only or list(VARIANTS):
+        if name not in VARIANTS:
+            raise ValueError(f"unknown variant {name!r}: choose from {list(VARIANTS)}")
+        start = time.perf_counter()
+        try:
+            with _quiet():
+                model, details = _BUILDERS[name](raw_bytes, provider, target)
+        except Exception as err:  # a broken optimizer is a result, not a crash
+            out[name] = Variant(name, None, error=f"{type(err).__name__}: {err}".strip())
+            continue
+        loaded = _copy(model)
+        out[name] = Variant(
+            name,
+            model,
+            optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            if name == "ort_offline"
+            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+            build_s=time.perf_counter() - start,
+            nodes=len(loaded.graph),
+            norm_ops=fusion.norm_ops(loaded),
+            details=details,
+        )
+    return out
+
+
+# --- exact forms ---------------------------------------------------------------------------
+
+MS_DOMAIN = "com.microsoft"
+
+
+def _rms_to_simplified(model: ir.Model, node: ir.Node) -> bool:
+    if node.op_type != "RMSNormalization" or node.domain != "":
+        return False
+    _swap_op(model, node, "SimplifiedLayerNormalization")
+    return True
+
+
+def _simplified_to_rms(model: ir.Model, node: ir.Node) -> bool:
+    if node.op_type != "SimplifiedLayerNormalization" or opset_version(model) < 23:
+        return False
+    if len(node.outputs) > 1 and node.outputs[1].uses():  # RMSNormalization has no inv_std out
+        return False
+    _swap_op(model, node, "RMSNormalization")
+    return True
+
+
+def _swap_op(model: ir.Model, node: ir.Node, op_type: str) -> None:
+    """Replace ``node`` by ``op_type`` with the same inputs and attributes (axis, epsilon,
+    stash_type: the same math for RMSNormalization and SimplifiedLayerNormalization)."""
+    new = ir.node(
+        op_type, list(node.inputs), dict(node.attributes), name=f"{node.name}_as_{op_type}"
+    )
+    model.graph.insert_before(node, new)
+    replace_output(model.graph, node.outputs[0], new.outputs[0])
+    remove_nodes(model.graph, [node])
+
+
+def _split_skip(model: ir.Model, node: ir.Node) -> bool:
+    """SkipLayerNormalization(x, skip, gamma[, beta[, bias]]) -> Add(Add(x, skip), bias) then
+    LayerNormalization(axis -1); the Simplified one -> Add then SimplifiedLayerNormalization (or
+    RMSNormalization at opset 23). Output 3 (input + skip + bias) is the sum."""
+    if node.domain != MS_DOMAIN or node.op_type not in (
+        "SkipLayerNormalization",
+        "SkipSimplifiedLayerNormalization",
+    ):
+        return False
+    if any(v.uses() or v.is_graph_output() for v in node.outputs[1:3]):
+        return False  # mean / inv_std outputs have no counterpart in the split form
+    simplified = node.op_type == "SkipSimplifiedLayerNormalization"
+    x, skip, gamma, *rest = list(node.inputs) + [None] * 3
+    beta, bias = (None, rest[0]) if simplified else (rest[0], rest[1])
+    graph = model.graph
+    new = [ir.node("Add", [x, skip])]
+    if bias is not None:
+        new.append(ir.node("Add", [new[-1].outputs[0], bias]))
+    total = new[-1].outputs[0]
+    eps = node.attributes.get_float("epsilon", 1e-5 if not simplified else 1e-6)
+    if simplified:
+        op = "RMSNormalization" if opset_version(model) >= 23 else "SimplifiedLayerNormalization"
+        new.append(ir.node(op, [total, gamma], {"axis": -1, "epsilon": eps}))
+    else:
+        inputs = [total, gamma] + ([beta] if beta is not None else [])
+        new.append(ir.node("LayerNormalization", inputs, {"axis": -1, "epsilon": eps}))
+    for n in new:
+        graph.insert_before(node, n)
+    replace_output(graph, node.outputs[0], new[-1].outputs[0])
+    if len(node.outputs) > 3 and (node.outputs[3].uses() or node.outputs[3].is_graph_output()):
+        replace_output(graph, node.outputs[3], total)
+    remove_nodes(graph, [node])
+    return True
+
+
+#: Exact form name -> node rewrite (returns True when it changed the node). Each rewrite keeps
+#: the function; only the op that computes it changes.
+FORMS: dict[str, Callable[[ir.Model, ir.Node], bool]] = {
+    "rms_as_SimplifiedLayerNormalization": _rms_to_simplified,
+    "rms_as_RMSNormalization": _simplified_to_rms,
+    "skip_split": _split_skip,
+}
+
+
+def exact_forms(model: ir.Model | bytes, *, target: str = "ort") -> dict[str, bytes]:
+    """``model`` and the exact alternative forms of its fused norms, serialized.
+
+    Args:
+        model: an optimized model (not changed).
+        target: ``"onnx"`` leaves out forms that use ONNX Runtime's own ops.
+
+    Returns:
+        ``{"as_built": model, form: rewritten model, ...}``, only the forms that changed at
+        least one node (see :data:`FORMS`).
+    """
+    data = model if isinstance(model, bytes) else ir.to_proto(model).SerializeToString()
+    out = {"as_built": data}
+    for name, rewrite in FORMS.items():
+        if target == "onnx" and name == "rms_as_SimplifiedLayerNormalization":
+            continue
+        copy = _copy(data)
+        changed = [rewrite(copy, node) for node in list(copy.graph)]
+        if any(changed):
+            out[name] = ir.to_proto(copy).SerializeToString()
+    return out
+
+
+# --- one-op models -------------------------------------------------------------------------
+
+#: Microbenchmark forms: name -> (nodes as (op, domain, input names, attributes), opset).
+#: Inputs ``x`` and ``skip`` are activations; ``gamma``, ``beta`` are parameters of the last
+#: axis. ``Relu`` is the elementwise floor (one read, one write); ``Add`` reads two.
+OP_FORMS: dict[str, tuple[list[tuple[str, str, list[str], dict]], int]] = {
+    "Relu": ([("Relu", "", ["x"], {})], 17),
+    "Add": ([("Add", "", ["x", "skip"], {})], 17),
+    "LayerNormalization": ([("LayerNormalization", "", ["x", "gamma", "beta"], {})], 17),
+    "RMSNormalization": ([("RMSNormalization", "", ["x", "gamma"], {})], 23),
+    "SimplifiedLayerNormalization": (
+        [("SimplifiedLayerNormalization", "", ["x", "gamma"], {})],
+        17,
+    ),
+    "SkipLayerNormalization": (
+        [("SkipLayerNormalization", MS_DOMAIN, ["x", "skip", "gamma", "beta"], {})],
+        17,
+    ),
+    "Add+LayerNormalization": (
+        [("Add", "", ["x", "skip"], {}), ("LayerNormalization", "", ["@", "gamma", "beta"], {})],
+        17,
+    ),
+    "SkipSimplifiedLayerNormalization": (
+        [("SkipSimplifiedLayerNormalization", MS_DOMAIN, ["x", "skip", "gamma"], {})],
+        17,
+    ),
+    "Add+SimplifiedLayerNormalization": (
+        [("Add", "", ["x", "skip"], {}), ("SimplifiedLayerNormalization", "", ["@", "gamma"], {})],
+        17,
+    ),
+    "Add+RMSNormalization": (
+        [("Add", "", ["x", "skip"], {}), ("RMSNormalization", "", ["@", "gamma"], {})],
+        23,
+    ),
+}
+
+
+def _float_input(name: str, shape: tuple[int, ...], dtype=ir.DataType.FLOAT) -> ir.Value:
+    return ir.Value(name=name, shape=ir.Shape(shape), type=ir.TensorType(dtype))
+
+
+def _const(name: str, array: np.ndarray) -> ir.Value:
+    return ir.Value(
+        name=name,
+        shape=ir.Shape(array.shape),
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        const_value=ir.tensor(array, name=name),
+    )
+
+
+def _model(
+    graph_inputs: list[ir.Value], nodes: list[ir.Node], params: list[ir.Value], opset: int
+) -> bytes:
+    """Serialized model of ``nodes`` whose last node's first output is the graph output."""
+    output = nodes[-1].outputs[0]
+    output.name = "y"
+    imports = {"": opset}
+    if any(n.domain == MS_DOMAIN for n in nodes):
+        imports[MS_DOMAIN] = 1
+    graph = ir.Graph(
+        graph_inputs, [output], nodes=nodes, initializers=params, opset_imports=imports
+    )
+    return ir.to_proto(ir.Model(graph, ir_version=10 if opset < 23 else 11)).SerializeToString()
+
+
+def op_model(form: str, shape: tuple[int, ...], *, eps: float = 1e-5, seed: int = 0) -> bytes:
+    """A model that computes one :data:`OP_FORMS` form over float32 ``x`` of ``shape``
+    (norms over the last axis, with random ``gamma`` / ``beta``); inputs ``x`` (and ``skip``)."""
+    ops, opset = OP_FORMS[form]
+    rng = np.random.default_rng(seed)
+    hidden = shape[-1]
+    wanted = {name for _, _, names, _ in ops for name in names}
+    inputs = [_float_input(n, shape) for n in ("x", "skip") if n in wanted]
+    params = [
+        _const(k, a.astype(np.float32))
+        for k, a in (
+            ("gamma", 1 + 0.5 * rng.standard_normal(hidden)),
+            ("beta", 0.1 * rng.standard_normal(hidden)),
+        )
+        if k in wanted
+    ]
+    values = {v.name: v for v in (*inputs, *params)}
+    nodes: list[ir.Node] = []
+    for op, domain, names, attrs in ops:
+        args = [nodes[-1].outputs[0] if n == "@" else values[n] for n in names]
+        if op not in ("Relu", "Add"):
+            # The Skip* contrib ops always normalize the last axis and take no axis attribute.
+            attrs = ({} if domain == MS_DOMAIN else {"axis": -1}) | {"epsilon": eps} | attrs
+        nodes.append(ir.node(op, args, attrs, domain=domain))
+    return _model(inputs, nodes, params, opset)
+
+
+def op_inputs(form: str, shape: tuple[int, ...], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 feeds for :func:`op_model` ``(form, shape)``."""
+    rng = np.random.default_rng(seed)
+    names = {n for _, _, ns, _ in OP_FORMS[form][0] for n in ns} & {"x", "skip"}
+    return {n: rng.standard_normal(shape).astype(np.float32) for n in sorted(names, reverse=True)}
+
+
+def isolate_node(model: ir.Model, node: ir.Node, shapes: dict[str, tuple[int, ...]]) -> bytes:
+    """A model holding only ``node`` (first output), its constant inputs copied, its other
+    inputs made float graph inputs of the given concrete ``shapes`` (by value name)."""
+    graph_inputs, params, args = [], [], []
+    for i, value in enumerate(node.inputs):
+        if value is None:
+            args.append(None)
+            continue
+        name = value.name or f"input_{i}"
+        tensor = ir.convenience.get_const_tensor(value)
+        if tensor is not None and not value.is_graph_input():
+            params.append(_const(name, tensor.numpy()))
+            args.append(params[-1])
+        else:
+            graph_inputs.append(
+                _float_input(name, shapes[value.name], value.dtype or ir.DataType.FLOAT)
+            )
+            args.append(graph_inputs[-1])
+    copy = ir.node(
+        node.op_type, args, dict(node.attributes), domain=node.domain, name=node.name or "norm"
+    )
+    return _model(graph_inputs, [copy], params, opset_version(model))

@@ -1,0 +1,278 @@
+"""``normexport bench``, its variants, IO-binding runs, the floor, and autotune: structure only
+(keys, ratios, provider labels, the CPU-fallback line, files written). No timed assertions."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+from torch import nn
+
+from normexport import autotune, bench, cli, runtime, variants
+from normexport.errors import UsageError
+from normexport.export import export_module
+
+HIDDEN = 16
+
+
+class ResidualLayerNorm(nn.Module):
+    """Two blocks ``h = h + LayerNorm(h)``, the LayerNorm written by hand."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(1 + 0.5 * torch.randn(2, HIDDEN))
+        self.b = nn.Parameter(0.1 * torch.randn(2, HIDDEN))
+
+    def forward(self, h):
+        for i in range(2):
+            mean = h.mean(-1, keepdim=True)
+            var = ((h - mean) ** 2).mean(-1, keepdim=True)
+            h = h + (h - mean) / torch.sqrt(var + 1e-5) * self.w[i] + self.b[i]
+        return h
+
+
+def raw_export(dynamic: bool = True) -> tuple[ir.Model, dict[str, np.ndarray], nn.Module]:
+    module = ResidualLayerNorm().eval()
+    x = np.random.default_rng(0).standard_normal((2, 4, HIDDEN)).astype(np.float32)
+    axes = {"h": {0: "batch", 1: "sequence"}} if dynamic else None
+    exported = export_module(module, [torch.from_numpy(x)], input_names=["h"], dynamic_axes=axes)
+    return exported.model, {"h": x}, module
+
+
+@pytest.fixture(scope="module")
+def small_bench() -> dict:
+    raw, example, module = raw_export()
+    return bench.bench_model(raw, example, module=module, batches=[1, 3], seqs=[None], budget_s=0.2)
+
+
+# --- runtime ---------------------------------------------------------------------------------
+
+
+def test_bound_run_matches_plain_run_and_keeps_outputs():
+    raw, example, _ = raw_export()
+    session = runtime.make_session(raw, "cpu", spinning=False)
+    plain = runtime.run(session, example)
+    run_once, outputs = runtime.runner(session, example, io_binding=True)
+    run_once()
+    np.testing.assert_array_equal(outputs()[0], plain[0])
+    run_plain, outputs_plain = runtime.runner(session, example, io_binding=False)
+    np.testing.assert_array_equal(outputs_plain()[0], plain[0])
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(ValueError, match="cuda_graph"):
+        runtime.make_session(variants.op_model("Relu", (2, 2)), "cpu", cuda_graph=True)
+
+
+def test_auto_without_cuda_says_so_in_one_line(monkeypatch):
+    def no_cuda(model, provider, **kwargs):
+        raise runtime.ProviderUnavailable("CUDAExecutionProvider did not load")
+
+    monkeypatch.setattr(runtime, "make_session", no_cuda)
+    provider, note = runtime.resolve_provider("auto")
+    assert provider == "cpu"
+    assert note == "CUDA was not available (the CUDA provider did not load): ran on CPU"
+    with pytest.raises(UsageError, match="--provider cuda"):
+        bench._provider("cuda")
+
+
+# --- inputs and arguments ------------------------------------------------------------------
+
+
+def test_resize_inputs_repeats_the_example_cyclically():
+    ids = np.arange(6, dtype=np.int64).reshape(2, 3)
+    image = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)
+    out = bench.resize_inputs({"ids": ids, "image": image}, batch=3, seq=5)
+    np.testing.assert_array_equal(out["ids"], [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4], [0, 1, 2, 0, 1]])
+    assert out["image"].shape == (3, 5, 2, 2)  # axis 1 of every input of rank >= 2
+    assert bench.resize_inputs({"v": np.arange(4)}, batch=2, seq=7)["v"].tolist() == [0, 1]
+    assert bench.resize_inputs({"ids": ids}, None, None)["ids"].shape == (2, 3)
+
+
+def test_parser_and_size_errors():
+    args = bench.build_parser().parse_args(["m.pt", "--batch", "1,8", "--seq", "16", "--debug"])
+    assert (args.batch, args.seq, args.io_binding, args.debug) == ("1,8", "16", None, True)
+    assert bench._sizes("1,8,64", "--batch") == [1, 8, 64]
+    assert bench._sizes(None, "--seq") == [None]
+    for bad in ("1,x", "0,2"):
+        with pytest.raises(UsageError, match="--batch"):
+            bench._sizes(bad, "--batch")
+
+
+# --- variants --------------------------------------------------------------------------------
+
+
+def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch):
+    raw, _, _ = raw_export()
+
+    def broken(raw, provider, target):
+        raise RuntimeError("optimizer exploded")
+
+    monkeypatch.setitem(variants._BUILDERS, "onnxscript_ort", broken)
+    built = variants.build_variants(raw, "cpu")
+    assert list(built) == list(variants.VARIANTS)
+    assert built["onnxscript_ort"].model is None
+    assert built["onnxscript_ort"].error == "RuntimeError: optimizer exploded"
+    assert built["normexport"].norm_ops == {"LayerNormalization": 2}
+    assert built["ort_raw"].norm_ops == {}
+    assert built["ort_offline"].to_dict()["session_optimization"] == "ORT_DISABLE_ALL"
+    assert built["normexport"].to_dict()["session_optimization"] == "ORT_ENABLE_ALL"
+    with pytest.raises(ValueError, match="unknown variant"):
+        variants.build_variants(raw, "cpu", only=["nope"])
+
+
+@pytest.mark.parametrize("form", list(variants.OP_FORMS))
+def test_op_forms_load_and_run(form):
+    session = runtime.make_session(variants.op_model(form, (2, 3, 8)), "cpu")
+    (y,) = runtime.run(session, variants.op_inputs(form, (2, 3, 8)))
+    assert y.shape == (2, 3, 8) and np.isfinite(y).all()
+
+
+def _outputs(model: bytes, feeds, disabled=()) -> np.ndarray:
+    session = runtime.make_session(model, "cpu", disabled_optimizers=disabled)
+    return runtime.run(session, feeds)[0]
+
+
+@pytest.mark.parametrize(
+    ("form", "expected"),
+    [
+        ("SkipLayerNormalization", {"as_built", "skip_split"}),
+        ("SkipSimplifiedLayerNormalization", {"as_built", "skip_split"}),
+        ("RMSNormalization", {"as_built", "rms_as_SimplifiedLayerNormalization"}),
+        ("Add+SimplifiedLayerNormalization", {"as_built"}),  # opset 17: no RMSNormalization
+    ],
+)
+def test_exact_forms_compute_the_same(form, expected):
+    shape = (2, 3, 8)
+    feeds = variants.op_inputs(form, shape)
+    forms = variants.exact_forms(variants.op_model(form, shape))
+    assert set(forms) == expected
+    ref = _outputs(forms["as_built"], feeds)
+    for model in forms.values():
+        np.testing.assert_allclose(_outputs(model, feeds), ref, rtol=1e-5, atol=1e-5)
+    assert set(
+        variants.exact_forms(variants.op_model("RMSNormalization", shape), target="onnx")
+    ) == {"as_built"}
+
+
+# --- bench_model -----------------------------------------------------------------------------
+
+
+def test_bench_model_structure(small_bench):
+    r = small_bench
+    assert r["provider"] == "CPUExecutionProvider" == r["machine"]["provider"]
+    assert "gpu" not in r["machine"]  # a CPU run never names a GPU
+    assert set(r["variants"]) == set(variants.VARIANTS)
+    assert r["variants"]["normexport"]["ort_ran_norm_ops"] is not None
+    assert [p["inputs"]["h"] for p in r["points"]] == [[1, 4, HIDDEN], [3, 4, HIDDEN]]
+    for p in r["points"]:
+        assert set(p["latency_ms"]) == {bench.EAGER, *variants.VARIANTS}
+        assert p["errors"] == {}
+        assert p["reference"] == bench.EAGER
+        assert set(p["ratio_to_normexport"]) == {bench.EAGER, *variants.VARIANTS} - {"normexport"}
+        assert set(p["ratio_to_eager"]) == set(variants.VARIANTS)
+        assert all(d < 1e-4 for d in p["max_abs_diff"].values())
+        vs = p["normexport_vs_best"]
+        assert vs["best_other"] in variants.VARIANTS and vs["best_other"] != "normexport"
+        assert vs["within_spread"] == (vs["ratio"]["ci_low"] <= 1.0)
+        for t in p["latency_ms"].values():
+            assert t["min_ms"] <= t["median_ms"] <= t["p90_ms"] <= t["max_ms"]
+            assert t["ci_low_ms"] <= t["median_ms"] <= t["ci_high_ms"]
+        for ratio in p["ratio_to_normexport"].values():
+            assert ratio["ci_low"] <= ratio["median"] <= ratio["ci_high"]
+
+
+def test_best_other_is_the_fastest_other_optimizer(small_bench):
+    for p in small_bench["points"]:
+        others = {
+            k: t["median_ms"]
+            for k, t in p["latency_ms"].items()
+            if k in variants.VARIANTS and k != "normexport"
+        }
+        assert p["normexport_vs_best"]["best_other"] == min(others, key=others.get)
+
+
+def test_floor_compares_the_fused_norm_with_one_elementwise_op(small_bench):
+    floor = small_bench["floor"]
+    assert floor["op"] == "LayerNormalization"
+    assert floor["shape"] == [1, 4, HIDDEN]
+    assert floor["provider"] == "CPUExecutionProvider"
+    assert {"norm_ms", "elementwise_ms", "norm_over_floor"} <= set(floor)
+
+
+def test_a_variant_that_fails_to_run_is_recorded_not_fatal():
+    raw, example, module = raw_export(dynamic=False)  # batch fixed at 2
+    r = bench.bench_model(raw, example, module=module, batches=[3], floor=False, budget_s=0.1)
+    p = r["points"][0]
+    assert set(p["errors"]) == set(variants.VARIANTS)  # ORT refuses batch 3
+    assert set(p["latency_ms"]) == {bench.EAGER}  # eager still timed
+    assert p["ratio_to_normexport"] == {} and p["normexport_vs_best"] is None
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    path = tmp_path / "stack.pt"
+    torch.save(ResidualLayerNorm().eval(), path)
+    return path
+
+
+def test_cli_bench_writes_json_and_chart(tmp_path, model_file, capsys, monkeypatch):
+    monkeypatch.setattr(
+        runtime,
+        "resolve_provider",
+        lambda requested: ("cpu", "CUDA was not available (the CUDA provider did not load): "
+                           "ran on CPU"),
+    )  # fmt: skip
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    code = cli.main(
+        ["bench", str(model_file), "--trust-pickle", "--input-shape", f"2,4,{HIDDEN}"]
+        + ["--batch", "1,2", "--seq", "4,8", "--budget", "0.4", "--variants", "ort_raw,normexport"]
+        + ["--json", str(out_json), "--chart", str(out_png)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.count("CUDA was not available") == 1
+    r = json.loads(out_json.read_text())
+    assert r["provider"] == "CPUExecutionProvider"
+    assert r["provider_note"].startswith("CUDA was not available")
+    assert [(p["batch"], p["seq"]) for p in r["points"]] == [(1, 4), (2, 4), (1, 8), (2, 8)]
+    assert set(r["variants"]) == {"ort_raw", "normexport"}
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_bench_usage_errors(model_file, capsys):
+    base = ["bench", str(model_file), "--trust-pickle", "--input-shape", f"2,4,{HIDDEN}"]
+    assert cli.main([*base, "--provider", "cpu", "--cuda-graph"]) == 2
+    assert "--cuda-graph needs the CUDA provider, not --provider cpu" in capsys.readouterr().err
+    assert cli.main([*base, "--variants", "bogus"]) == 2
+    assert "--variants" in capsys.readouterr().err
+
+
+# --- autotune --------------------------------------------------------------------------------
+
+
+def test_autotune_picks_among_exact_candidates_and_rejects_inexact_ones():
+    shape = (2, 3, 8)
+    model = variants.op_model("SkipLayerNormalization", shape)
+    cands = autotune.candidates(model)
+    assert list(cands) == ["as_built", "skip_split", "skip_split+no_skip_fusion"]
+    assert cands["skip_split+no_skip_fusion"].disabled_optimizers == (autotune.SKIP_FUSION,)
+    cands["wrong"] = autotune.Candidate(variants.op_model("Add", shape))
+    result = autotune.autotune(cands, variants.op_inputs("Add", shape), budget_s=0.2)
+    assert result.default == "as_built"
+    assert result.best in {"as_built", "skip_split", "skip_split+no_skip_fusion"}
+    assert result.rejected == {"wrong": "outputs differ from the default's beyond the tolerance"}
+    d = result.to_dict()
+    assert d["provider"] == "CPUExecutionProvider"
+    assert set(d["timings_ms"]) == {"as_built", "skip_split", "skip_split+no_skip_fusion"}
+    assert set(d["ratio_to_default"]) == {"skip_split", "skip_split+no_skip_fusion"}
+    if result.best != "as_built":  # switched only when faster beyond the spread
+        assert d["ratio_to_default"][result.best]["ci_high"] < 1.0
+    assert result.model == cands[result.best].model

@@ -1,0 +1,65 @@
+"""Timing statistics: summaries, bootstrap intervals, paired ratios, interleaving. No timed
+assertions: fake samples and call-order checks only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from normexport.latency import Timing, bootstrap_ci, paired_ratio, time_interleaved
+
+
+def test_from_samples_summarizes_in_ms():
+    samples = [5.0, 1.0, 3.0, 2.0, 4.0]
+    t = Timing.from_samples(samples)
+    assert (t.median_ms, t.min_ms, t.max_ms, t.runs) == (3.0, 1.0, 5.0, 5)
+    assert t.p90_ms == pytest.approx(np.percentile(samples, 90))
+    assert t.ci_low_ms <= t.median_ms <= t.ci_high_ms
+    assert t.samples_ms == tuple(samples)  # round order kept
+
+
+def test_to_dict_has_spread_and_no_samples():
+    d = Timing.from_samples([1.0, 2.0, 3.0]).to_dict()
+    assert set(d) == {"median_ms", "p90_ms", "min_ms", "runs", "max_ms", "ci_low_ms", "ci_high_ms"}
+
+
+def test_timing_positional_form_still_works():
+    # The pipeline's report builds Timing(median, p90, min, runs).
+    assert Timing(1.0, 2.0, 0.5, 10).to_dict()["runs"] == 10
+
+
+def test_bootstrap_ci_is_deterministic_and_brackets_the_median():
+    rng = np.random.default_rng(1)
+    s = rng.lognormal(size=200)
+    assert bootstrap_ci(s, seed=3) == bootstrap_ci(s, seed=3)
+    low, high = bootstrap_ci(s)
+    assert low <= np.median(s) <= high
+    assert bootstrap_ci(np.full(50, 2.0)) == (2.0, 2.0)
+
+
+def test_paired_ratio_is_the_median_of_per_round_ratios():
+    a = Timing.from_samples([2.0, 4.0, 6.0, 100.0])
+    b = Timing.from_samples([1.0, 2.0, 3.0, 50.0])  # the machine slowed down in round 4
+    r = paired_ratio(a, b)
+    assert (r.median, r.ci_low, r.ci_high, r.runs) == (2.0, 2.0, 2.0, 4)
+    assert r.significant
+    assert r.to_dict()["significant"] is True
+    same = paired_ratio(b, b)
+    assert same.median == 1.0 and not same.significant
+
+
+def test_paired_ratio_refuses_timings_from_different_runs():
+    with pytest.raises(ValueError, match="same time_interleaved"):
+        paired_ratio(Timing.from_samples([1.0, 2.0]), Timing.from_samples([1.0]))
+    with pytest.raises(ValueError):
+        paired_ratio(Timing(1.0, 1.0, 1.0, 1), Timing(1.0, 1.0, 1.0, 1))
+
+
+def test_time_interleaved_rotates_and_pairs_rounds():
+    calls = []
+    variants = {name: (lambda name=name: calls.append(name)) for name in "abc"}
+    result = time_interleaved(variants, warmup=1, min_runs=3, max_runs=3, budget_s=0.0)
+    assert set(result) == {"a", "b", "c"}
+    assert all(t.runs == 3 and len(t.samples_ms) == 3 for t in result.values())
+    timed = calls[3:]  # after one warm-up round
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
