@@ -24,11 +24,13 @@ from fusion.cleanup import cleanup
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.fuse_skip import FuseSkip
 from fusion.report import FUSION_KINDS, FusionReport, Refusal
 
 __all__ = [
     "FUSION_KINDS",
     "TARGETS",
+    "FuseSkip",
     "FusionReport",
     "Refusal",
     "check",
@@ -56,32 +58,37 @@ NORM_OPS = (
 )
 
 
-def optimize(model: ir.Model, *, target: str = "ort") -> FusionReport:
+def optimize(model: ir.Model, *, target: str = "ort", skip: bool = False) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
     Runs: exact clean-up (constant folding, CSE, dead nodes), FoldBatchNorm, FuseLayerNorm,
-    FuseRMSNorm, clean-up again. The model's opset is never raised: an op is only emitted where
-    the model's opset (or, for ``target="ort"``, ONNX Runtime's com.microsoft domain) has it.
+    FuseRMSNorm, optionally FuseSkip, clean-up again. The model's opset is never raised: an op
+    is only emitted where the model's opset (or, for ``target="ort"``, ONNX Runtime) has it.
 
     Args:
         model: the model, changed in place.
         target: one of :data:`TARGETS`.
+        skip: also fuse residual Add + norm into com.microsoft Skip(Simplified)LayerNormalization.
+            A speed choice per execution provider, not an exactness one: on ORT 1.31's CPU
+            provider SkipLayerNormalization is 2.4-3.6x slower than Add + LayerNormalization
+            (``benchmarks/results/forms_cpu.json``). Needs ``target="ort"``.
 
     Returns:
         What was fused, and what was refused with the reason.
 
     Raises:
-        ValueError: ``target`` is not one of :data:`TARGETS`.
+        ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip`` without ``"ort"``.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
+    if skip and target != "ort":
+        raise ValueError("skip=True emits com.microsoft ops: it needs target='ort'")
     report = FusionReport()
     cleanup(model)
-    for fusion_pass in (
-        FoldBatchNorm(report),
-        FuseLayerNorm(report),
-        FuseRMSNorm(report, target=target),
-    ):
+    passes = [FoldBatchNorm(report), FuseLayerNorm(report), FuseRMSNorm(report, target=target)]
+    if skip:
+        passes.append(FuseSkip(report))  # last: it fuses the norms the passes above produce
+    for fusion_pass in passes:
         fusion_pass(model)
     cleanup(model)
     return report

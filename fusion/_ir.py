@@ -6,6 +6,7 @@ import itertools
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:
@@ -171,3 +172,66 @@ def remove_nodes(graph: ir.Graph, nodes: list[ir.Node]) -> None:
             graph.remove(producer, safe=True)
         elif value.is_initializer() and value.name in graph.initializers:
             graph.initializers.pop(value.name)
+
+
+def _fully_known(shape: ir.Shape | None) -> bool:
+    """Whether every dimension of ``shape`` is a number or a named symbol."""
+    return shape is not None and all(isinstance(d, int) or d.value is not None for d in shape)
+
+
+class KnownShapes:
+    """Static shapes (and element types) of a model's main-graph values, for passes that need
+    more than the model carries.
+
+    A value's own shape is used when every dimension is known (a number or a named symbol), its
+    own type when it has one. Otherwise ONNX shape inference is run, once, on a clone of the
+    model (which shares the tensors; the model itself is not changed), the first time such a
+    value is asked about: the TorchScript exporter, for one, leaves most intermediate shapes
+    out. Call the instance with a value to get its shape, or None when neither source knows it;
+    :meth:`dtype` gives its element type. Values that a pass creates after that first inference
+    are answered from what they carry.
+    """
+
+    def __init__(self, model: ir.Model):
+        self._model = model
+        self._inferred: dict[str, ir.Value] | None = None
+
+    def _inference(self, value: ir.Value) -> ir.Value | None:
+        """The clone's copy of ``value`` after shape inference (None if it has no name there)."""
+        if self._inferred is None:
+            clone = self._model.clone()
+            inference = ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False)
+            inference(clone)
+            graph = clone.graph
+            values = [*graph.inputs, *graph.initializers.values()]
+            values += [v for node in graph for v in node.outputs]
+            self._inferred = {v.name: v for v in values if v.name}
+        return self._inferred.get(value.name) if value.name else None
+
+    def __call__(self, value: ir.Value) -> ir.Shape | None:
+        if _fully_known(value.shape):
+            return value.shape
+        inferred = self._inference(value)
+        return (
+            inferred.shape if inferred is not None and inferred.shape is not None else value.shape
+        )
+
+    def dtype(self, value: ir.Value) -> ir.DataType | None:
+        """The element type of ``value``, or None when neither source knows it."""
+        if value.dtype is not None:
+            return value.dtype
+        inferred = self._inference(value)
+        return inferred.dtype if inferred is not None else None
+
+
+def same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
+    """Whether two dimensions are provably equal (equal numbers, or the same named symbol)."""
+    if isinstance(a, int) or isinstance(b, int):
+        return a == b
+    return a.value is not None and a.value == b.value
+
+
+def shape_text(shape: ir.Shape) -> str:
+    """``(batch, 4, 64)``: a shape for a message, unknown dimensions as ``?``."""
+    names = [str(d) if isinstance(d, int) or d.value is not None else "?" for d in shape]
+    return f"({', '.join(names)})"

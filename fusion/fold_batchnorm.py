@@ -16,8 +16,8 @@ Constant ``Mul`` / ``Add`` / ``Sub`` / ``Div`` ops whose constant varies only al
 axis are affine maps of the same kind (``x / c`` is ``x * (1/c)``, exact only where no element of
 ``c`` is 0), and affine maps compose: ``a2 * (a1 * x + b1) + b2 = (a2 * a1) * x + (a2 * b1 + b2)``.
 So a whole chain (a BatchNorm written by hand, ``(x - mean) / sqrt(var + eps) * gamma + beta``;
-torchvision's FrozenBatchNorm2d ``x * scale + shift``; a Conv bias exported as a separate Add)
-reduces to one ``(s, t)``.
+torchvision's FrozenBatchNorm2d ``x * scale + shift``; a Conv or ConvTranspose bias exported as a
+separate Add) reduces to one ``(s, t)``.
 
 A linear layer ``z = W x + b`` with output channel ``c`` absorbs it as ``W'[c] = s[c] * W[c]``,
 ``b'[c] = s[c] * b[c] + t[c]`` (a missing bias is 0). Where the channel sits in ``W``:
@@ -28,8 +28,7 @@ A linear layer ``z = W x + b`` with output channel ``c`` absorbs it as ``W'[c] =
 - Gemm ``alpha * A @ B' + beta * C`` (``B' = B^T`` when ``transB``): scale the columns of ``B'``;
   ``C' = beta * C * s + t`` and ``beta`` becomes 1. The BatchNorm channel is axis 1 of ``(N, C)``.
 - MatMul ``x @ W`` with a constant 2-D ``W``: the channel is the last axis of the output; scale
-  the columns of ``W`` and add the bias with a new ``Add`` (MatMul has no bias input). A
-  BatchNorm (channel axis 1) fits only when the output is 2-D.
+  the columns of ``W`` and add the bias with a new ``Add`` (MatMul has no bias input).
 
 Every new weight is computed in float64 and cast back to the weight's dtype.
 
@@ -37,7 +36,28 @@ A BatchNorm *before* a layer folds into it too, when every output of the layer s
 BatchNorm outputs: ``W (s x + t) + b = (W s) x + (W t + b)``, with ``s`` on the layer's input
 channel axis and ``W t`` summed over the input channels and kernel taps. That holds for a Conv
 with no padding (a padded Conv pads *after* the BatchNorm in the original, and a zero there is
-not ``s * 0 + t``), for a Gemm with ``transA = 0`` and for a MatMul on a 2-D input.
+not ``s * 0 + t``), for a Gemm with ``transA = 0`` and for a MatMul, whose input channels are
+the last axis of its input.
+
+Ops between the layer and the BatchNorm
+---------------------------------------
+A per-element affine map ``s * x + t`` (``s``, ``t`` broadcast against ``x``) moves across an
+op ``f`` when ``f(s * x + t) = s' * f(x) + t'`` for constants ``s'``, ``t'``:
+
+- Transpose, Reshape, Flatten, Squeeze, Unsqueeze, Identity only move elements: ``s'`` and
+  ``t'`` are ``s`` and ``t`` moved the same way (transposed; for a reshape, the axes that the
+  reshape regroups must have static sizes unless the map is constant along them).
+- MaxPool: ``max_i(s * x_i + t) = s * max_i(x_i) + t`` when ``s > 0`` and ``s``, ``t`` are the
+  same over the pooling window (per channel). A negative scale turns the max into a min, so
+  a BatchNorm with any negative scale does not move across a MaxPool (MaxPool's padding is
+  ignored by the max, and its Indices output must be unused).
+
+So ``Linear -> Transpose -> BatchNorm1d -> Transpose`` (``bn(linear(x).transpose(1, 2))
+.transpose(1, 2)`` on a (B, T, C) input), ``Linear -> Reshape(-1, C) -> BatchNorm1d ->
+Reshape`` and ``Conv -> MaxPool -> BatchNorm`` fold into the layer before, and CREPE's last
+``BatchNorm -> MaxPool -> Transpose -> Reshape -> Linear`` folds into the classifier after it
+(channel ``c`` of the BatchNorm becomes input features ``f`` with ``(f // inner) % C == c``).
+After a MaxPool, the combined scale of everything folded across it must stay positive.
 
 The graph
 ---------
@@ -49,27 +69,35 @@ The graph
     x ─ Conv(W, b) ─ Sub ─ Div ─ Mul ─ Add ─ y x ─ Conv(W', b') ─ y
     x ─ MatMul(W) ─ Add(b) ─ BatchNorm ─ y     x ─ MatMul(W') ─ Add(b') ─ y
     x ─ BatchNorm ─ Conv(W, b, pads=0) ─ y     x ─ Conv(W', b', pads=0) ─ y
+    x ─ MatMul ─ Add ─ Transpose ─ BN ─ T ─ y  x ─ MatMul(W') ─ Add(b') ─ Transpose ─ T ─ y
+    x ─ BN ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W, b) ─ y
+                                               x ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W', b') ─ y
 
 Everything else is left alone and recorded in the :class:`~fusion.report.FusionReport` with
 the reason: a BatchNorm after a ReLU (CREPE's conv -> ReLU -> BN -> max-pool -> pad -> conv),
 a layer whose output has another consumer, a constant that is not per-channel, a division by a
-constant with a zero element, a BatchNorm in training mode, a padded Conv after a BatchNorm.
-Only the main graph is rewritten (not If / Loop bodies).
+constant with a zero element, a BatchNorm in training mode, a padded Conv after a BatchNorm,
+a MaxPool between a layer and a BatchNorm with a scale that is not positive, a reshape whose
+shapes are unknown. Only the main graph is rewritten (not If / Loop bodies).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import onnx_ir as ir
 
 from fusion._ir import (
+    KnownShapes,
     add_initializer,
     const_array,
     other_input,
     remove_nodes,
     replace_output,
+    same_dim,
+    shape_text,
     sole_consumer,
 )
 from fusion.report import FusionReport
@@ -77,6 +105,10 @@ from fusion.report import FusionReport
 _LINEAR = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _LINEAR_NAMES = "Conv/ConvTranspose/Gemm/MatMul"
 _AFFINE = ("Add", "Sub", "Mul", "Div")
+_RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+#: Ops that a per-channel affine map moves across (module docstring): data movement, and
+#: MaxPool for positive scales.
+_ACROSS = ("Transpose", "Identity", "MaxPool", *_RESHAPES)
 
 
 class _Refusal(Exception):
@@ -93,6 +125,18 @@ def _label(node: ir.Node) -> str:
 
 def _num_consumers(value: ir.Value) -> int:
     return len(list(value.uses())) + int(value.is_graph_output())
+
+
+def _value_reader(value: ir.Value) -> ir.Node | None:
+    """The only node that reads the elements of ``value``, or None (several, or a graph output).
+
+    ``Shape`` and ``Size`` read only the shape, which folding never changes: the TorchScript
+    exporter writes ``x.reshape(x.shape[0], -1)`` with a ``Shape`` of ``x``.
+    """
+    if value.is_graph_output():
+        return None
+    readers = [use.node for use in value.uses() if use.node.op_type not in ("Shape", "Size")]
+    return readers[0] if len(readers) == 1 else None
 
 
 def _constant(node: ir.Node, index: int, what: str) -> np.ndarray | None:
@@ -127,14 +171,14 @@ class _Layer:
     axis: int
 
 
-def _as_layer(node: ir.Node) -> _Layer:
+def _as_layer(node: ir.Node, shapes: KnownShapes) -> _Layer:
     """Read ``node`` (one of :data:`_LINEAR`) as a foldable layer, or raise :class:`_Refusal`."""
     op = node.op_type
     if op == "MatMul":
         weight = const_array(node.inputs[1])
         if weight is None or weight.ndim != 2:
             raise _Refusal("MatMul has no constant 2-D weight as its second input")
-        shape = node.outputs[0].shape or node.inputs[0].shape
+        shape = node.outputs[0].shape or node.inputs[0].shape or shapes(node.inputs[0])
         if shape is None:
             raise _Refusal("MatMul output rank is unknown: cannot tell where its channels are")
         layer = _Layer(node, weight, weight.shape[1], len(shape), len(shape) - 1)
@@ -196,31 +240,142 @@ def _batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
     return s, bias.astype(np.float64) - mean.astype(np.float64) * s
 
 
-def _per_channel(array: np.ndarray, layer: _Layer) -> np.ndarray:
-    """``array`` broadcast against the layer output, as a ``(C,)`` float64 vector.
+def _squeeze_constant_axes(array: np.ndarray) -> np.ndarray:
+    """``array`` with every axis along which it does not vary cut to size 1."""
+    for axis, size in enumerate(array.shape):
+        first = array.take([0], axis=axis)
+        if size > 1 and np.array_equal(array, np.broadcast_to(first, array.shape)):
+            array = first
+    return array
+
+
+def _reshape_map(coeff: np.ndarray, src: ir.Shape, dst: ir.Shape) -> np.ndarray | None:
+    """Move ``coeff``, broadcast against a tensor of shape ``src``, to that tensor reshaped to
+    ``dst`` (row-major, as ONNX Reshape / Flatten / Squeeze / Unsqueeze do).
+
+    The leading and trailing dimensions that both shapes share are kept as they are; the middle
+    ones are regrouped. That needs their sizes unless ``coeff`` is constant along them: None
+    when they are not known. The middles hold the same number of elements, so one unknown
+    dimension among them is that number over the others.
 
     Raises:
-        _Refusal: the constant would broadcast along another axis or raise the output rank.
+        ValueError: ``coeff`` does not broadcast against ``src``.
+    """
+    head = 0
+    while head < min(len(src), len(dst)) and same_dim(src[head], dst[head]):
+        head += 1
+    tail = 0
+    while tail < min(len(src), len(dst)) - head and same_dim(src[-1 - tail], dst[-1 - tail]):
+        tail += 1
+    middle_src, middle_dst = src.dims[head : len(src) - tail], dst.dims[head : len(dst) - tail]
+    kept_head, kept_tail = coeff.shape[:head], coeff.shape[len(src) - tail :]
+    if all(n == 1 for n in coeff.shape[head : len(src) - tail]):
+        return coeff.reshape(kept_head + (1,) * len(middle_dst) + kept_tail)
+    middle_src, middle_dst = _fill_in(middle_src, middle_dst), _fill_in(middle_dst, middle_src)
+    if middle_src is None or middle_dst is None:
+        return None
+    full = np.broadcast_to(coeff, kept_head + middle_src + kept_tail)
+    return _squeeze_constant_axes(full.reshape(kept_head + middle_dst + kept_tail))
+
+
+def _fill_in(dims: tuple, other: tuple) -> tuple[int, ...] | None:
+    """``dims`` as numbers, its one unknown (if any) worked out from ``other``, which holds as
+    many elements; None when that cannot be done."""
+    unknown = [i for i, d in enumerate(dims) if not isinstance(d, int)]
+    if not unknown:
+        return tuple(dims)
+    known = [d for d in dims if isinstance(d, int)]
+    if len(unknown) > 1 or not all(isinstance(d, int) for d in other) or 0 in known:
+        return None
+    filled = list(dims)
+    filled[unknown[0]] = math.prod(other) // math.prod(known)
+    return tuple(filled)
+
+
+def _move(node: ir.Node, coeff: np.ndarray, shapes: KnownShapes, forward: bool) -> np.ndarray:
+    """Carry ``coeff`` across ``node`` (one of :data:`_ACROSS`): from its input to its output
+    (``forward``) or back. ``coeff`` has the rank of the side it comes from.
+
+    Raises:
+        _Refusal: the map does not move across ``node`` as a per-element map.
+    """
+    op = node.op_type
+    if op == "MaxPool":
+        if any(n != 1 for n in coeff.shape[2:]):
+            raise _Refusal(
+                f"MaxPool '{_label(node)}' pools over axes along which the map varies: "
+                "max-pool commutes only with a map that is the same over the window"
+            )
+        return coeff
+    if op == "Identity":
+        return coeff
+    if op == "Transpose":
+        perm = list(node.attributes.get_ints("perm", ())) or list(range(coeff.ndim))[::-1]
+        return coeff.transpose(perm if forward else np.argsort(perm))
+    src, dst = shapes(node.inputs[0]), shapes(node.outputs[0])
+    try:
+        moved = _reshape_map(coeff, src, dst) if forward else _reshape_map(coeff, dst, src)
+    except ValueError:  # np.broadcast_to: sizes that do not match the shapes
+        raise _Refusal(
+            f"a constant of shape {coeff.shape} does not fit the shape "
+            f"{shape_text(src if forward else dst)} around {op} '{_label(node)}'"
+        ) from None
+    if moved is None:
+        raise _Refusal(
+            f"{op} '{_label(node)}' from {shape_text(src)} to {shape_text(dst)} regroups the "
+            "channels across dimensions whose sizes are unknown"
+        )
+    return moved
+
+
+def _rank_after(node: ir.Node, rank: int, shapes: KnownShapes) -> int:
+    """The output rank of ``node`` (one of :data:`_ACROSS`) reading a value of rank ``rank``.
+
+    Raises:
+        _Refusal: a map cannot be carried across ``node``: its output shape (a reshape) is
+            unknown, its perm does not fit, or a MaxPool's Indices output is in use.
+    """
+    op = node.op_type
+    if op == "MaxPool" and any(out is not None and _num_consumers(out) for out in node.outputs[1:]):
+        raise _Refusal(f"MaxPool '{_label(node)}' has its Indices output in use")
+    if op == "Transpose":
+        perm = node.attributes.get_ints("perm", ())
+        if perm and len(perm) != rank:
+            raise _Refusal(f"Transpose '{_label(node)}' has perm {perm} for a rank-{rank} input")
+    if op in _RESHAPES:
+        src, dst = shapes(node.inputs[0]), shapes(node.outputs[0])
+        if src is None or dst is None:
+            raise _Refusal(
+                f"the {'input' if src is None else 'output'} shape of {op} '{_label(node)}' "
+                "is unknown: cannot tell where the channels go"
+            )
+        return len(dst)
+    return rank
+
+
+def _per_channel(array: np.ndarray, layer: _Layer, what: str) -> np.ndarray:
+    """``array`` (on the layer output, same rank) as a ``(C,)`` float64 vector.
+
+    Raises:
+        _Refusal: ``array`` varies along another axis, or has the wrong number of channels.
     """
     op = layer.node.op_type
-    if array.ndim > layer.rank:
-        raise _Refusal(
-            f"constant of shape {array.shape} has more axes than the {op} output "
-            f"(rank {layer.rank}): broadcasting would change the output shape"
-        )
-    offset = layer.rank - array.ndim
-    for i, size in enumerate(array.shape):
-        if size != 1 and not (i + offset == layer.axis and size == layer.channels):
+    for axis, size in enumerate(array.shape):
+        if size != 1 and axis != layer.axis:
             raise _Refusal(
-                f"constant of shape {array.shape} is not per-channel: on the {op} output "
-                f"(rank {layer.rank}, {layer.channels} channels on axis {layer.axis}) it "
-                f"varies along axis {i + offset}"
+                f"{what} is not per-channel: on the {op} output (rank {layer.rank}, "
+                f"{layer.channels} channels on axis {layer.axis}) it varies along axis {axis}"
             )
+    if array.shape[layer.axis] not in (1, layer.channels):
+        raise _Refusal(
+            f"{what} has {array.shape[layer.axis]} channels, the {op} output has {layer.channels}"
+        )
     return np.broadcast_to(array.astype(np.float64).reshape(-1), (layer.channels,))
 
 
-def _step(node: ir.Node, value: ir.Value, layer: _Layer) -> tuple[np.ndarray, np.ndarray] | None:
-    """The per-channel map ``(a, b)`` that ``node`` applies to ``value``: ``a * value + b``.
+def _step(node: ir.Node, value: ir.Value, rank: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """The map ``(a, b)`` that ``node`` applies to ``value`` (of rank ``rank``): ``a * value + b``,
+    with ``a`` and ``b`` of rank ``rank``, broadcast against ``value``.
 
     Returns None when ``node`` is not a candidate (not BatchNorm, not an elementwise op with a
     constant operand).
@@ -228,43 +383,41 @@ def _step(node: ir.Node, value: ir.Value, layer: _Layer) -> tuple[np.ndarray, np
     Raises:
         _Refusal: ``node`` is a candidate that cannot be folded exactly.
     """
-    ones = np.ones(layer.channels)
     if node.op_type == "BatchNormalization":
         if node.inputs[0] is not value:
             return None
         s, t = _batchnorm_affine(node)
-        if layer.axis != 1:
-            raise _Refusal(
-                f"BatchNormalization normalizes axis 1, but the {layer.node.op_type} output "
-                f"(rank {layer.rank}) has its channels on axis {layer.axis}"
-            )
-        if s.shape != (layer.channels,):
-            raise _Refusal(
-                f"BatchNormalization has {s.shape[0]} channels, the {layer.node.op_type} "
-                f"output has {layer.channels}"
-            )
-        return s, t
+        if rank < 2:
+            raise _Refusal(f"BatchNormalization on a rank-{rank} input has no channel axis")
+        shape = (1, s.size) + (1,) * (rank - 2)
+        return s.reshape(shape), t.reshape(shape)
     if node.op_type not in _AFFINE:
         return None
     other = other_input(node, value)
-    array = const_array(other) if other is not value else None
-    if array is None:
+    c = const_array(other) if other is not value else None
+    if c is None:
         return None
-    if not np.issubdtype(array.dtype, np.floating):
-        raise _Refusal(f"constant has dtype {array.dtype}, not a floating-point type")
-    c = _per_channel(array, layer)
+    if not np.issubdtype(c.dtype, np.floating):
+        raise _Refusal(f"constant has dtype {c.dtype}, not a floating-point type")
+    if c.ndim > rank:
+        raise _Refusal(
+            f"constant of shape {c.shape} has more axes than the rank-{rank} value it applies "
+            "to: broadcasting would change the output shape"
+        )
+    c = c.astype(np.float64).reshape((1,) * (rank - c.ndim) + c.shape)
+    ones, zeros = np.ones_like(c), np.zeros_like(c)
     value_first = node.inputs[0] is value
     if node.op_type == "Add":
         return ones, c
     if node.op_type == "Mul":
-        return c, np.zeros_like(c)
+        return c, zeros
     if node.op_type == "Sub":
         return (ones, -c) if value_first else (-ones, c)
     if not value_first:
         raise _Refusal("divides a constant by the layer output: not an affine map")
     if np.any(c == 0):
         raise _Refusal("divides by a constant with a zero element: no exact reciprocal")
-    return 1.0 / c, np.zeros_like(c)
+    return 1.0 / c, zeros
 
 
 def _drop_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
@@ -316,6 +469,22 @@ def _add_bias_after(graph: ir.Graph, matmul: ir.Node, bias: np.ndarray) -> ir.Va
     return add.outputs[0]
 
 
+def _add_to_matmul_bias(graph: ir.Graph, matmul: ir.Node, shift: np.ndarray, dtype) -> None:
+    """Add the float64 vector ``shift`` to the output of ``matmul``: into the constant of the
+    bias ``Add`` that is the only reader of that output (a Linear layer's), else as a new Add.
+    """
+    out = matmul.outputs[0]
+    add = sole_consumer(out)
+    bias = const_array(other_input(add, out)) if add is not None and add.op_type == "Add" else None
+    fits = bias is not None and bias.dtype == dtype and bias.shape[-1:] == shift.shape
+    if not fits or bias.size != shift.size:  # a bias that varies along another axis, too
+        _add_bias_after(graph, matmul, shift.astype(dtype))
+        return
+    index = 1 if add.inputs[0] is out else 0
+    new_bias = (bias.astype(np.float64) + shift).reshape(bias.shape).astype(dtype)
+    _set_input(graph, add, index, new_bias, f"{add.inputs[index].name}_bnfold")
+
+
 def _fold_after(graph: ir.Graph, layer: _Layer, s: np.ndarray, t: np.ndarray) -> ir.Value:
     """Rewrite ``layer`` to compute ``s * layer(x) + t``; return the value that now holds it."""
     node, w = layer.node, layer.weight
@@ -345,13 +514,17 @@ def _fold_after(graph: ir.Graph, layer: _Layer, s: np.ndarray, t: np.ndarray) ->
     return node.outputs[0]
 
 
-def _fold_before(graph: ir.Graph, bn: ir.Node, node: ir.Node) -> None:
-    """Fold ``bn`` into ``node``, the Conv / Gemm / MatMul that reads its output as input 0.
+def _fold_before(
+    graph: ir.Graph, node: ir.Node, s: np.ndarray, t: np.ndarray, shapes: KnownShapes
+) -> None:
+    """Fold ``x -> s * x + t`` into ``node``, the Conv / Gemm / MatMul that reads ``x`` as input 0.
+
+    Args:
+        s, t: float64 vectors over the input channels of ``node`` (or of size 1).
 
     Raises:
-        _Refusal: ``node`` cannot absorb a BatchNorm applied to its input; nothing is changed.
+        _Refusal: ``node`` cannot absorb a map applied to its input; nothing is changed.
     """
-    s, t = _batchnorm_affine(bn)
     op = node.op_type
     if op == "Conv":
         pads = node.attributes.get_ints("pads", ())
@@ -362,9 +535,7 @@ def _fold_before(graph: ir.Graph, bn: ir.Node, node: ir.Node) -> None:
             )
     elif op == "Gemm" and node.attributes.get_int("transA", 0):
         raise _Refusal("the Gemm after it has transA=1: BatchNorm axis 1 is not its K axis")
-    layer = _as_layer(node)
-    if op == "MatMul" and layer.rank != 2:
-        raise _Refusal(f"the MatMul after it has rank-{layer.rank} input: axis 1 is not its K")
+    layer = _as_layer(node, shapes)
     w = layer.weight.astype(np.float64)
     dtype, hint = layer.weight.dtype, node.inputs[1].name
     bias = _constant(node, 2, "bias")
@@ -377,6 +548,8 @@ def _fold_before(graph: ir.Graph, bn: ir.Node, node: ir.Node) -> None:
     else:
         w = w.T if transposed else w  # (K, N)
         in_channels = w.shape[0]
+    if s.size == 1:
+        s, t = np.full(in_channels, s.item()), np.full(in_channels, t.item())
     if in_channels != s.size:
         raise _Refusal(f"BatchNormalization has {s.size} channels, the {op} input {in_channels}")
     if op == "Conv":
@@ -396,13 +569,91 @@ def _fold_before(graph: ir.Graph, bn: ir.Node, node: ir.Node) -> None:
         node.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
         _set_input(graph, node, 2, np.asarray(new_c).astype(dtype), f"{hint}_bnfold_bias")
     elif op == "MatMul":
-        _add_bias_after(graph, node, shift.astype(dtype))
+        _add_to_matmul_bias(graph, node, shift, dtype)
     _set_input(graph, node, 1, new_w.astype(dtype), f"{hint}_bnfold")
-    node.replace_input_with(0, bn.inputs[0])
-    remove_nodes(graph, [bn])
 
 
-def _explain(value: ir.Value, stops: dict[ir.Node, str]) -> str:
+def _path_to_layer(bn: ir.Node) -> tuple[list[ir.Node], ir.Node]:
+    """``(across, layer)``: the ops of :data:`_ACROSS` from ``bn``'s output to the Conv / Gemm /
+    MatMul that reads it as its data input, every value on the way read by that path only.
+
+    Raises:
+        _Refusal: there is no such layer (the reason says what is there instead).
+    """
+    across, value = [], bn.outputs[0]
+    while True:
+        where = "its output" if not across else f"the output of {across[-1].op_type} after it"
+        consumer = _value_reader(value)
+        if consumer is None:
+            if value.is_graph_output():
+                raise _Refusal(f"{where} is a graph output")
+            raise _Refusal(f"{where} has {_num_consumers(value)} consumers")
+        if consumer.op_type in _ACROSS and consumer.domain == "" and consumer.inputs[0] is value:
+            across.append(consumer)
+            value = consumer.outputs[0]
+            continue
+        if consumer.op_type not in ("Conv", "Gemm", "MatMul"):
+            through = f" (through {', '.join(n.op_type for n in across)})" if across else ""
+            raise _Refusal(
+                f"its output goes to {consumer.op_type}{through}, not to an unpadded Conv, Gemm "
+                "or MatMul"
+            )
+        if consumer.inputs[0] is not value:
+            raise _Refusal(f"{where} is not the data input of {consumer.op_type}")
+        return across, consumer
+
+
+def _carry_to_layer(
+    bn: ir.Node, across: list[ir.Node], node: ir.Node, shapes: KnownShapes
+) -> tuple[np.ndarray, np.ndarray]:
+    """``bn``'s ``(s, t)`` carried across ``across`` to the input of ``node``, as vectors over
+    its input channels (axis 1 of a Conv or Gemm input, the last axis of a MatMul input).
+
+    Raises:
+        _Refusal: the map does not reach ``node`` as a per-input-channel map.
+    """
+    s, t = _batchnorm_affine(bn)
+    pool = next((op for op in across if op.op_type == "MaxPool"), None)
+    if pool is not None and np.any(s <= 0):
+        k = int(np.argmin(s))
+        raise _Refusal(
+            f"MaxPool '{_label(pool)}' lies between it and the {node.op_type}, and max-pool "
+            "commutes with BatchNorm only when every scale gamma / sqrt(var + eps) is positive: "
+            f"channel {k} has scale {s[k]:.4g}"
+        )
+    shape = shapes(bn.inputs[0])
+    if shape is not None:
+        rank = len(shape)
+    elif not across and node.op_type in ("Conv", "Gemm"):
+        weight = const_array(node.inputs[1])
+        rank = 2 if node.op_type == "Gemm" or weight is None else weight.ndim
+    else:
+        raise _Refusal("the rank of its input is unknown: cannot tell where its channels go")
+    if rank < 2:
+        raise _Refusal(f"its input has rank {rank}: no channel axis")
+    coeffs = [x.reshape((1, s.size) + (1,) * (rank - 2)) for x in (s, t)]
+    for op in across:
+        rank = _rank_after(op, rank, shapes)
+        coeffs = [_move(op, c, shapes, forward=True) for c in coeffs]
+    axis = rank - 1 if node.op_type == "MatMul" else 1
+    for c in coeffs:
+        other = next((i for i, n in enumerate(c.shape) if n != 1 and i != axis), None)
+        if other is not None:
+            raise _Refusal(
+                f"its channels reach the {node.op_type} input along axis {other}, not along "
+                f"the axis of its input channels ({axis})"
+            )
+    return coeffs[0].reshape(-1), coeffs[1].reshape(-1)
+
+
+def _data_input(node: ir.Node) -> ir.Value:
+    """The tensor input of a folded BatchNormalization or constant Add / Sub / Mul / Div."""
+    if node.op_type == "BatchNormalization":
+        return node.inputs[0]
+    return next(v for v in node.inputs if const_array(v) is None)
+
+
+def _explain(value: ir.Value, stops: dict[ir.Node, str], shapes: KnownShapes) -> str:
     """Why the BatchNorm (or affine op) reading ``value`` has no linear layer to fold into."""
     producer = value.producer()
     if producer is None:
@@ -414,10 +665,10 @@ def _explain(value: ir.Value, stops: dict[ir.Node, str]) -> str:
     data = [v for v in producer.inputs if v is not None and const_array(v) is None]
     if op in _LINEAR:
         try:
-            _as_layer(producer)
+            _as_layer(producer, shapes)
         except _Refusal as refusal:
             return refusal.reason
-    elif op not in _AFFINE or len(data) != 1:
+    elif op not in (*_AFFINE, *_ACROSS) or len(data) != 1:
         return f"input comes from {op}, not from {_LINEAR_NAMES}: no linear layer to fold into"
     if value.is_graph_output():
         return f"{op} output '{value.name}' is also a graph output: folding would change it"
@@ -425,22 +676,10 @@ def _explain(value: ir.Value, stops: dict[ir.Node, str]) -> str:
         return f"{op} output '{value.name}' has {n} consumers: folding would change the other one"
     if op in _LINEAR:  # a foldable layer with one reader: the walk from it stopped at `stops`
         return f"the chain after {op} '{_label(producer)}' could not be folded"
-    why = stops.get(producer) or _explain(data[0], stops)
+    why = stops.get(producer) or _explain(data[0], stops, shapes)
+    if op in _ACROSS:
+        return f"input comes through {op} '{_label(producer)}': {why}"
     return f"input comes from {op} '{_label(producer)}', which was not folded: {why}"
-
-
-def _after_reason(value: ir.Value) -> str | None:
-    """Why ``value`` (a BatchNorm output) has no layer after it to fold into; None if it has."""
-    consumer = sole_consumer(value)
-    if consumer is None:
-        if value.is_graph_output():
-            return "its output is a graph output"
-        return f"its output has {_num_consumers(value)} consumers"
-    if consumer.op_type not in ("Conv", "Gemm", "MatMul"):
-        return f"its output goes to {consumer.op_type}, not to an unpadded Conv, Gemm or MatMul"
-    if consumer.inputs[0] is not value:
-        return f"its output is not the data input of {consumer.op_type}"
-    return None
 
 
 class FoldBatchNorm(ir.passes.InPlacePass):
@@ -450,12 +689,12 @@ class FoldBatchNorm(ir.passes.InPlacePass):
     float64; folding is computed in float64 and cast back. Graph outputs keep their names.
 
     Args:
-        report: the shared :class:`~fusion.report.FusionReport`. Each fold adds to
-            ``counts["batchnorm_folded"]``: one per BatchNormalization folded, or one for a
-            hand-written affine chain with no BatchNormalization in it. Each candidate left
-            alone (every BatchNormalization still in the graph, and every constant
-            Mul / Add / Sub / Div after a linear layer that could not be folded) adds a
-            ``refuse("batchnorm", node_name, reason)``.
+        report: the shared :class:`~fusion.report.FusionReport`. Each fold adds a
+            ``record("batchnorm_folded", ...)`` that counts one per BatchNormalization folded,
+            or one for a hand-written affine chain with no BatchNormalization in it. Each
+            candidate left alone (every BatchNormalization still in the graph, and every
+            constant Mul / Add / Sub / Div after a linear layer that could not be folded) adds
+            a ``refuse("batchnorm", node_name, reason)``.
 
     Running the pass a second time changes nothing. It raises no errors of its own: a graph it
     cannot read as foldable is left as it is and explained in the report.
@@ -468,69 +707,137 @@ class FoldBatchNorm(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         """Fold in place; ``PassResult.modified`` tells whether anything was folded."""
         graph = model.graph
-        stops: dict[ir.Node, str] = {}  # candidate node -> why it was not folded
+        shapes = KnownShapes(model)
+        stops: dict[ir.Node, str] = {}  # candidate (or op on the way) -> why it was not folded
         modified = False
         for node in [n for n in graph if n.op_type in _LINEAR]:
-            modified |= self._fold_chain_after(graph, node, stops)
+            modified |= self._fold_chain_after(graph, node, stops, shapes)
         for bn in [n for n in graph if n.op_type == "BatchNormalization"]:
-            modified |= self._fold_into_next(graph, bn, stops)
+            modified |= self._fold_into_next(graph, bn, stops, shapes)
         for node in graph:
-            if node in stops:
+            if node in stops and node.op_type not in _ACROSS:
                 self.report.refuse("batchnorm", _label(node), stops[node])
         return ir.passes.PassResult(model, modified)
 
-    def _fold_chain_after(self, graph: ir.Graph, node: ir.Node, stops: dict) -> bool:
-        """Fold the BatchNorms and constant affine ops that follow ``node``; True if any."""
+    def _fold_chain_after(
+        self, graph: ir.Graph, node: ir.Node, stops: dict, shapes: KnownShapes
+    ) -> bool:
+        """Fold the BatchNorms and constant affine ops that follow ``node``, across the ops of
+        :data:`_ACROSS`; True if any."""
         try:
-            layer = _as_layer(node)
+            layer = _as_layer(node, shapes)
         except _Refusal:
             return False  # explained at any BatchNorm that depends on it, by _explain
         s, t = np.ones(layer.channels), np.zeros(layer.channels)
-        chain, value = [], node.outputs[0]
-        while (consumer := sole_consumer(value)) is not None:
+        chain, across, moved_across = [], [], []
+        pools = []  # [MaxPool, combined scale of the steps folded after it]
+        value, rank = node.outputs[0], layer.rank
+        while (consumer := _value_reader(value)) is not None:
             try:
-                step = _step(consumer, value, layer)
+                if consumer.op_type in _ACROSS and consumer.domain == "":
+                    if consumer.inputs[0] is not value:
+                        break
+                    rank = _rank_after(consumer, rank, shapes)
+                    across.append(consumer)
+                    if consumer.op_type == "MaxPool":
+                        pools.append([consumer, np.ones(layer.channels)])
+                else:
+                    step = _step(consumer, value, rank)
+                    if step is None:
+                        break
+                    a, b = self._on_layer_output(consumer, value, step, layer, across, shapes)
+                    for pool in pools:
+                        pool[1] = pool[1] * a
+                        if np.any(pool[1] <= 0):
+                            k = int(np.argmin(pool[1]))
+                            raise _Refusal(
+                                f"it comes after MaxPool '{_label(pool[0])}', and max-pool "
+                                "commutes with a per-channel scale only when it is positive: "
+                                f"folding it would scale channel {k} by {pool[1][k]:.4g}"
+                            )
+                    s, t = a * s, a * t + b
+                    chain.append(consumer)
+                    moved_across = list(across)
             except _Refusal as refusal:
                 stops[consumer] = refusal.reason
                 break
-            if step is None:
-                break
-            a, b = step
-            s, t = a * s, a * t + b
-            chain.append(consumer)
             value = consumer.outputs[0]
         batchnorms = sum(n.op_type == "BatchNormalization" for n in chain)
         if not batchnorms and not any(n.op_type in ("Mul", "Div") for n in chain):
             return False  # nothing, or only bias adds: not a BatchNorm
-        replace_output(graph, value, _fold_after(graph, layer, s, t))
+        _fold_after(graph, layer, s, t)
+        for folded in chain:
+            replace_output(graph, folded.outputs[0], _data_input(folded))
         remove_nodes(graph, chain)
+        moved = f" across {', '.join(n.op_type for n in moved_across)}" if moved_across else ""
         self.report.record(
             "batchnorm_folded",
             _label(node),
-            f"folded into {node.op_type} '{_label(node)}'",
+            f"folded into {node.op_type} '{_label(node)}'{moved}",
             max(batchnorms, 1),
         )
         return True
 
-    def _fold_into_next(self, graph: ir.Graph, bn: ir.Node, stops: dict) -> bool:
+    @staticmethod
+    def _on_layer_output(
+        node: ir.Node,
+        value: ir.Value,
+        step: tuple[np.ndarray, np.ndarray],
+        layer: _Layer,
+        across: list[ir.Node],
+        shapes: KnownShapes,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``node``'s map ``step`` on ``value`` (the layer output seen through ``across``),
+        carried back to the layer output as ``(C,)`` vectors.
+
+        Raises:
+            _Refusal: the map is not per-channel on the layer output.
+        """
+        moved = []
+        for coeff in step:
+            for op in reversed(across):
+                coeff = _move(op, coeff, shapes, forward=False)
+            moved.append(coeff)
+        if node.op_type != "BatchNormalization":
+            what = f"constant of shape {const_array(other_input(node, value)).shape}"
+            return tuple(_per_channel(c, layer, what) for c in moved)
+        varying = [i for i, n in enumerate(moved[0].shape) if n != 1 and i != layer.axis]
+        if len(varying) == 1:
+            raise _Refusal(
+                f"BatchNormalization normalizes axis 1 of its input, which is axis "
+                f"{varying[0]} of the {layer.node.op_type} output (rank {layer.rank}), but "
+                f"that output has its channels on axis {layer.axis}"
+            )
+        if moved[0].shape[layer.axis] not in (1, layer.channels):
+            raise _Refusal(
+                f"BatchNormalization has {moved[0].shape[layer.axis]} channels, the "
+                f"{layer.node.op_type} output has {layer.channels}"
+            )
+        return tuple(_per_channel(c, layer, "BatchNormalization") for c in moved)
+
+    def _fold_into_next(
+        self, graph: ir.Graph, bn: ir.Node, stops: dict, shapes: KnownShapes
+    ) -> bool:
         """Fold ``bn`` into the layer after it, or record in ``stops`` why not; True if folded."""
         try:
             _batchnorm_affine(bn)
         except _Refusal as refusal:
             stops[bn] = refusal.reason
             return False
-        after = _after_reason(bn.outputs[0])
-        if after is None:
-            following = bn.outputs[0].consumers()[0]
-            try:
-                _fold_before(graph, bn, following)
-            except _Refusal as refusal:
-                after = refusal.reason
-            else:
-                stops.pop(bn, None)
-                became = f"folded into the following {following.op_type} '{_label(following)}'"
-                self.report.record("batchnorm_folded", _label(bn), became)
-                return True
-        before = stops.get(bn) or _explain(bn.inputs[0], stops)
+        try:
+            across, following = _path_to_layer(bn)
+            s, t = _carry_to_layer(bn, across, following, shapes)
+            _fold_before(graph, following, s, t, shapes)
+        except _Refusal as refusal:
+            after = refusal.reason
+        else:
+            replace_output(graph, bn.outputs[0], bn.inputs[0])
+            remove_nodes(graph, [bn])
+            stops.pop(bn, None)
+            moved = f" across {', '.join(n.op_type for n in across)}" if across else ""
+            became = f"folded into the following {following.op_type} '{_label(following)}'{moved}"
+            self.report.record("batchnorm_folded", _label(bn), became)
+            return True
+        before = stops.get(bn) or _explain(bn.inputs[0], stops, shapes)
         stops[bn] = f"{before}; and it cannot fold into the layer after it: {after}"
         return False

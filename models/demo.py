@@ -49,7 +49,10 @@ EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
     ],
     "llama-tiny": [("5 RMSNorm fused", lambda r: r["fusions"]["rmsnorm_fused"] == 5)],
     "crepe-tiny": [
-        ("6 BatchNorm left, each with a reason", lambda r: _crepe_refusals(r) == 6),
+        (
+            "conv6_BN folded into the classifier, 5 BatchNorm left, each with a reason",
+            lambda r: _crepe_refusals(r) == 5 and r["fusions"]["batchnorm_folded"] == 1,
+        ),
     ],
     "crepe-full": [
         ("6 BatchNorm left, each with a reason", lambda r: _crepe_refusals(r) == 6),

@@ -1,4 +1,5 @@
-"""FoldBatchNorm: real torch modules (dynamo export) and hand-built ONNX graphs.
+"""FoldBatchNorm: real torch modules (dynamo export; both exporters for the folds across
+Transpose / Reshape / MaxPool), hand-built ONNX graphs, and CREPE with its trained weights.
 
 Every BatchNorm statistic and affine parameter is randomized (default init, mean 0 / var 1 /
 weight 1 / bias 0, would hide a fold that forgets one of them). Each fold is checked against
@@ -93,6 +94,20 @@ class ConvBiasAddThenBatchNorm(torch.nn.Module):
         return self.bn(torch.nn.functional.conv2d(x, self.weight) + self.bias.reshape(1, -1, 1, 1))
 
 
+class ConvTransposeBiasAddThenBatchNorm(torch.nn.Module):
+    """ConvTranspose with its bias added as a separate per-channel Add, then BatchNorm2d."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(6, 3, 3, 3) * 0.3)  # groups=2: 6 out
+        self.bias = torch.nn.Parameter(torch.randn(6))
+        self.bn = torch.nn.BatchNorm2d(6)
+
+    def forward(self, x):
+        y = torch.nn.functional.conv_transpose2d(x, self.weight, stride=2, groups=2)
+        return self.bn(y + self.bias.reshape(1, -1, 1, 1))
+
+
 def _seq(*layers: torch.nn.Module) -> torch.nn.Module:
     return torch.nn.Sequential(*layers)
 
@@ -139,6 +154,7 @@ FOLDS = {
     "hand_written_C11": (lambda: HandBatchNorm(4, ("C", 1, 1)), (2, 3, 6, 6)),
     "frozen_batchnorm": (lambda: FrozenBatchNormAfterConv(4), (2, 3, 6, 6)),
     "conv_bias_add_then_bn": (lambda: ConvBiasAddThenBatchNorm(4), (2, 3, 6, 6)),
+    "convtranspose_bias_add_then_bn": (ConvTransposeBiasAddThenBatchNorm, (2, 6, 3, 3)),
     # Stretch: a BatchNorm before an unpadded Conv / a Linear folds into the layer after it.
     "bn_then_unpadded_conv": (
         lambda: _seq(_bn(torch.nn.BatchNorm2d, 4), torch.nn.Conv2d(4, 6, 3, groups=2)),
@@ -478,3 +494,270 @@ def test_refuses_batchnorm_on_axis_1_of_rank_3_matmul():
     assert not modified
     assert "has its channels on axis 2" in report.refused[0].reason
     assert report.refused[0].node == "bn_y"
+
+
+# ---- across ops that commute with a per-channel map: Transpose, Reshape, MaxPool ----
+
+
+class LinearTransposeBatchNorm(torch.nn.Module):
+    """``bn(linear(x).transpose(1, 2)).transpose(1, 2)``: BatchNorm1d over a Linear's features."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 6)
+        self.bn = torch.nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.linear(x).transpose(1, 2)).transpose(1, 2)
+
+
+class LinearReshapeBatchNorm(torch.nn.Module):
+    """``bn(linear(x).reshape(-1, C)).reshape(B, T, C)``: BatchNorm1d on flattened tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(5, 6)
+        self.bn = torch.nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.linear(x).reshape(-1, 6)).reshape(x.shape[0], -1, 6)
+
+
+class BatchNormTransposeLinear(torch.nn.Module):
+    """``linear(bn(x.transpose(1, 2)).transpose(1, 2))``: folds into the Linear after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(6)
+        self.linear = torch.nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.linear(self.bn(x.transpose(1, 2)).transpose(1, 2))
+
+
+class ConvChannelsLastAffine(torch.nn.Module):
+    """A per-channel ``* scale + shift`` applied channels-last: ``permute(0, 2, 3, 1)`` and back
+    (a perm that is not its own inverse)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.register_buffer("scale", torch.empty(4).uniform_(-2, 2))
+        self.register_buffer("shift", torch.empty(4).uniform_(-1, 1))
+
+    def forward(self, x):
+        y = self.conv(x).permute(0, 2, 3, 1) * self.scale + self.shift
+        return y.permute(0, 3, 1, 2)
+
+
+class BatchNormChannelsLastLinear(torch.nn.Module):
+    """``linear(bn(x).permute(0, 2, 3, 1))``: a Linear over the channels of an NCHW map."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.linear(self.bn(x).permute(0, 2, 3, 1))
+
+
+class CrepeTail(torch.nn.Module):
+    """CREPE's last layer: BN -> max-pool (2, 1) -> permute -> reshape -> Linear classifier."""
+
+    def __init__(self, channels: int = 8):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm2d(channels)
+        self.classifier = torch.nn.Linear(4 * channels, 5)
+
+    def forward(self, x):  # (batch, channels, 8, 1)
+        x = torch.nn.functional.max_pool2d(self.bn(x), (2, 1), (2, 1))
+        return self.classifier(x.permute(0, 2, 1, 3).reshape(x.shape[0], -1))
+
+
+def _positive_scales(module: torch.nn.Module) -> torch.nn.Module:
+    """Every BatchNorm weight made positive (its running stats stay random)."""
+    with torch.no_grad():
+        for sub in module.modules():
+            if isinstance(sub, torch.nn.modules.batchnorm._BatchNorm):
+                sub.weight.abs_().add_(0.1)
+    return module
+
+
+# name -> (module factory, input shape, ops left after folding); across a MaxPool every
+# BatchNorm scale is made positive.
+ACROSS = {
+    "linear_transpose_bn_transpose": (
+        LinearTransposeBatchNorm,
+        (2, 3, 5),
+        ["MatMul", "Add", "Transpose", "Transpose"],
+    ),
+    "linear_reshape_bn_reshape": (LinearReshapeBatchNorm, (2, 3, 5), None),
+    "conv_maxpool_bn": (
+        lambda: _seq(torch.nn.Conv2d(3, 4, 3), torch.nn.MaxPool2d(2), torch.nn.BatchNorm2d(4)),
+        (2, 3, 8, 8),
+        ["Conv", "MaxPool"],
+    ),
+    "bn_transpose_linear": (
+        BatchNormTransposeLinear,
+        (2, 3, 6),
+        ["Transpose", "Transpose", "MatMul", "Add"],
+    ),
+    "conv_channels_last_affine": (
+        ConvChannelsLastAffine,
+        (2, 3, 6, 5),
+        ["Conv", "Transpose", "Transpose"],
+    ),
+    "bn_channels_last_linear": (
+        BatchNormChannelsLastLinear,
+        (2, 4, 3, 5),
+        ["Transpose", "MatMul", "Add"],
+    ),
+    "bn_flatten_linear": (
+        lambda: _seq(torch.nn.BatchNorm2d(3), torch.nn.Flatten(), torch.nn.Linear(12, 4)),
+        (2, 3, 2, 2),
+        None,
+    ),
+    "crepe_tail": (CrepeTail, (2, 8, 8, 1), None),
+}
+
+
+@pytest.mark.parametrize("exporter", ["dynamo", "torchscript"])
+@pytest.mark.parametrize("name", list(ACROSS))
+def test_folds_across_transpose_reshape_maxpool(name, exporter):
+    factory, shape, ops_left = ACROSS[name]
+    torch.manual_seed(0)
+    module = _positive_scales(_randomize(factory()))
+    torch.manual_seed(1)
+    x = torch.randn(shape)
+    exported = export_module(
+        module, (x,), input_names=["x"], exporter=exporter, dynamic_axes={"x": {0: "batch"}}
+    )
+    model, feeds = exported.model, {"x": x.numpy()}
+    with torch.no_grad():
+        eager = module(x).numpy()
+    unfolded = run(make_session(model), feeds)[0]
+    assert {"BatchNormalization", "Mul"} & set(_ops(model))
+
+    report, modified = _fold(model)
+
+    assert modified, report.refused
+    assert report.counts["batchnorm_folded"] == 1
+    assert report.refused == []
+    assert "across" in report.fused[0].became
+    assert not {"BatchNormalization", "Mul", "Div", "Sub"} & set(_ops(model)), _ops(model)
+    if ops_left is not None:
+        assert _ops(model) == ops_left
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    folded = run(make_session(model), feeds)[0]
+    _assert_close(folded, eager)
+    _assert_close(folded, unfolded)
+    _assert_second_run_is_noop(model)
+    # the batch axis stays dynamic: another batch size gives the same answer as PyTorch
+    x5 = torch.randn((5, *shape[1:]))
+    with torch.no_grad():
+        _assert_close(run(make_session(model), {"x": x5.numpy()})[0], module(x5).numpy())
+
+
+@pytest.mark.parametrize(
+    ("factory", "shape"),
+    [
+        (
+            lambda: _seq(torch.nn.Conv2d(3, 4, 3), torch.nn.MaxPool2d(2), torch.nn.BatchNorm2d(4)),
+            (2, 3, 8, 8),
+        ),
+        (CrepeTail, (2, 8, 8, 1)),
+    ],
+    ids=["conv_maxpool_bn", "crepe_tail"],
+)
+def test_refuses_negative_scale_across_maxpool(factory, shape):
+    torch.manual_seed(0)
+    module = _positive_scales(_randomize(factory()))
+    with torch.no_grad():
+        module.get_submodule("bn" if isinstance(module, CrepeTail) else "2").weight[1] = -0.5
+    model, feeds, eager = _export(module, shape)
+    _assert_refused_unchanged(
+        model, feeds, eager, "BatchNormalization", "MaxPool", "positive", "channel 1"
+    )
+
+
+def test_refuses_reshape_with_unknown_shape():
+    """A reshape to a shape fed at run time: where the channels go cannot be told."""
+    rng = np.random.default_rng(4)
+    params = _bn_params(rng, 6)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
+        helper.make_node("Reshape", ["mm", "shape"], ["flat"], name="flatten"),
+        _bn_node("flat", "y", 15, 1e-5),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(rng.normal(size=(5, 6)).astype(np.float32), "w")]
+        + _bn_inits("y", params),
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
+    model = ir.from_proto(proto)
+    x = rng.normal(size=(2, 3, 5)).astype(np.float32)
+    feeds = {"x": x, "shape": np.array([-1, 6])}
+    expected = run(make_session(model), feeds)[0]
+    before = ir.to_proto(model).SerializeToString()
+    report, modified = _fold(model)
+    assert not modified
+    assert ir.to_proto(model).SerializeToString() == before
+    (refusal,) = report.refused
+    assert refusal.node == "bn_y"
+    assert "Reshape 'flatten' from (2, 3, 6) to (" in refusal.reason
+    assert "regroups the channels across dimensions whose sizes are unknown" in refusal.reason
+    _assert_close(run(make_session(model), feeds)[0], expected)
+
+
+def _crepe(capacity: str):
+    from models.crepe import load_crepe
+
+    try:
+        return load_crepe(capacity)
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.parametrize("capacity", ["tiny", "full"])
+def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positive(capacity):
+    """Trained weights: in crepe-tiny every scale of conv6_BN is positive, in crepe-full 21 of
+    512 are negative. The other five BatchNorms sit between a ReLU and a zero-padded conv."""
+    from models.crepe import harmonic_frames
+
+    module = _crepe(capacity)
+    bn = module.conv6_BN
+    scale = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach().numpy()
+    x = torch.from_numpy(harmonic_frames(n_frames=3))
+    model = export_module(module, (x,), input_names=["audio"], exporter="dynamo").model
+    feeds = {"audio": x.numpy()}
+    with torch.no_grad():
+        eager = module(x).numpy()
+
+    report, _ = _fold(model)
+
+    refused = {r.node: r.reason for r in report.refused}
+    assert len(refused) == 6 - report.counts["batchnorm_folded"]
+    assert sum("goes to Pad (through MaxPool)" in reason for reason in refused.values()) == 5
+    if (scale > 0).all():
+        assert capacity == "tiny"
+        (fold,) = report.fused
+        assert fold.became.startswith("folded into the following Gemm")
+        assert fold.became.endswith("across MaxPool, Transpose, Reshape")
+    else:
+        assert capacity == "full"
+        assert report.fused == []
+        k = int(np.argmin(scale))
+        (last,) = [r for r in refused.values() if "goes to Pad" not in r]
+        assert f"channel {k} has scale {scale[k]:.4g}" in last
+    onnx.checker.check_model(ir.to_proto(model), full_check=True)
+    out = run(make_session(model), feeds)[0]
+    _assert_close(out, eager)
+    _assert_second_run_is_noop(model)

@@ -68,3 +68,32 @@ def test_check_rejects_an_invalid_model():
     node.attributes["group"] = ir.AttrString("group", "one")  # wrong attribute type
     with pytest.raises(onnx.checker.ValidationError):
         fusion.check(model)
+
+
+class ResidualNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return self.norm(x + self.linear(x))
+
+
+def test_skip_is_opt_in_and_exact():
+    torch.manual_seed(0)
+    module = ResidualNorm().eval()
+    x = torch.randn(2, 5, 16)
+    expected = module(x).detach().numpy()
+    plain = export_module(module, [x], input_names=["x"], exporter="dynamo").model
+    fusion.optimize(plain)
+    assert fusion.norm_ops(plain) == {"LayerNormalization": 1}
+    skipped = export_module(module, [x], input_names=["x"], exporter="dynamo").model
+    report = fusion.optimize(skipped, skip=True)
+    assert report.counts["skip_fused"] == 1
+    assert fusion.norm_ops(skipped) == {"SkipLayerNormalization": 1}
+    fusion.check(skipped)
+    (y,) = run(make_session(skipped), {"x": x.numpy()})
+    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="target='ort'"):
+        fusion.optimize(skipped, target="onnx", skip=True)
