@@ -31,6 +31,7 @@ bench: install
 	$(PY) benchmarks/forms.py
 	$(PY) benchmarks/norm_stack.py
 	$(PY) benchmarks/demo_models.py
+	$(PY) benchmarks/compare_fusers.py
 
 lint: install
 	$(VENV)/bin/ruff check .

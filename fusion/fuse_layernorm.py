@@ -17,14 +17,37 @@ as the function ``Normalized = Mul(D, Reciprocal(Sqrt(Add(ReduceMean(Mul(D, D)),
 ``Scale = w``, ``B = b`` and ``epsilon`` the model's own float32 eps constant, that is the
 subgraph above, up to float rounding (one division becomes a reciprocal and a product).
 
+A variance scaled by a positive constant ``f`` is exact too (DESIGN.md, "Correctness rules")::
+
+    d / sqrt(f * var + eps) = f^(-1/2) * d / sqrt(var + eps / f)
+
+so the fused op takes ``epsilon = eps / f`` and ``Scale = w / sqrt(f)``. The unbiased
+``x.var()`` is the case ``f = N / (N-1)`` (N the number of normalized elements; both exporters
+write it as ``mean(d * d) * N / (N-1)``): epsilon ``eps (N-1)/N``, scale ``w sqrt((N-1)/N)``.
+
 Spellings accepted (as the dynamo and TorchScript exporters write them after
 :func:`fusion.cleanup.cleanup` has merged the two copies of ``x - mean``)::
 
     square       Pow(d, 2) | Mul(d, d)
+    var          ReduceMean(square) with keepdims=1, or keepdims=0 and then Reshape [Expand] back
+                 to the keepdims shape (the dynamo export of x.var()); times or divided by
+                 one-element constants (the factor f)
+    center       d = Sub(x, ReduceMean(x)); the variance may center x a second time, over the
+                 same axes spelled differently (the dynamo export of x.var() does: axes [2]
+                 where the mean has [-1])
     divide       Div(d, den) | Mul(d, Reciprocal(den)) | Mul(d, Div(1, den))
     den          Sqrt(Add(var, eps)), eps a one-element float32 constant (either Add order)
-    after        [Cast to float32 (a no-op)] [Mul by constant w] [Add of constant b]
+    after        [Cast] [Mul by constant w] [Add of constant b]
                  (either operand order; w and b may vary along the normalized axes only)
+
+Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. A float16
+or bfloat16 round trip, ``Cast(x, float32)``, the norm, ``Cast`` back to the type of ``x``,
+then weight and bias in that type (the Hugging Face habit), is exactly ``LayerNormalization``
+on the low-precision ``x`` with ``stash_type=1``: its function body normalizes in float32,
+casts the result to the input type, and only then applies ``Scale`` and ``B``. It is fused so.
+Where the weight is applied in float32 before the cast back, one op on the low-precision ``x``
+would round twice where the original rounds once: the norm is fused inside the float32 region
+and the Casts stay.
 
 Before and after::
 
@@ -37,7 +60,9 @@ Before and after::
 Left intact, with the reason in the report: a model whose opset has no LayerNormalization
 (below 17); means over axes that are not the trailing axes of ``x``, or over different axes for
 the mean and the variance; an intermediate value read outside the subgraph; a non-constant eps;
-a norm computed in a type other than float32; ``eps`` added outside the square root
+a variance scaled by a factor that is not positive, or reshaped to a shape other than its
+keepdims shape; a norm computed in a type other than float32 (the fused op would compute it in
+float32: a different function); ``eps`` added outside the square root
 (``d / (sqrt(var) + eps)`` is a different function). A weight or bias that varies along an axis
 that is not normalized stays a separate ``Mul`` / ``Add`` after the fused node (reported).
 
@@ -48,6 +73,7 @@ The public helpers here (everything but :class:`FuseLayerNorm`) are shared with
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import onnx_ir as ir
@@ -69,6 +95,14 @@ from fusion._ir import (
 from fusion.report import FusionReport
 
 FLOAT = ir.DataType.FLOAT
+
+#: Types whose round trip through float32 around a norm becomes one fused op on them.
+HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+EPS_OUTSIDE = (
+    "eps outside the square root: (x - mean) / (sqrt(var) + eps) is not a LayerNormalization, "
+    "which adds eps to the variance"
+)
 
 
 class NormRefused(Exception):
@@ -92,33 +126,75 @@ def _square_of(value: ir.Value) -> tuple[ir.Value, ir.Node] | None:
     return None
 
 
-def _mean_square_of(value: ir.Value) -> tuple[ir.Value, ir.Node, ir.Node] | None:
-    """``(v, square, reduce)`` when ``value`` is ``ReduceMean(square(v))``."""
-    reduce = producer(value, "ReduceMean")
-    square = _square_of(reduce.inputs[0]) if reduce is not None else None
-    return None if square is None else (square[0], square[1], reduce)
+def scalar_factor(value: ir.Value | None) -> float | None:
+    """The number behind a constant ``value`` of one element and at most one axis, or None.
+
+    Such a constant broadcasts against anything without changing its shape.
+    """
+    array = const_array(value)
+    if array is None or array.size != 1 or array.ndim > 1:
+        return None
+    return float(array.reshape(()))
 
 
 @dataclasses.dataclass
 class MeanSquare:
-    """``den = Sqrt(Add(ReduceMean(square(v)), eps))``: the core that LayerNorm and RMSNorm share.
+    """``den = Sqrt(Add(f * ReduceMean(square(v)), eps))``: the core LayerNorm and RMSNorm share.
 
     Attributes:
         value: ``v``, the tensor whose mean square is taken.
         reduce: the ReduceMean node (its axes and keepdims are the norm's).
         eps: the eps constant as a 0-d array of its own dtype (the dtype the norm computes in),
             or None when it is not a one-element constant (the caller refuses).
-        nodes: the square, ReduceMean, Add and Sqrt nodes.
+        factor: ``f``, the product of the constants the mean is multiplied (or divided) by.
+        restores: Reshape / Expand nodes between the mean and the Add, in graph order (they
+            must put back the reduced axes that ``keepdims=0`` dropped; see :func:`check_core`).
+        nodes: every node from the square to the Sqrt.
     """
 
     value: ir.Value
     reduce: ir.Node
     eps: np.ndarray | None
+    factor: float
+    restores: list[ir.Node]
     nodes: list[ir.Node]
 
 
+def _scaled_mean_square(value: ir.Value) -> MeanSquare | None:
+    """Walk up from ``value = f * ReduceMean(square(v))`` through scalar Mul / Div and
+    Reshape / Expand; None when ``value`` is not of that form. ``eps`` is left unset."""
+    chain: list[ir.Node] = []
+    factor = 1.0
+    while True:
+        node = value.producer() if value is not None else None
+        if node is None or node.domain != "":
+            return None
+        if node.op_type == "ReduceMean":
+            square = _square_of(node.inputs[0])
+            if square is None:
+                return None
+            restores = [n for n in chain if n.op_type in ("Reshape", "Expand")]
+            return MeanSquare(square[0], node, None, factor, restores, [square[1], node, *chain])
+        if node.op_type in ("Reshape", "Expand"):
+            value = node.inputs[0]
+        elif node.op_type == "Mul" and len(node.inputs) == 2:
+            c = scalar_factor(node.inputs[1])
+            value = node.inputs[0]
+            if c is None:
+                c, value = scalar_factor(node.inputs[0]), node.inputs[1]
+            if c is None:
+                return None
+            factor *= c
+        elif node.op_type == "Div" and (c := scalar_factor(node.inputs[1])) is not None:
+            value = node.inputs[0]
+            factor = factor / c if c else math.inf
+        else:
+            return None
+        chain.insert(0, node)
+
+
 def match_mean_square(den: ir.Value) -> MeanSquare | None:
-    """Match ``den = Sqrt(Add(ReduceMean(square(v)), eps))``.
+    """Match ``den = Sqrt(Add(f * ReduceMean(square(v)), eps))`` (see :class:`MeanSquare`).
 
     Returns:
         The match, or None when ``den`` is not of that form (no norm candidate at all).
@@ -128,27 +204,27 @@ def match_mean_square(den: ir.Value) -> MeanSquare | None:
     if add is None:
         return None
     first, second = add.inputs
-    found, eps = _mean_square_of(first), second
+    found, eps = _scaled_mean_square(first), second
     if found is None:
-        found, eps = _mean_square_of(second), first
+        found, eps = _scaled_mean_square(second), first
     if found is None:
         return None
-    value, square, reduce = found
     eps_array = const_array(eps)
-    eps_array = eps_array.reshape(()) if eps_array is not None and eps_array.size == 1 else None
-    return MeanSquare(value, reduce, eps_array, [square, reduce, add, sqrt])
+    found.eps = eps_array.reshape(()) if eps_array is not None and eps_array.size == 1 else None
+    found.nodes += [add, sqrt]
+    return found
 
 
 def match_eps_outside_sqrt(den: ir.Value) -> ir.Value | None:
-    """``v`` when ``den = Add(Sqrt(ReduceMean(square(v))), constant)``: eps outside the root."""
+    """``v`` when ``den = Add(Sqrt(f * ReduceMean(square(v))), constant)``: eps outside the root."""
     add = producer(den, "Add")
     if add is None:
         return None
     for root, eps in (add.inputs, add.inputs[::-1]):
         sqrt = producer(root, "Sqrt")
-        found = _mean_square_of(sqrt.inputs[0]) if sqrt is not None else None
+        found = _scaled_mean_square(sqrt.inputs[0]) if sqrt is not None else None
         if found is not None and const_array(eps) is not None:
-            return found[0]
+            return found.value
     return None
 
 
@@ -175,8 +251,14 @@ def trailing_axes(axes: tuple[int, ...], rank: int | None) -> int | None:
     return k if k == len(axes) and set(axes) == set(range(-k, 0)) else None
 
 
-def reduced_trailing(reduce: ir.Node, rank: int | None) -> int:
+def reduced_trailing(reduce: ir.Node, rank: int | None, *, restored: bool = False) -> int:
     """``k`` for a ReduceMean over the last k axes with keepdims=1.
+
+    Args:
+        reduce: the ReduceMean node.
+        rank: the rank of its input, if known.
+        restored: keepdims=0 is accepted, because Reshape / Expand nodes after the mean put the
+            axes back (the caller checks them).
 
     Raises:
         NormRefused: the axes are not constant, not trailing, or the reduction drops them.
@@ -184,7 +266,7 @@ def reduced_trailing(reduce: ir.Node, rank: int | None) -> int:
     axes = reduce_axes(reduce, rank)
     if axes is None:
         raise NormRefused(f"{reduce.name} reduces over axes that are not constant")
-    if reduce.attributes.get_int("keepdims", 1) != 1:
+    if reduce.attributes.get_int("keepdims", 1) != 1 and not restored:
         raise NormRefused(f"{reduce.name} has keepdims=0: not a per-row statistic")
     k = trailing_axes(axes, rank)
     if k is None:
@@ -192,6 +274,62 @@ def reduced_trailing(reduce: ir.Node, rank: int | None) -> int:
         raise NormRefused(
             f"mean over axes {list(axes)} of {where}: the fused op normalizes the trailing "
             "axes only"
+        )
+    return k
+
+
+def _check_restored(core: MeanSquare, x: ir.Value, k: int) -> None:
+    """The Reshape / Expand nodes after the mean must leave it in its keepdims shape.
+
+    Raises:
+        NormRefused: the shape of ``x`` or a target shape is not known, or the result is not
+            ``x``'s shape with the ``k`` normalized axes set to 1.
+    """
+    if not core.restores:
+        return
+    dims = tuple(x.shape.dims) if x.shape is not None else ()
+    if not dims or not all(isinstance(d, int) for d in dims):
+        raise NormRefused(
+            "the variance is reshaped, and the input's shape is not static: cannot check that "
+            "the reshape only restores the reduced axes"
+        )
+    keep = dims[: len(dims) - k] + (1,) * k
+    shape = keep if core.reduce.attributes.get_int("keepdims", 1) else keep[: len(dims) - k]
+    for node in core.restores:
+        target = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
+        target = tuple(int(t) for t in target.reshape(-1)) if target is not None else None
+        if target is None or (node.op_type == "Reshape" and min(target, default=1) < 1):
+            raise NormRefused(
+                f"the variance goes through {node.op_type} '{node.name}' to a shape that is not "
+                "a constant of explicit dimensions"
+            )
+        shape = target if node.op_type == "Reshape" else np.broadcast_shapes(shape, target)
+    if tuple(shape) != keep:
+        raise NormRefused(
+            f"the variance is reshaped to {list(shape)}, not to its keepdims shape {list(keep)}"
+        )
+
+
+def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
+    """The checks LayerNorm and RMSNorm share; return ``k``, the number of normalized axes.
+
+    Raises:
+        NormRefused: eps is not a one-element constant; the mean is not over trailing axes or
+            is not kept per row; the factor is not positive; the norm is not in float32.
+    """
+    if core.eps is None:
+        raise NormRefused("eps is not a one-element constant: it cannot become an attribute")
+    k = reduced_trailing(core.reduce, rank, restored=bool(core.restores))
+    _check_restored(core, x, k)
+    if not (math.isfinite(core.factor) and core.factor > 0):
+        raise NormRefused(
+            f"the mean square is multiplied by {core.factor:g}: only a positive factor can move "
+            "into epsilon and the scale"
+        )
+    if core.eps.dtype != FLOAT.numpy():
+        raise NormRefused(
+            f"computes in {core.eps.dtype}: only float32 norms are fused (the fused op with "
+            "stash_type=1 computes in float32, a different function)"
         )
     return k
 
@@ -257,23 +395,126 @@ def label(node: ir.Node) -> str:
 
 
 @dataclasses.dataclass
-class _LayerNorm:
-    """A matched LayerNorm: ``x``, what replaces it, and the nodes it covers."""
+class NormMatch:
+    """A matched LayerNorm or RMSNorm: what the fused node needs, and the nodes it replaces.
+
+    Attributes:
+        x: the fused node's input.
+        k: how many trailing axes are normalized (the fused op's ``axis`` is ``-k``).
+        dims: the sizes of those axes (None where symbolic).
+        eps: the model's eps.
+        factor: the constant the mean square is multiplied by (1 for the textbook form).
+        nodes: the nodes the fused node replaces.
+        output: the value the fused node's output replaces.
+        dtype: the type of ``x``, ``Scale`` and ``B``: float32, or float16 / bfloat16 when a
+            round trip through float32 was absorbed.
+        weight, bias: the absorbed constants, ``(value, array over the normalized axes)``.
+    """
 
     x: ir.Value
     k: int
     dims: tuple[int | None, ...]
     eps: float
+    factor: float
     nodes: list[ir.Node]
     output: ir.Value
-    scale: ir.Value | None = None
-    bias: ir.Value | None = None
+    dtype: ir.DataType = FLOAT
+    weight: tuple[ir.Value, np.ndarray] | None = None
+    bias: tuple[ir.Value, np.ndarray] | None = None
+
+    @property
+    def epsilon(self) -> float:
+        """The fused op's epsilon: ``eps / factor``."""
+        return self.eps / self.factor
+
+    def scale(self, graph: ir.Graph, hint: str) -> ir.Value:
+        """The fused op's Scale: the weight (ones when there is none) over ``sqrt(factor)``."""
+        if self.weight is not None and self.factor == 1.0:
+            return param_value(graph, self.weight[0], self.weight[1], f"{hint}_weight")
+        if self.weight is not None:
+            array = self.weight[1]
+        else:
+            array = np.ones([d if d is not None else 1 for d in self.dims], self.dtype.numpy())
+        scaled = array.astype(np.float64) / math.sqrt(self.factor)
+        return add_initializer(graph, f"{hint}_scale", scaled.astype(array.dtype))
+
+    def absorb_casts(self) -> None:
+        """Extend over a no-op Cast to float32 after the norm, or a half-precision round trip.
+
+        The round trip is ``Cast(x16, float32)`` before and ``Cast(float16)`` after (or
+        bfloat16 both times), with nothing else reading the float32 values: the fused op then
+        takes ``x16`` with ``stash_type=1`` (see the module docstring).
+        """
+        cast = sole_consumer(self.output)
+        if cast is None or cast.op_type != "Cast" or cast.domain != "":
+            return
+        to = cast.attributes.get_int("to")
+        upcast = producer(self.x, "Cast")
+        source = upcast.inputs[0] if upcast is not None else None
+        if to == FLOAT:
+            self.nodes.append(cast)
+        elif (
+            source is not None
+            and source.dtype in HALF_TYPES
+            and to == source.dtype
+            and escaping_value([upcast, *self.nodes], self.output) is None
+        ):
+            self.nodes = [upcast, *self.nodes, cast]
+            self.x = source
+            self.dtype = source.dtype
+        else:
+            return
+        self.output = cast.outputs[0]
+
+    def absorb_affine(
+        self,
+        report: FusionReport,
+        kind: str,
+        rank: int | None,
+        ops: tuple[tuple[str, str], ...],
+        fused: str,
+    ) -> None:
+        """Extend over constant weight / bias ops after the norm, in the order of ``ops``.
+
+        Args:
+            report: where a weight that cannot be absorbed is recorded.
+            kind: the refusal kind, ``"layernorm"`` or ``"rmsnorm"``.
+            rank: the rank of ``x``, if known.
+            ops: ``(op_type, "weight" | "bias")`` pairs, e.g. ``(("Mul", "weight"),)``.
+            fused: how the fused op is named in a refusal.
+        """
+        for op_type, what in ops:
+            found = absorb_const(self.output, op_type, self.dtype)
+            if found is None:
+                continue
+            node, operand, array = found
+            param = affine_param(array, self.k, rank, self.dims)
+            if param is None:
+                report.refuse(
+                    kind,
+                    label(node),
+                    f"{what} of shape {list(array.shape)} varies along an axis that is not "
+                    f"normalized: kept as a separate {op_type} after the {fused}",
+                )
+                return
+            setattr(self, what, (operand, param))
+            self.nodes.append(node)
+            self.output = node.outputs[0]
+
+    def replace(self, graph: ir.Graph, fused: ir.Node) -> None:
+        """Put ``fused`` in place of the matched nodes: its output (of the type and shape of
+        ``x``, as for every norm op) takes over the readers of :attr:`output`."""
+        fused.outputs[0].type = self.x.type
+        fused.outputs[0].shape = self.x.shape.copy() if self.x.shape is not None else None
+        graph.insert_before(self.nodes[-1], fused)
+        replace_output(graph, self.output, fused.outputs[0])
+        remove_nodes(graph, self.nodes)
 
 
 class FuseLayerNorm(ir.passes.InPlacePass):
     """Replace each hand-written LayerNorm in the main graph by one ``LayerNormalization``.
 
-    Every rewrite is counted as ``"layernorm_fused"`` in the report; every candidate that looks
+    Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
     like a LayerNorm but cannot be fused exactly is left intact and recorded as a ``"layernorm"``
     refusal with its reason (see the module docstring).
     """
@@ -301,7 +542,7 @@ class FuseLayerNorm(ir.passes.InPlacePass):
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
 
-    def _match(self, model: ir.Model, node: ir.Node) -> _LayerNorm | None:
+    def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through the affine part."""
         division = as_division(node)
         if division is None:
@@ -309,29 +550,25 @@ class FuseLayerNorm(ir.passes.InPlacePass):
         numerator, den, inverse = division
         outside = match_eps_outside_sqrt(den)
         if outside is not None and centered(outside) is not None:
-            raise NormRefused(
-                "eps outside the square root: (x - mean) / (sqrt(var) + eps) is not a "
-                "LayerNormalization, which adds eps to the variance"
-            )
+            raise NormRefused(EPS_OUTSIDE)
         core = match_mean_square(den)
         found = centered(core.value) if core is not None else None
         if found is None:
             return None  # not a norm, or an RMSNorm (FuseRMSNorm's business)
-        x, mean, sub = found
+        x = found[0]
+        centers = [found]
         if numerator is not core.value:
-            raise NormRefused("divides a tensor other than x - mean(x) by the standard deviation")
-        if core.eps is None:
-            raise NormRefused("eps is not a one-element constant: it cannot become an attribute")
+            again = centered(numerator)
+            if again is None or again[0] is not x:
+                raise NormRefused(
+                    "divides a tensor other than x - mean(x) by the standard deviation"
+                )
+            centers.append(again)
         rank = rank_of(x, core.value, node.outputs[0])
-        k = reduced_trailing(mean, rank)
-        if reduced_trailing(core.reduce, rank) != k:
+        k = check_core(core, x, rank)
+        if any(reduced_trailing(c[1], rank) != k for c in centers):
             raise NormRefused("the mean and the variance reduce over different axes")
-        if core.eps.dtype != FLOAT.numpy():
-            raise NormRefused(
-                f"computes in {core.eps.dtype}: only float32 norms are fused (LayerNormalization "
-                "with stash_type=1 computes in float32)"
-            )
-        nodes = [mean, sub, *core.nodes, *inverse, node]
+        nodes = [n for c in centers for n in c[1:]] + [*core.nodes, *inverse, node]
         escaping = escaping_value(nodes, node.outputs[0])
         if escaping is not None:
             raise NormRefused(f"{escaping.name} is also read outside the LayerNorm subgraph")
@@ -339,52 +576,27 @@ class FuseLayerNorm(ir.passes.InPlacePass):
         if opset < 17:
             raise NormRefused(f"opset {opset} has no LayerNormalization (needs 17)")
         dims = normalized_dims(k, x, core.value, node.outputs[0])
-        match = _LayerNorm(x, k, dims, float(core.eps), nodes, node.outputs[0])
-        self._absorb_affine(model.graph, match, rank)
+        match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
+        match.absorb_casts()
+        match.absorb_affine(
+            self.report,
+            "layernorm",
+            rank,
+            (("Mul", "weight"), ("Add", "bias")),
+            "LayerNormalization",
+        )
         return match
 
-    def _absorb_affine(self, graph: ir.Graph, match: _LayerNorm, rank: int | None) -> None:
-        """Extend ``match`` over a no-op Cast, a constant weight Mul and a constant bias Add."""
-        cast = sole_consumer(match.output)
-        if (
-            cast is not None
-            and cast.op_type == "Cast"
-            and cast.domain == ""
-            and cast.attributes.get_int("to") == FLOAT
-        ):
-            match.nodes.append(cast)
-            match.output = cast.outputs[0]
-        for op_type, what in (("Mul", "weight"), ("Add", "bias")):
-            found = absorb_const(match.output, op_type, FLOAT)
-            if found is None:
-                continue
-            node, operand, array = found
-            param = affine_param(array, match.k, rank, match.dims)
-            if param is None:
-                self.report.refuse(
-                    "layernorm",
-                    label(node),
-                    f"{what} of shape {list(array.shape)} varies along an axis that is not "
-                    f"normalized: kept as a separate {op_type} after the LayerNormalization",
-                )
-                return
-            value = param_value(graph, operand, param, f"{label(node)}_{what}")
-            setattr(match, "scale" if what == "weight" else "bias", value)
-            match.nodes.append(node)
-            match.output = node.outputs[0]
-
-    def _rewrite(self, graph: ir.Graph, match: _LayerNorm) -> None:
+    def _rewrite(self, graph: ir.Graph, match: NormMatch) -> None:
         """Insert the LayerNormalization, move the readers over, drop the old nodes."""
-        if match.scale is None:
-            ones = np.ones([d if d is not None else 1 for d in match.dims], dtype=np.float32)
-            match.scale = add_initializer(graph, f"{label(match.nodes[-1])}_scale", ones)
-        inputs = [match.x, match.scale] + ([match.bias] if match.bias is not None else [])
+        hint = label(match.nodes[-1])
+        inputs = [match.x, match.scale(graph, hint)]
+        if match.bias is not None:
+            inputs.append(param_value(graph, *match.bias, f"{hint}_bias"))
         fused = ir.node(
             "LayerNormalization",
             inputs,
-            {"axis": -match.k, "epsilon": match.eps, "stash_type": 1},
-            name=f"{label(match.nodes[-1])}_LayerNormalization",
+            {"axis": -match.k, "epsilon": match.epsilon, "stash_type": 1},
+            name=f"{hint}_LayerNormalization",
         )
-        graph.insert_before(match.nodes[-1], fused)
-        replace_output(graph, match.output, fused.outputs[0])
-        remove_nodes(graph, match.nodes)
+        match.replace(graph, fused)

@@ -25,16 +25,21 @@ Spellings accepted (the LLaMA / HF ``LlamaRMSNorm`` forms as both exporters writ
 
     square       Pow(x, 2) | Mul(x, x)
     divide       Div(x, den) | Mul(x, Reciprocal(den)) | Mul(x, Div(1, den))
-    den          Sqrt(Add(ReduceMean(square), eps)), eps a one-element float32 constant
+    den          Sqrt(Add(f * ReduceMean(square), eps)), eps a one-element float32 constant
     after        [Cast] [Mul by constant w (either operand order)]
 
-The HF upcast ``Cast(x, float32) ... Cast(back)``: a Cast to float32 is a no-op in a float32
-model and is absorbed. A genuine float16 -> float32 -> float16 round trip with the weight
-applied after the cast back in float16 (``w * y.to(float16)``) is fused on the float16 ``x``
-with ``stash_type=1``: the op computes in float32 and casts the normalized value back before
-the weight, as the original does (the tests hold ORT's fused kernels to one float16 ulp of the
-unfused graph; on CPU they agreed exactly). Any other mix of types (bfloat16 included) is fused
-inside the float32 region, its Casts left where they are.
+A constant factor ``f`` on the mean square moves into the op exactly, as for LayerNorm:
+``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.fuse_layernorm`).
+
+Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. The HF
+round trip ``Cast(x16, float32) ... Cast(back)`` with the weight applied after the cast back in
+float16 or bfloat16 (``w * y.to(float16)``: LLaMA, Mistral, Qwen, T5) is fused on the
+low-precision ``x`` with ``stash_type=1``: the op computes in float32 and casts the normalized
+value back before the weight, as the original does (the tests hold ORT's fused kernels to one
+float16 ulp of the unfused graph; on CPU they agreed exactly). Where the weight is applied in
+float32 before the cast back (Gemma's ``* (1 + w.float())``), one op on the low-precision ``x``
+would round twice where the original rounds once: the norm is fused inside the float32 region,
+its Casts left where they are.
 
 Before and after (dynamo export of ``LlamaRMSNorm``)::
 
@@ -52,7 +57,7 @@ Left intact, with the reason in the report:
   Clip): it clamps the norm instead of adding eps to the mean square.
 * ``target="onnx"`` below opset 23, which has no RMSNormalization (the opset is never raised).
 * means over axes that are not trailing, an intermediate value read elsewhere, a non-constant
-  eps, or a norm computed in a type other than float32.
+  eps, a factor that is not positive, or a norm computed in a type other than float32.
 
 A weight that varies along an axis that is not normalized stays a separate Mul (reported).
 ``x - mean(x)`` normalized this way is a LayerNorm, left to :mod:`fusion.fuse_layernorm`.
@@ -60,34 +65,19 @@ A weight that varies along an axis that is not normalized stays a separate Mul (
 
 from __future__ import annotations
 
-import dataclasses
-
-import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import (
-    add_initializer,
-    as_division,
-    escaping_value,
-    opset_version,
-    rank_of,
-    remove_nodes,
-    replace_output,
-    sole_consumer,
-)
+from fusion._ir import as_division, escaping_value, opset_version, rank_of
 from fusion.fuse_layernorm import (
-    FLOAT,
+    NormMatch,
     NormRefused,
-    absorb_const,
-    affine_param,
     centered,
+    check_core,
     label,
     match_eps_outside_sqrt,
     match_mean_square,
     normalized_dims,
-    param_value,
     producer,
-    reduced_trailing,
 )
 from fusion.report import FusionReport
 
@@ -112,20 +102,6 @@ def _clamped_l2_norm(den: ir.Value) -> bool:
     if clamp is None:
         clamp = producer(den, "Clip")
     return clamp is not None and any(producer(v, "ReduceL2") is not None for v in clamp.inputs)
-
-
-@dataclasses.dataclass
-class _RMSNorm:
-    """A matched RMSNorm: its input, what replaces it, and the nodes it covers."""
-
-    x: ir.Value
-    k: int
-    dims: tuple[int | None, ...]
-    eps: float
-    dtype: ir.DataType
-    nodes: list[ir.Node]
-    output: ir.Value
-    scale: ir.Value | None = None
 
 
 class FuseRMSNorm(ir.passes.InPlacePass):
@@ -167,7 +143,7 @@ class FuseRMSNorm(ir.passes.InPlacePass):
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
 
-    def _match(self, model: ir.Model, node: ir.Node) -> _RMSNorm | None:
+    def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight."""
         division = as_division(node)
         if division is None:
@@ -184,15 +160,8 @@ class FuseRMSNorm(ir.passes.InPlacePass):
         x = core.value
         if numerator is not x:
             raise NormRefused("divides a tensor other than the one whose mean square is taken")
-        if core.eps is None:
-            raise NormRefused("eps is not a one-element constant: it cannot become an attribute")
         rank = rank_of(x, node.outputs[0])
-        k = reduced_trailing(core.reduce, rank)
-        if core.eps.dtype != FLOAT.numpy():
-            raise NormRefused(
-                f"computes in {core.eps.dtype}: only float32 norms are fused (the fused op "
-                "with stash_type=1 computes in float32)"
-            )
+        k = check_core(core, x, rank)
         nodes = [*core.nodes, *inverse, node]
         escaping = escaping_value(nodes, node.outputs[0])
         if escaping is not None:
@@ -204,71 +173,26 @@ class FuseRMSNorm(ir.passes.InPlacePass):
                 "or target ONNX Runtime"
             )
         dims = normalized_dims(k, x, node.outputs[0])
-        match = _RMSNorm(x, k, dims, float(core.eps), FLOAT, nodes, node.outputs[0])
-        self._absorb_casts(match)
-        self._absorb_weight(model.graph, match, rank)
+        match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
+        match.absorb_casts()
+        match.absorb_affine(self.report, "rmsnorm", rank, (("Mul", "weight"),), "fused RMSNorm")
         return match
 
-    def _absorb_casts(self, match: _RMSNorm) -> None:
-        """Take in a no-op Cast to float32 after the norm, or a float16 round trip around it."""
-        cast = sole_consumer(match.output)
-        if cast is None or cast.op_type != "Cast" or cast.domain != "":
-            return
-        to = cast.attributes.get_int("to")
-        upcast = producer(match.x, "Cast")
-        source = upcast.inputs[0] if upcast is not None else None
-        if to == FLOAT:
-            match.nodes.append(cast)
-        elif (
-            source is not None
-            and source.dtype == ir.DataType.FLOAT16
-            and to == ir.DataType.FLOAT16
-            and escaping_value([upcast, *match.nodes], match.output) is None
-        ):
-            match.nodes = [upcast, *match.nodes, cast]
-            match.x = source
-            match.dtype = ir.DataType.FLOAT16
-        else:
-            return
-        match.output = cast.outputs[0]
-
-    def _absorb_weight(self, graph: ir.Graph, match: _RMSNorm, rank: int | None) -> None:
-        """Take in a Mul by a constant weight that varies along the normalized axes only."""
-        found = absorb_const(match.output, "Mul", match.dtype)
-        if found is None:
-            return
-        node, operand, array = found
-        param = affine_param(array, match.k, rank, match.dims)
-        if param is None:
-            self.report.refuse(
-                "rmsnorm",
-                label(node),
-                f"weight of shape {list(array.shape)} varies along an axis that is not "
-                "normalized: kept as a separate Mul after the fused RMSNorm",
-            )
-            return
-        match.scale = param_value(graph, operand, param, f"{label(node)}_weight")
-        match.nodes.append(node)
-        match.output = node.outputs[0]
-
-    def _rewrite(self, model: ir.Model, match: _RMSNorm) -> str:
+    def _rewrite(self, model: ir.Model, match: NormMatch) -> str:
         """Insert the fused node, move the readers over, drop the old nodes; return its op."""
         graph = model.graph
         anchor = match.nodes[-1]
-        if match.scale is None:
-            shape = [d if d is not None else 1 for d in match.dims]
-            ones = np.ones(shape, dtype=match.dtype.numpy())
-            match.scale = add_initializer(graph, f"{label(anchor)}_scale", ones)
-        attributes = {"axis": -match.k, "epsilon": match.eps}
+        attributes = {"axis": -match.k, "epsilon": match.epsilon}
         if opset_version(model) >= 23:
             op_type = "RMSNormalization"
             attributes["stash_type"] = 1
         else:
             op_type = "SimplifiedLayerNormalization"
         fused = ir.node(
-            op_type, [match.x, match.scale], attributes, name=f"{label(anchor)}_{op_type}"
+            op_type,
+            [match.x, match.scale(graph, label(anchor))],
+            attributes,
+            name=f"{label(anchor)}_{op_type}",
         )
-        graph.insert_before(anchor, fused)
-        replace_output(graph, match.output, fused.outputs[0])
-        remove_nodes(graph, match.nodes)
+        match.replace(graph, fused)
         return op_type

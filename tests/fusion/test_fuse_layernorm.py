@@ -13,64 +13,23 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
+from norm_testing import (
+    SHAPE,
+    assert_within_float16_ulp,
+    check_against_torch,
+    export,
+    op_types,
+)
 
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.report import FusionReport
-from normexport.export import export_module
-from normexport.runtime import make_session, run
 
 torch.set_num_threads(1)
-
-SHAPE = (2, 3, 16)
-
-
-def probes(shape=SHAPE) -> dict[str, torch.Tensor]:
-    """Random rows and the inputs that make eps matter."""
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    return {
-        "random": x,
-        "constant rows": torch.full(shape, 3.0) + torch.arange(shape[-2]).view(-1, 1),
-        "zeros": torch.zeros(shape),
-        "1e-4 scale": x * 1e-4,
-        "1e3 scale": x * 1e3,
-    }
-
-
-def assert_matches(out: np.ndarray, ref: np.ndarray, what: str) -> None:
-    """No NaN/Inf where torch has none; max abs err <= 1e-4 + 1e-3 * max |ref|."""
-    assert out.shape == ref.shape, what
-    bad = ~np.isfinite(out) & np.isfinite(ref)
-    assert not bad.any(), f"{what}: {bad.sum()} non-finite values where torch has none"
-    finite = np.isfinite(ref)
-    err = np.abs(out[finite].astype(np.float64) - ref[finite]).max()
-    tol = 1e-4 + 1e-3 * np.abs(ref[finite]).max()
-    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
-
-
-def check_against_torch(module: torch.nn.Module, model: ir.Model) -> None:
-    """ORT on ``model`` matches ``module`` in eager mode on every probe."""
-    session = make_session(model, "cpu")
-    for name, x in probes().items():
-        with torch.no_grad():
-            ref = module(x).numpy()
-        assert_matches(run(session, {"x": x.numpy()})[0], ref, name)
-
-
-def export(module: torch.nn.Module, exporter: str, opset: int) -> ir.Model:
-    model = export_module(
-        module, (probes()["random"],), opset=opset, input_names=["x"], exporter=exporter
-    ).model
-    assert model.opset_imports[""] == opset
-    return model
 
 
 def fuse(model: ir.Model) -> tuple[FusionReport, bool]:
     report = FusionReport()
     return report, FuseLayerNorm(report)(model).modified
-
-
-def op_types(model: ir.Model) -> list[str]:
-    return [node.op_type for node in model.graph]
 
 
 def randomized(module: torch.nn.Module) -> torch.nn.Module:
@@ -118,7 +77,9 @@ class BareLayerNorm(torch.nn.Module):
         return d * (1.0 / torch.sqrt(d.pow(2).mean(-1, keepdim=True) + 1e-6))
 
 
-def assert_fused(module: torch.nn.Module, exporter: str, opset: int, eps: float) -> ir.Model:
+def assert_fused(
+    module: torch.nn.Module, exporter: str, opset: int, eps: float, **kwargs
+) -> ir.Model:
     """Export, fuse, and check everything a correct fusion guarantees."""
     model = export(module, exporter, opset)
     report, modified = fuse(model)
@@ -129,7 +90,7 @@ def assert_fused(module: torch.nn.Module, exporter: str, opset: int, eps: float)
     assert node.attributes["epsilon"].value == np.float32(eps)  # bit for bit, never lost
     assert node.attributes.get_int("stash_type") == 1
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
-    check_against_torch(module, model)
+    check_against_torch(module, model, **kwargs)
     before = ir.to_proto(model).SerializeToString()
     again, modified = fuse(model)
     assert not modified and not again.counts and not again.refused
@@ -271,6 +232,122 @@ def test_weight_over_other_axis_is_not_absorbed(exporter, opset):
     np.testing.assert_array_equal(ir.convenience.get_const_tensor(norm.inputs[1]).numpy(), 1.0)
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
     check_against_torch(module, model)
+
+
+class BiasedVarLayerNorm(DivLayerNorm):
+    """``x.var(unbiased=False)``: the dynamo export centers x a second time (axes [2] where the
+    mean has [-1]) and reshapes a keepdims=0 variance back to (2, 3, 1)."""
+
+    def forward(self, x):
+        m = x.mean(-1, keepdim=True)
+        v = x.var(-1, unbiased=False, keepdim=True)
+        return (x - m) / torch.sqrt(v + self.eps) * self.w + self.b
+
+
+@pytest.mark.parametrize(("exporter", "opset"), [("torchscript", 17), ("dynamo", 18)])
+def test_biased_var_is_fused(exporter, opset):
+    assert_fused(randomized(BiasedVarLayerNorm(1e-8)), exporter, opset, 1e-8)
+
+
+class UnbiasedVarLayerNorm(DivLayerNorm):
+    """``x.var()``: unbiased, the mean square times N / (N - 1) = 16 / 15."""
+
+    def forward(self, x):
+        m = x.mean(-1, keepdim=True)
+        return (x - m) / torch.sqrt(x.var(-1, keepdim=True) + self.eps) * self.w + self.b
+
+
+@pytest.mark.parametrize(("exporter", "opset"), [("torchscript", 17), ("dynamo", 18)])
+def test_unbiased_var_rescales_eps_and_weight(exporter, opset):
+    """(x - m) / sqrt(var_u + eps) = sqrt((N-1)/N) (x - m) / sqrt(var_b + eps (N-1)/N)."""
+    module = randomized(UnbiasedVarLayerNorm(1e-5))
+    factor = 16 / 15
+    model = assert_fused(module, exporter, opset, float(np.float32(1e-5)) / factor)
+    (node,) = model.graph
+    scale = ir.convenience.get_const_tensor(node.inputs[1]).numpy()
+    np.testing.assert_allclose(scale, module.w.detach().numpy() / np.sqrt(factor), rtol=1e-6)
+    assert node.inputs[2].name == "b"
+
+
+class UpcastLayerNorm(DivLayerNorm):
+    """A float16 model in the HF habit: normalize ``x.float()``, cast back, then w and b."""
+
+    def forward(self, x):
+        h = x.float()
+        d = h - h.mean(-1, keepdim=True)
+        h = d * torch.rsqrt(d.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype) * self.w + self.b
+
+
+@pytest.mark.parametrize(("exporter", "opset"), [("torchscript", 17), ("dynamo", 18)])
+def test_float16_round_trip_is_fused_on_float16(exporter, opset):
+    module = randomized(UpcastLayerNorm(1e-5)).half()
+    unfused = export(module, exporter, opset)
+    model = assert_fused(module, exporter, opset, 1e-5, rtol=4e-3)
+    (node,) = model.graph
+    assert node.inputs[0].dtype == node.outputs[0].dtype == ir.DataType.FLOAT16
+    assert [v.name for v in node.inputs[1:]] == ["w", "b"]
+    assert_within_float16_ulp(model, unfused)
+
+
+def _hand_built(variance_tail: list[onnx.NodeProto], shape=(2, 2, 2)) -> ir.Model:
+    """A LayerNorm over the last axis whose variance ``v`` goes through ``variance_tail``
+    (ending in ``vt``) before ``Sqrt(vt + 1)``."""
+    helper = onnx.helper
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "axes"], ["m"], keepdims=1),
+        helper.make_node("Sub", ["x", "m"], ["d"]),
+        helper.make_node("Mul", ["d", "d"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq", "axes"], ["v"], keepdims=0),
+        *variance_tail,
+        helper.make_node("Add", ["vt", "eps"], ["a"]),
+        helper.make_node("Sqrt", ["a"], ["s"]),
+        helper.make_node("Div", ["d", "s"], ["y"], name="div"),
+    ]
+    f32 = onnx.TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", f32, shape)],
+        [helper.make_tensor_value_info("y", f32, shape)],
+        [
+            onnx.numpy_helper.from_array(np.array([-1]), "axes"),
+            onnx.numpy_helper.from_array(np.array(1.0, np.float32), "eps"),
+            onnx.numpy_helper.from_array(np.array([2, 2, 1]), "keep_shape"),
+            onnx.numpy_helper.from_array(np.array([2, 1, 2]), "wrong_shape"),
+            onnx.numpy_helper.from_array(np.array(-1.0, np.float32), "minus_one"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    onnx.checker.check_model(model, full_check=True)
+    return ir.from_proto(model)
+
+
+@pytest.mark.parametrize(
+    ("tail", "reason"),
+    [
+        (
+            [onnx.helper.make_node("Reshape", ["v", "wrong_shape"], ["vt"])],
+            "the variance is reshaped to [2, 1, 2], not to its keepdims shape [2, 2, 1]",
+        ),
+        (
+            [
+                onnx.helper.make_node("Reshape", ["v", "keep_shape"], ["r"]),
+                onnx.helper.make_node("Mul", ["r", "minus_one"], ["vt"]),
+            ],
+            "the mean square is multiplied by -1: only a positive factor can move into epsilon "
+            "and the scale",
+        ),
+    ],
+    ids=["reshaped_across_axes", "negative_factor"],
+)
+def test_variance_that_is_not_a_scaled_keepdims_mean_is_refused(tail, reason):
+    model = _hand_built(tail)
+    before = ir.to_proto(model).SerializeToString()
+    report, modified = fuse(model)
+    assert not modified and not report.counts
+    assert [r.reason for r in report.refused] == [reason]
+    assert ir.to_proto(model).SerializeToString() == before
 
 
 class RMSNorm(torch.nn.Module):

@@ -22,81 +22,26 @@ import onnx_ir as ir
 import pytest
 import torch
 import torch.nn.functional as F
+from norm_testing import (
+    SHAPE,
+    assert_within_float16_ulp,
+    check_against_torch,
+    export,
+    op_types,
+    probes,
+)
 
+import fusion
 from fusion.fuse_rmsnorm import EPS_OUTSIDE, F_NORMALIZE, FuseRMSNorm
 from fusion.report import FusionReport
-from normexport.export import export_module
-from normexport.runtime import make_session, run
+from models.norms import InBFloat16
 
 torch.set_num_threads(1)
-
-SHAPE = (2, 3, 16)
-
-
-def probes(shape=SHAPE, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Random rows and the inputs that make eps matter."""
-    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    found = {
-        "random": x,
-        "constant rows": torch.full(shape, 3.0) + torch.arange(shape[-2]).view(-1, 1),
-        "zeros": torch.zeros(shape),
-        "1e-4 scale": x * 1e-4,
-        "1e3 scale": x * 1e3,
-    }
-    return {name: t.to(dtype) for name, t in found.items()}
-
-
-def assert_matches(out: np.ndarray, ref: np.ndarray, what: str, rtol: float = 1e-3) -> None:
-    """No NaN/Inf where torch has none; max abs err <= 1e-4 + rtol * max |ref|."""
-    assert out.shape == ref.shape, what
-    bad = ~np.isfinite(out) & np.isfinite(ref)
-    assert not bad.any(), f"{what}: {bad.sum()} non-finite values where torch has none"
-    finite = np.isfinite(ref)
-    err = np.abs(out[finite].astype(np.float64) - ref[finite].astype(np.float64)).max()
-    tol = 1e-4 + rtol * np.abs(ref[finite]).max()
-    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
-
-
-def check_against_torch(module: torch.nn.Module, model: ir.Model, **kwargs) -> None:
-    """ORT on ``model`` matches ``module`` in eager mode on every probe."""
-    session = make_session(model, "cpu")
-    dtype = next((p.dtype for p in module.parameters()), torch.float32)
-    for name, x in probes(dtype=dtype).items():
-        with torch.no_grad():
-            ref = module(x).float().numpy()
-        out = run(session, {"x": x.numpy()})[0].astype(np.float32)
-        assert_matches(out, ref, name, **kwargs)
-
-
-def check_model(model: ir.Model) -> None:
-    """The full ONNX checker, with ORT's SimplifiedLayerNormalization handled (module doc)."""
-    proto = ir.to_proto(model)
-    if not any(n.op_type == "SimplifiedLayerNormalization" for n in proto.graph.node):
-        onnx.checker.check_model(proto, full_check=True)
-        return
-    with pytest.raises(onnx.checker.ValidationError, match="SimplifiedLayerNormalization"):
-        onnx.checker.check_model(proto, full_check=True)
-    for node in proto.graph.node:
-        if node.op_type == "SimplifiedLayerNormalization":
-            node.domain = "test.unknown"
-    proto.opset_import.append(onnx.helper.make_opsetid("test.unknown", 1))
-    onnx.checker.check_model(proto, full_check=True)
-
-
-def export(module: torch.nn.Module, exporter: str, opset: int, dtype=torch.float32) -> ir.Model:
-    x = probes(dtype=dtype)["random"]
-    model = export_module(module, (x,), opset=opset, input_names=["x"], exporter=exporter).model
-    assert model.opset_imports[""] == opset
-    return model
 
 
 def fuse(model: ir.Model, target: str) -> tuple[FusionReport, bool]:
     report = FusionReport()
     return report, FuseRMSNorm(report, target)(model).modified
-
-
-def op_types(model: ir.Model) -> list[str]:
-    return [node.op_type for node in model.graph]
 
 
 class LlamaRMSNorm(torch.nn.Module):
@@ -147,7 +92,7 @@ def assert_fused(
     if op == "RMSNormalization":
         assert node.attributes.get_int("stash_type") == 1
     assert node.inputs[1].name == "weight"  # the model's own weight, reused
-    check_model(model)
+    fusion.check(model)
     check_against_torch(module, model, **kw)
     before = ir.to_proto(model).SerializeToString()
     again, modified = fuse(model, target)
@@ -170,16 +115,49 @@ def test_div_form_is_fused(exporter, opset, target, op):
 @pytest.mark.parametrize(("exporter", "opset", "target", "op"), FUSED[:3:2])
 def test_float16_round_trip_is_fused_on_float16(exporter, opset, target, op):
     module = LlamaRMSNorm(1e-6).half().eval()
-    unfused = make_session(export(module, exporter, opset, torch.float16), "cpu")
+    unfused = export(module, exporter, opset, torch.float16)
     model = assert_fused(module, exporter, opset, target, op, 1e-6, rtol=4e-3)
     (node,) = model.graph
     assert node.inputs[0].dtype == node.outputs[0].dtype == ir.DataType.FLOAT16
-    fused = make_session(model, "cpu")
-    for name, x in probes(dtype=torch.float16).items():
-        expected = run(unfused, {"x": x.numpy()})[0].astype(np.float32)
-        got = run(fused, {"x": x.numpy()})[0].astype(np.float32)
-        ulp = 2.0**-10 * 2.0 ** np.floor(np.log2(np.maximum(np.abs(expected), 2.0**-14)))
-        assert (np.abs(got - expected) <= ulp).all(), f"{name}: more than 1 float16 ulp apart"
+    assert_within_float16_ulp(model, unfused)
+
+
+@pytest.mark.parametrize(("exporter", "opset", "target", "op"), FUSED[:2])
+def test_bfloat16_round_trip_is_fused_on_bfloat16(exporter, opset, target, op):
+    """ORT's CPU provider has SimplifiedLayerNormalization for bfloat16 (not RMSNormalization,
+    nor the bfloat16 Mul that the unfused graph needs: only the fused model runs there)."""
+    module = InBFloat16(LlamaRMSNorm(1e-6)).eval()
+    model = export(module, exporter, opset, torch.float32)  # float32 at the wrapper's edges
+    report, modified = fuse(model, target)
+    assert modified and report.counts["rmsnorm_fused"] == 1 and not report.refused
+    assert op_types(model) == ["Cast", op, "Cast"]  # the float32 interface of the wrapper
+    (node,) = (n for n in model.graph if n.op_type == op)
+    assert node.inputs[0].dtype == node.outputs[0].dtype == ir.DataType.BFLOAT16
+    assert node.inputs[1].name == "inner.weight"
+    assert node.attributes["epsilon"].value == np.float32(1e-6)
+    fusion.check(model)
+    check_against_torch(module, model, dtype=torch.float32, rtol=2e-2)
+
+
+class ScaledMeanSquare(LlamaRMSNorm):
+    """``x / sqrt(4 mean(x * x) + eps) * w``: an RMSNorm with epsilon eps / 4, weight w / 2."""
+
+    def forward(self, x):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) * 4.0 + self.eps) * self.weight
+
+
+@pytest.mark.parametrize(("exporter", "opset", "target", "op"), FUSED[1:3])
+def test_factor_on_the_mean_square_moves_into_eps_and_scale(exporter, opset, target, op):
+    module = ScaledMeanSquare(1e-6).eval()
+    model = export(module, exporter, opset)
+    report, modified = fuse(model, target)
+    assert modified and op_types(model) == [op] and not report.refused
+    (node,) = model.graph
+    assert node.attributes["epsilon"].value == np.float32(float(np.float32(1e-6)) / 4)
+    scale = ir.convenience.get_const_tensor(node.inputs[1]).numpy()
+    np.testing.assert_array_equal(scale, module.weight.detach().numpy() / 2)
+    fusion.check(model)
+    check_against_torch(module, model)
 
 
 def assert_refused(
@@ -279,7 +257,7 @@ def test_weight_over_other_axis_is_not_absorbed(exporter, opset):
     assert op_types(model)[-1] == "Mul"
     (norm,) = (n for n in model.graph if n.op_type.endswith("Normalization"))
     np.testing.assert_array_equal(ir.convenience.get_const_tensor(norm.inputs[1]).numpy(), 1.0)
-    check_model(model)
+    fusion.check(model)
     check_against_torch(module, model)
 
 

@@ -1,0 +1,127 @@
+"""One table-driven test over the gallery (:data:`models.norms.GALLERY`), through both exporters.
+
+For each entry and export: ``fusion.optimize`` must produce the entry's fused op (and nothing
+of the decomposed norm), fold its BatchNorm, or refuse it with the declared reason and change
+no op; the result must pass the full ONNX checker, load in ONNX Runtime, match PyTorch on random
+inputs and on the eps probes (constant, zeros, 1e-4 and 1e3 scales) within the entry's
+tolerances, never with NaN / Inf where PyTorch has none; and a second ``fusion.optimize`` must
+change nothing.
+
+The matrix: every entry on dynamo opset 18 and TorchScript opset 17 (where it exports), the
+LayerNorm and RMSNorm entries also on dynamo opset 23 (RMSNormalization). Dynamo exports
+dominate the run time; ``NORMEXPORT_GALLERY=full`` runs every export of ``Entry.exports()``
+(dynamo opset 20 too, about twice as long).
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+
+import fusion
+from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
+from normexport.export import export_module
+from normexport.inputs import input_sets
+from normexport.parity import check_parity
+from normexport.runtime import make_session, run
+
+torch.set_num_threads(1)
+
+#: The report count each family's rewrites go to.
+COUNT_KEY = {
+    "layernorm": "layernorm_fused",
+    "rmsnorm": "rmsnorm_fused",
+    "batchnorm": "batchnorm_folded",
+}
+
+IR_DTYPE = {
+    torch.float32: ir.DataType.FLOAT,
+    torch.float16: ir.DataType.FLOAT16,
+    torch.bfloat16: ir.DataType.BFLOAT16,
+}
+
+
+AS_WRITTEN = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+FULL = os.environ.get("NORMEXPORT_GALLERY") == "full"
+
+
+def _selected(entry: Entry, exporter: str, opset: int) -> bool:
+    return (
+        FULL
+        or (exporter, opset) in {("dynamo", 18), ("torchscript", 17)}
+        or (opset == 23 and entry.family != "batchnorm")
+    )
+
+
+CASES = [
+    pytest.param(entry, exporter, opset, id=f"{entry.name}-{exporter}{opset}")
+    for entry in GALLERY
+    for exporter, opset in entry.exports()
+    if _selected(entry, exporter, opset)
+]
+
+
+def _ops(model: ir.Model) -> Counter:
+    return Counter(node.op_type for node in model.graph)
+
+
+def _check_expectation(entry: Entry, opset: int, raw: Counter, model: ir.Model, report) -> None:
+    """What ``fusion.optimize`` must have made of the entry (see ``Entry.expect``)."""
+    ops = _ops(model)
+    count = report.counts[COUNT_KEY[entry.family]]
+    if entry.expect is None:
+        reasons = [r.reason for r in report.refused if r.kind == entry.family]
+        assert any(entry.refused in reason for reason in reasons), report.refused
+        assert count == 0 and ops == raw, (report.to_dict(), ops)
+        return
+    assert not DECOMPOSED[entry.family] & set(ops), ops
+    assert count == (0 if ops == raw else 1), (report.to_dict(), raw, ops)
+    if entry.expect == FOLDED:
+        assert fusion.norm_ops(model) == {}
+        return
+    op = entry.expected_op(opset)
+    assert fusion.norm_ops(model) == {op: 1}
+    assert ops["Cast"] == entry.casts(), ops
+    (node,) = (n for n in model.graph if n.op_type == op)
+    assert node.inputs[0].dtype == IR_DTYPE[entry.fused_dtype]
+    if op != "SimplifiedLayerNormalization":
+        assert node.attributes.get_int("stash_type", 1) == 1
+
+
+@pytest.mark.parametrize(("entry", "exporter", "opset"), CASES)
+def test_gallery_entry(entry: Entry, exporter: str, opset: int):
+    module = entry.build()
+    example = entry.example()
+    model = export_module(
+        module, (example,), opset=opset, input_names=["x"], exporter=exporter
+    ).model
+    raw = _ops(model)
+
+    report = fusion.optimize(model)
+
+    _check_expectation(entry, opset, raw, model, report)
+    fusion.check(model)
+    make_session(model, "cpu")  # loads as deployed, under ORT's own optimizations
+    # Parity of the model as written: ORT's session fusions would judge ORT (they turn the
+    # float64 LayerNorm into a LayerNormalization accurate to float32 only, 1e-7 off).
+    session = make_session(model, "cpu", optimization_level=AS_WRITTEN)
+    parity = check_parity(
+        lambda feeds: run(session, feeds),
+        lambda feeds: torch_outputs(module, feeds),
+        input_sets({"x": example.numpy()}, n_random=2),
+        ["y"],
+        reference_kind="pytorch",
+        atol=entry.atol,
+        rtol=entry.rtol,
+    )
+    assert parity.passed, parity.failures()
+    before = ir.to_proto(model).SerializeToString()
+    again = fusion.optimize(model)
+    assert not any(again.counts.values()), again.to_dict()
+    assert ir.to_proto(model).SerializeToString() == before
