@@ -45,6 +45,7 @@ from rich.table import Table
 import fusion
 from normexport import runtime, variants
 from normexport.errors import UsageError
+from normexport.files import atomic_path
 from normexport.latency import Timing, paired_ratio, time_interleaved
 from normexport.load import detect_kind
 
@@ -599,6 +600,8 @@ def write_chart(result: dict, path: Path, title: str | None = None) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
+    finally:
+        plt.close(fig)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ from normexport import autotune, explain, runtime
 from normexport import inputs as inputs_mod
 from normexport.errors import UsageError
 from normexport.export import ExportError, export_module
+from normexport.files import atomic_path
 from normexport.latency import time_interleaved
 from normexport.load import LoadedModel, load_model
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, check_parity
@@ -107,7 +106,8 @@ def run(opts: Options) -> dict:
         optimized = ir.from_proto(onnx.load_from_string(tuned.model))
         fusion.check(optimized)
     disabled = tuned.disabled_optimizers if tuned else ()
-    _save_atomic(optimized, output)
+    with atomic_path(output) as tmp:
+        ir.save(optimized, tmp)
 
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
     raw_session = runtime.make_session(raw_bytes, provider, spinning=False)
@@ -320,16 +320,3 @@ def _by_feed_name(example: dict[str, np.ndarray], feed_names: list[str]) -> dict
             f"({list(example)}) were given"
         )
     return dict(zip(feed_names, example.values(), strict=True))
-
-
-def _save_atomic(model: ir.Model, path: Path) -> None:
-    """Write ``model`` to ``path`` via a temporary file in the same folder, then rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        ir.save(model, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from fusion import FUSION_KINDS
+from normexport.files import atomic_path
 
 
 def render(report: dict, console: Console) -> None:
@@ -102,7 +101,8 @@ def render(report: dict, console: Console) -> None:
 
 def write_json(report: dict, path: Path) -> None:
     """Write ``report`` as JSON, atomically (temporary file in the same folder, then rename)."""
-    _atomic_write(path, json.dumps(report, indent=2).encode())
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(report, indent=2))
 
 
 def write_chart(report: dict, path: Path) -> bool:
@@ -127,24 +127,9 @@ def write_chart(report: dict, path: Path) -> bool:
     ax.set_xlabel(f"ms per call, median (bar) and p90 (whisker), {report['provider']}")
     ax.set_title(Path(report["model"]).name)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
     try:
-        fig.savefig(tmp, dpi=120)
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=120, format="png")
     finally:
         plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
     return True
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
