@@ -691,7 +691,8 @@ class FoldBatchNorm(ir.passes.InPlacePass):
     Args:
         report: the shared :class:`~fusion.report.FusionReport`. Each fold adds a
             ``record("batchnorm_folded", ...)`` that counts one per BatchNormalization folded,
-            or one for a hand-written affine chain with no BatchNormalization in it. Each
+            or one for a hand-written per-channel affine chain with no BatchNormalization in
+            it; a chain of scalar constants only is recorded as ``"affine_folded"``. Each
             candidate left alone (every BatchNormalization still in the graph, and every
             constant Mul / Add / Sub / Div after a linear layer that could not be folded) adds
             a ``refuse("batchnorm", node_name, reason)``.
@@ -765,13 +766,19 @@ class FoldBatchNorm(ir.passes.InPlacePass):
         batchnorms = sum(n.op_type == "BatchNormalization" for n in chain)
         if not batchnorms and not any(n.op_type in ("Mul", "Div") for n in chain):
             return False  # nothing, or only bias adds: not a BatchNorm
+        # A BatchNorm, or one written by hand (per-channel constants); a chain of scalar
+        # constants (e.g. attention's 1/sqrt(d) after a projection) folds the same way but is
+        # no BatchNorm, and is counted apart so that the BatchNorm count stays honest.
+        per_channel = batchnorms or any(
+            c is not None and c.size > 1 for n in chain for c in map(const_array, n.inputs)
+        )
         _fold_after(graph, layer, s, t)
         for folded in chain:
             replace_output(graph, folded.outputs[0], _data_input(folded))
         remove_nodes(graph, chain)
         moved = f" across {', '.join(n.op_type for n in moved_across)}" if moved_across else ""
         self.report.record(
-            "batchnorm_folded",
+            "batchnorm_folded" if per_channel else "affine_folded",
             _label(node),
             f"folded into {node.op_type} '{_label(node)}'{moved}",
             max(batchnorms, 1),

@@ -10,8 +10,16 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-#: The count keys that every report carries, zero or not.
-FUSION_KINDS = ("batchnorm_folded", "layernorm_fused", "rmsnorm_fused", "skip_fused")
+#: The count keys that every report carries, zero or not. ``affine_folded`` counts chains of
+#: scalar constant Mul / Add / Sub / Div folded into a linear layer (not BatchNorms, but the
+#: same exact fold: attention's 1/sqrt(d) scaling after a projection is the common one).
+FUSION_KINDS = (
+    "batchnorm_folded",
+    "affine_folded",
+    "layernorm_fused",
+    "rmsnorm_fused",
+    "skip_fused",
+)
 
 
 @dataclasses.dataclass(frozen=True)

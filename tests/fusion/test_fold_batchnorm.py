@@ -761,3 +761,29 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
     out = run(make_session(model), feeds)[0]
     _assert_close(out, eager)
     _assert_second_run_is_noop(model)
+
+
+class ScaledLinear(torch.nn.Module):
+    """Linear then a constant scaling: per channel (a BatchNorm written by hand) or scalar."""
+
+    def __init__(self, per_channel: bool):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 6)
+        scale = torch.rand(6) + 0.5 if per_channel else torch.tensor(0.125)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+@pytest.mark.parametrize(("per_channel", "kind"), [(True, "batchnorm_folded"),
+                                                   (False, "affine_folded")])  # fmt: skip
+def test_scalar_scaling_is_folded_but_not_counted_as_batchnorm(per_channel, kind):
+    torch.manual_seed(0)
+    module = ScaledLinear(per_channel).eval()
+    x = torch.randn(3, 8)
+    model = export_module(module, [x], input_names=["x"], exporter="dynamo").model
+    report, modified = _fold(model)
+    assert modified and dict(report.counts) == {kind: 1}
+    assert "Mul" not in _ops(model)
+    _assert_close(run(make_session(model), {"x": x.numpy()})[0], module(x).detach().numpy())
