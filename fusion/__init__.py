@@ -23,7 +23,7 @@ import onnx_ir as ir
 from fusion.cleanup import cleanup
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_layernorm import FuseLayerNorm
-from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.fuse_rmsnorm import TARGETS, FuseRMSNorm
 from fusion.fuse_skip import FuseSkip
 from fusion.report import FUSION_KINDS, FusionReport, Refusal
 
@@ -38,10 +38,6 @@ __all__ = [
     "norm_ops",
     "optimize",
 ]
-
-#: ``target`` values: ``"ort"`` may use ONNX Runtime's own ops (SimplifiedLayerNormalization
-#: for RMSNorm below opset 23); ``"onnx"`` keeps to standard ops.
-TARGETS = ("ort", "onnx")
 
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
 #: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.

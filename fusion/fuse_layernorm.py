@@ -511,13 +511,17 @@ class NormMatch:
         remove_nodes(graph, self.nodes)
 
 
-class FuseLayerNorm(ir.passes.InPlacePass):
-    """Replace each hand-written LayerNorm in the main graph by one ``LayerNormalization``.
+class NormFusionPass(ir.passes.InPlacePass):
+    """The driver that the LayerNorm and RMSNorm passes share.
 
-    Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
-    like a LayerNorm but cannot be fused exactly is left intact and recorded as a ``"layernorm"``
-    refusal with its reason (see the module docstring).
+    Visits every node of the main graph; ``_match(model, node)`` returns a fusable norm that
+    ends at ``node`` (or None, or raises :class:`NormRefused` with the reason), and
+    ``_rewrite(model, match)`` replaces it and returns the op it became. Records each as
+    ``"<kind>_fused"`` or as a ``kind`` refusal in the shared report.
     """
+
+    #: ``"layernorm"`` or ``"rmsnorm"``: the refusal kind; fusions count as ``kind + "_fused"``.
+    kind: str
 
     def __init__(self, report: FusionReport):
         """Args: report: where fusions and refusals are recorded (shared between passes)."""
@@ -525,7 +529,7 @@ class FuseLayerNorm(ir.passes.InPlacePass):
         self.report = report
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Fuse every LayerNorm that can be fused exactly; return whether the model changed."""
+        """Fuse every norm that can be fused exactly; return whether the model changed."""
         graph = model.graph
         modified = False
         for node in list(graph):
@@ -534,13 +538,30 @@ class FuseLayerNorm(ir.passes.InPlacePass):
             try:
                 match = self._match(model, node)
             except NormRefused as refusal:
-                self.report.refuse("layernorm", label(node), refusal.args[0])
+                self.report.refuse(self.kind, label(node), refusal.args[0])
                 continue
             if match is not None:
-                self._rewrite(graph, match)
-                self.report.record("layernorm_fused", label(node), "LayerNormalization")
+                became = self._rewrite(model, match)
+                self.report.record(f"{self.kind}_fused", label(node), became)
                 modified = True
         return ir.passes.PassResult(model, modified=modified)
+
+    def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
+        raise NotImplementedError
+
+    def _rewrite(self, model: ir.Model, match: NormMatch) -> str:
+        raise NotImplementedError
+
+
+class FuseLayerNorm(NormFusionPass):
+    """Replace each hand-written LayerNorm in the main graph by one ``LayerNormalization``.
+
+    Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
+    like a LayerNorm but cannot be fused exactly is left intact and recorded as a ``"layernorm"``
+    refusal with its reason (see the module docstring).
+    """
+
+    kind = "layernorm"
 
     def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through the affine part."""
@@ -587,8 +608,9 @@ class FuseLayerNorm(ir.passes.InPlacePass):
         )
         return match
 
-    def _rewrite(self, graph: ir.Graph, match: NormMatch) -> None:
+    def _rewrite(self, model: ir.Model, match: NormMatch) -> str:
         """Insert the LayerNormalization, move the readers over, drop the old nodes."""
+        graph = model.graph
         hint = label(match.nodes[-1])
         inputs = [match.x, match.scale(graph, hint)]
         if match.bias is not None:
@@ -600,3 +622,4 @@ class FuseLayerNorm(ir.passes.InPlacePass):
             name=f"{hint}_LayerNormalization",
         )
         match.replace(graph, fused)
+        return "LayerNormalization"

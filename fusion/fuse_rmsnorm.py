@@ -69,6 +69,7 @@ import onnx_ir as ir
 
 from fusion._ir import as_division, escaping_value, opset_version, rank_of
 from fusion.fuse_layernorm import (
+    NormFusionPass,
     NormMatch,
     NormRefused,
     centered,
@@ -81,7 +82,8 @@ from fusion.fuse_layernorm import (
 )
 from fusion.report import FusionReport
 
-#: ``target`` values: ONNX Runtime (its contrib ops allowed) or portable standard ONNX.
+#: ``target`` values: ``"ort"`` may use ONNX Runtime's own ops (SimplifiedLayerNormalization
+#: for RMSNorm below opset 23); ``"onnx"`` keeps to standard ops.
 TARGETS = ("ort", "onnx")
 
 EPS_OUTSIDE = (
@@ -104,7 +106,7 @@ def _clamped_l2_norm(den: ir.Value) -> bool:
     return clamp is not None and any(producer(v, "ReduceL2") is not None for v in clamp.inputs)
 
 
-class FuseRMSNorm(ir.passes.InPlacePass):
+class FuseRMSNorm(NormFusionPass):
     """Replace each hand-written RMSNorm in the main graph by one fused node.
 
     Opset 23 and up: ``RMSNormalization``. Below 23: ORT's ``SimplifiedLayerNormalization``
@@ -113,35 +115,18 @@ class FuseRMSNorm(ir.passes.InPlacePass):
     exactly are left intact and recorded as ``"rmsnorm"`` refusals (see the module docstring).
     """
 
+    kind = "rmsnorm"
+
     def __init__(self, report: FusionReport, target: str = "ort"):
         """Args: report: shared record of fusions and refusals; target: one of :data:`TARGETS`.
 
         Raises:
             ValueError: ``target`` is not one of :data:`TARGETS`.
         """
-        super().__init__()
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
-        self.report = report
+        super().__init__(report)
         self.target = target
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Fuse every RMSNorm that can be fused exactly; return whether the model changed."""
-        graph = model.graph
-        modified = False
-        for node in list(graph):
-            if node.graph is not graph:  # removed by an earlier fusion
-                continue
-            try:
-                match = self._match(model, node)
-            except NormRefused as refusal:
-                self.report.refuse("rmsnorm", label(node), refusal.args[0])
-                continue
-            if match is not None:
-                op_type = self._rewrite(model, match)
-                self.report.record("rmsnorm_fused", label(node), op_type)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
 
     def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight."""
