@@ -770,7 +770,10 @@ class FoldBatchNorm(ir.passes.InPlacePass):
         # constants (e.g. attention's 1/sqrt(d) after a projection) folds the same way but is
         # no BatchNorm, and is counted apart so that the BatchNorm count stays honest.
         per_channel = batchnorms or any(
-            c is not None and c.size > 1 for n in chain for c in map(const_array, n.inputs)
+            c is not None and c.size > 1
+            for n in chain
+            if n.op_type in ("Mul", "Div", "Sub")  # the scale and the mean, not a bias Add
+            for c in map(const_array, n.inputs)
         )
         _fold_after(graph, layer, s, t)
         for folded in chain:

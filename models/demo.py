@@ -144,7 +144,7 @@ def print_summary(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="normexport demo: summary (CPU; latency medians in ms)")
-    cols = ["model", "file", "BN folded", "LN fused", "RMS fused", "left alone",
+    cols = ["model", "file", "BN folded", "affine folded", "LN fused", "RMS fused", "left alone",
             "norm ops after", "max abs err", "rel L2 err", "eager", "ORT raw", "ORT opt",
             "parity"]  # fmt: skip
     for col in cols:
@@ -165,6 +165,7 @@ def print_summary(rows: list[dict]) -> None:
             row["model"],
             r["kind"].replace("_", " "),
             str(f["batchnorm_folded"]),
+            str(f["affine_folded"]),
             str(f["layernorm_fused"]),
             str(f["rmsnorm_fused"]),
             str(len(f["refused"])),

@@ -773,12 +773,13 @@ class ScaledLinear(torch.nn.Module):
         return self.linear(x) * self.scale
 
 
+@pytest.mark.parametrize("shape", [(3, 8), (2, 3, 8)])  # Gemm; MatMul + bias Add
 @pytest.mark.parametrize(("per_channel", "kind"), [(True, "batchnorm_folded"),
                                                    (False, "affine_folded")])  # fmt: skip
-def test_scalar_scaling_is_folded_but_not_counted_as_batchnorm(per_channel, kind):
+def test_scalar_scaling_is_folded_but_not_counted_as_batchnorm(per_channel, kind, shape):
     torch.manual_seed(0)
     module = ScaledLinear(per_channel).eval()
-    x = torch.randn(3, 8)
+    x = torch.randn(*shape)
     model = export_module(module, [x], input_names=["x"], exporter="dynamo").model
     report, modified = _fold(model)
     assert modified and dict(report.counts) == {kind: 1}
