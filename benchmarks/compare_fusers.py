@@ -51,7 +51,7 @@ from rich.table import Table
 
 import fusion
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
-from normexport import bench, runtime
+from normexport import bench, report, runtime
 from normexport.export import ExportError, export_module
 from normexport.inputs import input_sets
 from normexport.parity import check_parity
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         "entries": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    bench.write_json(result, args.out / "compare_fusers.json")
+    report.write_json(result, args.out / "compare_fusers.json")
     console.print(f"wrote {args.out / 'compare_fusers.json'}")
     return 0
 

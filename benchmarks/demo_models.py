@@ -29,8 +29,9 @@ from rich.table import Table
 
 import models
 from models.demo import save_model_file
-from normexport import bench, runtime
+from normexport import bench, report, runtime
 from normexport.errors import UsageError
+from normexport.files import save_figure
 
 
 def bench_zoo_model(name: str, args: argparse.Namespace, console: Console) -> dict:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(rows, runtime.PROVIDERS[provider][0], console)
     stem = args.out / f"demo_models_{provider}"
     machine = bench.machine(provider)
-    bench.write_json({"machine": machine, "rows": rows}, stem.with_suffix(".json"))
+    report.write_json({"machine": machine, "rows": rows}, stem.with_suffix(".json"))
     _chart(rows, runtime.PROVIDERS[provider][0], stem.with_suffix(".png"))
     console.print(f"wrote {stem}.json and .png")
     return 0
@@ -164,9 +165,7 @@ def _chart(rows: list[dict], provider: str, path: Path) -> None:
     ax.set_title("demo models: > 1 means slower than normexport")
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

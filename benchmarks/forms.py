@@ -32,8 +32,9 @@ import onnx
 from rich.console import Console
 from rich.table import Table
 
-from normexport import bench, runtime, variants
+from normexport import bench, report, runtime, variants
 from normexport.autotune import SKIP_FUSION
+from normexport.files import save_figure
 from normexport.latency import paired_ratio, time_interleaved
 
 SHAPES = ((4, 256, 2048), (8, 512, 768), (1, 128, 768), (32, 128, 384))
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"forms_{provider}"
-    bench.write_json(out, args.out / f"{name}.json")
+    report.write_json(out, args.out / f"{name}.json")
     _chart(results, runtime.PROVIDERS[provider][0], args.out / f"{name}.png")
     console.print(f"wrote {args.out / name}.json and .png")
     return 0
@@ -174,8 +175,7 @@ def _chart(results: dict, provider: str, path: Path) -> None:
         ax.set_title(group)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

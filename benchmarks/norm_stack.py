@@ -34,8 +34,9 @@ import torch
 from rich.console import Console
 from torch import nn
 
-from normexport import bench, runtime, variants
+from normexport import bench, report, runtime, variants
 from normexport.export import export_module
+from normexport.files import save_figure
 
 SHAPE = (4, 256, 2048)
 KINDS = ("layernorm", "layernorm_rsqrt", "rmsnorm")
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"{kind}: {t['target']}: {bench.fmt_ratio(r)} -> {verdict}")
     name = f"norm_stack_{provider}"
     out = {"shape": list(SHAPE), "blocks": args.blocks, "provider_note": note} | results
-    bench.write_json(out, args.out / f"{name}.json")
+    report.write_json(out, args.out / f"{name}.json")
     _chart(results, args.out / f"{name}.png")
     console.print(f"wrote {args.out / name}.json and .png")
     return 0
@@ -224,9 +225,7 @@ def _chart(results: dict, path: Path) -> None:
         ax.set_title(f"{result['model']}", fontsize=9)
         ax.invert_yaxis()
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

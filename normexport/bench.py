@@ -43,9 +43,9 @@ from rich.console import Console
 from rich.table import Table
 
 import fusion
-from normexport import runtime, variants
+from normexport import report, runtime, variants
 from normexport.errors import UsageError
-from normexport.files import atomic_path
+from normexport.files import save_figure
 from normexport.latency import Timing, paired_ratio, time_interleaved
 from normexport.load import detect_kind
 
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     result = {"model": str(args.model), "provider_note": note} | result
     render(result, console)
     if args.json:
-        write_json(result, args.json)
+        report.write_json(result, args.json)
         console.print(f"results: {args.json}")
     if args.chart:
         write_chart(result, args.chart)
@@ -558,13 +558,6 @@ def render(result: dict, console: Console) -> None:
         )
 
 
-def write_json(result: dict, path: Path) -> None:
-    """Write ``result`` as JSON (atomically)."""
-    from normexport import report
-
-    report.write_json(result, path)
-
-
 def write_chart(result: dict, path: Path, title: str | None = None) -> None:
     """Latency (median, 95% CI as error bars) against batch, one line per variant; one panel
     per sequence length. Log-log axes, provider in the axis label."""
@@ -600,8 +593,4 @@ def write_chart(result: dict, path: Path, title: str | None = None) -> None:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fusion import FUSION_KINDS
-from normexport.files import atomic_path
+from normexport.files import atomic_path, save_figure
 
 
 def render(report: dict, console: Console) -> None:
@@ -127,9 +127,5 @@ def write_chart(report: dict, path: Path) -> bool:
     ax.set_xlabel(f"ms per call, median (bar) and p90 (whisker), {report['provider']}")
     ax.set_title(Path(report["model"]).name)
     fig.tight_layout()
-    try:
-        with atomic_path(path) as tmp:
-            fig.savefig(tmp, dpi=120, format="png")
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
     return True
