@@ -88,7 +88,13 @@ def save_model_file(zoo: models.ZooModel, folder: Path) -> tuple[Path, list[str]
         return path, []
     if zoo.name == "llama-tiny":
         path = folder / "llama_tiny.pt2"
-        torch.export.save(torch.export.export(zoo.module, tensors), path)
+        # batch and sequence stay symbolic (min 1, so that batch 1 is allowed): the file then
+        # serves any input size, as a user exporting for deployment would save it
+        dims = tuple(
+            {axis: torch.export.Dim(label, min=1) for axis, label in zoo.dynamic_axes[n].items()}
+            for n in zoo.inputs
+        )
+        torch.export.save(torch.export.export(zoo.module, tensors, dynamic_shapes=dims), path)
         return path, []
     path = folder / f"{zoo.name.replace('-', '_')}.pt"
     torch.save(zoo.module, path)
