@@ -1,4 +1,5 @@
-"""ONNX graph passes: fold BatchNorm, fuse LayerNorm and RMSNorm. Usable alone on any .onnx::
+"""ONNX graph passes: fold BatchNorm, fuse LayerNorm and RMSNorm (and, for ONNX Runtime, attention
+and GELU). Usable alone on any .onnx::
 
     import onnx_ir as ir
     import fusion
@@ -22,6 +23,7 @@ import onnx_ir as ir
 
 from fusion.cleanup import cleanup
 from fusion.fold_batchnorm import FoldBatchNorm
+from fusion.fuse_attention import FuseAttention
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import TARGETS, FuseRMSNorm
 from fusion.fuse_skip import FuseSkip
@@ -54,12 +56,15 @@ NORM_OPS = (
 )
 
 
-def optimize(model: ir.Model, *, target: str = "ort", skip: bool = False) -> FusionReport:
+def optimize(
+    model: ir.Model, *, target: str = "ort", skip: bool = False, attention: bool | None = None
+) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
     Runs: exact clean-up (constant folding, CSE, dead nodes), FoldBatchNorm, FuseLayerNorm,
-    FuseRMSNorm, optionally FuseSkip, clean-up again. The model's opset is never raised: an op
-    is only emitted where the model's opset (or, for ``target="ort"``, ONNX Runtime) has it.
+    FuseRMSNorm, FuseAttention (``target="ort"``), optionally FuseSkip, clean-up again. The
+    model's opset is never raised: an op is only emitted where the model's opset (or, for
+    ``target="ort"``, ONNX Runtime) has it.
 
     Args:
         model: the model, changed in place.
@@ -68,20 +73,26 @@ def optimize(model: ir.Model, *, target: str = "ort", skip: bool = False) -> Fus
             A speed choice per execution provider, not an exactness one: on ORT 1.31's CPU
             provider SkipLayerNormalization is 2.4-3.6x slower than Add + LayerNormalization
             (``benchmarks/results/forms_cpu.json``). Needs ``target="ort"``.
+        attention: fuse attention and GELU into com.microsoft ops with onnxscript's rules
+            (:mod:`fusion.fuse_attention`). None (default): for ``target="ort"`` only.
 
     Returns:
         What was fused, and what was refused with the reason.
 
     Raises:
-        ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip`` without ``"ort"``.
+        ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip`` or ``attention``
+            without ``"ort"``.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
-    if skip and target != "ort":
-        raise ValueError("skip=True emits com.microsoft ops: it needs target='ort'")
+    for name, wanted in (("skip", skip), ("attention", attention)):
+        if wanted and target != "ort":
+            raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
     report = FusionReport()
     cleanup(model)
     passes = [FoldBatchNorm(report), FuseLayerNorm(report), FuseRMSNorm(report, target=target)]
+    if attention or (attention is None and target == "ort"):
+        passes.append(FuseAttention(report))
     if skip:
         passes.append(FuseSkip(report))  # last: it fuses the norms the passes above produce
     for fusion_pass in passes:

@@ -13,12 +13,16 @@ from collections import Counter
 #: The count keys that every report carries, zero or not. ``affine_folded`` counts chains of
 #: scalar constant Mul / Add / Sub / Div folded into a linear layer (not BatchNorms, but the
 #: same exact fold: attention's 1/sqrt(d) scaling after a projection is the common one).
+#: ``attention_fused`` and ``gelu_fused`` count the contrib ops :mod:`fusion.fuse_attention`
+#: adds (not norms: they keep a transformer as fast as the other optimizers make it).
 FUSION_KINDS = (
     "batchnorm_folded",
     "affine_folded",
     "layernorm_fused",
     "rmsnorm_fused",
     "skip_fused",
+    "attention_fused",
+    "gelu_fused",
 )
 
 
@@ -46,7 +50,8 @@ class Fusion:
     Attributes:
         kind: one of :data:`FUSION_KINDS`.
         node: name of the anchor node (the BatchNormalization or linear layer, or the node that
-            produced the normalized output) in the graph before the rewrite.
+            produced the normalized output) in the graph before the rewrite; for attention and
+            GELU, the fused node.
         became: what it was rewritten into, e.g. ``"LayerNormalization"`` or
             ``"folded into Conv 'conv1'"``.
         count: how many norms the rewrite removed (a chain of two BatchNorms folded at once
@@ -72,7 +77,7 @@ class FusionReport:
 
     @property
     def counts(self) -> Counter:
-        """Norms rewritten per kind (see :data:`FUSION_KINDS`)."""
+        """Rewrites per kind (see :data:`FUSION_KINDS`)."""
         counts = Counter()
         for f in self.fused:
             counts[f.kind] += f.count

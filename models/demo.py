@@ -46,8 +46,15 @@ EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
                 == 13
             ),
         ),
+        (
+            "6 attention and 6 GELU fused",
+            lambda r: r["fusions"]["attention_fused"] == 6 and r["fusions"]["gelu_fused"] == 6,
+        ),
     ],
-    "llama-tiny": [("5 RMSNorm fused", lambda r: r["fusions"]["rmsnorm_fused"] == 5)],
+    "llama-tiny": [
+        ("5 RMSNorm fused", lambda r: r["fusions"]["rmsnorm_fused"] == 5),
+        ("2 attention fused", lambda r: r["fusions"]["attention_fused"] == 2),
+    ],
     "crepe-tiny": [
         (
             "conv6_BN folded into the classifier, 5 BatchNorm left, each with a reason",
@@ -150,9 +157,9 @@ def print_summary(rows: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="normexport demo: summary (CPU; latency medians in ms)")
-    cols = ["model", "file", "BN folded", "affine folded", "LN fused", "RMS fused", "left alone",
-            "norm ops after", "max abs err", "rel L2 err", "eager", "ORT raw", "ORT opt",
-            "parity"]  # fmt: skip
+    cols = ["model", "file", "BN folded", "affine folded", "LN fused", "RMS fused",
+            "attn / GELU fused", "left alone", "norm ops after", "max abs err", "rel L2 err",
+            "eager", "ORT raw", "ORT opt", "parity"]  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
     for row in rows:
@@ -174,6 +181,7 @@ def print_summary(rows: list[dict]) -> None:
             str(f["affine_folded"]),
             str(f["layernorm_fused"]),
             str(f["rmsnorm_fused"]),
+            f"{f['attention_fused']} / {f['gelu_fused']}",
             str(len(f["refused"])),
             after,
             f"{max(e['max_abs_err'] for e in worst):.2g}",

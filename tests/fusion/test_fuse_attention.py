@@ -1,0 +1,99 @@
+"""FuseAttention: onnxscript's attention and GELU rules, run after the norm passes (ORT only)."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+import transformers
+
+import fusion
+from normexport.export import export_module
+from normexport.runtime import make_session, run
+
+
+class TinyBert(torch.nn.Module):
+    """One BERT layer (hidden 32, 2 heads, erf GELU), random weights, with a padding mask."""
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.BertConfig(
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+            intermediate_size=64, max_position_embeddings=32,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        self.bert = transformers.BertModel(config, add_pooling_layer=False).eval()
+
+    def forward(self, input_ids, attention_mask):
+        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def _inputs(batch=3, seq=8):
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 64, size=(batch, seq), dtype=np.int64)
+    mask = np.ones((batch, seq), dtype=np.int64)
+    mask[1, 5:] = 0  # padding: the mask must reach the fused attention
+    mask[2, 2:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _export(module):
+    feeds = _inputs()
+    args = [torch.from_numpy(a) for a in feeds.values()]
+    axes = {name: {0: "batch", 1: "sequence"} for name in feeds}
+    return export_module(
+        module, args, input_names=list(feeds), dynamic_axes=axes, exporter="dynamo"
+    ).model
+
+
+def _contrib_ops(model: ir.Model) -> list[str]:
+    return sorted(n.op_type for n in model.graph if n.domain == "com.microsoft")
+
+
+def test_bert_layer_attention_and_gelu_fused_and_exact():
+    module = TinyBert()
+    model = _export(module)
+    report = fusion.optimize(model, target="ort")
+    assert report.counts["attention_fused"] == 1, _contrib_ops(model)
+    assert report.counts["gelu_fused"] == 1, _contrib_ops(model)
+    assert {"Attention", "MultiHeadAttention"} & set(_contrib_ops(model))
+    assert report.counts["layernorm_fused"] == 0  # BERT's LayerNorms are exported as one op
+    fusion.check(model)
+    session = make_session(model, "cpu")
+    for batch, seq in ((3, 8), (1, 5)):  # also another size than the export's
+        feeds = {k: v[:batch, :seq] for k, v in _inputs().items()}
+        with torch.no_grad():
+            expected = module(*(torch.from_numpy(a) for a in feeds.values())).numpy()
+        (got,) = run(session, feeds)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5)
+
+
+def test_portable_target_keeps_attention_unfused():
+    model = _export(TinyBert())
+    report = fusion.optimize(model, target="onnx")
+    assert report.counts["attention_fused"] == 0 and report.counts["gelu_fused"] == 0
+    assert _contrib_ops(model) == []
+    with pytest.raises(ValueError, match="target='ort'"):
+        fusion.optimize(model, target="onnx", attention=True)
+
+
+def test_opting_out_keeps_attention_unfused():
+    model = _export(TinyBert())
+    report = fusion.optimize(model, target="ort", attention=False)
+    assert report.counts["attention_fused"] == 0
+    assert _contrib_ops(model) == []
+
+
+class TinyEpsDivide(torch.nn.Module):
+    """Not a norm: an L1 row scaling with eps 1e-8, the constant onnxscript's own optimizer
+    takes for zero and deletes (DESIGN.md)."""
+
+    def forward(self, x):
+        return x / (x.abs().sum(-1, keepdim=True) + 1e-8)
+
+
+def test_an_eps_of_1e_8_outside_any_norm_survives():
+    x = torch.zeros(2, 4, 8)
+    model = export_module(TinyEpsDivide(), [x], input_names=["x"], exporter="dynamo").model
+    fusion.optimize(model, target="ort")
+    (got,) = run(make_session(model, "cpu"), {"x": x.numpy()})
+    assert np.isfinite(got).all() and not got.any()  # 0 / (0 + 1e-8) = 0, not NaN
