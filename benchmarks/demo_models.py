@@ -3,7 +3,9 @@
 Each model is saved the way ``make demo`` saves it (:func:`models.demo.save_model_file`: a
 pickled module, a state_dict, TorchScript, a torch.export program or the shipped .onnx) with
 its real example inputs, then ``normexport bench`` runs on it in this process with a batch
-sweep (``--batch`` plus the example's own batch) and a fixed timing budget per model. Writes
+sweep (``--batch`` plus the example's own batch) and, for the sequence models (a symbolic axis 1:
+minilm, llama-tiny), a sequence-length sweep (``--seq``) as a cross (the batches at the first
+length, the lengths at batch 1), with a fixed timing budget per model. Writes
 ``demo_<model>_<provider>.json`` / ``.png`` per model and ``demo_models_<provider>.json`` /
 ``.png`` (a summary: each variant's time over normexport's at every batch) to ``--out``, and
 prints the summary table. The summary covers
@@ -12,7 +14,8 @@ every zoo model with a result file in ``--out``, so one model can be re-run with
 Issue 4's target: on every model, normexport is never slower than the best other optimizer's
 variant by more than the spread (the 95% interval of the paired ratio reaches 1).
 
-    python benchmarks/demo_models.py [--provider auto] [--batch 1,8] [--budget 12] [--only a,b]
+    python benchmarks/demo_models.py [--provider auto] [--batch 1,8,64] [--seq 16,128,512]
+                                     [--budget 30] [--min-runs 10] [--only a,b]
 """
 
 from __future__ import annotations
@@ -45,9 +48,12 @@ def bench_zoo_model(name: str, args: argparse.Namespace, console: Console) -> di
         np.savez(inputs, **zoo.inputs)
         own = next(iter(zoo.inputs.values())).shape[0]
         batches = sorted({*(int(b) for b in args.batch.split(",")), own})
+        sequence = any(1 in axes for axes in (zoo.dynamic_axes or {}).values())
         argv = [
             str(path), "--inputs", str(inputs), *flags, "--provider", args.provider,
             "--batch", ",".join(map(str, batches)), "--budget", str(args.budget),
+            "--min-runs", str(args.min_runs),
+            *(["--seq", args.seq, "--sweep", "cross"] if sequence and args.seq else []),
             "--json", str(args.out / f"{stem}.json"), "--chart", str(args.out / f"{stem}.png"),
         ]  # fmt: skip
         console.rule(f"normexport bench {name}")
@@ -69,6 +75,7 @@ def summary_rows(results: dict[str, dict]) -> list[dict]:
                 {
                     "model": name,
                     "inputs": p["inputs"],
+                    "seq": p.get("seq"),
                     "median_ms": {k: t["median_ms"] for k, t in p["latency_ms"].items()},
                     "ratio_to_normexport": p["ratio_to_normexport"],
                     "errors": p["errors"],
@@ -104,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     """Bench every zoo model; write per-model and summary JSON + PNG."""
     p = argparse.ArgumentParser(prog="python benchmarks/demo_models.py", description=__doc__)
     p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--batch", default="1,8", help="batch sizes to sweep")
-    p.add_argument("--budget", type=float, default=12.0, help="timing seconds per model")
+    p.add_argument("--batch", default="1,8,64", help="batch sizes to sweep")
+    p.add_argument("--seq", default="16,128,512", help="sequence lengths (sequence models)")
+    p.add_argument("--budget", type=float, default=30.0, help="timing seconds per model")
+    p.add_argument("--min-runs", type=int, default=10, help="timed rounds per point at least")
     p.add_argument("--only", help="comma-separated zoo names (default: all)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -141,9 +150,11 @@ def _chart(rows: list[dict], provider: str, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if "error" not in r]
+    shapes = [next(iter(r["inputs"].values())) for r in rows]  # batch is axis 0, seq axis 1
     labels = [
-        f"{r['model']} b{next(iter(r['inputs'].values()))[0]}" for r in rows
-    ]  # batch is axis 0
+        f"{r['model']} b{shape[0]}" + (f" s{shape[1]}" if r.get("seq") else "")
+        for r, shape in zip(rows, shapes, strict=True)
+    ]
     names = list(dict.fromkeys(k for r in rows for k in r["ratio_to_normexport"]))
     names = [n for n in names if n != bench.EAGER] + [n for n in names if n == bench.EAGER]
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 4.5))

@@ -80,6 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequence lengths to sweep (axis 1 of every input of rank >= 2; sequence models)",
     )
     p.add_argument(
+        "--sweep",
+        choices=["grid", "cross"],
+        default="grid",
+        help="grid: every (batch, seq) pair; cross: the batches at the first sequence length, "
+        "then the sequence lengths at the first batch (fewer points for large models)",
+    )
+    p.add_argument(
         "--io-binding",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -96,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-floor", action="store_true", help="skip the elementwise floor")
     p.add_argument(
         "--budget", type=float, default=20.0, metavar="SECONDS", help="timing seconds, in all"
+    )
+    p.add_argument(
+        "--min-runs",
+        type=int,
+        default=20,
+        metavar="N",
+        help="timed rounds per point at least, whatever the budget (default 20)",
     )
     p.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     p.add_argument("--chart", type=Path, metavar="OUT.png", help="latency vs batch chart")
@@ -122,6 +136,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError("--cuda-graph needs the CUDA provider, not --provider cpu")
     batches = _sizes(args.batch, "--batch")
     seqs = _sizes(args.seq, "--seq")
+    if args.min_runs < 3:
+        raise UsageError(f"--min-runs {args.min_runs}: give at least 3 (a median needs runs)")
     only = args.variants.split(",") if args.variants else None
     if only and (unknown := [v for v in only if v not in variants.VARIANTS]):
         raise UsageError(f"--variants: unknown {unknown}; choose from {list(variants.VARIANTS)}")
@@ -154,12 +170,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         provider=provider,
         batches=batches,
         seqs=seqs,
+        sweep=args.sweep,
         io_binding=args.io_binding if args.io_binding is not None else provider == "cuda",
         cuda_graph=args.cuda_graph,
         target=args.target,
         only=only,
         floor=not args.no_floor,
         budget_s=args.budget,
+        min_runs=args.min_runs,
     )
     result = {"model": str(args.model), "provider_note": note} | result
     render(result, console)
@@ -258,12 +276,14 @@ def bench_model(
     provider: str = "cpu",
     batches: list[int | None] = (None,),
     seqs: list[int | None] = (None,),
+    sweep: str = "grid",
     io_binding: bool = False,
     cuda_graph: bool = False,
     target: str = "ort",
     only: list[str] | None = None,
     floor: bool = True,
     budget_s: float = 20.0,
+    min_runs: int = 20,
     extra: dict[str, variants.Variant] | None = None,
 ) -> dict:
     """Build the variants of ``raw`` and time them (and eager) at each (batch, seq) point.
@@ -272,6 +292,7 @@ def bench_model(
         raw: the export before any optimizer (dynamic axes where the sweep changes sizes).
         example: example inputs by graph input name; resized per point by
             :func:`resize_inputs` (None keeps the example's size).
+        batches, seqs, sweep: the points, see :func:`sweep_points`.
         module: the PyTorch model for the eager entry, or None.
         provider: ``"cpu"`` or ``"cuda"`` (already resolved).
         io_binding, cuda_graph: see the module docstring.
@@ -279,6 +300,7 @@ def bench_model(
         only: variants to build (default: all).
         floor: measure the elementwise floor.
         budget_s: timing seconds over all points.
+        min_runs: timed rounds per point at least, whatever the budget.
         extra: models of the caller's own to time beside the variants
             (:meth:`normexport.variants.Variant.extra`); not counted as optimizers in
             ``normexport_vs_best``.
@@ -290,7 +312,7 @@ def bench_model(
         ``reference``, ``normexport_vs_best``) and ``floor``.
     """
     built = variants.build_variants(raw, provider, target=target, only=only) | (extra or {})
-    points = [(b, s) for s in seqs for b in batches]
+    points = sweep_points(batches, seqs, sweep)
     sessions: dict[str, object] = {}
     point_results = []
     for batch, seq in points:
@@ -305,6 +327,7 @@ def bench_model(
                 io_binding=io_binding,
                 cuda_graph=cuda_graph,
                 budget_s=budget_s / len(points),
+                min_runs=min_runs,
             )
             | {"batch": batch, "seq": seq}
         )
@@ -324,6 +347,8 @@ def bench_model(
         "machine": machine(provider),
         "provider": runtime.PROVIDERS[provider][0],
         "settings": {
+            "sweep": sweep,
+            "min_runs": min_runs,
             "io_binding": io_binding,
             "cuda_graph": cuda_graph,
             "target": target,
@@ -337,6 +362,25 @@ def bench_model(
         "points": point_results,
         "floor": floor_result,
     }
+
+
+def sweep_points(
+    batches: list[int | None], seqs: list[int | None], sweep: str = "grid"
+) -> list[tuple[int | None, int | None]]:
+    """The (batch, seq) points of a sweep, in timing order (None: the example's own size).
+
+    ``"grid"``: every pair, batch varying fastest. ``"cross"``: every batch at ``seqs[0]``,
+    then every other sequence length at ``batches[0]``; the latency-vs-batch and
+    latency-vs-sequence curves for far fewer points than the grid.
+
+    Raises:
+        ValueError: ``sweep`` is neither.
+    """
+    if sweep == "grid":
+        return [(b, s) for s in seqs for b in batches]
+    if sweep == "cross":
+        return [(b, seqs[0]) for b in batches] + [(batches[0], s) for s in seqs[1:]]
+    raise ValueError(f"unknown sweep {sweep!r}: 'grid' or 'cross'")
 
 
 def _ran_norm_ops(variant: variants.Variant, provider: str) -> dict[str, int] | None:
@@ -378,6 +422,7 @@ def _bench_point(
     io_binding: bool,
     cuda_graph: bool,
     budget_s: float,
+    min_runs: int,
 ) -> dict:
     """Time every variant at one input size; see :func:`bench_model`."""
     runners, outputs, errors = {}, {}, {}
@@ -409,7 +454,7 @@ def _bench_point(
             except (ValueError, TypeError) as err:  # different output count or shape
                 diffs[name] = None
                 errors.setdefault(name, f"outputs differ in structure: {err}")
-    timings = time_interleaved(runners, budget_s=budget_s) if runners else {}
+    timings = time_interleaved(runners, budget_s=budget_s, min_runs=min_runs) if runners else {}
     return {
         "inputs": {k: list(v.shape) for k, v in feeds.items()},
         "latency_ms": {k: t.to_dict() for k, t in timings.items()},
@@ -559,25 +604,40 @@ def render(result: dict, console: Console) -> None:
 
 
 def write_chart(result: dict, path: Path, title: str | None = None) -> None:
-    """Latency (median, 95% CI as error bars) against batch, one line per variant; one panel
-    per sequence length. Log-log axes, provider in the axis label."""
+    """Latency (median, 95% CI as error bars) against batch, one line per variant: one panel
+    per sequence length that has two batches or more (or the only one); and against sequence
+    length, one panel per batch that has two lengths or more. Log-log axes, provider in the
+    axis label."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    seqs = list(dict.fromkeys(p["seq"] for p in result["points"]))
-    fig, axes = plt.subplots(1, len(seqs), figsize=(5.5 * len(seqs), 4), squeeze=False)
-    names = list(dict.fromkeys(k for p in result["points"] for k in p["latency_ms"]))
-    for ax, seq in zip(axes[0], seqs, strict=True):
-        pts = [p for p in result["points"] if p["seq"] == seq]
+    points = result["points"]
+
+    def size(p: dict, axis: int) -> int:  # the point's batch / seq as run
+        return next(s[axis] for s in p["inputs"].values() if len(s) > axis)
+
+    panels = []  # (x axis name, points, title suffix)
+    seqs = list(dict.fromkeys(p["seq"] for p in points))
+    for seq in seqs:
+        pts = [p for p in points if p["seq"] == seq]
+        if len(pts) > 1 or len(seqs) == 1:
+            panels.append(("batch", pts, f", seq {seq}" if seq else ""))
+    for batch in dict.fromkeys(p["batch"] for p in points):
+        pts = [p for p in points if p["batch"] == batch]
+        if len({p["seq"] for p in pts}) > 1:
+            panels.append(("sequence", pts, f", batch {size(pts[0], 0)}"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    names = list(dict.fromkeys(k for p in points for k in p["latency_ms"]))
+    for ax, (xname, pts, suffix) in zip(axes[0], panels, strict=True):
         for name in names:
             xs, ys, lo, hi = [], [], [], []
             for p in pts:
                 t = p["latency_ms"].get(name)
                 if t is None:
                     continue
-                xs.append(p["batch"] or p["inputs"][next(iter(p["inputs"]))][0])
+                xs.append(size(p, 0 if xname == "batch" else 1))
                 ys.append(t["median_ms"])
                 lo.append(t["median_ms"] - t["ci_low_ms"])
                 hi.append(t["ci_high_ms"] - t["median_ms"])
@@ -585,11 +645,9 @@ def write_chart(result: dict, path: Path, title: str | None = None) -> None:
             ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, **style)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("batch")
+        ax.set_xlabel(xname)
         ax.set_ylabel(f"ms per call (median, 95% CI), {result['provider']}")
-        ax.set_title(
-            (title or Path(result.get("model", "")).name) + (f", seq {seq}" if seq else "")
-        )
+        ax.set_title((title or Path(result.get("model", "")).name) + suffix)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()

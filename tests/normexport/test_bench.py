@@ -103,6 +103,16 @@ def test_parser_and_size_errors():
             bench._sizes(bad, "--batch")
 
 
+def test_sweep_points_grid_and_cross():
+    assert bench.sweep_points([1, 8], [16, 128]) == [(1, 16), (8, 16), (1, 128), (8, 128)]
+    assert bench.sweep_points([1, 8, 64], [16, 128, 512], "cross") == [
+        (1, 16), (8, 16), (64, 16), (1, 128), (1, 512)
+    ]  # fmt: skip
+    assert bench.sweep_points([1, 8], [None], "cross") == [(1, None), (8, None)]
+    with pytest.raises(ValueError, match="sweep"):
+        bench.sweep_points([1], [None], "diagonal")
+
+
 # --- variants --------------------------------------------------------------------------------
 
 
@@ -247,12 +257,32 @@ def test_cli_bench_writes_json_and_chart(tmp_path, model_file, capsys, monkeypat
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_bench_cross_sweep_with_few_runs(tmp_path, model_file):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    code = cli.main(
+        ["bench", str(model_file), "--trust-pickle", "--input-shape", f"2,4,{HIDDEN}"]
+        + ["--batch", "1,2", "--seq", "4,8", "--sweep", "cross", "--min-runs", "3"]
+        + ["--budget", "0.1", "--variants", "ort_raw,normexport", "--no-eager", "--no-floor"]
+        + ["--json", str(out_json), "--chart", str(out_png)]
+    )
+    assert code == 0
+    r = json.loads(out_json.read_text())
+    assert [(p["batch"], p["seq"]) for p in r["points"]] == [(1, 4), (2, 4), (1, 8)]
+    shapes = [next(iter(p["inputs"].values())) for p in r["points"]]
+    assert shapes == [[1, 4, HIDDEN], [2, 4, HIDDEN], [1, 8, HIDDEN]]
+    assert all(t["runs"] >= 3 for p in r["points"] for t in p["latency_ms"].values())
+    assert r["settings"]["sweep"] == "cross" and r["settings"]["min_runs"] == 3
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_bench_usage_errors(model_file, capsys):
     base = ["bench", str(model_file), "--trust-pickle", "--input-shape", f"2,4,{HIDDEN}"]
     assert cli.main([*base, "--provider", "cpu", "--cuda-graph"]) == 2
     assert "--cuda-graph needs the CUDA provider, not --provider cpu" in capsys.readouterr().err
     assert cli.main([*base, "--variants", "bogus"]) == 2
     assert "--variants" in capsys.readouterr().err
+    assert cli.main([*base, "--min-runs", "1"]) == 2
+    assert "--min-runs 1: give at least 3" in capsys.readouterr().err
 
 
 # --- autotune --------------------------------------------------------------------------------
