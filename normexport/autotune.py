@@ -28,6 +28,8 @@ from normexport.latency import Ratio, Timing, paired_ratio, time_interleaved
 
 #: ORT graph transformer that fuses Add + LayerNormalization into SkipLayerNormalization.
 SKIP_FUSION = "SkipLayerNormFusion"
+#: Name prefix of the candidates built without attention fusion.
+ATTENTION_UNFUSED = "attention_unfused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,15 +106,31 @@ def _has_add_into_norm(model: bytes) -> bool:
     return False
 
 
-def candidates(model: ir.Model | bytes, *, target: str = "ort") -> dict[str, Candidate]:
+def candidates(
+    model: ir.Model | bytes,
+    *,
+    target: str = "ort",
+    attention_unfused: ir.Model | bytes | None = None,
+) -> dict[str, Candidate]:
     """The exact forms of ``model`` (:func:`normexport.variants.exact_forms`) as candidates;
     each form with an Add feeding a norm also as ``FORM+no_skip_fusion``, run with ORT's
-    SkipLayerNormFusion disabled. The first entry, ``as_built``, is the default."""
+    SkipLayerNormFusion disabled. The first entry, ``as_built``, is the default.
+
+    ``attention_unfused``: the same model optimized with ``attention=False``
+    (:func:`fusion.optimize`); its forms join as ``attention_unfused`` and
+    ``attention_unfused+FORM``. Fused attention is a speed choice per shape: on ORT 1.31's
+    CPU provider the llama-tiny zoo model's MultiHeadAttention was 1.07x slower at (8, 16) and
+    1.07x faster at (1, 128) than its unfused MatMul-Softmax-MatMul."""
+    sources = {"": model}
+    if attention_unfused is not None:
+        sources[ATTENTION_UNFUSED] = attention_unfused
     out = {}
-    for name, data in variants.exact_forms(model, target=target).items():
-        out[name] = Candidate(data)
-        if _has_add_into_norm(data):
-            out[f"{name}+no_skip_fusion"] = Candidate(data, (SKIP_FUSION,))
+    for prefix, source in sources.items():
+        for form, data in variants.exact_forms(source, target=target).items():
+            name = form if not prefix else prefix if form == "as_built" else f"{prefix}+{form}"
+            out[name] = Candidate(data)
+            if _has_add_into_norm(data):
+                out[f"{name}+no_skip_fusion"] = Candidate(data, (SKIP_FUSION,))
     return out
 
 

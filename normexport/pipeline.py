@@ -40,7 +40,8 @@ class Options:
         atol, rtol: parity tolerances (see :mod:`normexport.parity`).
         budget_s: seconds of timed runs to aim for.
         autotune: time the exact alternative forms of the optimized model (and the ORT
-            session settings they need) on ``provider`` and keep the fastest.
+            session settings they need; where attention was fused, also the model without
+            it) on ``provider`` and keep the fastest.
     """
 
     model: Path
@@ -95,8 +96,14 @@ def run(opts: Options) -> dict:
     fusion.check(optimized)
     tuned = None
     if opts.autotune:
+        unfused = unfused_fusions = None
+        if fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
+            unfused = ir.from_proto(onnx.load_from_string(raw_bytes))
+            unfused_fusions = fusion.optimize(
+                unfused, target=opts.target, skip=skip, attention=False
+            )
         tuned = autotune.autotune(
-            autotune.candidates(optimized, target=opts.target),
+            autotune.candidates(optimized, target=opts.target, attention_unfused=unfused),
             sets["example"],
             provider,
             budget_s=opts.budget_s / 2,
@@ -105,6 +112,8 @@ def run(opts: Options) -> dict:
         )
         optimized = ir.from_proto(onnx.load_from_string(tuned.model))
         fusion.check(optimized)
+        if tuned.best.startswith(autotune.ATTENTION_UNFUSED):
+            fusions = unfused_fusions
     disabled = tuned.disabled_optimizers if tuned else ()
     with atomic_path(output) as tmp:
         ir.save(optimized, tmp)

@@ -97,3 +97,18 @@ def test_an_eps_of_1e_8_outside_any_norm_survives():
     fusion.optimize(model, target="ort")
     (got,) = run(make_session(model, "cpu"), {"x": x.numpy()})
     assert np.isfinite(got).all() and not got.any()  # 0 / (0 + 1e-8) = 0, not NaN
+
+
+def test_autotune_offers_attention_unfused_and_it_is_exact():
+    from normexport import autotune
+
+    module = TinyBert()
+    fused, unfused = _export(module), _export(module)
+    fusion.optimize(fused, target="ort")
+    fusion.optimize(unfused, target="ort", attention=False)
+    cands = autotune.candidates(fused, attention_unfused=unfused)
+    assert list(cands)[0] == "as_built"  # the default stays the fused model
+    assert autotune.ATTENTION_UNFUSED in cands
+    result = autotune.autotune(cands, _inputs(), budget_s=0.3)
+    assert result.rejected == {}  # the unfused forms agree with the fused one
+    assert set(result.timings) == set(cands)
