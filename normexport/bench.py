@@ -6,6 +6,8 @@ What is timed, and how (see :mod:`normexport.latency` for the statistics):
 - the variants of :data:`normexport.variants.VARIANTS`, each in its own ORT session on the
   provider :func:`normexport.runtime.resolve_provider` picked (a CPU run is never labelled
   CUDA; ``auto`` without CUDA prints one line saying so);
+- with ``--cpu`` (the default on CUDA), the raw export and normexport's model once more on
+  ORT's CPU provider (``ort_raw@cpu``, ``normexport@cpu``), in the same interleaved rounds;
 - PyTorch eager on the same device, ``torch.inference_mode``, followed by
   ``torch.cuda.synchronize()`` on CUDA so that the clock stops when the result is ready;
 - ``--io-binding`` (the default on CUDA): inputs copied to the device once and outputs kept
@@ -29,6 +31,7 @@ the comparison goes on.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import tempfile
@@ -100,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"variants to time (default: all of {', '.join(variants.VARIANTS)})",
     )
     p.add_argument("--no-eager", action="store_true", help="leave PyTorch eager out")
+    p.add_argument(
+        "--cpu",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the raw export and normexport's model on ORT's CPU provider "
+        "(default: on for CUDA)",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the elementwise floor")
     p.add_argument(
         "--budget", type=float, default=20.0, metavar="SECONDS", help="timing seconds, in all"
@@ -178,6 +188,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         floor=not args.no_floor,
         budget_s=args.budget,
         min_runs=args.min_runs,
+        with_cpu=provider != "cpu" if args.cpu is None else args.cpu,
     )
     result = {"model": str(args.model), "provider_note": note} | result
     render(result, console)
@@ -284,6 +295,7 @@ def bench_model(
     floor: bool = True,
     budget_s: float = 20.0,
     min_runs: int = 20,
+    with_cpu: bool = False,
     extra: dict[str, variants.Variant] | None = None,
 ) -> dict:
     """Build the variants of ``raw`` and time them (and eager) at each (batch, seq) point.
@@ -301,6 +313,8 @@ def bench_model(
         floor: measure the elementwise floor.
         budget_s: timing seconds over all points.
         min_runs: timed rounds per point at least, whatever the budget.
+        with_cpu: also time the raw export and normexport's model on ORT's CPU provider
+            (:func:`cpu_baseline`), interleaved with the rest; for a CUDA comparison.
         extra: models of the caller's own to time beside the variants
             (:meth:`normexport.variants.Variant.extra`); not counted as optimizers in
             ``normexport_vs_best``.
@@ -311,7 +325,8 @@ def bench_model(
         ``errors``, ``ratio_to_normexport``, ``ratio_to_eager``, ``max_abs_diff`` vs
         ``reference``, ``normexport_vs_best``) and ``floor``.
     """
-    built = variants.build_variants(raw, provider, target=target, only=only) | (extra or {})
+    built = variants.build_variants(raw, provider, target=target, only=only)
+    built |= (cpu_baseline(built) if with_cpu else {}) | (extra or {})
     points = sweep_points(batches, seqs, sweep)
     sessions: dict[str, object] = {}
     point_results = []
@@ -349,6 +364,7 @@ def bench_model(
         "settings": {
             "sweep": sweep,
             "min_runs": min_runs,
+            "with_cpu": with_cpu,
             "io_binding": io_binding,
             "cuda_graph": cuda_graph,
             "target": target,
@@ -393,7 +409,7 @@ def _ran_norm_ops(variant: variants.Variant, provider: str) -> dict[str, int] | 
         try:
             runtime.make_session(
                 variant.model,
-                provider,
+                variant.provider or provider,
                 optimization_level=variant.optimization_level,
                 optimized_model_path=str(path),
             )
@@ -405,11 +421,29 @@ def _ran_norm_ops(variant: variants.Variant, provider: str) -> dict[str, int] | 
 def _session(variant: variants.Variant, provider: str, cuda_graph: bool):
     return runtime.make_session(
         variant.model,
-        provider,
+        variant.provider or provider,
         optimization_level=variant.optimization_level,
         spinning=False,
-        cuda_graph=cuda_graph,
+        cuda_graph=cuda_graph and variant.provider is None,
     )
+
+
+#: Suffix of the CPU-provider copies of a CUDA comparison's entries.
+CPU_SUFFIX = "@cpu"
+
+
+def cpu_baseline(built: dict[str, variants.Variant]) -> dict[str, variants.Variant]:
+    """The raw export and normexport's model (as built for the comparison's provider) again, to
+    run on ORT's CPU provider beside a CUDA comparison: ``ort_raw@cpu``, ``normexport@cpu``."""
+    out = {}
+    for name in ("ort_raw", variants.REFERENCE_VARIANT):
+        v = built.get(name)
+        if v is not None and v.model is not None:
+            out[name + CPU_SUFFIX] = dataclasses.replace(
+                v, name=name + CPU_SUFFIX, provider="cpu", description=v.description + ", on "
+                "ORT's CPU provider",
+            )  # fmt: skip
+    return out
 
 
 def _bench_point(
@@ -438,9 +472,11 @@ def _bench_point(
             errors[name] = f"not built: {variant.error}"
             continue
         try:
-            if cuda_graph or name not in sessions:  # a CUDA graph is captured for one shape
+            if name not in sessions or (cuda_graph and variant.provider is None):
+                # a CUDA graph is captured for one shape: a new session per point
                 sessions[name] = _session(variant, provider, cuda_graph)
-            call, get = runtime.runner(sessions[name], feeds, io_binding=io_binding or cuda_graph)
+            bind = io_binding or (cuda_graph and variant.provider is None)
+            call, get = runtime.runner(sessions[name], feeds, io_binding=bind)
             outputs[name] = get()
             runners[name] = call
         except Exception as err:

@@ -13,7 +13,7 @@ import torch
 
 import fusion
 from fusion._ir import opset_version
-from normexport import autotune, explain, runtime
+from normexport import autotune, explain, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport.errors import UsageError
 from normexport.export import ExportError, export_module
@@ -90,8 +90,7 @@ def run(opts: Options) -> dict:
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
     sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
     optimized = raw  # optimized in place; the raw model lives on as raw_bytes
-    # Skip forms only where they are faster: not on ORT's CPU provider (forms_cpu.json).
-    skip = opts.target == "ort" and provider == "cuda"
+    skip = variants.skip_fusion(opts.target, provider)
     fusions = fusion.optimize(optimized, target=opts.target, skip=skip)
     fusion.check(optimized)
     tuned = None
@@ -166,14 +165,14 @@ def run(opts: Options) -> dict:
     latency = None
     if opts.benchmark:
         feeds = sets["example"]
-        variants = {
+        timed = {
             "ort_raw": lambda: runtime.run(raw_session, feeds),
             "ort_optimized": lambda: runtime.run(opt_session, feeds),
         }
         if loaded.module is not None:
-            variants = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | variants
+            timed = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | timed
         latency = {
-            k: v.to_dict() for k, v in time_interleaved(variants, budget_s=opts.budget_s).items()
+            k: v.to_dict() for k, v in time_interleaved(timed, budget_s=opts.budget_s).items()
         }
 
     return {

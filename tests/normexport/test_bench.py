@@ -306,3 +306,17 @@ def test_autotune_picks_among_exact_candidates_and_rejects_inexact_ones():
     if result.best != "as_built":  # switched only when faster beyond the spread
         assert d["ratio_to_default"][result.best]["ci_high"] < 1.0
     assert result.model == cands[result.best].model
+
+
+def test_cpu_baseline_runs_beside_and_is_no_optimizer():
+    raw, example, _ = raw_export()
+    r = bench.bench_model(
+        raw, example, batches=[2], only=["ort_raw", "normexport"], with_cpu=True,
+        floor=False, budget_s=0.1, min_runs=3,
+    )  # fmt: skip
+    assert r["variants"]["normexport@cpu"]["provider"] == "cpu"
+    assert r["variants"]["normexport"]["provider"] is None
+    point = r["points"][0]
+    assert set(point["latency_ms"]) == {"ort_raw", "normexport", "ort_raw@cpu", "normexport@cpu"}
+    assert point["max_abs_diff"]["normexport@cpu"] < 1e-5  # the same model, on CPU
+    assert point["normexport_vs_best"]["best_other"] == "ort_raw"  # a baseline, not an optimizer
