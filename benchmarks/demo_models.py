@@ -100,11 +100,18 @@ def print_summary(rows: list[dict], provider: str, console: Console) -> None:
         table.add_row(
             row["model"],
             shapes,
-            *[f"{row['median_ms'][n]:.3f}" if n in row["median_ms"] else "err" for n in names],
+            *[_ms_cell(row, n) for n in names],
             f"{bench.fmt_ratio(vs['ratio'])} vs {vs['best_other']}" if vs else "-",
             ("yes" if vs["within_spread"] else "NO") if vs else "-",
         )
     console.print(table)
+
+
+def _ms_cell(row: dict, name: str) -> str:
+    """A variant's median ms; "err" if it failed, "-" if it was not run (no PyTorch model)."""
+    if name in row["median_ms"]:
+        return f"{row['median_ms'][name]:.3f}"
+    return "err" if name in row["errors"] else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
