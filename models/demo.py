@@ -191,7 +191,7 @@ def print_summary(rows: list[dict]) -> None:
             ms("ort_optimized"),
             "pass" if r["parity"]["passed"] and not row["unmet"] else "FAIL",
         )
-    Console(width=max(Console().width, 170)).print(table)
+    Console(width=max(Console().width, 200)).print(table)
 
 
 if __name__ == "__main__":
