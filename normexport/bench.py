@@ -424,7 +424,7 @@ def _session(variant: variants.Variant, provider: str, cuda_graph: bool):
         variant.provider or provider,
         optimization_level=variant.optimization_level,
         spinning=False,
-        cuda_graph=cuda_graph and variant.provider is None,
+        cuda_graph=cuda_graph,
     )
 
 
@@ -439,10 +439,11 @@ def cpu_baseline(built: dict[str, variants.Variant]) -> dict[str, variants.Varia
     for name in ("ort_raw", variants.REFERENCE_VARIANT):
         v = built.get(name)
         if v is not None and v.model is not None:
-            out[name + CPU_SUFFIX] = dataclasses.replace(
-                v, name=name + CPU_SUFFIX, provider="cpu", description=v.description + ", on "
-                "ORT's CPU provider",
-            )  # fmt: skip
+            cpu_name = name + CPU_SUFFIX
+            cpu_text = f"{v.description}, on ORT's CPU provider"
+            out[cpu_name] = dataclasses.replace(
+                v, name=cpu_name, provider="cpu", description=cpu_text
+            )
     return out
 
 
@@ -471,12 +472,11 @@ def _bench_point(
         if variant.model is None:
             errors[name] = f"not built: {variant.error}"
             continue
+        graphed = cuda_graph and variant.provider is None  # not the CPU baseline's copies
         try:
-            if name not in sessions or (cuda_graph and variant.provider is None):
-                # a CUDA graph is captured for one shape: a new session per point
-                sessions[name] = _session(variant, provider, cuda_graph)
-            bind = io_binding or (cuda_graph and variant.provider is None)
-            call, get = runtime.runner(sessions[name], feeds, io_binding=bind)
+            if graphed or name not in sessions:  # a CUDA graph is captured for one shape
+                sessions[name] = _session(variant, provider, graphed)
+            call, get = runtime.runner(sessions[name], feeds, io_binding=io_binding or graphed)
             outputs[name] = get()
             runners[name] = call
         except Exception as err:
