@@ -54,6 +54,8 @@ from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
 from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
+from fusion._ir import const_array
+from fusion.fuse_layernorm import producer
 from fusion.report import FusionReport
 
 #: onnxscript fusions in fuse_xformers' order, each with whether shape inference follows it
@@ -125,7 +127,7 @@ def _fused_nodes(model: ir.Model) -> set[ir.Node]:
     return {n for n in model.graph if n.domain == "com.microsoft" and n.op_type in ops}
 
 
-def _pass_kv_in_heads(mha: ir.Node) -> bool:
+def _pass_kv_in_heads(mha: ir.Node) -> None:
     """Feed a MultiHeadAttention the ``(B, N, L, H)`` key and value its 3-D ones were made from.
 
     Rewrites only when both key and value are ``Reshape(Transpose(x, perm=[0, 2, 1, 3]),
@@ -133,42 +135,32 @@ def _pass_kv_in_heads(mha: ir.Node) -> bool:
     head size is known, and the op has no bias, past key or past value (ContribOperators.md:
     a 4-D key excludes them). Then the op's own split of the 3-D key into heads gives back
     ``x`` exactly.
-
-    Returns:
-        Whether the node was changed.
     """
     inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
     if any(inputs[i] is not None for i in (3, 6, 7)):  # bias, past_key, past_value
-        return False
+        return
     num_heads = mha.attributes.get_int("num_heads")
     sources = [_split_heads_source(inputs[i], num_heads) for i in (1, 2)]
     if None in sources:
-        return False
+        return
     for index, source in zip((1, 2), sources, strict=True):
         mha.replace_input_with(index, source)
-    return True
 
 
 def _split_heads_source(value: ir.Value | None, num_heads: int | None) -> ir.Value | None:
     """``x`` when ``value`` is ``Reshape(Transpose(x, perm=[0, 2, 1, 3]), [0, 0, -1 or N*H])``
     with ``x`` of shape ``(B, num_heads, L, H)`` and H known; else None."""
-    reshape = value.producer() if value is not None else None
-    if not _is(reshape, "Reshape") or reshape.attributes.get_int("allowzero", 0) != 0:
+    reshape = producer(value, "Reshape")
+    if reshape is None or reshape.attributes.get_int("allowzero", 0) != 0:
         return None
-    transpose = reshape.inputs[0].producer()
-    if not _is(transpose, "Transpose"):
-        return None
-    if list(transpose.attributes.get_ints("perm", ())) != [0, 2, 1, 3]:
+    transpose = producer(reshape.inputs[0], "Transpose")
+    if transpose is None or list(transpose.attributes.get_ints("perm", ())) != [0, 2, 1, 3]:
         return None
     source = transpose.inputs[0]
     shape = source.shape
     if shape is None or len(shape) != 4 or shape[1] != num_heads or not isinstance(shape[3], int):
         return None
-    target = reshape.inputs[1].const_value if len(reshape.inputs) > 1 else None
-    if target is None or target.numpy().tolist() not in ([0, 0, -1], [0, 0, num_heads * shape[3]]):
+    target = const_array(reshape.inputs[1]) if len(reshape.inputs) > 1 else None
+    if target is None or target.tolist() not in ([0, 0, -1], [0, 0, num_heads * shape[3]]):
         return None
     return source
-
-
-def _is(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.domain == "" and node.op_type == op_type
