@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def judge(entry: Entry, module: torch.nn.Module, raw: Counter, variant: Variant,
     """The verdict (see the module docstring) on one tool's model of one entry."""
     if variant.model is None:
         return {"verdict": "E", "error": variant.error}
-    ops = Counter(n.op_type for n in onnx.load_from_string(variant.model).graph.node)
+    ops = Counter(n.op_type for n in onnx_ir.load(variant.model).graph)
     result = {"norm_ops": variant.norm_ops, "details": variant.details}
     try:
         session = runtime.make_session(variant.model, "cpu", optimization_level=ORT_AS_WRITTEN)
@@ -149,14 +150,16 @@ def compare_entry(entry: Entry, exports: tuple[tuple[str, int], ...]) -> dict:
             out[key] = {"export_error": str(err)}
             continue
         raw_ops = Counter(node.op_type for node in raw.graph)
-        variants = build_variants(raw, "cpu", only=[name for name, _ in TOOLS.values()])
-        out[key] = {
-            "raw_norm_ops": fusion.norm_ops(raw),
-            "tools": {
-                tool: judge(entry, module, raw_ops, variants[name], sets)
-                for tool, (name, _) in TOOLS.items()
-            },
-        }
+        with tempfile.TemporaryDirectory(prefix="compare-fusers-") as tmp:
+            only = [name for name, _ in TOOLS.values()]
+            variants = build_variants(raw, "cpu", Path(tmp), only=only)
+            out[key] = {
+                "raw_norm_ops": fusion.norm_ops(raw),
+                "tools": {
+                    tool: judge(entry, module, raw_ops, variants[name], sets)
+                    for tool, (name, _) in TOOLS.items()
+                },
+            }
     return out
 
 

@@ -28,17 +28,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
 import torch
 from rich.console import Console
 from torch import nn
 
 from normexport import bench, report, runtime, variants
 from normexport.export import export_module
-from normexport.files import save_figure
+from normexport.files import save_figure, save_model
 
 SHAPE = (4, 256, 2048)
 KINDS = ("layernorm", "layernorm_rsqrt", "rmsnorm")
@@ -123,9 +123,10 @@ def _as_nn(hand: nn.Module, hidden: int) -> nn.Module:
     return module
 
 
-def _export(module: nn.Module, x: np.ndarray, opset: int | None) -> bytes:
+def _export(module: nn.Module, x: np.ndarray, opset: int | None, path: Path) -> Path:
     exported = export_module(module, [torch.from_numpy(x)], opset=opset, input_names=["h"])
-    return ir.to_proto(exported.model).SerializeToString()
+    save_model(exported.model, path, external_data=True)
+    return path
 
 
 def run_kind(kind: str, provider: str, blocks: int, budget_s: float) -> dict:
@@ -133,17 +134,22 @@ def run_kind(kind: str, provider: str, blocks: int, budget_s: float) -> dict:
     ``targets`` (each with the paired ratio and whether it is met)."""
     x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
     hand = NormStack(kind, "hand", blocks)
-    raw = _export(hand, x, opset=None)
+    with tempfile.TemporaryDirectory(prefix="norm-stack-") as tmp:
+        return _run_kind(kind, hand, x, provider, budget_s, blocks, Path(tmp))
+
+
+def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> dict:
+    raw = _export(hand, x, None, folder / "raw.onnx")
     extra = {
         "nn_opset23": variants.Variant.extra(
             "nn_opset23",
-            _export(NormStack(kind, "nn", blocks), x, opset=23),
+            _export(NormStack(kind, "nn", blocks), x, 23, folder / "nn_opset23.onnx"),
             f"the stack with nn.{'RMSNorm' if kind == 'rmsnorm' else 'LayerNorm'}, dynamo "
             "export at opset 23, ORT_ENABLE_ALL",
         ),
         "relu_stack": variants.Variant.extra(
             "relu_stack",
-            _export(NormStack(kind, "relu", blocks), x, opset=None),
+            _export(NormStack(kind, "relu", blocks), x, None, folder / "relu_stack.onnx"),
             "the stack with ReLU in place of each norm: the elementwise floor (not the same "
             "function)",
         ),

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from normexport import runtime, variants
@@ -37,11 +37,11 @@ class Candidate:
     """One exact form: the model and the ORT session settings it must run under.
 
     Attributes:
-        model: serialized ONNX.
+        model: the .onnx file (or, for a small model built in code, serialized ONNX).
         disabled_optimizers: ORT graph transformers the session must leave out.
     """
 
-    model: bytes
+    model: Path | bytes
     disabled_optimizers: tuple[str, ...] = ()
 
 
@@ -71,8 +71,8 @@ class AutotuneResult:
     candidates: dict[str, Candidate] = dataclasses.field(repr=False, default_factory=dict)
 
     @property
-    def model(self) -> bytes:
-        """The chosen model, serialized."""
+    def model(self) -> Path | bytes:
+        """The chosen model's file (as the candidate gave it)."""
         return self.candidates[self.best].model
 
     @property
@@ -95,9 +95,9 @@ class AutotuneResult:
         }
 
 
-def _has_add_into_norm(model: bytes) -> bool:
+def _has_add_into_norm(model: Path) -> bool:
     """True when an Add feeds a LayerNormalization (what SkipLayerNormFusion rewrites)."""
-    graph = ir.from_proto(onnx.load_from_string(model)).graph
+    graph = ir.load(model).graph
     for node in graph:
         if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
             producer = node.inputs[0].producer() if node.inputs[0] is not None else None
@@ -107,16 +107,17 @@ def _has_add_into_norm(model: bytes) -> bool:
 
 
 def candidates(
-    model: ir.Model | bytes,
+    model: Path,
     *,
     target: str = "ort",
-    attention_unfused: ir.Model | bytes | None = None,
+    attention_unfused: Path | None = None,
 ) -> dict[str, Candidate]:
-    """The exact forms of ``model`` (:func:`normexport.variants.exact_forms`) as candidates;
+    """The exact forms of the model file ``model`` (:func:`normexport.variants.exact_forms`,
+    written beside it) as candidates;
     each form with an Add feeding a norm also as ``FORM+no_skip_fusion``, run with ORT's
     SkipLayerNormFusion disabled. The first entry, ``as_built``, is the default.
 
-    ``attention_unfused``: the same model optimized with ``attention=False``
+    ``attention_unfused``: the file of the same model optimized with ``attention=False``
     (:func:`fusion.optimize`); its forms join as ``attention_unfused`` and
     ``attention_unfused+FORM``. Fused attention is a speed choice per provider and shape: on
     ORT 1.31's CPU provider the llama-tiny zoo model's MultiHeadAttention was once 1.07x slower
@@ -151,7 +152,7 @@ def _agrees(got: list[np.ndarray], ref: list[np.ndarray], atol: float, rtol: flo
 
 
 def autotune(
-    cands: Mapping[str, Candidate | bytes],
+    cands: Mapping[str, Candidate | Path | bytes],
     feeds: Mapping[str, np.ndarray],
     provider: str = "cpu",
     *,
@@ -164,8 +165,8 @@ def autotune(
     """Time the candidates on ``provider`` and return the fastest that is exact.
 
     Args:
-        cands: name -> :class:`Candidate` (or serialized ONNX, run with default settings),
-            e.g. from :func:`candidates`.
+        cands: name -> :class:`Candidate` (or a model file, run with default settings), e.g.
+            from :func:`candidates`.
         feeds: inputs by graph input name (the user's example inputs).
         provider: ``"cpu"`` or ``"cuda"``, as resolved by
             :func:`normexport.runtime.resolve_provider`.

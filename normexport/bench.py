@@ -280,7 +280,7 @@ def _error(err: Exception) -> str:
 
 
 def bench_model(
-    raw: ir.Model | bytes,
+    raw: ir.Model | Path,
     example: dict[str, np.ndarray],
     *,
     module=None,
@@ -301,7 +301,8 @@ def bench_model(
     """Build the variants of ``raw`` and time them (and eager) at each (batch, seq) point.
 
     Args:
-        raw: the export before any optimizer (dynamic axes where the sweep changes sizes).
+        raw: the export before any optimizer (dynamic axes where the sweep changes sizes), as
+            an .onnx file or in memory. The variants are written to a temporary folder.
         example: example inputs by graph input name; resized per point by
             :func:`resize_inputs` (None keeps the example's size).
         batches, seqs, sweep: the points, see :func:`sweep_points`.
@@ -325,9 +326,50 @@ def bench_model(
         ``errors``, ``ratio_to_normexport``, ``ratio_to_eager``, ``max_abs_diff`` vs
         ``reference``, ``normexport_vs_best``) and ``floor``.
     """
-    built = variants.build_variants(raw, provider, target=target, only=only)
-    built |= (cpu_baseline(built) if with_cpu else {}) | (extra or {})
     points = sweep_points(batches, seqs, sweep)
+    with tempfile.TemporaryDirectory(prefix="normexport-bench-") as folder:
+        built = variants.build_variants(raw, provider, Path(folder), target=target, only=only)
+        built |= (cpu_baseline(built) if with_cpu else {}) | (extra or {})
+        return _bench_points(
+            built,
+            points,
+            example,
+            module,
+            provider,
+            io_binding=io_binding,
+            cuda_graph=cuda_graph,
+            floor=floor,
+            budget_s=budget_s,
+            min_runs=min_runs,
+        ) | {
+            "settings": {
+                "sweep": sweep,
+                "min_runs": min_runs,
+                "with_cpu": with_cpu,
+                "io_binding": io_binding,
+                "cuda_graph": cuda_graph,
+                "target": target,
+                "budget_s": budget_s,
+                "eager": module is not None,
+            }
+        }
+
+
+def _bench_points(
+    built: dict[str, variants.Variant],
+    points: list[tuple[int | None, int | None]],
+    example: dict[str, np.ndarray],
+    module,
+    provider: str,
+    *,
+    io_binding: bool,
+    cuda_graph: bool,
+    floor: bool,
+    budget_s: float,
+    min_runs: int,
+) -> dict:
+    """Time ``built`` at each point, then the floor; :func:`bench_model`'s result but
+    ``settings``."""
     sessions: dict[str, object] = {}
     point_results = []
     for batch, seq in points:
@@ -361,16 +403,6 @@ def bench_model(
     return {
         "machine": machine(provider),
         "provider": runtime.PROVIDERS[provider][0],
-        "settings": {
-            "sweep": sweep,
-            "min_runs": min_runs,
-            "with_cpu": with_cpu,
-            "io_binding": io_binding,
-            "cuda_graph": cuda_graph,
-            "target": target,
-            "budget_s": budget_s,
-            "eager": module is not None,
-        },
         "variants": {
             k: v.to_dict() | {"ort_ran_norm_ops": _ran_norm_ops(v, provider)}
             for k, v in built.items()
@@ -521,10 +553,10 @@ def _vs_best(timings: dict[str, Timing]) -> dict | None:
     return {"best_other": best, "ratio": ratio.to_dict(), "within_spread": ratio.ci_low <= 1.0}
 
 
-def _norm_input_shapes(model: bytes, feeds, provider: str) -> tuple[ir.Model, ir.Node, dict]:
+def _norm_input_shapes(model: Path, feeds, provider: str) -> tuple[ir.Model, ir.Node, dict]:
     """normexport's model, its first fused norm node, and that node's input shapes (probed by
     running a copy of the model with the node's inputs added as graph outputs)."""
-    copy = ir.from_proto(onnx.load_from_string(model))
+    copy = ir.load(model)
     node = next((n for n in copy.graph if n.op_type in FUSED_NORMS), None)
     if node is None:
         return copy, None, {}
@@ -541,8 +573,9 @@ def _norm_input_shapes(model: bytes, feeds, provider: str) -> tuple[ir.Model, ir
     return copy, node, {v.name: tuple(arrays[v.name].shape) for v in probed}
 
 
-def norm_floor(model: bytes, feeds: dict[str, np.ndarray], provider: str, budget_s: float = 3.0):
-    """Time the first fused norm of ``model`` alone and one Relu over its input tensor.
+def norm_floor(model: Path, feeds: dict[str, np.ndarray], provider: str, budget_s: float = 3.0):
+    """Time the first fused norm of the model file ``model`` alone and one Relu over its input
+    tensor.
 
     Both run with IO binding on ``provider``, interleaved. Relu reads the tensor once and
     writes it once, the least any op over it can do: ``norm_over_floor`` says how far the norm

@@ -1,29 +1,187 @@
-"""Writing output files atomically: a reader never sees a half-written model or report."""
+"""Writing output files: atomically, with the user's normal file mode, models with their own
+external data.
+
+A reader never sees a half-written model or report, an output never points at its input's
+external data, and no whole model is ever turned into one protobuf (2 GiB is protobuf's limit,
+and users' models are bigger).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from normexport.errors import UsageError
+
+#: Above this many bytes of tensors a model is written with external data even when its input
+#: had none: protobuf cannot serialize a message over 2 GiB, and the graph, its Constant nodes
+#: and their attributes count too, so the line is drawn well below that.
+EXTERNAL_DATA_THRESHOLD_BYTES = 1 << 30
+
+#: Tensors smaller than this stay in the .onnx file itself when writing external data.
+_INLINE_BYTES = 1024
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def default_mode() -> int:
+    """The mode a new file gets from ``open()`` under the process's umask (``0o666 & ~umask``):
+    what the user expects of an output, where ``mkstemp`` would give 0600."""
+    return 0o666 & ~_umask()
+
+
+def _temp_prefix(path: Path) -> str:
+    """A hidden temp-name prefix for ``path`` that stays under 255 bytes whatever its name."""
+    return f".{path.name.encode()[:80].decode(errors='ignore')}."
+
+
+def _writable_folder(path: Path) -> Path:
+    """``path``'s folder, created if needed.
+
+    Raises:
+        UsageError: it cannot be made or is not a folder.
+    """
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UsageError(f"cannot create the folder for {path}: {err.strerror}") from None
+    return folder
 
 
 @contextlib.contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary path in ``path``'s folder; when the block succeeds, rename it onto
-    ``path`` (``os.replace``, atomic on POSIX). On an error the temporary file is removed and
-    ``path`` is untouched. Creates the folder if needed.
+    ``path`` (``os.replace``, atomic on POSIX) with mode :func:`default_mode`. On an error the
+    temporary file is removed and ``path`` is untouched. Creates the folder if needed.
+
+    Raises:
+        UsageError: the folder cannot be created or written to.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    folder = _writable_folder(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=_temp_prefix(path), suffix=".tmp")
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None
     os.close(fd)
     try:
         yield Path(tmp)
+        os.chmod(tmp, default_mode())
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def work_folder(near: Path) -> Iterator[Path]:
+    """A hidden scratch folder beside ``near`` (same file system, so its files can be renamed
+    into place), removed with everything in it when the block ends.
+
+    Intermediate models (the raw export, autotune's candidates, the output before it is
+    published) live here rather than in the system temp folder, which may be small or in RAM.
+
+    Raises:
+        UsageError: the folder cannot be created.
+    """
+    folder = _writable_folder(Path(near))
+    try:
+        work = Path(tempfile.mkdtemp(dir=folder, prefix=_temp_prefix(Path(near)), suffix=".work"))
+    except OSError as err:
+        raise UsageError(f"cannot write in {folder}: {err.strerror}") from None
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def tensor_bytes(model: ir.Model) -> int:
+    """Bytes of the model's initializer tensors (external ones included), in bytes."""
+    return sum(
+        v.const_value.nbytes
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None
+    )
+
+
+def has_external_data(model: ir.Model) -> bool:
+    """Whether any initializer of ``model`` lives in an external data file."""
+    return any(
+        isinstance(v.const_value, ir.ExternalTensor)
+        for g in model.graphs()
+        for v in g.initializers.values()
+    )
+
+
+def data_path(model_path: Path) -> Path:
+    """The external data file written beside ``model_path``: ``out.onnx`` -> ``out.onnx.data``
+    (what torch.onnx.export writes too)."""
+    return model_path.with_name(model_path.name + ".data")
+
+
+def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
+    """Write ``model`` to ``path`` (not atomically: see :func:`publish_model`).
+
+    With ``external_data``, every initializer of 1 KiB or more goes to
+    :func:`data_path` (``path`` + ``.data``) and the .onnx file holds only the graph; large
+    Constant nodes are turned into initializers first so that they go there too. The model's
+    own tensors are not changed (onnx-ir restores them after writing), so it can still be
+    read and written again.
+    """
+    if external_data:
+        lift = ir.passes.common.LiftConstantsToInitializersPass(
+            lift_all_constants=False, size_limit=_INLINE_BYTES
+        )
+        lift(model)
+        ir.save(
+            model,
+            path,
+            external_data=data_path(path).name,
+            size_threshold_bytes=_INLINE_BYTES,
+        )
+    else:
+        ir.save(model, path)
+
+
+def wants_external_data(model: ir.Model) -> bool:
+    """Whether an output of ``model`` is written with external data: when its tensors come
+    from an external data file (as torch.onnx.export writes them by default), or they are over
+    :data:`EXTERNAL_DATA_THRESHOLD_BYTES`."""
+    return has_external_data(model) or tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD_BYTES
+
+
+def publish_model(staged: Path, path: Path) -> list[Path]:
+    """Move a model written by :func:`save_model` (and its external data file, if any) from the
+    scratch folder onto ``path``: each file by one atomic rename, the data first, with mode
+    :func:`default_mode`. An old external data file at ``path`` + ``.data`` that the new model
+    does not use is removed, so that no stale weights sit beside it.
+
+    Returns:
+        The files written, model first.
+    """
+    written = [path]
+    staged_data = data_path(staged)
+    if staged_data.exists():
+        os.chmod(staged_data, default_mode())
+        os.replace(staged_data, data_path(path))
+        written.append(data_path(path))
+    os.chmod(staged, default_mode())
+    os.replace(staged, path)
+    if len(written) == 1:
+        data_path(path).unlink(missing_ok=True)
+    return written
 
 
 def save_figure(fig, path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +14,16 @@ import torch
 
 import fusion
 from fusion._ir import opset_version
-from normexport import autotune, explain, runtime, variants
+from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport.errors import UsageError
 from normexport.export import ExportError, export_module
-from normexport.files import atomic_path
 from normexport.latency import time_interleaved
 from normexport.load import LoadedModel, load_model
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, check_parity
+
+#: ONNX Runtime's graph optimizations off: the model runs as written (parity verdicts).
+AS_WRITTEN = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
 @dataclasses.dataclass
@@ -30,6 +33,8 @@ class Options:
     Attributes:
         model: the model file.
         output: where to write the optimized model (default: MODEL stem + ``.opt.onnx``).
+        report: where the caller will write the JSON report (and ``.png`` chart beside it), or
+            None; checked up front so that no output lands on the input or on another.
         input_shape: ``--input-shape`` specs, see :mod:`normexport.inputs`.
         inputs: an ``.npz`` file of example inputs by name (real data), or None.
         dynamic: ``--dynamic`` axes, e.g. ``batch``, ``batch,sequence`` or ``x:0,2``.
@@ -46,6 +51,7 @@ class Options:
 
     model: Path
     output: Path | None = None
+    report: Path | None = None
     input_shape: list[str] = dataclasses.field(default_factory=list)
     inputs: Path | None = None
     dynamic: str | None = None
@@ -72,109 +78,62 @@ def default_output(model_path: Path) -> Path:
 def run(opts: Options) -> dict:
     """Run the main job and return the report (see README, "The report").
 
-    The optimized model is written even when parity fails; ``report["parity"]["passed"]``
-    says whether it did.
+    Works from files: an ONNX input is read lazily (its external data stays on disk until a
+    pass needs it), the raw export and every intermediate model live in a scratch folder beside
+    the output, the checker and every ONNX Runtime session open files by path, and the output
+    is written with its own external data file (``OUT.onnx.data``) when the input had one or
+    the model is large (:func:`normexport.files.wants_external_data`); no model is ever one
+    protobuf in memory. The optimized model is written even when parity fails;
+    ``report["parity"]["passed"]`` says whether it did.
 
     Raises:
-        UsageError: a user mistake: unreadable file, missing or bad option.
+        UsageError: a user mistake: unreadable or invalid file, missing or bad option, an
+            output path that would overwrite the input.
     """
-    output = Path(opts.output) if opts.output else default_output(Path(opts.model))
-    if output.exists() and output.resolve() == Path(opts.model).resolve():
-        raise UsageError(f"-o {output} is the input file; normexport never overwrites its input")
+    model_path = Path(opts.model)
+    output = Path(opts.output) if opts.output else default_output(model_path)
+    writes = {"-o": [output, files.data_path(output)]}
+    if opts.report is not None:
+        writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
+    refuse_overwriting([model_path], writes)  # before the export, which can take minutes
     loaded, example, raw, exporter = prepare(opts)
+    refuse_overwriting(_input_files(loaded), writes)
     provider, provider_note = runtime.resolve_provider(opts.provider)
-    raw_bytes = ir.to_proto(raw).SerializeToString()
     ops_before = fusion.norm_ops(raw)
     already = explain.already_fused(raw)
-
+    external = files.wants_external_data(raw)
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
     sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
-    optimized = raw  # optimized in place; the raw model lives on as raw_bytes
-    skip = variants.skip_fusion(opts.target, provider)
-    fusions = fusion.optimize(optimized, target=opts.target, skip=skip)
-    fusion.check(optimized)
-    tuned = None
-    if opts.autotune:
-        unfused = unfused_fusions = None
-        if fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
-            unfused = ir.from_proto(onnx.load_from_string(raw_bytes))
-            unfused_fusions = fusion.optimize(
-                unfused, target=opts.target, skip=skip, attention=False
+    with files.work_folder(output) as work:
+        if loaded.kind == "onnx":
+            raw_path = model_path
+            reference_session = _input_session(model_path, provider)
+            input_level, input_problem = _checker_level(model_path)
+        else:
+            raw_path = work / "raw.onnx"
+            files.save_model(raw, raw_path, external_data=True)
+            reference_session, input_level, input_problem = None, "full", None
+        optimized = raw  # optimized in place; the raw model lives on in raw_path
+        skip = variants.skip_fusion(opts.target, provider)
+        fusions = fusion.optimize(optimized, target=opts.target, skip=skip)
+        staged = work / output.name
+        files.save_model(optimized, staged, external_data=external)
+        checker = _check_output(staged, input_level, input_problem)
+        tuned = None
+        if opts.autotune:
+            tuned, fusions = _autotune(opts, raw_path, staged, fusions, sets, provider, external)
+        del optimized, raw  # the output is read from its file from here on
+        written = files.publish_model(staged, output)
+        disabled = tuned.disabled_optimizers if tuned else ()
+        parity = _parity(
+            loaded, sets, feed_names, raw_path, output, reference_session, provider, disabled, opts
+        )
+        latency = None
+        if opts.benchmark:
+            latency = _latency(
+                loaded, sets["example"], feed_names, raw_path, output, provider, disabled, opts
             )
-        tuned = autotune.autotune(
-            autotune.candidates(optimized, target=opts.target, attention_unfused=unfused),
-            sets["example"],
-            provider,
-            budget_s=opts.budget_s / 2,
-            atol=opts.atol,
-            rtol=opts.rtol,
-        )
-        optimized = ir.from_proto(onnx.load_from_string(tuned.model))
-        fusion.check(optimized)
-        if tuned.best.startswith(autotune.ATTENTION_UNFUSED):
-            fusions = unfused_fusions
-    disabled = tuned.disabled_optimizers if tuned else ()
-    with atomic_path(output) as tmp:
-        ir.save(optimized, tmp)
-
-    # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
-    raw_session = runtime.make_session(raw_bytes, provider, spinning=False)
-    opt_session = runtime.make_session(
-        output, provider, spinning=False, disabled_optimizers=disabled
-    )
-
-    def candidate(feeds):
-        return runtime.run(opt_session, feeds)
-
-    if loaded.module is not None:
-        eager = _eager(loaded)
-
-        def reference(feeds):
-            return eager([feeds[name] for name in feed_names])
-
-        reference_kind = "pytorch"
-    else:
-
-        def reference(feeds):
-            return runtime.run(raw_session, feeds)
-
-        reference_kind = "onnx"
-    output_names = [o.name for o in opt_session.get_outputs()]
-    parity = check_parity(
-        candidate,
-        reference,
-        sets,
-        output_names,
-        reference_kind=reference_kind,
-        atol=opts.atol,
-        rtol=opts.rtol,
-    )
-    raw_vs_reference = None
-    if reference_kind == "pytorch":
-        raw_check = check_parity(
-            lambda feeds: runtime.run(raw_session, feeds),
-            reference,
-            {"example": sets["example"]},
-            output_names,
-            reference_kind=reference_kind,
-            atol=opts.atol,
-            rtol=opts.rtol,
-        )
-        raw_vs_reference = {k: v.max_abs_err for k, v in raw_check.worst().items()}
-
-    latency = None
-    if opts.benchmark:
-        feeds = sets["example"]
-        timed = {
-            "ort_raw": lambda: runtime.run(raw_session, feeds),
-            "ort_optimized": lambda: runtime.run(opt_session, feeds),
-        }
-        if loaded.module is not None:
-            timed = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | timed
-        latency = {
-            k: v.to_dict() for k, v in time_interleaved(timed, budget_s=opts.budget_s).items()
-        }
-
+    optimized = ir.load(output)
     return {
         "model": str(opts.model),
         "kind": loaded.kind,
@@ -182,10 +141,13 @@ def run(opts: Options) -> dict:
         "opset": opset_version(optimized),
         "target": opts.target,
         "output": str(output),
+        "files_written": [str(p) for p in written],
+        "external_data": len(written) > 1,
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in example.items()},
         "fusions": fusions.to_dict() | {"already_fused": already},
         "norm_ops": {"before": ops_before, "after": fusion.norm_ops(optimized)},
-        "parity": parity.to_dict() | {"raw_export_max_abs_err": raw_vs_reference},
+        "checker": checker,
+        "parity": parity,
         "provider": runtime.PROVIDERS[provider][0],
         "provider_note": provider_note,
         "latency_ms": latency,
@@ -196,6 +158,226 @@ def run(opts: Options) -> dict:
             "onnxruntime": onnxruntime.__version__,
         },
     }
+
+
+def refuse_overwriting(inputs: list[Path], outputs: dict[str, list[Path]]) -> None:
+    """Refuse a run whose output files would land on its input files, or on each other.
+
+    Paths are compared after resolving (symbolic links, ``..``, a folder not made yet), so
+    ``-o new_dir/../m.onnx`` is caught as ``m.onnx``.
+
+    Args:
+        inputs: the files read (the model and its external data files).
+        outputs: the option that names them (``-o``, ``--report``) -> the files it writes.
+
+    Raises:
+        UsageError: an output is an input file, or two options write the same file.
+    """
+    read = {Path(os.path.realpath(p)): p for p in inputs}
+    seen: dict[Path, str] = {}
+    for flag, paths in outputs.items():
+        for path in paths:
+            real = Path(os.path.realpath(path))
+            if real in read:
+                raise UsageError(
+                    f"{flag} {path} would overwrite the input file {read[real]}; normexport "
+                    "never overwrites its input: choose another output path"
+                )
+            if real in seen and seen[real] != flag:
+                raise UsageError(f"{flag} {path} is also written by {seen[real]}: choose another")
+            seen[real] = flag
+
+
+def _input_files(loaded: LoadedModel) -> list[Path]:
+    """The model file and, for ONNX, the external data files its tensors live in."""
+    found = [Path(loaded.path)]
+    if loaded.onnx_model is not None:
+        for graph in loaded.onnx_model.graphs():
+            for value in graph.initializers.values():
+                tensor = value.const_value
+                if isinstance(tensor, ir.ExternalTensor):
+                    found.append(Path(tensor.base_dir) / tensor.location)
+    return list(dict.fromkeys(found))
+
+
+def _input_session(path: Path, provider: str):
+    """The parity reference for an ONNX input: the file as given, run with ONNX Runtime's
+    graph optimizations off. A file ONNX Runtime cannot load is the user's to fix.
+
+    Raises:
+        UsageError: ONNX Runtime cannot load ``path``.
+    """
+    try:
+        return runtime.make_session(path, provider, optimization_level=AS_WRITTEN, spinning=False)
+    except runtime.ProviderUnavailable:
+        raise
+    except Exception as err:  # ORT raises its own error types for a bad file
+        raise UsageError(
+            f"{path}: ONNX Runtime cannot load this model ({_first_line(err)}); normexport "
+            "optimizes models that ONNX Runtime runs: fix or re-export it"
+        ) from None
+
+
+def _checker_level(path: Path) -> tuple[str, str | None]:
+    """How far the ONNX checker accepts the input file: ``"full"`` (with shape inference),
+    ``"basic"`` or ``"none"``, and its complaint at the first level it fails (None)."""
+    problem = None
+    for level, full in (("full", True), ("basic", False)):
+        try:
+            fusion.check(path, full_check=full)
+            return level, problem
+        except Exception as err:  # ValidationError, InferenceError: the checker's verdict
+            problem = problem or _first_line(err)
+    return "none", problem
+
+
+def _check_output(path: Path, input_level: str, input_problem: str | None) -> dict:
+    """Check the output file at the level the input passed.
+
+    An output that fails a level its input passed is normexport's bug (the error propagates:
+    exit 3). Where the input already fails the checker (old exporters' files: nodes out of
+    order, initializers not listed as inputs at IR version 3, ONNX Runtime's own ops), the
+    output is checked fully anyway and the report says what each got; ONNX Runtime loading it
+    is then the test.
+
+    Returns:
+        ``{"input": level, "input_problem", "output": level, "output_problem"}``.
+    """
+    if input_level != "none":
+        fusion.check(path, full_check=input_level == "full")
+        return {"input": input_level, "input_problem": input_problem, "output": input_level}
+    output_level, output_problem = _checker_level(path)
+    return {
+        "input": "none",
+        "input_problem": input_problem,
+        "output": output_level,
+        "output_problem": output_problem,
+    }
+
+
+def _autotune(opts, raw_path, staged, fusions, sets, provider, external):
+    """Time the exact alternatives of the staged output (and, where attention was fused, of the
+    model without it) and put the fastest in ``staged``'s place.
+
+    Returns:
+        ``(AutotuneResult, the fusion report of the model kept)``.
+    """
+    unfused_path = None
+    unfused_fusions = None
+    if fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
+        unfused = ir.load(raw_path)
+        unfused_fusions = fusion.optimize(
+            unfused,
+            target=opts.target,
+            skip=variants.skip_fusion(opts.target, provider),
+            attention=False,
+        )
+        unfused_path = staged.with_name(autotune.ATTENTION_UNFUSED + ".onnx")
+        files.save_model(unfused, unfused_path, external_data=True)
+    tuned = autotune.autotune(
+        autotune.candidates(staged, target=opts.target, attention_unfused=unfused_path),
+        sets["example"],
+        provider,
+        budget_s=opts.budget_s / 2,
+        atol=opts.atol,
+        rtol=opts.rtol,
+    )
+    if tuned.best != tuned.default:
+        chosen = ir.load(tuned.model)
+        kept = staged.with_name("tuned") / staged.name
+        kept.parent.mkdir()
+        files.save_model(chosen, kept, external_data=external)
+        fusion.check(kept, full_check=False)
+        for path in (staged, files.data_path(staged)):
+            path.unlink(missing_ok=True)
+        os.replace(kept, staged)
+        if files.data_path(kept).exists():
+            os.replace(files.data_path(kept), files.data_path(staged))
+    if tuned.best.startswith(autotune.ATTENTION_UNFUSED):
+        fusions = unfused_fusions
+    return tuned, fusions
+
+
+def _parity(
+    loaded, sets, feed_names, raw_path, output, reference_session, provider, disabled, opts
+):
+    """The parity verdict of the optimized model against PyTorch (the model's own outputs) or,
+    for ONNX input, against the input file; both ONNX models run with ONNX Runtime's graph
+    optimizations off, so that its own rewrites are not part of the comparison.
+
+    Returns:
+        :meth:`normexport.parity.ParityResult.to_dict` plus ``raw_export_max_abs_err`` (the
+        raw export against PyTorch on the example, None for ONNX input).
+    """
+    opt_session = runtime.make_session(
+        output,
+        provider,
+        optimization_level=AS_WRITTEN,
+        spinning=False,
+        disabled_optimizers=disabled,
+    )
+
+    def candidate(feeds):
+        return runtime.run(opt_session, feeds)
+
+    output_names = [o.name for o in opt_session.get_outputs()]
+    if loaded.module is None:
+        result = check_parity(
+            candidate,
+            lambda feeds: runtime.run(reference_session, feeds),
+            sets,
+            output_names,
+            reference_kind="onnx",
+            atol=opts.atol,
+            rtol=opts.rtol,
+        )
+        return result.to_dict() | {"raw_export_max_abs_err": None}
+    eager = _eager(loaded)
+
+    def reference(feeds):
+        return eager([feeds[name] for name in feed_names])
+
+    result = check_parity(
+        candidate,
+        reference,
+        sets,
+        output_names,
+        reference_kind="pytorch",
+        atol=opts.atol,
+        rtol=opts.rtol,
+    )
+    raw_session = runtime.make_session(
+        raw_path, provider, optimization_level=AS_WRITTEN, spinning=False
+    )
+    raw_check = check_parity(
+        lambda feeds: runtime.run(raw_session, feeds),
+        reference,
+        {"example": sets["example"]},
+        output_names,
+        reference_kind="pytorch",
+        atol=opts.atol,
+        rtol=opts.rtol,
+    )
+    raw_err = {k: v.max_abs_err for k, v in raw_check.worst().items()}
+    return result.to_dict() | {"raw_export_max_abs_err": raw_err}
+
+
+def _latency(loaded, feeds, feed_names, raw_path, output, provider, disabled, opts) -> dict:
+    """PyTorch eager (where there is a module), the raw export and the optimized model, timed
+    interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms."""
+    # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
+    raw_session = runtime.make_session(raw_path, provider, spinning=False)
+    opt_session = runtime.make_session(
+        output, provider, spinning=False, disabled_optimizers=disabled
+    )
+    timed = {
+        "ort_raw": lambda: runtime.run(raw_session, feeds),
+        "ort_optimized": lambda: runtime.run(opt_session, feeds),
+    }
+    if loaded.module is not None:
+        eager = _eager(loaded)
+        timed = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | timed
+    return {k: v.to_dict() for k, v in time_interleaved(timed, budget_s=opts.budget_s).items()}
 
 
 def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model, str]:
@@ -328,3 +510,8 @@ def _by_feed_name(example: dict[str, np.ndarray], feed_names: list[str]) -> dict
             f"({list(example)}) were given"
         )
     return dict(zip(feed_names, example.values(), strict=True))
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__

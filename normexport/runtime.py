@@ -8,8 +8,11 @@ if CUDA did not load, rather than ever calling a CPU number a CUDA number.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -27,14 +30,28 @@ class ProviderUnavailable(RuntimeError):
     """The requested execution provider could not be loaded by ONNX Runtime."""
 
 
-def _model_bytes(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike) -> bytes | str:
+@contextlib.contextmanager
+def _session_source(
+    model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike,
+) -> Iterator[bytes | str]:
+    """What ``ort.InferenceSession`` is given for ``model``: a path wherever there is a file.
+
+    A path is passed as it is, so ONNX Runtime resolves its external data and no model is ever
+    one protobuf in memory. An onnx_ir model is written to a temporary folder (with external
+    data) and opened from there; the folder is removed once the session has loaded it. Bytes
+    and ModelProtos (small models built in code) are passed as bytes.
+    """
     if isinstance(model, ir.Model):
-        return ir.to_proto(model).SerializeToString()
-    if isinstance(model, onnx.ModelProto):
-        return model.SerializeToString()
-    if isinstance(model, bytes):
-        return model
-    return os.fspath(model)
+        with tempfile.TemporaryDirectory(prefix="normexport-session-") as tmp:
+            path = Path(tmp) / "model.onnx"
+            ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=1024)
+            yield str(path)
+    elif isinstance(model, onnx.ModelProto):
+        yield model.SerializeToString()
+    elif isinstance(model, bytes):
+        yield model
+    else:
+        yield os.fspath(model)
 
 
 def make_session(
@@ -50,12 +67,15 @@ def make_session(
     """Create an inference session on one named execution provider.
 
     Args:
-        model: an onnx_ir model, a ModelProto, serialized bytes, or a path to an .onnx file.
+        model: a path to an .onnx file (its external data resolved from its folder), an
+            onnx_ir model (written to a temporary folder first), or, for small models built in
+            code, a ModelProto or serialized bytes.
         provider: ``"cpu"`` or ``"cuda"`` (see :data:`PROVIDERS`).
         optimization_level: ORT's session graph optimization level (ORT_ENABLE_ALL by default,
             what a deployment would use).
         optimized_model_path: if given, ORT writes the model after its session-time
-            optimizations there.
+            optimizations there, its tensors of 1 KiB or more in ``optimized_model_path`` +
+            ``.data``.
         spinning: let ORT's intra-op threads spin-wait between runs. Sessions timed
             interleaved with other variants turn it off: spinning threads keep the cores busy
             after ``run`` returns and slow down whatever runs next.
@@ -81,17 +101,26 @@ def make_session(
     options.log_severity_level = 3  # errors only: the CUDA fallback is reported by us, not ORT
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
+        # Its tensors go to an external data file beside it, as large models need.
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name",
+            Path(optimized_model_path).name + ".data",
+        )
+        options.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", "1024"
+        )
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     providers: list = list(PROVIDERS[provider])
     if cuda_graph:
         providers[0] = (CUDA, {"enable_cuda_graph": "1"})
-    session = ort.InferenceSession(
-        _model_bytes(model),
-        options,
-        providers=providers,
-        disabled_optimizers=list(disabled_optimizers) or None,
-    )
+    with _session_source(model) as source:
+        session = ort.InferenceSession(
+            source,
+            options,
+            providers=providers,
+            disabled_optimizers=list(disabled_optimizers) or None,
+        )
     if session.get_providers()[0] != PROVIDERS[provider][0]:
         raise ProviderUnavailable(
             f"{PROVIDERS[provider][0]} did not load (ONNX Runtime fell back to "
@@ -140,11 +169,6 @@ def _probe_model() -> onnx.ModelProto:
 def run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Run ``session`` on ``feeds`` (input name -> array) and return its outputs in order."""
     return session.run(None, dict(feeds))
-
-
-def input_names(session: ort.InferenceSession) -> Sequence[str]:
-    """The session's graph input names, in order."""
-    return [i.name for i in session.get_inputs()]
 
 
 class BoundRun:

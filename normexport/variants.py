@@ -25,19 +25,18 @@ import dataclasses
 import io
 import logging
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 import fusion
 from fusion._ir import opset_version, remove_nodes, replace_output
 from normexport import runtime
+from normexport.files import save_model
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.
@@ -62,7 +61,8 @@ class Variant:
 
     Attributes:
         name: a key of :data:`VARIANTS`.
-        model: serialized ONNX, or None when building failed.
+        model: the variant's .onnx file (external data beside it), or None when building
+            failed.
         optimization_level: the ORT session optimization level to run it under.
         error: why it could not be built (``"ExcType: message"``), or None.
         build_s: seconds the optimizer took.
@@ -75,7 +75,7 @@ class Variant:
     """
 
     name: str
-    model: bytes | None
+    model: Path | None
     optimization_level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     error: str | None = None
     build_s: float = 0.0
@@ -89,9 +89,10 @@ class Variant:
         self.description = self.description or VARIANTS.get(self.name, "")
 
     @classmethod
-    def extra(cls, name: str, model: bytes, description: str) -> Variant:
-        """A model of the caller's own to time beside the built variants (ORT_ENABLE_ALL)."""
-        loaded = _copy(model)
+    def extra(cls, name: str, model: Path, description: str) -> Variant:
+        """A model file of the caller's own to time beside the built variants
+        (ORT_ENABLE_ALL)."""
+        loaded = ir.load(model)
         return cls(
             name,
             model,
@@ -101,7 +102,7 @@ class Variant:
         )
 
     def to_dict(self) -> dict:
-        """JSON-ready summary (without the model bytes)."""
+        """JSON-ready summary (without the model)."""
         return {
             "description": self.description,
             "session_optimization": self.optimization_level.name,
@@ -113,10 +114,6 @@ class Variant:
             "details": self.details,
             "provider": self.provider,
         }
-
-
-def _copy(model_bytes: bytes) -> ir.Model:
-    return ir.from_proto(onnx.load_from_string(model_bytes))
 
 
 @contextlib.contextmanager
@@ -134,21 +131,20 @@ def _quiet():
             lg.setLevel(level)
 
 
-def _ort_offline(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "ort_optimized.onnx"
-        runtime.make_session(raw, provider, optimized_model_path=str(path))
-        return path.read_bytes(), {}
+def _ort_offline(raw: Path, out: Path, provider: str, target: str) -> dict:
+    runtime.make_session(raw, provider, optimized_model_path=str(out))
+    return {}
 
 
-def _onnxscript_ort(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
+def _onnxscript_ort(raw: Path, out: Path, provider: str, target: str) -> dict:
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
-    model, counts = optimize_for_ort(_copy(raw))
-    return ir.to_proto(model).SerializeToString(), {k: v for k, v in counts.items() if v}
+    model, counts = optimize_for_ort(ir.load(raw))
+    save_model(model, out, external_data=True)
+    return {k: v for k, v in counts.items() if v}
 
 
-def _ort_transformers(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
+def _ort_transformers(raw: Path, out: Path, provider: str, target: str) -> dict:
     # onnxruntime.transformers puts its own folder on sys.path, whose `models` package would
     # then shadow a user's `models` (e.g. for --model-class): put sys.path back afterwards.
     saved = sys.path[:]
@@ -156,12 +152,13 @@ def _ort_transformers(raw: bytes, provider: str, target: str) -> tuple[bytes, di
         from onnxruntime.transformers.optimizer import optimize_model
 
         optimized = optimize_model(
-            onnx.load_from_string(raw), model_type="bert", opt_level=0, use_gpu=provider == "cuda"
+            str(raw), model_type="bert", opt_level=0, use_gpu=provider == "cuda"
         )
     finally:
         sys.path[:] = saved
+    optimized.save_model_to_file(str(out), use_external_data_format=True)
     counts = optimized.get_fused_operator_statistics()
-    return optimized.model.SerializeToString(), {k: v for k, v in counts.items() if v}
+    return {k: v for k, v in counts.items() if v}
 
 
 def skip_fusion(target: str, provider: str) -> bool:
@@ -171,16 +168,17 @@ def skip_fusion(target: str, provider: str) -> bool:
     return target == "ort" and provider == "cuda"
 
 
-def _normexport(raw: bytes, provider: str, target: str) -> tuple[bytes, dict]:
-    model = _copy(raw)
+def _normexport(raw: Path, out: Path, provider: str, target: str) -> dict:
+    model = ir.load(raw)
     report = fusion.optimize(model, target=target, skip=skip_fusion(target, provider))
-    fusion.check(model)
-    counts = {k: v for k, v in report.to_dict().items() if k in fusion.FUSION_KINDS and v}
-    return ir.to_proto(model).SerializeToString(), counts
+    save_model(model, out, external_data=True)
+    fusion.check(out)
+    return {k: v for k, v in report.to_dict().items() if k in fusion.FUSION_KINDS and v}
 
 
-_BUILDERS: dict[str, Callable[[bytes, str, str], tuple[bytes, dict]]] = {
-    "ort_raw": lambda raw, provider, target: (raw, {}),
+#: Variant name -> builder ``(raw .onnx, output .onnx, provider, target) -> details``; the
+#: raw export is its own variant, not a copy.
+_BUILDERS: dict[str, Callable[[Path, Path, str, str], dict]] = {
     "ort_offline": _ort_offline,
     "onnxscript_ort": _onnxscript_ort,
     "ort_transformers": _ort_transformers,
@@ -189,36 +187,52 @@ _BUILDERS: dict[str, Callable[[bytes, str, str], tuple[bytes, dict]]] = {
 
 
 def build_variants(
-    raw: ir.Model | bytes, provider: str, *, target: str = "ort", only: list[str] | None = None
+    raw: ir.Model | Path,
+    provider: str,
+    folder: Path,
+    *,
+    target: str = "ort",
+    only: list[str] | None = None,
 ) -> dict[str, Variant]:
     """Build every variant of :data:`VARIANTS` (or those in ``only``) from the raw export.
 
     Args:
-        raw: the model before any optimizer (not changed).
+        raw: the model before any optimizer, as an .onnx file or in memory (then written to
+            ``folder`` first); not changed.
         provider: ``"cpu"`` or ``"cuda"``: ORT's session optimizations, and the transformer
             optimizer's ``use_gpu``, depend on it.
+        folder: where the variants' files are written (``NAME.onnx`` and its external data);
+            it must outlive the variants' use.
         target: normexport's ``fusion.optimize`` target.
         only: variant names to build, in that order (default: all).
 
     Returns:
         name -> :class:`Variant`; a failed build has ``model=None`` and ``error`` set.
+
+    Raises:
+        ValueError: a name in ``only`` is not a variant.
     """
-    raw_bytes = raw if isinstance(raw, bytes) else ir.to_proto(raw).SerializeToString()
+    if isinstance(raw, ir.Model):
+        path = Path(folder) / "raw.onnx"
+        save_model(raw, path, external_data=True)
+        raw = path
     out = {}
     for name in only or list(VARIANTS):
         if name not in VARIANTS:
             raise ValueError(f"unknown variant {name!r}: choose from {list(VARIANTS)}")
         start = time.perf_counter()
+        path = Path(raw) if name == "ort_raw" else Path(folder) / f"{name}.onnx"
         try:
+            builder = _BUILDERS.get(name)
             with _quiet():
-                model, details = _BUILDERS[name](raw_bytes, provider, target)
+                details = builder(Path(raw), path, provider, target) if builder else {}
         except Exception as err:  # a broken optimizer is a result, not a crash
             out[name] = Variant(name, None, error=f"{type(err).__name__}: {err}".strip())
             continue
-        loaded = _copy(model)
+        loaded = ir.load(path)
         out[name] = Variant(
             name,
-            model,
+            path,
             optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
             if name == "ort_offline"
             else ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -306,26 +320,30 @@ FORMS: dict[str, Callable[[ir.Model, ir.Node], bool]] = {
 }
 
 
-def exact_forms(model: ir.Model | bytes, *, target: str = "ort") -> dict[str, bytes]:
-    """``model`` and the exact alternative forms of its fused norms, serialized.
+def exact_forms(model: Path, *, target: str = "ort") -> dict[str, Path]:
+    """``model`` and the exact alternative forms of its fused norms, as files.
+
+    Each form is written beside ``model`` as ``STEM.FORM.onnx`` and shares its external data
+    file (the rewrites only swap ops; no tensor is copied).
 
     Args:
-        model: an optimized model (not changed).
+        model: an optimized model's .onnx file (not changed).
         target: ``"onnx"`` leaves out forms that use ONNX Runtime's own ops.
 
     Returns:
-        ``{"as_built": model, form: rewritten model, ...}``, only the forms that changed at
-        least one node (see :data:`FORMS`).
+        ``{"as_built": model, form: rewritten model's file, ...}``, only the forms that
+        changed at least one node (see :data:`FORMS`).
     """
-    data = model if isinstance(model, bytes) else ir.to_proto(model).SerializeToString()
-    out = {"as_built": data}
+    model = Path(model)
+    out = {"as_built": model}
     for name, rewrite in FORMS.items():
         if target == "onnx" and name == "rms_as_SimplifiedLayerNormalization":
             continue
-        copy = _copy(data)
+        copy = ir.load(model)
         changed = [rewrite(copy, node) for node in list(copy.graph)]
         if any(changed):
-            out[name] = ir.to_proto(copy).SerializeToString()
+            out[name] = model.with_name(f"{model.stem}.{name}.onnx")
+            ir.save(copy, out[name])  # external tensors keep pointing at model's data file
     return out
 
 

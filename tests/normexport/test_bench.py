@@ -116,15 +116,17 @@ def test_sweep_points_grid_and_cross():
 # --- variants --------------------------------------------------------------------------------
 
 
-def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch):
+def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch, tmp_path):
     raw, _, _ = raw_export()
 
-    def broken(raw, provider, target):
+    def broken(raw, out, provider, target):
         raise RuntimeError("optimizer exploded")
 
     monkeypatch.setitem(variants._BUILDERS, "onnxscript_ort", broken)
-    built = variants.build_variants(raw, "cpu")
+    built = variants.build_variants(raw, "cpu", tmp_path)
     assert list(built) == list(variants.VARIANTS)
+    for name, variant in built.items():  # files in the folder given, never the raw's copies
+        assert variant.model is None or variant.model.parent == tmp_path, name
     assert built["onnxscript_ort"].model is None
     assert built["onnxscript_ort"].error == "RuntimeError: optimizer exploded"
     assert built["normexport"].norm_ops == {"LayerNormalization": 2}
@@ -132,7 +134,7 @@ def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch):
     assert built["ort_offline"].to_dict()["session_optimization"] == "ORT_DISABLE_ALL"
     assert built["normexport"].to_dict()["session_optimization"] == "ORT_ENABLE_ALL"
     with pytest.raises(ValueError, match="unknown variant"):
-        variants.build_variants(raw, "cpu", only=["nope"])
+        variants.build_variants(raw, "cpu", tmp_path, only=["nope"])
 
 
 @pytest.mark.parametrize("form", list(variants.OP_FORMS))
@@ -147,6 +149,12 @@ def _outputs(model: bytes, feeds, disabled=()) -> np.ndarray:
     return runtime.run(session, feeds)[0]
 
 
+def _model_file(folder, name: str, model: bytes):
+    path = folder / f"{name}.onnx"
+    path.write_bytes(model)
+    return path
+
+
 @pytest.mark.parametrize(
     ("form", "expected"),
     [
@@ -156,17 +164,16 @@ def _outputs(model: bytes, feeds, disabled=()) -> np.ndarray:
         ("Add+SimplifiedLayerNormalization", {"as_built"}),  # opset 17: no RMSNormalization
     ],
 )
-def test_exact_forms_compute_the_same(form, expected):
+def test_exact_forms_compute_the_same(form, expected, tmp_path):
     shape = (2, 3, 8)
     feeds = variants.op_inputs(form, shape)
-    forms = variants.exact_forms(variants.op_model(form, shape))
+    forms = variants.exact_forms(_model_file(tmp_path, "m", variants.op_model(form, shape)))
     assert set(forms) == expected
     ref = _outputs(forms["as_built"], feeds)
     for model in forms.values():
         np.testing.assert_allclose(_outputs(model, feeds), ref, rtol=1e-5, atol=1e-5)
-    assert set(
-        variants.exact_forms(variants.op_model("RMSNormalization", shape), target="onnx")
-    ) == {"as_built"}
+    rms = _model_file(tmp_path, "rms", variants.op_model("RMSNormalization", shape))
+    assert set(variants.exact_forms(rms, target="onnx")) == {"as_built"}
 
 
 # --- bench_model -----------------------------------------------------------------------------
@@ -288,9 +295,9 @@ def test_cli_bench_usage_errors(model_file, capsys):
 # --- autotune --------------------------------------------------------------------------------
 
 
-def test_autotune_picks_among_exact_candidates_and_rejects_inexact_ones():
+def test_autotune_picks_among_exact_candidates_and_rejects_inexact_ones(tmp_path):
     shape = (2, 3, 8)
-    model = variants.op_model("SkipLayerNormalization", shape)
+    model = _model_file(tmp_path, "m", variants.op_model("SkipLayerNormalization", shape))
     cands = autotune.candidates(model)
     assert list(cands) == ["as_built", "skip_split", "skip_split+no_skip_fusion"]
     assert cands["skip_split+no_skip_fusion"].disabled_optimizers == (autotune.SKIP_FUSION,)
