@@ -136,9 +136,9 @@ def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
 
     With ``external_data``, every initializer of 1 KiB or more goes to
     :func:`data_path` (``path`` + ``.data``) and the .onnx file holds only the graph; large
-    Constant nodes are turned into initializers first so that they go there too. The model's
-    own tensors are not changed (onnx-ir restores them after writing), so it can still be
-    read and written again.
+    Constant nodes are turned into initializers first so that they go there too; the model's
+    tensors themselves are not changed (onnx-ir restores them after writing). Without it,
+    every tensor is written into the .onnx file, external ones read into memory first.
     """
     if external_data:
         lift = ir.passes.common.LiftConstantsToInitializersPass(
@@ -152,6 +152,7 @@ def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
             size_threshold_bytes=_INLINE_BYTES,
         )
     else:
+        ir.external_data.load_to_model(model)  # inline means inline: no references left
         ir.save(model, path)
 
 

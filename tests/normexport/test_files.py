@@ -1,0 +1,198 @@
+"""Model files as users have them: external data as torch writes it by default, run from
+another folder, outputs moved away from their inputs, models over protobuf's 2 GiB limit, and
+the file modes of what is written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from normexport import cli, files
+
+
+class HandLayerNorm(nn.Module):
+    """A LayerNorm written out, as tutorials do (eps 1e-5 survives torch's own optimizer)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.bias = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        return (x - mean) / torch.sqrt(var + 1e-5) * self.weight + self.bias
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(32, 256)
+        self.norm = HandLayerNorm(256)
+        self.head = nn.Linear(256, 8)
+
+    def forward(self, x):
+        return self.head(self.norm(self.fc(x)))
+
+
+@pytest.fixture
+def exported_with_external_data(tmp_path):
+    """``models/m.onnx`` + ``models/m.onnx.data``, by torch.onnx.export's defaults."""
+    torch.manual_seed(0)
+    net = Net().eval()
+    x = torch.randn(4, 32)
+    folder = tmp_path / "models"
+    folder.mkdir()
+    torch.onnx.export(net, (x,), str(folder / "m.onnx"))
+    assert (folder / "m.onnx.data").exists()  # torch 2.13 writes external data by default
+    with torch.no_grad():
+        expected = net(x).numpy()
+    return folder / "m.onnx", x.numpy(), expected
+
+
+def _run(path: Path, feeds: dict) -> np.ndarray:
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def test_external_data_from_another_folder_output_moved_and_input_deleted(
+    exported_with_external_data, tmp_path, monkeypatch
+):
+    model, x, expected = exported_with_external_data
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    old_mask = os.umask(0o027)
+    try:
+        code = cli.main(
+            ["../models/m.onnx", "-o", "../out/m.opt.onnx", "--report", "../out/r.json"]
+            + ["--no-benchmark", "--provider", "cpu"]
+        )
+    finally:
+        os.umask(old_mask)
+    assert code == 0
+    out = tmp_path / "out"
+    written = sorted(p.name for p in out.iterdir())
+    assert written == ["m.opt.onnx", "m.opt.onnx.data", "r.json"]  # no temp files left
+    for name in written:  # what open() gives under the umask, not mkstemp's 0600
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o640, name
+    proto = onnx.load(out / "m.opt.onnx", load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in proto.graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    assert locations == {"m.opt.onnx.data"}  # its own data, never the input's
+    ops = [n.op_type for n in proto.graph.node]
+    assert "LayerNormalization" in ops and "ReduceMean" not in ops
+
+    moved = tmp_path / "shipped"
+    shutil.move(out, moved)
+    shutil.rmtree(model.parent)  # the input and its data are gone
+    np.testing.assert_allclose(_run(moved / "m.opt.onnx", {"x": x}), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_output_without_external_data_replaces_a_stale_data_file(
+    exported_with_external_data, tmp_path
+):
+    """A small model from a file without external data is written inline; a ``.data`` file
+    left beside the output by an earlier run is removed, not left to mislead."""
+    model, x, expected = exported_with_external_data
+    inline = tmp_path / "inline.onnx"
+    files.save_model(ir.load(model), inline, external_data=False)
+    out = tmp_path / "o" / "inline.opt.onnx"
+    out.parent.mkdir()
+    files.data_path(out).write_bytes(b"stale")
+    assert cli.main([str(inline), "-o", str(out), "--no-benchmark", "--provider", "cpu"]) == 0
+    assert not files.data_path(out).exists()
+    np.testing.assert_allclose(_run(out, {"x": x}), expected, rtol=1e-4, atol=1e-4)
+
+
+def _big_model(folder: Path, rows: int, width: int = 64) -> Path:
+    """``ids (1, 8) -> Gather(table) -> hand-written LayerNorm``, whose table of ``rows x width``
+    float32 lives in external data. The data file is sparse: only the rows the random ids can
+    reach (0-127) hold data, so a model over 2 GiB costs no disk writes to make."""
+    path = folder / "big.onnx"
+    data = files.data_path(path)
+    rng = np.random.default_rng(0)
+    with open(data, "wb") as f:
+        f.truncate(rows * width * 4)
+        f.write(rng.standard_normal((128, width)).astype(np.float32).tobytes())
+    table = ir.Value(
+        name="table",
+        shape=ir.Shape([rows, width]),
+        type=ir.TensorType(ir.DataType.FLOAT),
+        const_value=ir.ExternalTensor(
+            data.name,
+            offset=0,
+            length=rows * width * 4,
+            dtype=ir.DataType.FLOAT,
+            shape=ir.Shape([rows, width]),
+            name="table",
+            base_dir=folder,
+        ),
+    )
+
+    def const(name, array):
+        return ir.Value(
+            name=name,
+            shape=ir.Shape(array.shape),
+            type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+            const_value=ir.tensor(array, name=name),
+        )
+
+    axes = const("axes", np.array([-1], dtype=np.int64))
+    eps = const("eps", np.array(1e-5, dtype=np.float32))
+    gamma = const("gamma", rng.standard_normal(width).astype(np.float32))
+    beta = const("beta", rng.standard_normal(width).astype(np.float32))
+    ids = ir.Value(name="ids", shape=ir.Shape([1, 8]), type=ir.TensorType(ir.DataType.INT64))
+    x = ir.node("Gather", [table, ids], {"axis": 0})
+    mean = ir.node("ReduceMean", [x.outputs[0], axes])
+    centered = ir.node("Sub", [x.outputs[0], mean.outputs[0]])
+    square = ir.node("Mul", [centered.outputs[0], centered.outputs[0]])
+    var = ir.node("ReduceMean", [square.outputs[0], axes])
+    shifted = ir.node("Add", [var.outputs[0], eps])
+    root = ir.node("Sqrt", [shifted.outputs[0]])
+    normed = ir.node("Div", [centered.outputs[0], root.outputs[0]])
+    scaled = ir.node("Mul", [normed.outputs[0], gamma])
+    y = ir.node("Add", [scaled.outputs[0], beta])
+    y.outputs[0].name = "y"
+    nodes = [x, mean, centered, square, var, shifted, root, normed, scaled, y]
+    graph = ir.Graph(
+        [ids],
+        [y.outputs[0]],
+        nodes=nodes,
+        initializers=[table, axes, eps, gamma, beta],
+        opset_imports={"": 18},
+    )
+    ir.save(ir.Model(graph, ir_version=10), path)  # the table stays where it is
+    return path
+
+
+@pytest.mark.slow
+def test_model_over_2_gib(tmp_path):
+    rows = (2**31 + 2**26) // (64 * 4)  # 2.06 GiB of table
+    model = _big_model(tmp_path, rows)
+    out = tmp_path / "out" / "big.opt.onnx"
+    try:
+        code = cli.main([str(model), "-o", str(out), "--no-benchmark", "--provider", "cpu"])
+        assert code == 0
+        assert files.data_path(out).stat().st_size >= 2**31
+        proto = onnx.load(out, load_external_data=False)
+        assert [n.op_type for n in proto.graph.node] == ["Gather", "LayerNormalization"]
+        ids = np.arange(8, dtype=np.int64).reshape(1, 8)
+        np.testing.assert_allclose(
+            _run(out, {"ids": ids}), _run(model, {"ids": ids}), rtol=1e-4, atol=1e-4
+        )
+    finally:  # pytest keeps recent tmp folders: do not leave GBs behind
+        shutil.rmtree(tmp_path, ignore_errors=True)
