@@ -398,9 +398,35 @@ def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model
         model_class=opts.model_class,
         model_kwargs=opts.model_kwargs,
     )
+    if loaded.kind == "onnx":
+        _require_external_data(loaded)
     example = _example_inputs(loaded, opts)
     raw, exporter = _raw_onnx(loaded, example, opts)
     return loaded, example, raw, exporter
+
+
+def _require_external_data(loaded: LoadedModel) -> None:
+    """Check that every external data file an ONNX input names is there, and big enough.
+
+    Raises:
+        UsageError: one is missing or shorter than a tensor in it says.
+    """
+    needed: dict[Path, list[str]] = {}
+    for graph in loaded.onnx_model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                end = tensor.offset + (tensor.length or tensor.nbytes)
+                path = Path(tensor.base_dir) / tensor.location
+                if not path.is_file() or path.stat().st_size < end:
+                    needed.setdefault(path, []).append(value.name)
+    for path, names in needed.items():
+        what = "is missing" if not path.exists() else "is shorter than its tensors say"
+        raise UsageError(
+            f"{loaded.path}: its external data file {path} {what} (tensors "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); keep the data file "
+            "that was written with the model beside it, under the name the model gives"
+        )
 
 
 def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]:

@@ -12,6 +12,21 @@ from fusion import FUSION_KINDS
 from normexport.files import atomic_path, save_figure
 
 
+def _render_checker(checker: dict, console: Console) -> None:
+    """One line when the input already fails the ONNX checker (old exporters' files)."""
+    if checker["input"] == "full":
+        return
+    which = "full check" if checker["input"] == "basic" else "check"
+    line = f"[yellow]the input fails the ONNX checker's {which}[/] ({checker['input_problem']})"
+    if checker["input"] == "basic":
+        line += "; the output was checked as far as the input passes (no shape inference)"
+    elif checker["output"] == "full":
+        line += "; the output passes it"
+    else:
+        line += f"; so does the output ({checker['output_problem']})"
+    console.print(line + "; ONNX Runtime loads and runs both")
+
+
 def render(report: dict, console: Console) -> None:
     """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
     console.print(
@@ -19,7 +34,12 @@ def render(report: dict, console: Console) -> None:
         f"{report['exporter']}, opset {report['opset']}, target {report['target']}) -> "
         f"[bold]{report['output']}[/]"
     )
+    if report["external_data"]:
+        console.print(f"external data: {report['files_written'][1]} (the output's own)")
+    _render_checker(report["checker"], console)
     fusions = report["fusions"]
+    for note in fusions.get("notes", []):
+        console.print(f"[yellow]note[/]: {note}")
     table = Table(title="Fusions", title_justify="left")
     table.add_column("kind")
     table.add_column("count", justify="right")

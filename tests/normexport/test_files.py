@@ -196,3 +196,31 @@ def test_model_over_2_gib(tmp_path):
         )
     finally:  # pytest keeps recent tmp folders: do not leave GBs behind
         shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "ir_version_99"])
+def test_broken_input_files_are_the_users_to_fix(
+    exported_with_external_data, tmp_path, capsys, damage
+):
+    model, _, _ = exported_with_external_data
+    data = files.data_path(model)
+    if damage == "missing":
+        data.unlink()
+    elif damage == "truncated":
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    else:
+        proto = onnx.load(model, load_external_data=False)
+        proto.ir_version = 99
+        onnx.save(proto, model)
+    out = tmp_path / "out" / "m.opt.onnx"
+    code = cli.main([str(model), "-o", str(out), "--no-benchmark", "--provider", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    expected = {
+        "missing": "m.onnx.data is missing",
+        "truncated": "m.onnx.data is shorter than its tensors say",
+        "ir_version_99": "Unsupported model IR version: 99",
+    }[damage]
+    assert expected in err
+    assert not out.exists() and not list(out.parent.glob(".*"))  # no scratch left behind
