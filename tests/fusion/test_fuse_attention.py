@@ -99,14 +99,18 @@ def test_an_eps_of_1e_8_outside_any_norm_survives():
     assert np.isfinite(got).all() and not got.any()  # 0 / (0 + 1e-8) = 0, not NaN
 
 
-def test_autotune_offers_attention_unfused_and_it_is_exact():
+def test_autotune_offers_attention_unfused_and_it_is_exact(tmp_path):
     from normexport import autotune
+    from normexport.files import save_model
 
     module = TinyBert()
     fused, unfused = _export(module), _export(module)
     fusion.optimize(fused, target="ort")
     fusion.optimize(unfused, target="ort", attention=False)
-    cands = autotune.candidates(fused, attention_unfused=unfused)
+    paths = {"fused": tmp_path / "fused.onnx", "unfused": tmp_path / "unfused.onnx"}
+    save_model(fused, paths["fused"], external_data=True)
+    save_model(unfused, paths["unfused"], external_data=True)
+    cands = autotune.candidates(paths["fused"], attention_unfused=paths["unfused"])
     assert list(cands)[0] == "as_built"  # the default stays the fused model
     assert autotune.ATTENTION_UNFUSED in cands
     result = autotune.autotune(cands, _inputs(), budget_s=0.3)

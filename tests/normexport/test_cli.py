@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 
@@ -286,3 +287,34 @@ def test_autotune_records_candidates_and_keeps_parity(capsys, tmp_path):
     assert "autotune on CPUExecutionProvider" in out
     if tuned["disabled_optimizers"]:
         assert "disabled_optimizers" in out
+
+
+def test_autotune_choice_becomes_the_output(capsys, tmp_path, monkeypatch):
+    """Where autotune keeps another form than the default, that form is what is written (with
+    its own external data) and what parity judges."""
+    from normexport import autotune
+
+    real = autotune.autotune
+
+    def prefer_no_skip_fusion(cands, *args, **kwargs):
+        result = real(cands, *args, **kwargs)
+        other = next(n for n in result.timings if n.endswith("+no_skip_fusion"))
+        return dataclasses.replace(result, best=other)
+
+    monkeypatch.setattr(autotune, "autotune", prefer_no_skip_fusion)
+    path = tmp_path / "residual.pt"
+    torch.save(Residual().eval(), path)
+    out_path = tmp_path / "out" / "residual.opt.onnx"
+    report_path = tmp_path / "r.json"
+    code, out, _ = run_cli(
+        capsys, path, "--trust-pickle", "--input-shape", "2,16,32", "--autotune", "-o", out_path,
+        "--no-benchmark", "--budget", "0.2", "--report", report_path,
+    )  # fmt: skip
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    assert report["autotune"]["best"].endswith("+no_skip_fusion")
+    assert report["autotune"]["disabled_optimizers"] == [autotune.SKIP_FUSION]
+    assert report["parity"]["passed"]
+    assert sorted(p.name for p in out_path.parent.iterdir()) == ["residual.opt.onnx"]
+    ops = [n.op_type for n in ir.load(out_path).graph]
+    assert "LayerNormalization" in ops and "SkipLayerNormalization" not in ops
