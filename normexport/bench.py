@@ -166,7 +166,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
         model_kwargs=args.model_kwargs,
         exporter=args.exporter,
     )
+    writes = {
+        flag: [path] for flag, path in (("--json", args.json), ("--chart", args.chart)) if path
+    }
+    pipeline.refuse_overwriting([Path(args.model)], writes)
     loaded, example, raw, _ = pipeline.prepare(opts)
+    pipeline.refuse_overwriting(pipeline.input_files(loaded), writes)
+    if loaded.kind == "onnx":
+        raw = Path(args.model)  # the variants are built from the file itself, not a copy
     provider, note = _provider(args.provider)
     if note:
         console.print(f"[yellow]{note}[/]")

@@ -97,7 +97,7 @@ def run(opts: Options) -> dict:
         writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
     refuse_overwriting([model_path], writes)  # before the export, which can take minutes
     loaded, example, raw, exporter = prepare(opts)
-    refuse_overwriting(_input_files(loaded), writes)
+    refuse_overwriting(input_files(loaded), writes)
     provider, provider_note = runtime.resolve_provider(opts.provider)
     ops_before = fusion.norm_ops(raw)
     already = explain.already_fused(raw)
@@ -188,7 +188,7 @@ def refuse_overwriting(inputs: list[Path], outputs: dict[str, list[Path]]) -> No
             seen[real] = flag
 
 
-def _input_files(loaded: LoadedModel) -> list[Path]:
+def input_files(loaded: LoadedModel) -> list[Path]:
     """The model file and, for ONNX, the external data files its tensors live in."""
     found = [Path(loaded.path)]
     if loaded.onnx_model is not None:

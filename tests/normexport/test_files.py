@@ -224,3 +224,25 @@ def test_broken_input_files_are_the_users_to_fix(
     }[damage]
     assert expected in err
     assert not out.exists() and not list(out.parent.glob(".*"))  # no scratch left behind
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["m.onnx", "--report", "m.onnx"],
+        ["m.onnx", "--report", "m.onnx.data"],
+        ["m.onnx", "-o", "new_dir/../m.onnx"],
+        ["m.onnx", "-o", "o.onnx", "--report", "o.onnx"],
+        ["bench", "m.onnx", "--json", "m.onnx"],
+        ["bench", "m.onnx", "--chart", "./m.onnx.data"],
+    ],
+    ids=["report", "report-data", "dotdot", "report-is-output", "bench-json", "bench-chart"],
+)
+def test_outputs_never_land_on_the_input(exported_with_external_data, monkeypatch, capsys, args):
+    model, _, _ = exported_with_external_data
+    monkeypatch.chdir(model.parent)
+    before = {p.name: p.read_bytes() for p in model.parent.iterdir()}
+    assert cli.main([*args, "--provider", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and ("overwrite the input" in err or "also written" in err)
+    assert {p.name: p.read_bytes() for p in model.parent.iterdir()} == before
