@@ -21,7 +21,7 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
-from fusion.cleanup import cleanup
+from fusion.cleanup import cleanup, normalize_ir_version
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_attention import FuseAttention
 from fusion.fuse_layernorm import FuseLayerNorm
@@ -89,6 +89,8 @@ def optimize(
         if wanted and target != "ort":
             raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
     report = FusionReport()
+    if (note := normalize_ir_version(model)) is not None:
+        report.note(note)
     cleanup(model)
     passes = [FoldBatchNorm(report), FuseLayerNorm(report), FuseRMSNorm(report, target=target)]
     if attention or (attention is None and target == "ort"):
