@@ -21,6 +21,7 @@ from collections import Counter
 import onnx
 import onnx_ir as ir
 
+from fusion._ir import opset_version
 from fusion.cleanup import cleanup, normalize_ir_version
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_attention import FuseAttention
@@ -44,6 +45,19 @@ __all__ = [
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
 #: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+#: Standard ops that ORT registers in the default domain below the opset that introduced them
+#: (op -> that opset): its LayerNormFusion emits LayerNormalization into models of any opset.
+ORT_EARLY_OPS = {"LayerNormalization": 17}
+
+
+def ort_registered(op_type: str, domain: str, opset: int) -> bool:
+    """Whether ``op_type`` in ``domain`` is an ONNX Runtime op, not a standard one, in a model
+    of default-domain ``opset`` (:data:`ORT_DEFAULT_DOMAIN_OPS`, :data:`ORT_EARLY_OPS`)."""
+    if domain != "":
+        return False
+    return op_type in ORT_DEFAULT_DOMAIN_OPS or opset < ORT_EARLY_OPS.get(op_type, 0)
+
 
 #: Op types that the report counts before and after optimizing.
 NORM_OPS = (
@@ -92,7 +106,11 @@ def optimize(
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
     cleanup(model)
-    passes = [FoldBatchNorm(report), FuseLayerNorm(report), FuseRMSNorm(report, target=target)]
+    passes = [
+        FoldBatchNorm(report),
+        FuseLayerNorm(report, target=target),
+        FuseRMSNorm(report, target=target),
+    ]
     if attention or (attention is None and target == "ort"):
         passes.append(FuseAttention(report))
     if skip:
@@ -106,7 +124,7 @@ def optimize(
 def check(model: ir.Model) -> None:
     """Run the full ONNX checker (``full_check=True``: with shape inference).
 
-    The ONNX Runtime ops of :data:`ORT_DEFAULT_DOMAIN_OPS` live in the default domain, where the
+    The ONNX Runtime ops (:func:`ort_registered`) live in the default domain, where the
     checker looks them up among the standard ops and fails; they are checked as custom-domain
     ops instead (on a copy), so that every standard op is still fully checked. Loading the model
     in an ONNX Runtime session validates those nodes themselves.
@@ -115,9 +133,8 @@ def check(model: ir.Model) -> None:
         onnx.checker.ValidationError: the model is not valid ONNX.
     """
     proto = ir.to_proto(model)
-    ort_nodes = [
-        n for n in proto.graph.node if n.domain == "" and n.op_type in ORT_DEFAULT_DOMAIN_OPS
-    ]
+    opset = opset_version(model)
+    ort_nodes = [n for n in proto.graph.node if ort_registered(n.op_type, n.domain, opset)]
     if ort_nodes:
         for node in ort_nodes:
             node.domain = "com.microsoft"
