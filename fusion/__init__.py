@@ -24,7 +24,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from fusion.cleanup import cleanup
+from fusion.cleanup import cleanup, normalize_ir_version
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_attention import FuseAttention
 from fusion.fuse_layernorm import FuseLayerNorm
@@ -47,6 +47,19 @@ __all__ = [
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
 #: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.
 ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+#: Standard ops that ORT registers in the default domain below the opset that introduced them
+#: (op -> that opset): its LayerNormFusion emits LayerNormalization into models of any opset.
+ORT_EARLY_OPS = {"LayerNormalization": 17}
+
+
+def ort_registered(op_type: str, domain: str, opset: int) -> bool:
+    """Whether ``op_type`` in ``domain`` is an ONNX Runtime op, not a standard one, in a model
+    of default-domain ``opset`` (:data:`ORT_DEFAULT_DOMAIN_OPS`, :data:`ORT_EARLY_OPS`)."""
+    if domain != "":
+        return False
+    return op_type in ORT_DEFAULT_DOMAIN_OPS or opset < ORT_EARLY_OPS.get(op_type, 0)
+
 
 #: Op types that the report counts before and after optimizing.
 NORM_OPS = (
@@ -92,8 +105,14 @@ def optimize(
         if wanted and target != "ort":
             raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
     report = FusionReport()
+    if (note := normalize_ir_version(model)) is not None:
+        report.note(note)
     cleanup(model)
-    passes = [FoldBatchNorm(report), FuseLayerNorm(report), FuseRMSNorm(report, target=target)]
+    passes = [
+        FoldBatchNorm(report),
+        FuseLayerNorm(report, target=target),
+        FuseRMSNorm(report, target=target),
+    ]
     if attention or (attention is None and target == "ort"):
         passes.append(FuseAttention(report))
     if skip:
@@ -111,7 +130,7 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
     external data itself and handles models over protobuf's 2 GiB limit. An in-memory model is
     written to a temporary folder first (with external data).
 
-    The ONNX Runtime ops of :data:`ORT_DEFAULT_DOMAIN_OPS` live in the default domain, where the
+    The ONNX Runtime ops (:func:`ort_registered`) live in the default domain, where the
     checker looks them up among the standard ops and fails; they are checked as custom-domain
     ops instead, on a copy of the graph (no tensors) written beside the model file, so that
     every standard op is still fully checked. Loading the model in an ONNX Runtime session
@@ -134,9 +153,8 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
         return
     path = Path(model)
     proto = onnx.load(path, load_external_data=False)
-    ort_nodes = [
-        n for n in proto.graph.node if n.domain == "" and n.op_type in ORT_DEFAULT_DOMAIN_OPS
-    ]
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
+    ort_nodes = [n for n in proto.graph.node if ort_registered(n.op_type, n.domain, opset)]
     if not ort_nodes:
         onnx.checker.check_model(path, full_check=full_check)
         return

@@ -6,6 +6,19 @@ elimination (the exporters write ``x - mean`` twice in a hand-written LayerNorm;
 one value, so the matchers see one shape), and removal of unused nodes. onnxscript's full
 ``optimize`` is deliberately not used: its pattern rules match constants with ``abs_tol=1e-8``
 and delete an ``Add`` of an eps of 1e-8 (DESIGN.md, "Measured facts").
+
+Before folding, trailing optional outputs named '' (absent by the spec) are dropped, and the
+``axes`` attribute of Unsqueeze and Squeeze (opsets below 13) is written as sorted non-negative
+axes where the input rank is known: the same node by the spec (Unsqueeze's axes count in the
+output rank, Squeeze's in the input rank, and their order does not matter). The ONNX reference
+implementation that the folder runs inserts (removes) one axis at a time, in the order written
+(reversed): ``Unsqueeze(axes=[-2, -1])`` of a ``(64,)`` tensor came out ``(1, 64, 1)`` instead
+of ``(64, 1, 1)`` (ONNX Runtime's ``fuse-conv-bn-mul-add-unsqueeze.negative_axes`` model).
+Inserted in increasing order, or removed in decreasing order, one axis at a time is the spec's
+result.
+
+:func:`normalize_ir_version` makes an IR-version-3 model an IR-version-4 one with the same
+meaning (see there); :func:`fusion.optimize` runs it first.
 """
 
 from __future__ import annotations
@@ -16,12 +29,16 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxscript.optimizer
 
+from fusion._ir import opset_version
+
 # The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 
 
 def cleanup(model: ir.Model) -> None:
     """Fold constants, merge common subexpressions, drop dead nodes, sort (in place)."""
+    drop_absent_outputs(model)
+    canonical_axes(model)
     level = _folder_log.level
     _folder_log.setLevel(logging.ERROR)
     try:
@@ -31,3 +48,92 @@ def cleanup(model: ir.Model) -> None:
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.TopologicalSortPass()(model)
+
+
+def drop_absent_outputs(model: ir.Model) -> int:
+    """Drop the trailing outputs named '' (absent optional outputs) of each main-graph node;
+    return how many nodes changed.
+
+    The same node by the spec: an optional output named '' is not there. It must go before the
+    folder runs, whose name fixing gives every unnamed value a name and so makes it look
+    present (a BatchNormalization with a named second output is the training-mode form).
+    """
+    changed = 0
+    for node in model.graph:
+        keep = len(node.outputs)
+        while keep > 1 and not node.outputs[keep - 1].name:
+            out = node.outputs[keep - 1]
+            if out.uses() or out.is_graph_output():
+                break
+            keep -= 1
+        if keep < len(node.outputs):
+            node.resize_outputs(keep)
+            changed += 1
+    return changed
+
+
+def _input_rank(value: ir.Value | None) -> int | None:
+    """The rank of ``value`` from its shape or its constant tensor, or None."""
+    if value is None:
+        return None
+    if value.shape is not None:
+        return len(value.shape)
+    tensor = ir.convenience.get_const_tensor(value)
+    return None if tensor is None else len(tensor.shape)
+
+
+def canonical_axes(model: ir.Model) -> int:
+    """Write the ``axes`` attribute of each main-graph Unsqueeze / Squeeze (opset < 13) as
+    sorted non-negative axes where the input rank is known; return how many nodes changed.
+
+    Same node by the spec (module docstring); the attribute form only: from opset 13 the axes
+    are an input, and the reference implementation then takes all axes at once, as numpy does.
+    """
+    if opset_version(model) >= 13:
+        return 0
+    changed = 0
+    for node in model.graph:
+        if node.op_type not in ("Unsqueeze", "Squeeze") or node.domain != "":
+            continue
+        axes = node.attributes.get_ints("axes", None)
+        rank = _input_rank(node.inputs[0] if node.inputs else None)
+        if not axes or rank is None:
+            continue
+        rank = rank + len(axes) if node.op_type == "Unsqueeze" else rank
+        if any(not -rank <= a < rank for a in axes):
+            continue  # invalid: left for the checker to report
+        canonical = sorted(a % rank for a in axes)
+        if len(set(canonical)) != len(canonical) or canonical == list(axes):
+            continue
+        node.attributes["axes"] = ir.AttrInt64s("axes", canonical)
+        changed += 1
+    return changed
+
+
+def normalize_ir_version(model: ir.Model) -> str | None:
+    """Raise an IR-version-3 model to version 4 with the same meaning; say what changed.
+
+    Below IR version 4 every initializer had to be listed among the graph inputs (onnx.checker
+    requires it), and ONNX Runtime treats those initializers as constants that a caller cannot
+    override (``Graph::CanOverrideInitializer()`` is ``ir_version >= 4``). From version 4 an
+    initializer listed as a graph input is an overridable default, and one not listed is a
+    constant. So the exact version-4 form drops the initializer-backed inputs and sets
+    ``ir_version = 4``; a pass that adds an initializer (a folded weight) then leaves a valid
+    model. Models of version 4 and up are left alone.
+
+    Returns:
+        A sentence for the report, or None when nothing changed.
+    """
+    if model.ir_version >= 4:
+        return None
+    old = model.ir_version
+    graph = model.graph
+    listed = [v for v in graph.inputs if v.name in graph.initializers]
+    for value in listed:
+        graph.inputs.remove(value)
+    model.ir_version = 4
+    dropped = f"; {len(listed)} initializers no longer listed as graph inputs" if listed else ""
+    return (
+        f"IR version {old} raised to 4 (its initializers are constants, as ONNX Runtime reads "
+        f"IR < 4){dropped}"
+    )

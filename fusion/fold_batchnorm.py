@@ -214,6 +214,34 @@ def _bias_fits(bias: np.ndarray, op: str, channels: int) -> bool:
     return bias.ndim == 0 or (bias.ndim <= 2 and bias.shape[-1] in (1, channels))
 
 
+def _training_mode(node: ir.Node) -> str | None:
+    """Why the BatchNormalization ``node`` runs in training mode, or None (inference mode).
+
+    From opset 14 the ``training_mode`` attribute says so. Before 14 there is no such attribute,
+    and the form of the node does: a BatchNormalization with its statistics outputs (5 in all,
+    Y, mean, var, saved_mean, saved_var) is the training-mode form, which ONNX Runtime runs with
+    batch statistics even when the extra outputs are unused (its CPU kernel sets training mode
+    from the output count below opset 14). An output named '' is absent (an empty optional
+    output), and does not count. Statistics outputs that are read are refused at any opset:
+    folding would remove what they hold.
+    """
+    graph = node.graph
+    opset = graph.opset_imports.get(node.domain, 0) if graph is not None else 0
+    if node.attributes.get_int("training_mode", 0):
+        return "training_mode=1"
+    present = [out for out in node.outputs[1:] if out is not None and out.name]
+    read = [out for out in present if _num_consumers(out)]
+    if read:
+        names = ", ".join(f"'{out.name}'" for out in read)
+        return f"its statistics output {names} is read (training mode)"
+    if present and opset < 14:
+        return (
+            f"it has {len(node.outputs)} outputs at opset {opset}: before opset 14 that is the "
+            "training-mode form (ONNX Runtime uses batch statistics even when they are unused)"
+        )
+    return None
+
+
 def _batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
     """``(s, t)``, each ``(C,)`` float64, of an inference-mode BatchNormalization.
 
@@ -221,12 +249,11 @@ def _batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
         _Refusal: training mode, statistics outputs in use, non-constant or mis-shaped
             parameters, ``spatial=0`` (opset < 9), or ``var + epsilon`` not positive.
     """
-    if node.attributes.get_int("training_mode", 0):
-        raise _Refusal("training_mode=1: statistics come from the batch, not from constants")
+    training = _training_mode(node)
+    if training is not None:
+        raise _Refusal(f"{training}: statistics come from the batch, not from constants")
     if node.attributes.get_int("spatial", 1) == 0:
         raise _Refusal("spatial=0: statistics are per element, not per channel")
-    if any(out is not None and _num_consumers(out) for out in node.outputs[1:]):
-        raise _Refusal("its running-statistics outputs are used (training mode)")
     names = ("scale", "B", "input_mean", "input_var")
     scale, bias, mean, var = (_constant(node, i + 1, what) for i, what in enumerate(names))
     shapes = {a.shape for a in (scale, bias, mean, var)}
@@ -238,6 +265,25 @@ def _batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
         raise _Refusal("input_var + epsilon is not positive for every channel")
     s = scale.astype(np.float64) / np.sqrt(denominator)
     return s, bias.astype(np.float64) - mean.astype(np.float64) * s
+
+
+def _check_channels(bn: ir.Node, channels: int, shapes: KnownShapes) -> None:
+    """Refuse a BatchNormalization whose input does not have ``channels`` on axis 1.
+
+    ONNX requires its parameters to be ``(C,)`` with ``C`` the size of axis 1 of its input;
+    ONNX Runtime stops with "Invalid input scale" when the model runs. No fold can be exact
+    for a node that has no value.
+
+    Raises:
+        _Refusal: axis 1 of the input has a known size other than ``channels``.
+    """
+    shape = shapes(bn.inputs[0])
+    if shape is None or len(shape) < 2 or not isinstance(shape[1], int) or shape[1] == channels:
+        return
+    raise _Refusal(
+        f"it has {channels} channels, but axis 1 of its input {shape_text(shape)} has size "
+        f"{shape[1]}: not a valid BatchNormalization (ONNX Runtime rejects it when it runs)"
+    )
 
 
 def _squeeze_constant_axes(array: np.ndarray) -> np.ndarray:
@@ -613,6 +659,7 @@ def _carry_to_layer(
         _Refusal: the map does not reach ``node`` as a per-input-channel map.
     """
     s, t = _batchnorm_affine(bn)
+    _check_channels(bn, s.size, shapes)
     pool = next((op for op in across if op.op_type == "MaxPool"), None)
     if pool is not None and np.any(s <= 0):
         k = int(np.argmin(s))
@@ -803,6 +850,8 @@ class FoldBatchNorm(ir.passes.InPlacePass):
         Raises:
             _Refusal: the map is not per-channel on the layer output.
         """
+        if node.op_type == "BatchNormalization":
+            _check_channels(node, step[0].size, shapes)
         moved = []
         for coeff in step:
             for op in reversed(across):

@@ -1,4 +1,5 @@
-"""Fuse a hand-written LayerNorm into one ``LayerNormalization`` node (ONNX opset 17 and up).
+"""Fuse a hand-written LayerNorm into one ``LayerNormalization`` node (ONNX opset 17 and up, or
+ONNX Runtime at any opset).
 
 The math
 --------
@@ -57,12 +58,20 @@ Before and after::
 
     x ─ LayerNormalization(x, w, b; axis=-k, epsilon=eps, stash_type=1) ─ y
 
-Left intact, with the reason in the report: a model whose opset has no LayerNormalization
-(below 17); means over axes that are not the trailing axes of ``x``, or over different axes for
-the mean and the variance; an intermediate value read outside the subgraph; a non-constant eps;
-a variance scaled by a factor that is not positive, or reshaped to a shape other than its
-keepdims shape; a norm computed in a type other than float32 (the fused op would compute it in
-float32: a different function); ``eps`` added outside the square root
+Below opset 17, ``target="ort"`` still fuses into a default-domain ``LayerNormalization``:
+ONNX Runtime registers it there at every opset (its own LayerNormFusion emits it into opset-10
+to 12 models); :func:`fusion.check` checks it as an ONNX Runtime op.
+
+``x - mean(x)`` may be read elsewhere (two norms of one input, whose centering CSE has made one
+value): the fused node computes it from ``x`` again, and the ReduceMean and Sub stay for their
+other readers (they go when the other norm is fused too).
+
+Left intact, with the reason in the report: for ``target="onnx"``, a model whose opset has no
+LayerNormalization (below 17); means over axes that are not the trailing axes of ``x``, or over
+different axes for the mean and the variance; an intermediate value read outside the subgraph; a
+non-constant eps; a variance scaled by a factor that is not positive, or reshaped to a shape
+other than its keepdims shape; a norm computed in a type other than float32 (the fused op would
+compute it in float32: a different function); ``eps`` added outside the square root
 (``d / (sqrt(var) + eps)`` is a different function). A weight or bias that varies along an axis
 that is not normalized stays a separate ``Mul`` / ``Add`` after the fused node (reported).
 
@@ -508,7 +517,19 @@ class NormMatch:
         fused.outputs[0].shape = self.x.shape.copy() if self.x.shape is not None else None
         graph.insert_before(self.nodes[-1], fused)
         replace_output(graph, self.output, fused.outputs[0])
-        remove_nodes(graph, self.nodes)
+        # Matched nodes whose outputs are read elsewhere (a shared x - mean(x)) stay.
+        dead = set(self.nodes)
+        changed = True
+        while changed:
+            changed = False
+            for n in list(dead):
+                if any(
+                    out.is_graph_output() or any(use.node not in dead for use in out.uses())
+                    for out in n.outputs
+                ):
+                    dead.discard(n)
+                    changed = True
+        remove_nodes(graph, [n for n in self.nodes if n in dead])
 
 
 class NormFusionPass(ir.passes.InPlacePass):
@@ -563,6 +584,18 @@ class FuseLayerNorm(NormFusionPass):
 
     kind = "layernorm"
 
+    def __init__(self, report: FusionReport, target: str = "ort"):
+        """Args: report: shared record of fusions and refusals; target: ``"ort"`` or ``"onnx"``
+        (:data:`fusion.fuse_rmsnorm.TARGETS`).
+
+        Raises:
+            ValueError: ``target`` is neither.
+        """
+        if target not in ("ort", "onnx"):
+            raise ValueError(f"unknown target {target!r}: choose 'ort' or 'onnx'")
+        super().__init__(report)
+        self.target = target
+
     def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through the affine part."""
         division = as_division(node)
@@ -589,13 +622,19 @@ class FuseLayerNorm(NormFusionPass):
         k = check_core(core, x, rank)
         if any(reduced_trailing(c[1], rank) != k for c in centers):
             raise NormRefused("the mean and the variance reduce over different axes")
-        nodes = [n for c in centers for n in c[1:]] + [*core.nodes, *inverse, node]
-        escaping = escaping_value(nodes, node.outputs[0])
+        centering = [n for c in centers for n in c[1:]]
+        nodes = [*centering, *core.nodes, *inverse, node]
+        # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays
+        # for its other readers: the fused node computes the same value from x itself.
+        escaping = escaping_value(nodes[len(centering) :], node.outputs[0])
         if escaping is not None:
             raise NormRefused(f"{escaping.name} is also read outside the LayerNorm subgraph")
         opset = opset_version(model)
-        if opset < 17:
-            raise NormRefused(f"opset {opset} has no LayerNormalization (needs 17)")
+        if opset < 17 and self.target == "onnx":
+            raise NormRefused(
+                f"opset {opset} has no LayerNormalization (needs 17): export with --opset 17 "
+                "or target ONNX Runtime"
+            )
         dims = normalized_dims(k, x, core.value, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
         match.absorb_casts()

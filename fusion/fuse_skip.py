@@ -113,6 +113,22 @@ def _is_bias(value: ir.Value) -> bool:
     return array is not None and array.ndim < 2
 
 
+def _is_residual(node: ir.Node | None) -> bool:
+    """Whether ``node`` is an ``Add`` of two tensors, neither a bias (:func:`_is_bias`)."""
+    return (
+        node is not None
+        and node.op_type == "Add"
+        and node.domain == ""
+        and not any(v is None or _is_bias(v) for v in node.inputs)
+    )
+
+
+_CAST_BETWEEN = (
+    "a Cast lies between the residual Add and the norm: the Skip op would add in the norm's "
+    "type, and the sum would round differently from the Add in its own type"
+)
+
+
 def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.Value]:
     """``(input, skip)``: the Add operands in the roles the Skip op accepts.
 
@@ -218,6 +234,11 @@ class FuseSkip(ir.passes.InPlacePass):
         modified = False
         for norm in [n for n in graph if n.domain == "" and n.op_type in SKIP_OPS]:
             add = norm.inputs[0].producer() if norm.inputs[0] is not None else None
+            if add is not None and add.op_type == "Cast" and add.domain == "":
+                before = add.inputs[0].producer() if add.inputs[0] is not None else None
+                if _is_residual(before):
+                    self.report.refuse("skip", _label(norm), _CAST_BETWEEN)
+                continue
             if add is None or add.op_type != "Add" or add.domain != "":
                 continue
             if any(v is None or _is_bias(v) for v in add.inputs):

@@ -74,6 +74,9 @@ class FusionReport:
 
     fused: list[Fusion] = dataclasses.field(default_factory=list)
     refused: list[Refusal] = dataclasses.field(default_factory=list)
+    #: Changes to the model that are no fusion but that a user should know of (one sentence
+    #: each), e.g. an IR version raised to make an old file valid.
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def counts(self) -> Counter:
@@ -93,10 +96,17 @@ class FusionReport:
             return
         self.refused.append(Refusal(kind, node, reason))
 
+    def note(self, text: str) -> None:
+        """Record a change to the model that is not a fusion (kept once)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     def to_dict(self) -> dict:
-        """JSON-ready form: ``{kind: count, ..., "fused": [...], "refused": [...]}``."""
+        """JSON-ready form: ``{kind: count, ..., "fused": [...], "refused": [...],
+        "notes": [...]}``."""
         counts = self.counts
         out = {kind: counts.get(kind, 0) for kind in FUSION_KINDS}
         out["fused"] = [dataclasses.asdict(f) for f in self.fused]
         out["refused"] = [dataclasses.asdict(r) for r in self.refused]
+        out["notes"] = list(self.notes)
         return out

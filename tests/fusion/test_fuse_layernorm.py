@@ -21,15 +21,16 @@ from norm_testing import (
     op_types,
 )
 
+import fusion
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.report import FusionReport
 
 torch.set_num_threads(1)
 
 
-def fuse(model: ir.Model) -> tuple[FusionReport, bool]:
+def fuse(model: ir.Model, target: str = "ort") -> tuple[FusionReport, bool]:
     report = FusionReport()
-    return report, FuseLayerNorm(report)(model).modified
+    return report, FuseLayerNorm(report, target=target)(model).modified
 
 
 def randomized(module: torch.nn.Module) -> torch.nn.Module:
@@ -128,12 +129,12 @@ def test_no_affine_gets_unit_scale(exporter, opset):
 
 
 def assert_refused(
-    module: torch.nn.Module, exporter: str, opset: int, reason: str
+    module: torch.nn.Module, exporter: str, opset: int, reason: str, target: str = "ort"
 ) -> tuple[ir.Model, FusionReport]:
     """The pass records ``reason`` and leaves the model byte for byte as it was."""
     model = export(module, exporter, opset)
     before = ir.to_proto(model).SerializeToString()
-    report, modified = fuse(model)
+    report, modified = fuse(model, target)
     assert not modified and not report.counts
     assert [r.reason for r in report.refused] == [reason]
     assert ir.to_proto(model).SerializeToString() == before
@@ -178,14 +179,27 @@ def test_non_trailing_axis_is_refused(exporter, opset):
     )
 
 
-def test_opset_16_is_refused():
+def test_opset_16_is_refused_for_onnx():
     model, _ = assert_refused(
         randomized(DivLayerNorm(1e-5)),
         "torchscript",
         16,
-        "opset 16 has no LayerNormalization (needs 17)",
+        "opset 16 has no LayerNormalization (needs 17): export with --opset 17 or target "
+        "ONNX Runtime",
+        target="onnx",
     )
     assert "LayerNormalization" not in op_types(model)
+
+
+def test_opset_16_is_fused_for_ort():
+    """ONNX Runtime registers LayerNormalization in the default domain at every opset."""
+    module = randomized(DivLayerNorm(1e-5))
+    model = export(module, "torchscript", 16)
+    report, modified = fuse(model, "ort")
+    assert modified and op_types(model) == ["LayerNormalization"]
+    assert report.counts["layernorm_fused"] == 1 and not report.refused
+    fusion.check(model)
+    check_against_torch(module, model)
 
 
 class LeakyLayerNorm(DivLayerNorm):
