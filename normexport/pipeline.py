@@ -108,6 +108,7 @@ def run(opts: Options) -> dict:
         if loaded.kind == "onnx":
             raw_path = model_path
             reference_session = _input_session(model_path, provider)
+            _runs_as_given(reference_session, sets["example"], model_path, opts)
             input_level, input_problem = _checker_level(model_path)
         else:
             raw_path = work / "raw.onnx"
@@ -215,6 +216,31 @@ def _input_session(path: Path, provider: str):
         raise UsageError(
             f"{path}: ONNX Runtime cannot load this model ({_first_line(err)}); normexport "
             "optimizes models that ONNX Runtime runs: fix or re-export it"
+        ) from None
+
+
+def _runs_as_given(session, feeds: dict[str, np.ndarray], path: Path, opts: Options) -> None:
+    """Run the input file once on the example inputs, before anything is optimized: a model
+    that ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
+    user's to fix, not a parity failure.
+
+    Raises:
+        UsageError: ONNX Runtime fails on it, naming the inputs that were given.
+    """
+    quiet = onnxruntime.RunOptions()
+    quiet.log_severity_level = 4  # the failure is reported once, by us
+    try:
+        session.run(None, dict(feeds), quiet)
+    except Exception as err:  # ORT's own error types
+        given = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
+        hint = (
+            "check --input-shape / --inputs against the model's inputs"
+            if opts.input_shape or opts.inputs
+            else "fix or re-export it"
+        )
+        raise UsageError(
+            f"{path}: ONNX Runtime cannot run this model as given on inputs {given} "
+            f"({_first_line(err)}); {hint}"
         ) from None
 
 
