@@ -4,8 +4,9 @@ Kinds:
 
 - ``onnx``: an ONNX protobuf;
 - ``exported_program``: ``torch.export.save`` archive (``.pt2``; carries its example inputs).
-  Outputs of a pytree type torch does not know (transformers ``ModelOutput``s) load as a
-  :class:`StandIn` mapping;
+  Its tensors are read without unpickling anything; an archive that holds pickles is loaded
+  only with ``--trust-pickle`` (see :func:`load_program`). Outputs of a pytree type torch does
+  not know (transformers ``ModelOutput``s) load as a :class:`StandIn` mapping;
 - ``torchscript``: ``torch.jit.save`` archive;
 - ``state_dict``: ``torch.save`` of a mapping of tensors (needs ``--model-class``);
 - ``pickled_module``: ``torch.save`` of a whole nn.Module. Unpickling runs code from the file,
@@ -17,8 +18,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
+import io
 import json
 import logging
+import os
 import pickle
 import re
 import warnings
@@ -102,7 +105,8 @@ def load_model(
 
     Args:
         path: the model file.
-        trust_pickle: allow unpickling a whole nn.Module (runs code from the file).
+        trust_pickle: allow unpickling a whole nn.Module, or the pickles in a ``.pt2`` archive
+            (both run code from the file).
         model_class: ``package.module:Class`` to build for a state_dict.
         model_kwargs: JSON object of keyword arguments for ``model_class``.
 
@@ -296,13 +300,22 @@ def _stand_in(name: str) -> type[StandIn]:
 
 
 def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.export.ExportedProgram:
-    """``torch.export.load(path)``, quietly, with a :class:`StandIn` for unknown pytree types.
+    """``torch.export.load(path)``, with no code from the file run, quietly.
 
-    torch's warnings and log lines are kept from the user; the first error among them is what
-    a failure reports. ``trust_pickle`` is not used yet.
+    torch 2.13's loader unpickles with ``weights_only=False`` a weight or tensor constant saved
+    as a pickle (``use_pickle`` in the archive's payload configs), ``pickle.loads`` an opaque
+    object constant, ``torch._C._pickle_load_obj`` a TorchBind one, retries the example inputs
+    with ``weights_only=False`` when the safe unpickler refuses them, loads the shared
+    libraries of an AOTInductor package, and imports the module named by an ``__enum__`` in a
+    pytree context. Unless ``trust_pickle``, the archive is read first and any of these is
+    refused, and the load runs with ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` so that a path missed
+    here still cannot unpickle code. Pytree types the process does not know get a
+    :class:`StandIn`. torch's warnings and log lines are kept from the user; the first error
+    among them is what a failure reports.
 
     Raises:
-        UsageError: torch cannot load it (the message names the file and the reason).
+        UsageError: the archive holds pickles and ``trust_pickle`` is false, or torch cannot
+            load it (the message names the file and the reason).
     """
     path = Path(path)
     from torch.export.pt2_archive import PT2ArchiveReader
@@ -314,6 +327,8 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.expor
             # every file under models/ is a program to torch, whatever its name ends with
             models = [n for n in names if n.startswith(_pt2.MODELS_DIR)]
             specs = [spec for m in models for spec in _specs(json.loads(reader.read_bytes(m)))]
+            if not trust_pickle:
+                _refuse_code(path, reader, names, models, specs)
     except UsageError:
         raise
     except Exception as err:
@@ -333,11 +348,62 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.expor
             "dicts of them"
         ) from None
     try:
-        with _quiet_torch() as errors:
+        with _quiet_torch() as errors, _weights_only(not trust_pickle):
             return torch.export.load(path)
     except Exception as err:
         cause = errors[0] if errors else err
         raise UsageError(f"{path}: torch.export.load cannot load it ({_one_line(cause)})") from None
+
+
+_PICKLE_HINT = "loading it runs code from the file; if you trust its source, add --trust-pickle"
+
+
+def _refuse_code(path: Path, reader, names: list[str], models: list[str], specs: list[str]) -> None:
+    """Raise UsageError if loading the archive would unpickle or import anything from it."""
+    if any(n.startswith(_pt2.AOTINDUCTOR_DIR) for n in names):
+        raise UsageError(f"{path} holds AOTInductor shared libraries: {_PICKLE_HINT}")
+    for model_file in models:
+        model = model_file[len(_pt2.MODELS_DIR) : -len(".json")]  # as torch computes it
+        for kind, directory, config_format, prefix in (
+            (
+                "weight",
+                _pt2.WEIGHTS_DIR,
+                _pt2.WEIGHTS_CONFIG_FILENAME_FORMAT,
+                _pt2.WEIGHT_FILENAME_PREFIX,
+            ),
+            (
+                "constant",
+                _pt2.CONSTANTS_DIR,
+                _pt2.CONSTANTS_CONFIG_FILENAME_FORMAT,
+                _pt2.TENSOR_CONSTANT_FILENAME_PREFIX,
+            ),
+        ):
+            if f"{directory}{model}.pt" in names:
+                raise UsageError(f"{path} holds its {kind}s as one pickle: {_PICKLE_HINT}")
+            config_file = config_format.format(model)
+            if config_file not in names:
+                continue  # torch then fails, and says so
+            config = json.loads(reader.read_bytes(config_file))["config"]
+            for fqn, meta in config.items():
+                pickled = meta.get("use_pickle") is not False
+                if pickled or not str(meta.get("path_name")).startswith(prefix):
+                    raise UsageError(f"{path}: {kind} {fqn} is a pickle: {_PICKLE_HINT}")
+        inputs_file = _pt2.SAMPLE_INPUTS_FILENAME_FORMAT.format(model)
+        if inputs_file in names:
+            data = reader.read_bytes(inputs_file)
+            if data:
+                try:
+                    torch.load(io.BytesIO(data), weights_only=True)
+                except Exception:
+                    raise UsageError(
+                        f"{path}: its example inputs are a pickle of more than tensors: "
+                        f"{_PICKLE_HINT}"
+                    ) from None
+    for spec in specs:
+        if '"__enum__"' in spec:
+            raise UsageError(
+                f"{path}: its input/output structure names a Python enum to import: {_PICKLE_HINT}"
+            )
 
 
 def _specs(node: object) -> list[str]:
@@ -399,6 +465,28 @@ def _quiet_torch():
     finally:
         for logger, handlers in saved.items():
             logger.handlers = handlers
+
+
+@contextlib.contextmanager
+def _weights_only(force: bool):
+    """Make every ``torch.load`` in the block safe (``weights_only=True``) when ``force``.
+
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` overrides even an explicit ``weights_only=False``.
+    """
+    names = ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    saved = {name: os.environ.get(name) for name in names}
+    if force:
+        os.environ[names[0]] = "1"
+        os.environ.pop(names[1], None)
+    try:
+        yield
+    finally:
+        if force:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def _one_line(err: BaseException | str) -> str:

@@ -7,6 +7,8 @@ fresh Python process (the test process itself has imported transformers to build
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -20,6 +22,8 @@ import pytest
 import torch
 from torch import nn
 
+from normexport import cli
+from normexport.errors import UsageError
 from normexport.load import load_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +179,7 @@ def test_stand_in_keys():
         assert out == {0: 1, 1: 2}
 
 
-# --- broken archives -----------------------------------------------------------------------
+# --- pickles and broken archives ----------------------------------------------------------
 
 
 class Tiny(nn.Module):
@@ -186,6 +190,16 @@ class Tiny(nn.Module):
 
     def forward(self, x):
         return self.lin(x) + self.c
+
+
+class Hostile:
+    """Unpickling this creates ``marker`` (stands for any code a pickle can run)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
 
 
 def tiny_program(path: Path) -> Path:
@@ -201,6 +215,77 @@ def rewrite(path: Path, edit) -> None:
         for name, data in entries:
             root, _, rel = name.partition("/")
             archive.writestr(name, edit(rel, data))
+
+
+def pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def make_hostile(path: Path, where: str, marker: Path) -> Path:
+    """A real archive with one entry replaced by a pickle that creates ``marker``."""
+    tiny_program(path)
+    payload = pickled(Hostile(marker))
+
+    def edit(rel: str, data: bytes) -> bytes:
+        if where in ("weight", "constant"):
+            config = f"data/{where}s/model_{where}s_config.json"
+            first = "weight_0" if where == "weight" else "tensor_0"
+            if rel == config:
+                doc = json.loads(data)
+                for meta in doc["config"].values():
+                    if meta["path_name"] == first:
+                        meta["use_pickle"] = True
+                return json.dumps(doc).encode()
+            if rel == f"data/{where}s/{first}":
+                return payload
+        if where == "sample_inputs" and rel == "data/sample_inputs/model.pt":
+            return pickled(((Hostile(marker),), {}))
+        return data
+
+    rewrite(path, edit)
+    return path
+
+
+WHERE = ["weight", "constant", "sample_inputs"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_hostile_pickle_is_refused(tmp_path, capsys, where):
+    marker = tmp_path / "pwned"
+    path = make_hostile(tmp_path / "m.pt2", where, marker)
+    env = dict(os.environ)
+    with pytest.raises(UsageError, match="--trust-pickle") as caught:
+        load_model(path)
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+    assert not marker.exists()
+    assert dict(os.environ) == env
+    code = cli.main([str(path), "--no-benchmark", "--provider", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--trust-pickle" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_hostile_archive_does_run_code_when_trusted(tmp_path, where):
+    """The fixture is hostile: torch.export.load, and --trust-pickle, do run its pickle."""
+    marker = tmp_path / "pwned"
+    path = make_hostile(tmp_path / "m.pt2", where, marker)
+    with contextlib.suppress(Exception):  # it may choke on what the pickle made, or not
+        torch.export.load(path)
+    assert marker.exists()
+    marker.unlink()
+    with contextlib.suppress(UsageError):
+        load_model(path, trust_pickle=True)
+    assert marker.exists()
+
+
+def test_trusted_clean_archive_loads(tmp_path):
+    path = tiny_program(tmp_path / "m.pt2")
+    for trust in (False, True):
+        loaded = load_model(path, trust_pickle=trust)
+        assert loaded.kind == "exported_program" and list(loaded.example_inputs) == ["x"]
 
 
 def break_json(rel: str, data: bytes) -> bytes:
