@@ -1,0 +1,317 @@
+"""normexport.load on torch.export archives: transformers outputs, hostile pickles, bad files.
+
+A transformers model's ``ModelOutput`` is known to torch's pytree only in a process that has
+imported the module defining it; the tests that load such a program therefore load it in a
+fresh Python process (the test process itself has imported transformers to build the model).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from normexport import cli
+from normexport.errors import UsageError
+from normexport.load import load_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def python(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run this venv's Python with the repository's packages importable, from ``cwd``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def randomize_norms(model: nn.Module) -> None:
+    """Norm weights (and biases) away from the 1 / 0 of default init."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name.lower():
+                param.copy_(torch.rand(param.shape, generator=gen) + 0.5)
+
+
+# --- transformers models -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def tiny_llama(transformers, **config):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        **config,
+    )
+    model = transformers.LlamaModel(cfg).eval()
+    randomize_norms(model)
+    return model
+
+
+def tiny_bert(transformers):
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=100,
+        max_position_embeddings=64,
+    )
+    model = transformers.BertModel(cfg).eval()
+    randomize_norms(model)
+    return model
+
+
+def save_program(model, path: Path, ids: torch.Tensor, kwargs=None) -> torch.Tensor:
+    """Export and save ``model``; returns its ``last_hidden_state`` on ``ids``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    program = torch.export.export(model, (ids,), kwargs=kwargs, strict=False)
+    torch.export.save(program, path)
+    with torch.no_grad():
+        return model(ids, **(kwargs or {})).last_hidden_state
+
+
+LOAD_AND_RUN = """
+import sys, torch
+from normexport.load import load_model
+loaded = load_model(sys.argv[1])
+ids = torch.from_numpy(loaded.example_inputs["input_ids"])
+out = loaded.module.module()(ids, use_cache=False)
+print(type(out).__name__, list(out), "transformers" in sys.modules)
+torch.save(out.last_hidden_state, sys.argv[2])
+"""
+
+
+def test_llama_program_loads_in_a_fresh_process(transformers, tmp_path):
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(2))
+    path = tmp_path / "model" / "llama.pt2"
+    expected = save_program(tiny_llama(transformers), path, ids, {"use_cache": False})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = python("-c", LOAD_AND_RUN, str(path), str(tmp_path / "out.pt"), cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # torch's ~35 lines of warnings are kept quiet
+    # a mapping in place of BaseModelOutputWithPast, with transformers never imported
+    assert result.stdout.split() == ["BaseModelOutputWithPast", "['last_hidden_state']", "False"]
+    got = torch.load(tmp_path / "out.pt", weights_only=True)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["bert", "llama"])
+def test_transformers_program_through_the_cli(transformers, tmp_path, name):
+    ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(3))
+    # LLaMA with use_cache off in its config: no kwargs, so the program is called positionally
+    model = tiny_bert(transformers) if name == "bert" else tiny_llama(transformers, use_cache=False)
+    path = tmp_path / "model" / f"{name}.pt2"
+    expected = save_program(model, path, ids)
+    out_dir, report = tmp_path / "out", tmp_path / "report" / "r.json"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    argv = ["--no-benchmark", "--provider", "cpu", "-o", out_dir / "m.onnx", "--report", report]
+    result = python("-m", "normexport", str(path), *map(str, argv), cwd=elsewhere)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    parity = json.loads(report.read_text())["parity"]
+    assert parity["passed"] and parity["reference"] == "pytorch"
+    assert all(o["max_abs_err"] < 1e-5 for o in parity["outputs"].values())
+    # and the written model against the original transformers model, not only the program
+    session = ort.InferenceSession(out_dir / "m.onnx", providers=["CPUExecutionProvider"])
+    (feed,) = session.get_inputs()
+    got = session.run(None, {feed.name: ids.numpy()})[0]
+    np.testing.assert_allclose(got, expected.numpy(), rtol=1e-4, atol=1e-5)
+    assert not list(elsewhere.iterdir())  # nothing written in the working directory
+
+
+def test_known_output_types_are_not_replaced(transformers, tmp_path):
+    """In a process that has the real ModelOutput registered, the program returns it."""
+    from transformers.modeling_outputs import BaseModelOutputWithPoolingAndCrossAttentions
+
+    ids = torch.randint(0, 100, (1, 5))
+    path = tmp_path / "bert.pt2"
+    expected = save_program(tiny_bert(transformers), path, ids)
+    out = load_model(path).module.module()(ids)
+    assert type(out) is BaseModelOutputWithPoolingAndCrossAttentions
+    torch.testing.assert_close(out.last_hidden_state, expected, rtol=0, atol=1e-6)
+
+
+def test_stand_in_keys():
+    """Keys from the saved context; a context that is not one key per child gives 0, 1, ..."""
+    from torch.utils import _pytree as pytree
+
+    from normexport.load import StandIn, _stand_in
+
+    leaf = {"type": None, "context": None, "children_spec": []}
+
+    def spec(context: str) -> str:
+        node = {"type": "nowhere.Output", "context": context, "children_spec": [leaf, leaf]}
+        return json.dumps([1, node])
+
+    _stand_in("nowhere.Output")
+    out = pytree.tree_unflatten([1, 2], pytree.treespec_loads(spec('["a", "b"]')))
+    assert isinstance(out, StandIn) and out == {"a": 1, "b": 2} and out.b == 2
+    assert pytree.tree_leaves(out) == [1, 2]
+    assert pytree.treespec_loads(pytree.treespec_dumps(pytree.tree_structure(out))) is not None
+    for context in ('["a"]', '["a", "a"]', "not json", '{"x": 1}'):
+        out = pytree.tree_unflatten([1, 2], pytree.treespec_loads(spec(context)))
+        assert out == {0: 1, 1: 2}
+
+
+# --- pickles and broken archives ----------------------------------------------------------
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.c = torch.randn(3)  # a plain attribute: a lifted tensor constant
+
+    def forward(self, x):
+        return self.lin(x) + self.c
+
+
+class Hostile:
+    """Unpickling this creates ``marker`` (stands for any code a pickle can run)."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def tiny_program(path: Path) -> Path:
+    torch.export.save(torch.export.export(Tiny().eval(), (torch.randn(2, 4),)), path)
+    return path
+
+
+def rewrite(path: Path, edit) -> None:
+    """Replace entries of the zip at ``path``: ``edit(name relative to the root, bytes)``."""
+    with zipfile.ZipFile(path) as archive:
+        entries = [(info.filename, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in entries:
+            root, _, rel = name.partition("/")
+            archive.writestr(name, edit(rel, data))
+
+
+def pickled(obj) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def make_hostile(path: Path, where: str, marker: Path) -> Path:
+    """A real archive with one entry replaced by a pickle that creates ``marker``."""
+    tiny_program(path)
+    payload = pickled(Hostile(marker))
+
+    def edit(rel: str, data: bytes) -> bytes:
+        if where in ("weight", "constant"):
+            config = f"data/{where}s/model_{where}s_config.json"
+            first = "weight_0" if where == "weight" else "tensor_0"
+            if rel == config:
+                doc = json.loads(data)
+                for meta in doc["config"].values():
+                    if meta["path_name"] == first:
+                        meta["use_pickle"] = True
+                return json.dumps(doc).encode()
+            if rel == f"data/{where}s/{first}":
+                return payload
+        if where == "sample_inputs" and rel == "data/sample_inputs/model.pt":
+            return pickled(((Hostile(marker),), {}))
+        return data
+
+    rewrite(path, edit)
+    return path
+
+
+WHERE = ["weight", "constant", "sample_inputs"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_hostile_pickle_is_refused(tmp_path, capsys, where):
+    marker = tmp_path / "pwned"
+    path = make_hostile(tmp_path / "m.pt2", where, marker)
+    env = dict(os.environ)
+    with pytest.raises(UsageError, match="--trust-pickle") as caught:
+        load_model(path)
+    assert str(path) in str(caught.value) and "\n" not in str(caught.value)
+    assert not marker.exists()
+    assert dict(os.environ) == env
+    code = cli.main([str(path), "--no-benchmark", "--provider", "cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--trust-pickle" in err and len(err.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_hostile_archive_does_run_code_when_trusted(tmp_path, where):
+    """The fixture is hostile: torch.export.load, and --trust-pickle, do run its pickle."""
+    marker = tmp_path / "pwned"
+    path = make_hostile(tmp_path / "m.pt2", where, marker)
+    with contextlib.suppress(Exception):  # it may choke on what the pickle made, or not
+        torch.export.load(path)
+    assert marker.exists()
+    marker.unlink()
+    with contextlib.suppress(UsageError):
+        load_model(path, trust_pickle=True)
+    assert marker.exists()
+
+
+def test_trusted_clean_archive_loads(tmp_path):
+    path = tiny_program(tmp_path / "m.pt2")
+    for trust in (False, True):
+        loaded = load_model(path, trust_pickle=trust)
+        assert loaded.kind == "exported_program" and list(loaded.example_inputs) == ["x"]
+
+
+def break_json(rel: str, data: bytes) -> bytes:
+    return data[: len(data) // 2] if rel == "models/model.json" else data
+
+
+def unknown_namedtuple(rel: str, data: bytes) -> bytes:
+    if rel != "models/model.json":
+        return data
+    doc = json.loads(data)
+    leaf = {"type": None, "context": None, "children_spec": []}
+    node = {"type": "collections.namedtuple", "context": "nowhere.Point", "children_spec": [leaf]}
+    doc["graph_module"]["module_call_graph"][0]["signature"]["out_spec"] = json.dumps([1, node])
+    return json.dumps(doc).encode()
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [(break_json, "not a torch.export archive"), (unknown_namedtuple, "nowhere.Point")],
+    ids=["truncated-json", "unknown-namedtuple"],
+)
+def test_unloadable_program_is_a_usage_error(tmp_path, edit, says):
+    path = tiny_program(tmp_path / "m.pt2")
+    rewrite(path, edit)
+    result = python("-m", "normexport", str(path), "--no-benchmark", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith(f"normexport: error: {path}") and says in lines[0]
