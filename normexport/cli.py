@@ -51,7 +51,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--trust-pickle",
         action="store_true",
-        help="allow loading a pickled nn.Module (this runs code from the file)",
+        help="allow unpickling code from the file: a pickled nn.Module, or pickled weights or "
+        "constants inside a .pt2 (this runs code from the file)",
     )
     p.add_argument("--model-class", metavar="PKG.MODULE:CLASS", help="class for a state_dict")
     p.add_argument("--model-kwargs", metavar="JSON", help="constructor arguments, JSON object")

@@ -538,14 +538,27 @@ def _raw_onnx(
 
 
 def _eager(loaded: LoadedModel):
-    """A function: list of input arrays -> list of PyTorch output arrays (float32 eager)."""
-    module = loaded.module
+    """A function: list of input arrays -> list of PyTorch output arrays (float32 eager).
+
+    An exported program is called the way it was exported: its example inputs' structure
+    (positional and keyword arguments, non-tensor values such as ``use_cache=False``) with the
+    given arrays in place of its tensors, in order.
+    """
+    module, structure = loaded.module, None
     if isinstance(module, torch.export.ExportedProgram):
+        structure = module.example_inputs
         module = module.module()
 
     def call(arrays: list[np.ndarray]) -> list[np.ndarray]:
+        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        args, kwargs = tensors, {}
+        if structure is not None:
+            given = iter(tensors)
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda x: next(given) if isinstance(x, torch.Tensor) else x, structure
+            )
         with torch.inference_mode():
-            out = module(*[torch.from_numpy(np.ascontiguousarray(a)) for a in arrays])
+            out = module(*args, **kwargs)
         leaves = torch.utils._pytree.tree_leaves(out)
         return [t.detach().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
 

@@ -120,13 +120,20 @@ def test_llama_program_loads_in_a_fresh_process(transformers, tmp_path):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["bert", "llama"])
+@pytest.mark.parametrize("name", ["bert", "llama", "llama_kwargs"])
 def test_transformers_program_through_the_cli(transformers, tmp_path, name):
     ids = torch.randint(0, 100, (1, 9), generator=torch.Generator().manual_seed(3))
-    # LLaMA with use_cache off in its config: no kwargs, so the program is called positionally
-    model = tiny_bert(transformers) if name == "bert" else tiny_llama(transformers, use_cache=False)
+    # LLaMA with use_cache off in its config: no kwargs, so the program is called positionally;
+    # llama_kwargs: exported with kwargs={"use_cache": False}, and called the same way
+    kwargs = {"use_cache": False} if name == "llama_kwargs" else None
+    if name == "bert":
+        model = tiny_bert(transformers)
+    elif kwargs:
+        model = tiny_llama(transformers)
+    else:
+        model = tiny_llama(transformers, use_cache=False)
     path = tmp_path / "model" / f"{name}.pt2"
-    expected = save_program(model, path, ids)
+    expected = save_program(model, path, ids, kwargs)
     out_dir, report = tmp_path / "out", tmp_path / "report" / "r.json"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
