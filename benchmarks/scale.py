@@ -42,7 +42,6 @@ from pathlib import Path
 LLAMA_1B = {
     "hidden_size": 2048,
     "intermediate_size": 5632,
-    "num_hidden_layers": 22,
     "num_attention_heads": 32,
     "num_key_value_heads": 4,
     "vocab_size": 32000,
@@ -54,6 +53,7 @@ LLAMA_SMALL = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
+LAYERS_1B = 22
 SEQ = 16
 
 
@@ -301,11 +301,6 @@ def main(argv: list[str] | None = None) -> int:
     from normexport import report
 
     models = []
-    layer_counts = [int(n) for n in args.layers.split(",") if n]
-    for layers in layer_counts:
-        models.append(measure(f"layers{layers}", LLAMA_SMALL, layers, cli=False))
-    if not args.no_1b:
-        models.append(measure("llama-1b", LLAMA_1B, LLAMA_1B["num_hidden_layers"], cli=True))
     result = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
@@ -313,7 +308,16 @@ def main(argv: list[str] | None = None) -> int:
         "models": models,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(result, args.out / "scale.json")
+
+    def save():  # after each model: a later failure keeps what was measured
+        report.write_json(result, args.out / "scale.json")
+
+    for layers in (int(n) for n in args.layers.split(",") if n):
+        models.append(measure(f"layers{layers}", LLAMA_SMALL, layers, cli=False))
+        save()
+    if not args.no_1b:
+        models.append(measure("llama-1b", LLAMA_1B, LAYERS_1B, cli=True))
+        save()
     write_chart(result, args.out / "scale.png")
     for m in models:
         s = m["stages"]
