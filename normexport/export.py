@@ -24,6 +24,7 @@ import torch
 
 from fusion._ir import const_array
 from fusion.cleanup import cleanup
+from normexport.errors import raise_if_interrupted
 
 
 class ExportError(RuntimeError):
@@ -112,11 +113,13 @@ def export_module(
                     input_names=list(input_names) if input_names else None,
                     dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
                 )
+            raise_if_interrupted()  # torch's own fallbacks may have swallowed a Ctrl-C
             model = program.model
             cleanup(model)
             _drop_malformed_zero_conv_bias(model)
             return Exported(model, "dynamo")
         except Exception as err:  # the exporter raises many types; all mean "try the other"
+            raise_if_interrupted()  # unless it is what a Ctrl-C inside a lazy import became
             errors.append(f"dynamo exporter: {_first_line(err)}")
     if exporter in ("auto", "torchscript") and not is_program:
         try:
@@ -138,6 +141,7 @@ def export_module(
             cleanup(model)
             return Exported(model, "torchscript", errors[0] if errors else None)
         except Exception as err:
+            raise_if_interrupted()
             errors.append(f"TorchScript exporter: {_first_line(err)}")
     raise ExportError("; ".join(errors))
 
