@@ -439,6 +439,7 @@ def test_bad_input(case, shared, tmp_path, monkeypatch, capsys):
     cwd = tmp_path / "cwd"
     shutil.copytree(shared, cwd, ignore=shutil.ignore_patterns("__pycache__", MARKER))
     monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the cwd on it, as -m does
     for name, value in case.env.items():
         monkeypatch.setenv(name, value)
     if case.setup:
