@@ -209,10 +209,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
 
 
 def _provider(requested: str) -> tuple[str, str | None]:
-    try:
-        return runtime.resolve_provider(requested)
-    except runtime.ProviderUnavailable as err:
-        raise UsageError(f"--provider cuda: {err}") from None
+    """``runtime.resolve_provider``; a CUDA request that does not load is a
+    ``ProviderUnavailable`` (a UsageError) that names ``--provider cuda``."""
+    return runtime.resolve_provider(requested)
 
 
 def machine(provider: str) -> dict:

@@ -5,8 +5,10 @@ what it became, and why each one left alone was left alone; ``normexport bench M
 [options]`` compares the latency of the optimizers' variants of one model.
 
 Exit codes: 0 all went well; 1 parity failed (the optimized model is still written and the
-report says where outputs diverge); 2 a usage or input error (one line, no traceback; add
-``--debug`` for it); 3 an internal error (a bug: please report it with the ``--debug`` output).
+report says where outputs diverge); 2 a usage, input-file, output-path or environment error
+(one line, no traceback; add ``--debug`` for it); 130 / 143 stopped by SIGINT / SIGTERM
+(temporary files removed); 3 an internal error (a bug: please report it with the ``--debug``
+output). The kinds and the mapping are in :mod:`normexport.errors`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from normexport.errors import UsageError
+from normexport import errors
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL
 
 
@@ -162,24 +164,21 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
 
 
 def _guarded(command, args: argparse.Namespace) -> int:
-    """Run ``command(args, console)``, turning errors into a message and an exit code."""
+    """Run ``command(args, console)``, turning errors into one line and an exit code
+    (:func:`normexport.errors.exit_status`); SIGINT and SIGTERM stop it through its
+    ``finally`` blocks, so that no temporary file is left."""
     console = Console(highlight=False)
-    try:
-        return command(args, console)
-    except UsageError as err:
-        if args.debug:
-            raise
-        print(f"normexport: error: {err}", file=sys.stderr)
-        return 2
-    except Exception as err:
-        if args.debug:
-            raise
-        print(
-            f"normexport: internal error: {type(err).__name__}: {err}\n"
-            "This is a bug in normexport; re-run with --debug and report the traceback.",
-            file=sys.stderr,
-        )
-        return 3
+    with errors.on_signals():
+        try:
+            code = command(args, console)
+            errors.raise_if_interrupted()  # a signal some library caught: still an interrupt
+            return code
+        except (Exception, KeyboardInterrupt) as err:
+            code, line = errors.exit_status(err)
+            if args.debug:
+                raise
+            print(line, file=sys.stderr)
+            return code
 
 
 if __name__ == "__main__":

@@ -1,4 +1,21 @@
-"""Errors that the command line turns into one clear line and an exit code."""
+"""Errors that the command line turns into one clear line and an exit code: the one place
+where the kinds of user-facing error are named and mapped to exit codes.
+
+- :class:`UsageError` (exit 2) and its kinds: :class:`InputFileError` (the model file, or a
+  file it needs, cannot be used), :class:`OutputPathError` (an output cannot be written
+  there) and :class:`EnvironmentProblem` (this machine lacks something asked for, such as a
+  CUDA provider that loads). The message names the file, node or option and the fix.
+- :class:`Interrupted` (exit 130 for SIGINT, 143 for SIGTERM): the run was stopped by a
+  signal; ``finally`` blocks have run, so no temporary file is left.
+- anything else (exit 3): an exception nobody anticipated, a bug; ``--debug`` shows it.
+"""
+
+from __future__ import annotations
+
+import signal
+
+#: Exit codes (see the README's "Errors and exit codes").
+EXIT_OK, EXIT_PARITY_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
 
 
 class UsageError(Exception):
@@ -6,3 +23,99 @@ class UsageError(Exception):
 
     The message names the file, node or option and says how to fix it.
     """
+
+    kind = "usage"
+
+
+class InputFileError(UsageError):
+    """The model file, or a file it needs (external data, ``--inputs``), cannot be used."""
+
+    kind = "input file"
+
+
+class OutputPathError(UsageError):
+    """An output (``-o``, ``--report``, ``--json``, ``--chart``) cannot be written there."""
+
+    kind = "output path"
+
+
+class EnvironmentProblem(UsageError):
+    """This machine lacks what was asked for (a CUDA provider that loads)."""
+
+    kind = "environment"
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived; raised from the signal handler that :func:`on_signals`
+    installs. A KeyboardInterrupt, so that ``except Exception`` never swallows it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+#: The first signal received while :func:`on_signals` was in force, else None.
+_received: int | None = None
+
+
+def received_signal() -> int | None:
+    """The signal that interrupted this run, if one did."""
+    return _received
+
+
+def raise_if_interrupted() -> None:
+    """Re-raise the interrupt when a signal arrived: for handlers of ``Exception`` that may
+    be looking at what an interrupt turned into (a KeyboardInterrupt inside a lazy import
+    leaves a half-initialized module, and the caller sees an AttributeError)."""
+    if _received is not None:
+        raise Interrupted(_received)
+
+
+def _handler(signum, frame):
+    global _received
+    if _received is None:  # the first one stops the run; later ones let the clean-up finish
+        _received = signum
+        raise Interrupted(signum)
+
+
+class on_signals:  # noqa: N801 (used as a context manager, reads as one)
+    """Within the block, SIGINT and SIGTERM raise :class:`Interrupted` (so ``finally`` blocks
+    run and temporary files are removed); the previous handlers come back afterwards.
+    Only in the main thread (Python delivers signals there)."""
+
+    def __enter__(self):
+        global _received
+        _received = None
+        self._saved = {}
+        try:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self._saved[signum] = signal.signal(signum, _handler)
+        except ValueError:  # not the main thread: leave the handlers as they are
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        global _received
+        for signum, handler in self._saved.items():
+            signal.signal(signum, handler)
+        _received = None  # a library call after the run is not interrupted by this one
+        return False
+
+
+def exit_status(err: BaseException) -> tuple[int, str]:
+    """The exit code for ``err`` and the one line that says it (without a traceback)."""
+    signum = received_signal()
+    if isinstance(err, KeyboardInterrupt) or signum is not None:
+        signum = getattr(err, "signum", None) or signum or signal.SIGINT
+        name = signal.Signals(signum).name
+        return 128 + signum, f"normexport: interrupted ({name}); temporary files removed"
+    if isinstance(err, UsageError):
+        return EXIT_USAGE, f"normexport: error: {err}"
+    return EXIT_BUG, (
+        f"normexport: internal error: {type(err).__name__}: {err}\n"
+        "This is a bug in normexport; re-run with --debug and report the traceback."
+    )

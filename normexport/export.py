@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import re
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -22,8 +23,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import torch
 
-from fusion._ir import const_array
+from fusion._ir import const_array, opset_version
 from fusion.cleanup import cleanup
+from normexport.errors import raise_if_interrupted
+from normexport.load import _quiet_torch as quiet_torch
 
 
 class ExportError(RuntimeError):
@@ -56,6 +59,7 @@ def _quiet():
         warnings.catch_warnings(),
         contextlib.redirect_stdout(io.StringIO()),
         contextlib.redirect_stderr(io.StringIO()),
+        quiet_torch(),  # torch's loggers print tracebacks of the failures we report in one line
     ):
         warnings.simplefilter("ignore")
         try:
@@ -112,11 +116,15 @@ def export_module(
                     input_names=list(input_names) if input_names else None,
                     dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
                 )
+            raise_if_interrupted()  # torch's own fallbacks may have swallowed a Ctrl-C
             model = program.model
+            if opset is not None and opset_version(model) != opset:  # it converts down to 17
+                raise ValueError(f"--opset {opset}: it wrote opset {opset_version(model)}")
             cleanup(model)
             _drop_malformed_zero_conv_bias(model)
             return Exported(model, "dynamo")
         except Exception as err:  # the exporter raises many types; all mean "try the other"
+            raise_if_interrupted()  # unless it is what a Ctrl-C inside a lazy import became
             errors.append(f"dynamo exporter: {_first_line(err)}")
     if exporter in ("auto", "torchscript") and not is_program:
         try:
@@ -138,6 +146,7 @@ def export_module(
             cleanup(model)
             return Exported(model, "torchscript", errors[0] if errors else None)
         except Exception as err:
+            raise_if_interrupted()
             errors.append(f"TorchScript exporter: {_first_line(err)}")
     raise ExportError("; ".join(errors))
 
@@ -159,5 +168,10 @@ def _drop_malformed_zero_conv_bias(model: ir.Model) -> None:
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
+    """The first line of the error at the root of ``err``'s causes: torch.onnx wraps the
+    reason ("No ONNX function found for aten.linalg_eig") in a "Failed to export ... step 1/3"
+    error whose own first line says nothing about the model."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
     return f"{type(err).__name__}: {text[0] if text else ''}"

@@ -18,7 +18,7 @@ from pathlib import Path
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from normexport.errors import UsageError
+from normexport.errors import OutputPathError
 
 #: Above this many bytes of tensors a model is written with external data even when its input
 #: had none: protobuf cannot serialize a message over 2 GiB, and the graph, its Constant nodes
@@ -50,14 +50,62 @@ def _writable_folder(path: Path) -> Path:
     """``path``'s folder, created if needed.
 
     Raises:
-        UsageError: it cannot be made or is not a folder.
+        OutputPathError: it cannot be made or is not a folder.
     """
     folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise UsageError(f"cannot create the folder for {path}: {err.strerror}") from None
+        raise OutputPathError(f"cannot create the folder for {path}: {err.strerror}") from None
     return folder
+
+
+def _short(name: str, keep: int = 40) -> str:
+    return name if len(name) <= keep + 3 else f"{name[:keep]}..."
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse, before any work is done, an output path that cannot be written: a folder, a
+    name longer than the file system allows, a folder that is a file or cannot be written
+    (tried by creating and removing a hidden file in it).
+
+    Args:
+        path: the file to be written.
+        flag: the option that names it (``-o``, ``--report``), for the message.
+
+    Raises:
+        OutputPathError: naming ``flag``, the path and the fix.
+    """
+    path = Path(path)
+    ancestor = path.parent
+    while not os.path.exists(ancestor) and ancestor != ancestor.parent:  # False on any OSError
+        ancestor = ancestor.parent
+    try:
+        limit = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        limit = 255
+    for name in path.relative_to(ancestor).parts:  # the names still to be made
+        if len(name.encode()) > limit:
+            what = "file name" if name == path.name else f"folder name {_short(name)!r}"
+            raise OutputPathError(
+                f"{flag} {_short(str(path))}: the {what} is {len(name.encode())} bytes, and "
+                f"this file system allows {limit}: choose a shorter name with {flag}"
+            )
+    if os.path.isdir(path):
+        raise OutputPathError(
+            f"{flag} {path} is a folder: give a file name, e.g. {path / 'model.opt.onnx'}"
+        )
+    if not ancestor.is_dir():
+        raise OutputPathError(f"{flag} {path}: {ancestor} is a file, not a folder")
+    try:  # a real write: permissions, read-only mounts, and root on /sys all tell the truth
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".normexport-probe-")
+    except OSError as err:
+        raise OutputPathError(
+            f"{flag} {path}: cannot write in the folder {ancestor} ({err.strerror}): choose a "
+            "folder you can write to"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 @contextlib.contextmanager
@@ -67,14 +115,14 @@ def atomic_path(path: Path) -> Iterator[Path]:
     temporary file is removed and ``path`` is untouched. Creates the folder if needed.
 
     Raises:
-        UsageError: the folder cannot be created or written to.
+        OutputPathError: the folder cannot be created or written to.
     """
     path = Path(path)
     folder = _writable_folder(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=_temp_prefix(path), suffix=".tmp")
     except OSError as err:
-        raise UsageError(f"cannot write {path}: {err.strerror}") from None
+        raise OutputPathError(f"cannot write {path}: {err.strerror}") from None
     os.close(fd)
     try:
         yield Path(tmp)
@@ -93,13 +141,13 @@ def work_folder(near: Path) -> Iterator[Path]:
     published) live here rather than in the system temp folder, which may be small or in RAM.
 
     Raises:
-        UsageError: the folder cannot be created.
+        OutputPathError: the folder cannot be created.
     """
     folder = _writable_folder(Path(near))
     try:
         work = Path(tempfile.mkdtemp(dir=folder, prefix=_temp_prefix(Path(near)), suffix=".work"))
     except OSError as err:
-        raise UsageError(f"cannot write in {folder}: {err.strerror}") from None
+        raise OutputPathError(f"cannot write in {folder}: {err.strerror}") from None
     try:
         yield work
     finally:

@@ -7,6 +7,8 @@ dtype name (float32 by default), e.g. ``input_ids=2x16:int64``.
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import re
 
 import numpy as np
@@ -44,9 +46,12 @@ def parse_input_shape(text: str) -> InputSpec:
     try:
         dtype = np.dtype(match["dtype"] or "float32")
     except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biuf":
         raise UsageError(
-            f"--input-shape {text!r}: unknown dtype {match['dtype']!r} (use e.g. float32, int64)"
-        ) from None
+            f"--input-shape {text!r}: {match['dtype']!r} is not a tensor dtype; use a number "
+            "type such as float32, float16, int64, int32 or bool"
+        )
     return InputSpec(match["name"], dims, dtype)
 
 
@@ -62,6 +67,114 @@ def random_array(spec: InputSpec, rng: np.random.Generator) -> np.ndarray:
     if spec.dtype == np.bool_ or (spec.name and "mask" in spec.name.lower()):
         return np.ones(spec.shape, dtype=spec.dtype)
     return rng.integers(0, 100, size=spec.shape).astype(spec.dtype)
+
+
+#: How many input sets parity holds in memory at once: the example, random ones, the probes.
+N_INPUT_SETS = 1 + 3 + 4
+
+
+def _size(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if nbytes < 1024 or unit == "PiB":
+            return f"{nbytes:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        nbytes /= 1024
+    raise AssertionError
+
+
+def memory_bytes() -> int | None:
+    """This machine's physical memory, or None where it cannot be told."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_size(specs: list[InputSpec], names: list[str], memory: int | None = None) -> None:
+    """Refuse, before anything is allocated, example inputs that cannot fit in memory:
+    parity holds :data:`N_INPUT_SETS` sets of them at once.
+
+    Raises:
+        UsageError: naming the largest input, its size, the total and the memory there is.
+    """
+    memory = memory_bytes() if memory is None else memory
+    if memory is None:
+        return
+    sizes = [math.prod(s.shape) * s.dtype.itemsize for s in specs]
+    total = sum(sizes) * N_INPUT_SETS
+    if total <= memory:
+        return
+    i = max(range(len(specs)), key=sizes.__getitem__)
+    shape = "x".join(map(str, specs[i].shape))
+    raise UsageError(
+        f"--input-shape: input {names[i]!r} of shape {shape} ({specs[i].dtype}) takes "
+        f"{_size(sizes[i])}, and parity holds {N_INPUT_SETS} sets of inputs ({_size(total)}); "
+        f"this machine has {_size(memory)} of memory: give a smaller shape"
+    )
+
+
+def conform(
+    arrays: dict[str, np.ndarray], expected: dict[str, np.dtype], source: str
+) -> dict[str, np.ndarray]:
+    """Cast each array to the dtype its input expects where that changes no value.
+
+    Args:
+        arrays: ``--inputs`` arrays by name.
+        expected: input name -> the dtype the model takes (inputs left out are not checked).
+        source: the option and file, for the message.
+
+    Raises:
+        UsageError: an array's values do not survive the cast: names the input and dtypes.
+    """
+    out = dict(arrays)
+    for name, dtype in expected.items():
+        a = arrays.get(name)
+        if a is None or a.dtype == dtype or dtype.kind not in "biuf":
+            continue
+        cast = a.astype(dtype)
+        with np.errstate(all="ignore"):
+            exact = np.array_equal(cast.astype(a.dtype), a, equal_nan=a.dtype.kind in "fc")
+        if not exact:
+            raise UsageError(
+                f"{source}: input {name!r} is {a.dtype} but the model takes {dtype}, and its "
+                f"values change when cast: save it as {dtype} (e.g. a.astype(np.{dtype}))"
+            )
+        out[name] = cast
+    return out
+
+
+def declared_dtypes(model, arrays: dict[str, np.ndarray]) -> dict[str, np.dtype]:
+    """The dtype each of ``arrays`` should have: for an ONNX model (onnx_ir) its graph
+    inputs' (by name, else by position); for a PyTorch model, its parameters' float dtype for
+    the float arrays (when the model has one)."""
+    if isinstance(model, ir.Model):
+        inputs = [v for v in model.graph.inputs if not v.is_initializer()]
+        names = [v.name for v in inputs]
+        if not set(names) <= set(arrays) and len(names) == len(arrays):
+            names = list(arrays)
+        return {
+            name: v.dtype.numpy()
+            for name, v in zip(names, inputs, strict=False)
+            if v.dtype is not None and _has_numpy(v.dtype)
+        }
+    try:
+        import torch
+
+        params = [p for p in model.parameters() if p.is_floating_point()]
+        floats = {p.dtype for p in params}
+        dtype = np.dtype(torch.empty(0, dtype=floats.pop()).numpy().dtype)
+    except Exception:  # no parameters, several float dtypes, or one numpy lacks (bfloat16)
+        return {}
+    if floats:
+        return {}
+    return {k: dtype for k, a in arrays.items() if a.dtype.kind == "f"}
+
+
+def _has_numpy(dtype: ir.DataType) -> bool:
+    try:
+        dtype.numpy()
+    except TypeError:
+        return False
+    return True
 
 
 def specs_from_arrays(arrays: dict[str, np.ndarray]) -> list[InputSpec]:
@@ -95,7 +208,12 @@ def onnx_input_specs(model: ir.Model, given: list[InputSpec], path: str) -> list
         if spec is not None:
             specs.append(InputSpec(value.name, spec.shape, dtype))
             continue
-        dims = list(value.shape) if value.shape is not None else []
+        if value.shape is None:
+            raise UsageError(
+                f"{path}: input {value.name!r} has no shape in the file; give it, e.g. "
+                f"--input-shape {value.name}=1,3,224,224"
+            )
+        dims = list(value.shape)
         shape = []
         for axis, dim in enumerate(dims):
             if isinstance(dim, int):

@@ -24,6 +24,7 @@ import logging
 import os
 import pickle
 import re
+import sys
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -36,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.pt2_archive import constants as _pt2
 
-from normexport.errors import UsageError
+from normexport.errors import InputFileError, UsageError
 
 
 @dataclasses.dataclass
@@ -51,6 +52,8 @@ class LoadedModel:
         onnx_model: the ONNX model for kind ``onnx``, else None.
         example_inputs: inputs that travel with the file (an exported program's), name ->
             array, or None.
+        notes: what the user should know about how it was loaded (for the report), e.g. that
+            a model saved in training mode was put in eval mode.
     """
 
     path: Path
@@ -58,6 +61,7 @@ class LoadedModel:
     module: torch.nn.Module | torch.export.ExportedProgram | None = None
     onnx_model: ir.Model | None = None
     example_inputs: dict[str, np.ndarray] | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def detect_kind(path: Path) -> str:
@@ -66,8 +70,14 @@ def detect_kind(path: Path) -> str:
     Raises:
         UsageError: the file is missing, or is none of the known kinds.
     """
+    if path.is_dir():
+        raise InputFileError(f"{path} is a folder, not a model file: give the model file in it")
+    if not path.exists():
+        raise InputFileError(f"{path}: no such file")
     if not path.is_file():
-        raise UsageError(f"{path}: no such file")
+        raise InputFileError(f"{path} is not a regular file (a device, a pipe?): give a model file")
+    if path.stat().st_size == 0:
+        raise InputFileError(f"{path} is empty (0 bytes): was it written completely?")
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()
@@ -77,7 +87,7 @@ def detect_kind(path: Path) -> str:
             return "torchscript"
         if any(n.endswith("data.pkl") for n in names):
             return "torch_save"
-        raise UsageError(f"{path}: a zip archive that is not a PyTorch or ONNX model file")
+        raise InputFileError(f"{path}: a zip archive that is not a PyTorch or ONNX model file")
     with path.open("rb") as f:
         head = f.read(2)
     if head[:1] == b"\x80":  # a pickle protocol marker: legacy (non-zip) torch.save
@@ -88,7 +98,12 @@ def detect_kind(path: Path) -> str:
         proto = None
     if proto is not None and proto.graph.node:
         return "onnx"
-    raise UsageError(
+    if proto is not None and proto.HasField("graph") and proto.opset_import:
+        raise InputFileError(
+            f"{path}: an ONNX model with no nodes (graph {proto.graph.name!r} computes "
+            "nothing): nothing to optimize; export the model again"
+        )
+    raise InputFileError(
         f"{path}: not a model file normexport can read (expected a torch.save'd nn.Module or "
         "state_dict, a TorchScript archive, a torch.export .pt2 program, or an .onnx model)"
     )
@@ -117,7 +132,13 @@ def load_model(
     path = Path(path)
     kind = detect_kind(path)
     if kind == "onnx":
-        return LoadedModel(path, kind, onnx_model=ir.load(path))
+        try:
+            model = ir.load(path)
+        except Exception as err:  # onnx_ir's and protobuf's error types
+            raise InputFileError(
+                f"{path}: cannot read this ONNX model ({_one_line(err)})"
+            ) from None
+        return LoadedModel(path, kind, onnx_model=model)
     if kind == "exported_program":
         program = load_program(path, trust_pickle=trust_pickle)
         example = None
@@ -126,28 +147,85 @@ def load_model(
             example = _named_arrays(program, args, kwargs)
         return LoadedModel(path, kind, module=program, example_inputs=example)
     if kind == "torchscript":
-        return LoadedModel(path, kind, module=torch.jit.load(path, map_location="cpu").eval())
+        try:
+            module = torch.jit.load(path, map_location="cpu")
+        except Exception as err:  # torch's own error types for a damaged archive
+            raise InputFileError(
+                f"{path}: a TorchScript archive torch cannot load ({_one_line(err)})"
+            ) from None
+        notes = _eval_note(module, path)
+        return LoadedModel(path, kind, module=module.eval(), notes=notes)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         if not trust_pickle:
-            raise UsageError(
+            raise InputFileError(
                 f"{path} is a pickled Python object (torch.save of a whole model): loading it "
                 "runs code from the file. If you trust its source, add --trust-pickle; or save "
                 "its state_dict and pass --model-class package.module:Class"
             ) from None
-        obj = torch.load(path, map_location="cpu", weights_only=False)
+        obj = _load_trusted(path)
         if not isinstance(obj, torch.nn.Module):
-            raise UsageError(
+            raise InputFileError(
                 f"{path} holds a {type(obj).__name__}, not an nn.Module or a state_dict"
             ) from None
-        return LoadedModel(path, "pickled_module", module=obj.eval())
+        notes = _eval_note(obj, path)
+        return LoadedModel(path, "pickled_module", module=obj.eval(), notes=notes)
+    except Exception as err:  # a damaged file: EOFError, RuntimeError from the zip reader
+        raise InputFileError(
+            f"{path}: torch.load cannot read it ({_one_line(err)}); is the file complete?"
+        ) from None
     state_dict = _state_dict(obj)
     if state_dict is None:
         raise UsageError(f"{path} holds a {type(obj).__name__}, not an nn.Module or state_dict")
     return LoadedModel(
         path, "state_dict", module=_build(path, state_dict, model_class, model_kwargs)
     )
+
+
+def _load_trusted(path: Path) -> object:
+    """``torch.load(path, weights_only=False)`` (the user passed --trust-pickle), with modules
+    importable from the current folder as under ``python -m normexport``.
+
+    Raises:
+        InputFileError: the pickle is damaged, or names a class that cannot be found.
+    """
+    _import_from_cwd()
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (AttributeError, ImportError) as err:
+        where = (
+            "its script's __main__ module, which only exists while that script runs"
+            if "__main__" in str(err)
+            else "a module that cannot be imported here"
+        )
+        raise InputFileError(
+            f"{path}: the pickled model's class is in {where} ({_one_line(err)}); move the "
+            "class into a module on the Python path (or the current folder) and save it again, "
+            "or save its state_dict and pass --model-class package.module:Class"
+        ) from None
+    except Exception as err:  # EOFError, UnpicklingError, RuntimeError: a damaged file
+        raise InputFileError(
+            f"{path}: cannot unpickle it ({_one_line(err)}); is the file complete?"
+        ) from None
+
+
+def _eval_note(module: torch.nn.Module, path: Path) -> list[str]:
+    """A note for the report when ``module`` (or a submodule) was saved in training mode."""
+    if not any(m.training for m in module.modules()):
+        return []
+    return [
+        f"{path} was saved in training mode; it was exported in eval mode (BatchNorm with its "
+        "running statistics, no dropout), which is what inference runs"
+    ]
+
+
+def _import_from_cwd() -> None:
+    """Put the current folder on ``sys.path`` as ``python -m normexport`` does, so that the
+    ``normexport`` script finds the user's modules (``--model-class mymod:Net``) too."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def _state_dict(obj: object) -> Mapping[str, torch.Tensor] | None:
@@ -177,6 +255,7 @@ def _build(
     module_name, _, class_name = model_class.partition(":")
     if not module_name or not class_name:
         raise UsageError(f"--model-class {model_class!r}: expected package.module:Class")
+    _import_from_cwd()
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import fusion
 from fusion._ir import opset_version
 from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
-from normexport.errors import UsageError
+from normexport.errors import InputFileError, UsageError
 from normexport.export import ExportError, export_module
 from normexport.latency import time_interleaved
 from normexport.load import LoadedModel, load_model
@@ -95,10 +96,13 @@ def run(opts: Options) -> dict:
     writes = {"-o": [output, files.data_path(output)]}
     if opts.report is not None:
         writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
+    for flag, paths in writes.items():
+        for path in paths:
+            files.check_writable(path, flag)
     refuse_overwriting([model_path], writes)  # before the export, which can take minutes
+    provider, provider_note = runtime.resolve_provider(opts.provider)
     loaded, example, raw, exporter = prepare(opts)
     refuse_overwriting(input_files(loaded), writes)
-    provider, provider_note = runtime.resolve_provider(opts.provider)
     ops_before = fusion.norm_ops(raw)
     already = explain.already_fused(raw)
     external = files.wants_external_data(raw)
@@ -151,6 +155,7 @@ def run(opts: Options) -> dict:
         "parity": parity,
         "provider": runtime.PROVIDERS[provider][0],
         "provider_note": provider_note,
+        "notes": loaded.notes,
         "latency_ms": latency,
         "autotune": tuned.to_dict() if tuned else None,
         "versions": {
@@ -418,6 +423,7 @@ def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model
     """
     if opts.target not in fusion.TARGETS:
         raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(fusion.TARGETS)}")
+    check_options(opts)
     loaded = load_model(
         opts.model,
         trust_pickle=opts.trust_pickle,
@@ -429,6 +435,24 @@ def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model
     example = _example_inputs(loaded, opts)
     raw, exporter = _raw_onnx(loaded, example, opts)
     return loaded, example, raw, exporter
+
+
+def check_options(opts: Options) -> None:
+    """Refuse option values that cannot mean anything, before any work is done.
+
+    Raises:
+        UsageError: naming the option and its valid range.
+    """
+    for flag, value in (("--atol", opts.atol), ("--rtol", opts.rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
+    if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
+        raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")
+    # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load
+    if opts.opset is not None and not 7 <= opts.opset <= runtime.max_opset():
+        raise UsageError(
+            f"--opset {opts.opset}: give an ai.onnx opset from 7 to {runtime.max_opset()}"
+        )
 
 
 def _require_external_data(loaded: LoadedModel) -> None:
@@ -461,9 +485,12 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
     if opts.inputs is not None:
         try:
             with np.load(opts.inputs) as data:
-                return {k: data[k] for k in data.files}
+                arrays = {k: data[k] for k in data.files}
         except (OSError, ValueError) as err:
             raise UsageError(f"--inputs {opts.inputs}: cannot read it as .npz ({err})") from None
+        model = loaded.onnx_model if loaded.kind == "onnx" else loaded.module
+        expected = inputs_mod.declared_dtypes(model, arrays)
+        return inputs_mod.conform(arrays, expected, f"--inputs {opts.inputs}")
     rng = np.random.default_rng(0)
     if loaded.kind == "onnx":
         specs = inputs_mod.onnx_input_specs(loaded.onnx_model, specs, str(loaded.path))
@@ -476,6 +503,7 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
             "--input-shape input_ids=2x16:int64 (or --inputs FILE.npz)"
         )
     names = [s.name or (f"input_{i}" if len(specs) > 1 else "input") for i, s in enumerate(specs)]
+    inputs_mod.check_size(specs, names)
     return {
         name: inputs_mod.random_array(dataclasses.replace(s, name=name), rng)
         for name, s in zip(names, specs, strict=True)
@@ -534,7 +562,28 @@ def _raw_onnx(
         )
     except ExportError as err:
         raise UsageError(f"{loaded.path}: could not export to ONNX: {err}") from None
+    _check_export(exported, loaded, opts)
     return exported.model, exported.exporter
+
+
+def _check_export(exported, loaded: LoadedModel, opts: Options) -> None:
+    """Refuse an export that cannot be what the user asked for: a graph with no outputs
+    (``forward`` returned no tensor), or an opset other than ``--opset``.
+
+    Raises:
+        UsageError: naming the file or the option.
+    """
+    if not exported.model.graph.outputs:
+        raise InputFileError(
+            f"{loaded.path}: the model's forward() returns no tensor, so its ONNX graph has no "
+            "outputs: return the tensor(s) the model computes"
+        )
+    got = opset_version(exported.model)
+    if opts.opset is not None and got != opts.opset:
+        raise UsageError(
+            f"--opset {opts.opset}: the {exported.exporter} exporter cannot export at that "
+            f"opset (it wrote opset {got}); choose another --opset, or another --exporter"
+        )
 
 
 def _eager(loaded: LoadedModel):

@@ -37,6 +37,8 @@ def render(report: dict, console: Console) -> None:
     if report["external_data"]:
         console.print(f"external data: {report['files_written'][1]} (the output's own)")
     _render_checker(report["checker"], console)
+    for note in report.get("notes", []):
+        console.print(f"[yellow]note[/]: {note}")
     fusions = report["fusions"]
     for note in fusions.get("notes", []):
         console.print(f"[yellow]note[/]: {note}")

@@ -9,6 +9,7 @@ if CUDA did not load, rather than ever calling a CPU number a CUDA number.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,6 +20,8 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
+from normexport.errors import EnvironmentProblem
+
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
@@ -26,8 +29,9 @@ CUDA = "CUDAExecutionProvider"
 PROVIDERS = {"cpu": [CPU], "cuda": [CUDA, CPU]}
 
 
-class ProviderUnavailable(RuntimeError):
-    """The requested execution provider could not be loaded by ONNX Runtime."""
+class ProviderUnavailable(EnvironmentProblem):
+    """The requested execution provider could not be loaded by ONNX Runtime (exit 2: the
+    machine lacks it, not a bug)."""
 
 
 @contextlib.contextmanager
@@ -148,21 +152,34 @@ def resolve_provider(requested: str) -> tuple[str, str | None]:
     ort.set_default_logger_severity(4)  # the failed CUDA load is reported by us, once
     try:
         make_session(probe, "cuda")
-    except ProviderUnavailable:
+    except ProviderUnavailable as err:
         if requested == "cuda":
-            raise
+            raise ProviderUnavailable(f"--provider cuda: {err}") from None
         return "cpu", "CUDA was not available (the CUDA provider did not load): ran on CPU"
     finally:
         ort.set_default_logger_severity(3)
     return "cuda", None
 
 
-def _probe_model() -> onnx.ModelProto:
+@functools.cache
+def max_opset() -> int:
+    """The highest ai.onnx opset that both onnx and this ONNX Runtime load (a one-node model
+    tried from onnx's newest opset down)."""
+    for opset in range(onnx.defs.onnx_opset_version(), 6, -1):
+        try:
+            make_session(_probe_model(opset), "cpu")
+        except Exception:  # ORT's own error types: "opset N is not supported"
+            continue
+        return opset
+    return 7
+
+
+def _probe_model(opset: int = 17) -> onnx.ModelProto:
     x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
     y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
     graph = onnx.helper.make_graph([onnx.helper.make_node("Relu", ["x"], ["y"])], "probe", [x], [y])
     return onnx.helper.make_model(
-        graph, opset_imports=[onnx.helper.make_opsetid("", 17)], ir_version=8
+        graph, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=8
     )
 
 
