@@ -109,7 +109,9 @@ def run(opts: Options) -> dict:
     already = explain.already_fused(raw)
     external = files.wants_external_data(raw)
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
-    sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
+    sets = inputs_mod.input_sets(
+        _by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
+    )
     with files.work_folder(output) as work:
         if loaded.kind == "onnx":
             raw_path = model_path

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from normexport.inputs import input_sets, parse_input_shape
+from normexport.inputs import id_ranges, input_sets, parse_input_shape
 from normexport.parity import check_parity, compare
 
 
@@ -50,9 +50,25 @@ def test_check_parity_reports_failing_probe():
     assert {p for p, _ in result.failures()} == {"example", "constant", "zeros"}
 
 
-def test_integer_inputs_get_no_probes():
-    sets = input_sets({"ids": np.arange(6).reshape(1, 6)})
-    assert list(sets) == ["example"]
+def test_integer_inputs_get_random_sets_and_no_probes():
+    example = {"ids": np.arange(6).reshape(1, 6), "attention_mask": np.ones((1, 6), np.int64)}
+    sets = input_sets(example, id_ranges={"ids": 1000})
+    assert list(sets) == ["example", "random_0", "random_1", "random_2"]
+    ids = np.stack([sets[f"random_{i}"]["ids"] for i in range(3)])
+    assert ids.min() >= 0 and ids.max() < 1000 and ids.max() > 5  # the vocabulary, not the example
+    assert np.all(sets["random_0"]["attention_mask"] == 1)
+    assert sets["random_1"]["attention_mask"].tolist() == [[1, 1, 1, 0, 0, 0]]
+
+
+def test_id_range_is_read_from_the_embedding():
+    import onnx_ir as ir
+
+    ids = ir.Value(name="ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1, 4]))
+    table = ir.Value(name="emb", const_value=ir.tensor(np.zeros((37, 8), np.float32)))
+    cast = ir.node("Cast", [ids], attributes={"to": ir.DataType.INT32})
+    gather = ir.node("Gather", [table, cast.outputs[0]])
+    graph = ir.Graph([ids], gather.outputs, nodes=[cast, gather], initializers=[table])
+    assert id_ranges(ir.Model(graph, ir_version=10)) == {"ids": 37}
 
 
 @pytest.mark.parametrize(

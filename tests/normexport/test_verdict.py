@@ -241,3 +241,34 @@ def test_batchnorm_transformer_at_1e3_is_not_a_false_alarm(tmp_path):
     assert parity["passed"], parity["failures"]
     errors = _three_errors(parity, "huge_1e3")
     assert all(v is not None for v in errors.values()), errors
+
+
+class TokenModel(nn.Module):
+    """Token ids and an attention mask: an embedding, a hand-written LayerNorm, a masked mean."""
+
+    def __init__(self, vocab: int = 128, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.w, self.b = nn.Parameter(torch.rand(d) + 0.5), nn.Parameter(torch.randn(d))
+
+    def forward(self, input_ids, attention_mask):
+        x = self.emb(input_ids)
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        x = (x - mean) / torch.sqrt(var + 1e-5) * self.w + self.b
+        m = attention_mask.unsqueeze(-1).to(x.dtype)
+        return (x * m).sum(1) / m.sum(1)
+
+
+def test_token_id_model_gets_random_sets(tmp_path):
+    path = tmp_path / "m.pt"
+    torch.save(_randomize(TokenModel()), path)
+    opts = pipeline.Options(
+        model=path,
+        trust_pickle=True,
+        input_shape=["input_ids=2x6:int64", "attention_mask=2x6:int64"],
+        benchmark=False,
+    )
+    parity = pipeline.run(opts)["parity"]
+    assert parity["passed"], parity["failures"]
+    assert parity["probes"] == ["example", "random_0", "random_1", "random_2"]
