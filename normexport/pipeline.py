@@ -21,7 +21,7 @@ from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport.errors import InputFileError, UsageError
 from normexport.export import ExportError, export_module
-from normexport.latency import time_interleaved
+from normexport.latency import BUSY_SPREAD, time_interleaved
 from normexport.load import LoadedModel, load_model
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, check_parity
 
@@ -161,6 +161,7 @@ def run(opts: Options) -> dict:
         "provider_note": provider_note,
         "notes": loaded.notes,
         "latency_ms": latency,
+        "latency_conditions": latency_conditions(latency),
         "autotune": tuned.to_dict() if tuned else None,
         "versions": {
             "torch": torch.__version__,
@@ -421,13 +422,25 @@ def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
     return oracle, "pytorch_float64", []
 
 
+def latency_threads() -> int:
+    """The thread count PyTorch and ONNX Runtime both get when timed: the cores this process
+    may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _latency(loaded, feeds, feed_names, raw_path, output, provider, disabled, opts) -> dict:
     """PyTorch eager (where there is a module), the raw export and the optimized model, timed
-    interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms."""
+    interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms. PyTorch and ONNX
+    Runtime get the same number of threads (:func:`latency_threads`): each with its default
+    beside the other's pool oversubscribes the cores and times the contention."""
+    threads = latency_threads()
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
-    raw_session = runtime.make_session(raw_path, provider, spinning=False)
+    raw_session = runtime.make_session(raw_path, provider, spinning=False, threads=threads)
     opt_session = runtime.make_session(
-        output, provider, spinning=False, disabled_optimizers=disabled
+        output, provider, spinning=False, disabled_optimizers=disabled, threads=threads
     )
     timed = {
         "ort_raw": lambda: runtime.run(raw_session, feeds),
@@ -436,7 +449,23 @@ def _latency(loaded, feeds, feed_names, raw_path, output, provider, disabled, op
     if loaded.module is not None:
         eager = _eager(loaded)
         timed = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | timed
-    return {k: v.to_dict() for k, v in time_interleaved(timed, budget_s=opts.budget_s).items()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timings = time_interleaved(timed, budget_s=opts.budget_s)
+    finally:
+        torch.set_num_threads(before)
+    return {k: v.to_dict() for k, v in timings.items()}
+
+
+def latency_conditions(latency: dict | None) -> dict | None:
+    """The thread counts used for timing, and the variants whose spread (p90 over median
+    beyond :data:`BUSY_SPREAD`) says the machine was busy while they ran."""
+    if not latency:
+        return None
+    threads = latency_threads()
+    busy = [k for k, t in latency.items() if t["p90_ms"] > BUSY_SPREAD * t["median_ms"]]
+    return {"pytorch_threads": threads, "onnxruntime_threads": threads, "busy": busy}
 
 
 def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model, str]:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fusion import FUSION_KINDS
 from normexport.files import atomic_path, save_figure
+from normexport.latency import BUSY_SPREAD
 
 
 def _render_checker(checker: dict, console: Console) -> None:
@@ -160,6 +161,17 @@ def render(report: dict, console: Console) -> None:
                 f"{t['median_ms'] / opt:.2f}x",
             )
         console.print(table)
+        cond = report.get("latency_conditions")
+        if cond:
+            console.print(
+                f"threads: PyTorch {cond['pytorch_threads']}, ONNX Runtime "
+                f"{cond['onnxruntime_threads']} (intra-op; inter-op 1)"
+            )
+            if cond["busy"]:
+                console.print(
+                    f"[yellow]the machine was busy[/]: p90 over {BUSY_SPREAD:g}x the median for "
+                    f"{', '.join(cond['busy'])}; compare these numbers with care, or re-run"
+                )
     tuned = report.get("autotune")
     if tuned:
         line = f"autotune on {tuned['provider']}: kept [bold]{tuned['best']}[/]"
