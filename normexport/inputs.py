@@ -240,32 +240,90 @@ PROBES = {
 }
 
 
+#: Ops that carry an input's values to a Gather unchanged (for :func:`id_ranges`).
+_PASS_THROUGH = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Identity", "Expand"}
+
+
+def id_ranges(model: ir.Model) -> dict[str, int]:
+    """Graph input name -> how many rows the embedding table it indexes has: for each Gather
+    whose data is an initializer and whose indices come from a graph input (through casts and
+    reshapes), the table's size on the gathered axis (the smallest, where several)."""
+    inputs = {v for v in model.graph.inputs if not v.is_initializer()}
+    found: dict[str, int] = {}
+    for node in model.graph.all_nodes() if hasattr(model.graph, "all_nodes") else model.graph:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+            continue
+        data, value = node.inputs[0], node.inputs[1]
+        if data is None or data.const_value is None or value is None:
+            continue
+        while value not in inputs and value.producer() is not None:
+            producer = value.producer()
+            if producer.op_type not in _PASS_THROUGH or not producer.inputs:
+                break
+            value = producer.inputs[0]
+        if value in inputs:
+            axis = node.attributes.get_int("axis", 0)
+            rows = data.const_value.shape[axis]
+            found[value.name] = min(found.get(value.name, rows), rows)
+    return found
+
+
+def _is_mask(name: str, a: np.ndarray) -> bool:
+    return a.dtype == np.bool_ or "mask" in name.lower()
+
+
+def _random_integers(
+    name: str, a: np.ndarray, i: int, rng: np.random.Generator, ranges: dict[str, int]
+) -> np.ndarray:
+    """Random set ``i``'s value of integer input ``name`` (example ``a``): a mask is all ones in
+    even sets and ones then trailing zeros along its last axis in odd sets (at least one one);
+    ids are drawn in [0, rows of the embedding it indexes), else in [0, max(example) + 1)."""
+    if _is_mask(name, a):
+        mask = np.ones(a.shape, dtype=a.dtype)
+        if i % 2 == 1 and a.ndim and a.shape[-1] > 1:
+            mask[..., (a.shape[-1] + 1) // 2 :] = 0
+        return mask
+    high = ranges.get(name) or (int(a.max()) + 1 if a.size else 1)
+    return rng.integers(0, max(high, 1), size=a.shape).astype(a.dtype)
+
+
 def input_sets(
-    example: dict[str, np.ndarray], n_random: int = 3, seed: int = 0
+    example: dict[str, np.ndarray],
+    n_random: int = 3,
+    seed: int = 0,
+    id_ranges: dict[str, int] | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """The named input sets that parity runs: the example, random ones, then the probes.
 
-    Random sets redraw float inputs and keep integer inputs (token ids, masks) from the
-    example. Probes apply to float inputs only; a model with no float input gets none.
+    Random sets redraw every input: floats standard normal, integer inputs as token ids in a
+    valid range (see :func:`id_ranges`) and masks of ones or with trailing zeros. Probes
+    change float inputs only (integer inputs as in the example); a model with no float input
+    gets none.
 
     Args:
         example: input name -> array; the first set, as given.
         n_random: how many random sets to add.
         seed: seed of the random generator.
+        id_ranges: integer input name -> number of valid ids (embedding rows).
 
     Returns:
         ``{set_name: {input_name: array}}``, insertion-ordered.
     """
     rng = np.random.default_rng(seed)
+    ranges = id_ranges or {}
     floats = [k for k, a in example.items() if np.issubdtype(a.dtype, np.floating)]
     sets = {"example": dict(example)}
-    if not floats:
-        return sets
     for i in range(n_random):
         sets[f"random_{i}"] = {
-            k: (rng.standard_normal(a.shape).astype(a.dtype) if k in floats else a)
+            k: (
+                rng.standard_normal(a.shape).astype(a.dtype)
+                if k in floats
+                else _random_integers(k, a, i, rng, ranges)
+            )
             for k, a in example.items()
         }
+    if not floats:
+        return sets
     for probe, make in PROBES.items():
         sets[probe] = {k: (make(a, rng) if k in floats else a) for k, a in example.items()}
     return sets

@@ -24,6 +24,8 @@ import numpy as np
 BOOTSTRAP_RESAMPLES = 2000
 #: Two-sided confidence level of the intervals.
 CONFIDENCE = 0.95
+#: A timed variant whose p90 is more than this many times its median ran on a busy machine.
+BUSY_SPREAD = 1.5
 
 
 @dataclasses.dataclass

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +21,7 @@ from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport.errors import InputFileError, UsageError
 from normexport.export import ExportError, export_module
-from normexport.latency import time_interleaved
+from normexport.latency import BUSY_SPREAD, time_interleaved
 from normexport.load import LoadedModel, load_model
 from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, check_parity
 
@@ -107,7 +109,9 @@ def run(opts: Options) -> dict:
     already = explain.already_fused(raw)
     external = files.wants_external_data(raw)
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
-    sets = inputs_mod.input_sets(_by_feed_name(example, feed_names))
+    sets = inputs_mod.input_sets(
+        _by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
+    )
     with files.work_folder(output) as work:
         if loaded.kind == "onnx":
             raw_path = model_path
@@ -157,6 +161,7 @@ def run(opts: Options) -> dict:
         "provider_note": provider_note,
         "notes": loaded.notes,
         "latency_ms": latency,
+        "latency_conditions": latency_conditions(latency),
         "autotune": tuned.to_dict() if tuned else None,
         "versions": {
             "torch": torch.__version__,
@@ -332,13 +337,16 @@ def _autotune(opts, raw_path, staged, fusions, sets, provider, external):
 def _parity(
     loaded, sets, feed_names, raw_path, output, reference_session, provider, disabled, opts
 ):
-    """The parity verdict of the optimized model against PyTorch (the model's own outputs) or,
-    for ONNX input, against the input file; both ONNX models run with ONNX Runtime's graph
-    optimizations off, so that its own rewrites are not part of the comparison.
+    """The parity verdict of the optimized model against the oracle (see
+    :mod:`normexport.parity`): the PyTorch model in float64 (or, for ONNX input, the input file),
+    with the raw export (or the input file) and PyTorch float32 compared with it too. Both ONNX
+    models run with ONNX Runtime's graph optimizations off, so that its own rewrites are not
+    part of the comparison.
 
     Returns:
-        :meth:`normexport.parity.ParityResult.to_dict` plus ``raw_export_max_abs_err`` (the
-        raw export against PyTorch on the example, None for ONNX input).
+        :meth:`normexport.parity.ParityResult.to_dict`; its ``raw_export_max_abs_err`` is the
+        raw export's worst error against the oracle over all input sets (None for ONNX input
+        compared with itself).
     """
     opt_session = runtime.make_session(
         output,
@@ -352,6 +360,7 @@ def _parity(
         return runtime.run(opt_session, feeds)
 
     output_names = [o.name for o in opt_session.get_outputs()]
+    common = {"atol": opts.atol, "rtol": opts.rtol}
     if loaded.module is None:
         result = check_parity(
             candidate,
@@ -359,47 +368,79 @@ def _parity(
             sets,
             output_names,
             reference_kind="onnx",
-            atol=opts.atol,
-            rtol=opts.rtol,
+            oracle_kind="onnx",
+            **common,
         )
-        return result.to_dict() | {"raw_export_max_abs_err": None}
+        return result.to_dict()
     eager = _eager(loaded)
 
-    def reference(feeds):
+    def pytorch(feeds):
         return eager([feeds[name] for name in feed_names])
 
-    result = check_parity(
-        candidate,
-        reference,
-        sets,
-        output_names,
-        reference_kind="pytorch",
-        atol=opts.atol,
-        rtol=opts.rtol,
-    )
+    oracle, oracle_kind, notes = _float64_oracle(loaded, sets["example"], feed_names)
     raw_session = runtime.make_session(
         raw_path, provider, optimization_level=AS_WRITTEN, spinning=False
     )
-    raw_check = check_parity(
-        lambda feeds: runtime.run(raw_session, feeds),
-        reference,
-        {"example": sets["example"]},
+    result = check_parity(
+        candidate,
+        oracle or pytorch,
+        sets,
         output_names,
         reference_kind="pytorch",
-        atol=opts.atol,
-        rtol=opts.rtol,
+        raw=lambda feeds: runtime.run(raw_session, feeds),
+        pytorch=pytorch if oracle else None,
+        oracle_kind=oracle_kind,
+        notes=notes,
+        **common,
     )
-    raw_err = {k: v.max_abs_err for k, v in raw_check.worst().items()}
-    return result.to_dict() | {"raw_export_max_abs_err": raw_err}
+    return result.to_dict()
+
+
+def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
+    """The PyTorch model run in float64 (a deep copy, ``.double()``; float inputs cast,
+    integer inputs as they are), tried on the example first.
+
+    Returns:
+        ``(feeds -> outputs, "pytorch_float64", [])``, or ``(None, "pytorch_float32", [why])``
+        where no float64 copy could be made or run, or its outputs are not float64 (a forward
+        that casts to float32 itself).
+    """
+    try:
+        eager = _eager(loaded, float64=True)
+
+        def oracle(feeds):
+            return eager([feeds[name] for name in feed_names])
+
+        outs = oracle(example)
+    except Exception as err:  # whatever a model's float64 copy raises: fall back, and say so
+        why = f"a float64 copy of the model could not be run ({_first_line(err)})"
+        return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
+    narrow = [str(o.dtype) for o in outs if o.dtype.kind == "f" and o.dtype != np.float64]
+    if narrow:
+        why = f"the float64 copy of the model returns {', '.join(sorted(set(narrow)))} outputs"
+        return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
+    return oracle, "pytorch_float64", []
+
+
+def latency_threads() -> int:
+    """The thread count PyTorch and ONNX Runtime both get when timed: the cores this process
+    may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _latency(loaded, feeds, feed_names, raw_path, output, provider, disabled, opts) -> dict:
     """PyTorch eager (where there is a module), the raw export and the optimized model, timed
-    interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms."""
+    interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms. PyTorch and ONNX
+    Runtime get the same number of threads (:func:`latency_threads`): each with its default
+    beside the other's pool oversubscribes the cores and times the contention."""
+    threads = latency_threads()
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
-    raw_session = runtime.make_session(raw_path, provider, spinning=False)
+    raw_session = runtime.make_session(raw_path, provider, spinning=False, threads=threads)
     opt_session = runtime.make_session(
-        output, provider, spinning=False, disabled_optimizers=disabled
+        output, provider, spinning=False, disabled_optimizers=disabled, threads=threads
     )
     timed = {
         "ort_raw": lambda: runtime.run(raw_session, feeds),
@@ -408,7 +449,23 @@ def _latency(loaded, feeds, feed_names, raw_path, output, provider, disabled, op
     if loaded.module is not None:
         eager = _eager(loaded)
         timed = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | timed
-    return {k: v.to_dict() for k, v in time_interleaved(timed, budget_s=opts.budget_s).items()}
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timings = time_interleaved(timed, budget_s=opts.budget_s)
+    finally:
+        torch.set_num_threads(before)
+    return {k: v.to_dict() for k, v in timings.items()}
+
+
+def latency_conditions(latency: dict | None) -> dict | None:
+    """The thread counts used for timing, and the variants whose spread (p90 over median
+    beyond :data:`BUSY_SPREAD`) says the machine was busy while they ran."""
+    if not latency:
+        return None
+    threads = latency_threads()
+    busy = [k for k, t in latency.items() if t["p90_ms"] > BUSY_SPREAD * t["median_ms"]]
+    return {"pytorch_threads": threads, "onnxruntime_threads": threads, "busy": busy}
 
 
 def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model, str]:
@@ -586,8 +643,9 @@ def _check_export(exported, loaded: LoadedModel, opts: Options) -> None:
         )
 
 
-def _eager(loaded: LoadedModel):
-    """A function: list of input arrays -> list of PyTorch output arrays (float32 eager).
+def _eager(loaded: LoadedModel, float64: bool = False):
+    """A function: list of input arrays -> list of PyTorch output arrays (float32 eager, or a
+    float64 deep copy of the model with float inputs cast to float64).
 
     An exported program is called the way it was exported: its example inputs' structure
     (positional and keyword arguments, non-tensor values such as ``use_cache=False``) with the
@@ -597,9 +655,17 @@ def _eager(loaded: LoadedModel):
     if isinstance(module, torch.export.ExportedProgram):
         structure = module.example_inputs
         module = module.module()
+    if float64:
+        with warnings.catch_warnings():  # .double() reads .grad of every parameter
+            warnings.simplefilter("ignore")
+            module = copy.deepcopy(module).double()
+
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+        return t.double() if float64 and t.is_floating_point() else t
 
     def call(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        tensors = [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
+        tensors = [tensor(a) for a in arrays]
         args, kwargs = tensors, {}
         if structure is not None:
             given = iter(tensors)

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from fusion import FUSION_KINDS
 from normexport.files import atomic_path, save_figure
+from normexport.latency import BUSY_SPREAD
 
 
 def _render_checker(checker: dict, console: Console) -> None:
@@ -25,6 +26,84 @@ def _render_checker(checker: dict, console: Console) -> None:
     else:
         line += f"; so does the output ({checker['output_problem']})"
     console.print(line + "; ONNX Runtime loads and runs both")
+
+
+def _err(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+#: Above this many outputs the terminal shows each output's worst input set only.
+ROWS_PER_SET_UP_TO = 4
+
+
+def _render_parity(parity: dict, console: Console) -> None:
+    """Errors against the oracle, per output and input set, with the verdict."""
+    oracle = parity.get("oracle", parity["reference"])
+    factor = parity.get("noise_factor")
+    rule = f"atol {parity['atol']:g}, rtol {parity['rtol']:g}"
+    if factor is not None:
+        rule += f", noise factor {factor:g} x raw export"
+    table = Table(
+        title=f"Parity: error vs {oracle} ({rule}; inputs: {', '.join(parity['probes'])})",
+        title_justify="left",
+    )
+    cols = ("output", "input set", "optimized", "raw export", "pytorch f32", "max |oracle|", "")
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("output", "input set") else "right")
+    sets = parity.get("sets") or {}
+    if sets and len(parity["outputs"]) <= ROWS_PER_SET_UP_TO:
+        rows = [
+            (p, e)
+            for name in parity["outputs"]
+            for p, es in sets.items()
+            for e in es
+            if e["output"] == name
+        ]
+    else:
+        rows = [(_worst_set(parity, name, e), e) for name, e in parity["outputs"].items()]
+    for probe, e in rows:
+        verdict = "[green]pass[/]" if e["passed"] else "[red]FAIL[/]"
+        if e.get("weak"):
+            verdict += " [yellow](weak)[/]"
+        table.add_row(
+            e["output"],
+            probe,
+            _err(e["max_abs_err"]),
+            _err(e.get("raw_max_abs_err")),
+            _err(e.get("pytorch_max_abs_err")),
+            _err(e["max_abs_ref"]),
+            verdict,
+        )
+    console.print(table)
+    for note in parity.get("oracle_notes", []):
+        console.print(f"[yellow]note[/]: {note}")
+    weak: dict[str, list[str]] = {}
+    for w in parity.get("weak_checks", []):
+        weak.setdefault(w["output"], []).append(w["probe"])
+    for name, probes in weak.items():
+        every = len(probes) == len(parity["probes"])
+        console.print(
+            f"[yellow]weak check[/]: output {name!r}'s reference is constant (within atol) on "
+            + (
+                "[bold]every input set[/]: parity says little about it"
+                if every
+                else ", ".join(probes)
+            )
+        )
+    for f in parity["failures"][:10]:
+        console.print(
+            f"[red]diverges[/]: output {f['output']!r} on input set {f['probe']!r}: max abs err "
+            f"{f['max_abs_err']:.3g} (raw export {_err(f.get('raw_max_abs_err'))}), rel L2 "
+            f"{f['rel_l2_err']:.3g}, {f['nonfinite_mismatch']} NaN/Inf where the reference is "
+            "finite"
+        )
+
+
+def _worst_set(parity: dict, name: str, worst: dict) -> str:
+    for probe, errors in (parity.get("sets") or {}).items():
+        if any(e == worst for e in errors if e["output"] == name):
+            return probe
+    return "(worst)"
 
 
 def render(report: dict, console: Console) -> None:
@@ -59,29 +138,7 @@ def render(report: dict, console: Console) -> None:
             refused.add_row(r["kind"], r["node"], r["reason"])
         console.print(refused)
 
-    parity = report["parity"]
-    table = Table(
-        title=f"Parity vs {parity['reference']} (atol {parity['atol']:g}, rtol "
-        f"{parity['rtol']:g}; inputs: {', '.join(parity['probes'])})",
-        title_justify="left",
-    )
-    for col in ("output", "max abs err", "rel L2 err", "max |ref|", "verdict"):
-        table.add_column(col, justify="right" if col != "output" else "left")
-    for name, e in parity["outputs"].items():
-        table.add_row(
-            name,
-            f"{e['max_abs_err']:.3g}",
-            f"{e['rel_l2_err']:.3g}",
-            f"{e['max_abs_ref']:.3g}",
-            "[green]pass[/]" if e["passed"] else "[red]FAIL[/]",
-        )
-    console.print(table)
-    for f in parity["failures"][:10]:
-        console.print(
-            f"[red]diverges[/]: output {f['output']!r} on input set {f['probe']!r}: max abs err "
-            f"{f['max_abs_err']:.3g}, rel L2 {f['rel_l2_err']:.3g}, "
-            f"{f['nonfinite_mismatch']} NaN/Inf where the reference is finite"
-        )
+    _render_parity(report["parity"], console)
 
     console.print(f"provider: [bold]{report['provider']}[/]")
     if report["provider_note"]:
@@ -104,6 +161,17 @@ def render(report: dict, console: Console) -> None:
                 f"{t['median_ms'] / opt:.2f}x",
             )
         console.print(table)
+        cond = report.get("latency_conditions")
+        if cond:
+            console.print(
+                f"threads: PyTorch {cond['pytorch_threads']}, ONNX Runtime "
+                f"{cond['onnxruntime_threads']} (intra-op; inter-op 1)"
+            )
+            if cond["busy"]:
+                console.print(
+                    f"[yellow]the machine was busy[/]: p90 over {BUSY_SPREAD:g}x the median for "
+                    f"{', '.join(cond['busy'])}; compare these numbers with care, or re-run"
+                )
     tuned = report.get("autotune")
     if tuned:
         line = f"autotune on {tuned['provider']}: kept [bold]{tuned['best']}[/]"
@@ -117,7 +185,7 @@ def render(report: dict, console: Console) -> None:
                 f"disabled_optimizers={tuned['disabled_optimizers']}[/] (ORT's own fusion would "
                 "undo the faster form)"
             )
-    verdict = "[green]parity passed[/]" if parity["passed"] else "[red]parity FAILED[/]"
+    verdict = "[green]parity passed[/]" if report["parity"]["passed"] else "[red]parity FAILED[/]"
     console.print(verdict)
 
 

@@ -67,6 +67,7 @@ def make_session(
     spinning: bool = True,
     cuda_graph: bool = False,
     disabled_optimizers: Sequence[str] = (),
+    threads: int | None = None,
 ) -> ort.InferenceSession:
     """Create an inference session on one named execution provider.
 
@@ -88,6 +89,7 @@ def make_session(
         disabled_optimizers: names of ORT graph transformers to leave out, e.g.
             ``"SkipLayerNormFusion"`` (which turns Add + LayerNormalization back into
             SkipLayerNormalization under ORT_ENABLE_ALL).
+        threads: intra-op threads (None: ORT's default, one per core); inter-op 1.
 
     Returns:
         The session; ``session.get_providers()[0]`` is the provider that was asked for.
@@ -115,6 +117,9 @@ def make_session(
         )
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads is not None:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
     providers: list = list(PROVIDERS[provider])
     if cuda_graph:
         providers[0] = (CUDA, {"enable_cuda_graph": "1"})
