@@ -400,11 +400,22 @@ def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
     """The PyTorch model run in float64 (a deep copy, ``.double()``; float inputs cast,
     integer inputs as they are), tried on the example first.
 
+    The copy holds the model's floating-point weights again at twice their float32 size; where
+    that would take more than a quarter of this machine's memory
+    (:data:`ORACLE_MEMORY_SHARE`), no copy is made.
+
     Returns:
         ``(feeds -> outputs, "pytorch_float64", [])``, or ``(None, "pytorch_float32", [why])``
-        where no float64 copy could be made or run, or its outputs are not float64 (a forward
-        that casts to float32 itself).
+        where no float64 copy could be made or run, would not fit, or its outputs are not
+        float64 (a forward that casts to float32 itself).
     """
+    needed, memory = _float64_copy_bytes(loaded), inputs_mod.memory_bytes()
+    if memory is not None and needed > memory * ORACLE_MEMORY_SHARE:
+        why = (
+            f"a float64 copy of the model would take {needed / 2**30:.1f} GiB, over "
+            f"{ORACLE_MEMORY_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB"
+        )
+        return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
     try:
         eager = _eager(loaded, float64=True)
 
@@ -420,6 +431,22 @@ def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
         why = f"the float64 copy of the model returns {', '.join(sorted(set(narrow)))} outputs"
         return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
     return oracle, "pytorch_float64", []
+
+
+#: The largest share of physical memory the float64 oracle's copy of the model may take.
+ORACLE_MEMORY_SHARE = 0.25
+
+
+def _float64_copy_bytes(loaded: LoadedModel) -> int:
+    """Bytes a float64 copy of the model's floating-point parameters and buffers takes."""
+    module = loaded.module
+    if isinstance(module, torch.export.ExportedProgram):
+        tensors = [*module.state_dict.values(), *module.constants.values()]
+    else:
+        tensors = [*module.parameters(), *module.buffers()]
+    return sum(
+        8 * t.numel() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
+    )
 
 
 def latency_threads() -> int:

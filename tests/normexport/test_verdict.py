@@ -272,3 +272,18 @@ def test_token_id_model_gets_random_sets(tmp_path):
     parity = pipeline.run(opts)["parity"]
     assert parity["passed"], parity["failures"]
     assert parity["probes"] == ["example", "random_0", "random_1", "random_2"]
+
+
+def test_no_float64_copy_where_it_would_not_fit(tmp_path, monkeypatch):
+    """A model whose float64 copy would take over a quarter of the memory is judged against
+    PyTorch float32, and the report says why (large models must not double in memory)."""
+    model = _randomize(ConvBN())
+    needed = 8 * sum(
+        t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()
+    )
+    monkeypatch.setattr(pipeline.inputs_mod, "memory_bytes", lambda: 3 * needed)
+    parity = _run(tmp_path, model, "2,3,8,8")["parity"]
+    assert parity["passed"] and parity["oracle"] == "pytorch_float32"
+    assert any("float64 copy of the model would take" in n for n in parity["oracle_notes"])
+    monkeypatch.setattr(pipeline.inputs_mod, "memory_bytes", lambda: 5 * needed)
+    assert _run(tmp_path, model, "2,3,8,8")["parity"]["oracle"] == "pytorch_float64"
