@@ -117,3 +117,15 @@ def test_nan_fails_even_where_the_raw_export_has_nan():
 def test_constant_reference_is_a_weak_check(ref):
     assert compare("y", ref, ref, 1e-4, 1e-3).weak
     assert not compare("y", np.arange(5.0), np.arange(5.0), 1e-4, 1e-3).weak
+
+
+def test_random_sets_do_not_repeat_a_generated_example():
+    """The example that --input-shape generates and the random sets come from different seeds:
+    a random set equal to the example would be a parity run wasted."""
+    from normexport.inputs import parse_input_shape, random_array
+
+    spec = parse_input_shape("x=2x3x8")
+    example = {"x": random_array(spec, np.random.default_rng(0))}
+    sets = input_sets(example)
+    for i in range(3):
+        assert not np.array_equal(sets[f"random_{i}"]["x"], example["x"]), i
