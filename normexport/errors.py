@@ -12,10 +12,22 @@ where the kinds of user-facing error are named and mapped to exit codes.
 
 from __future__ import annotations
 
+import re
 import signal
 
 #: Exit codes (see the README's "Errors and exit codes").
 EXIT_OK, EXIT_PARITY_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
+
+
+def one_line(err: BaseException) -> str:
+    """``Type: first line`` of the error at the root of ``err``'s causes, colour codes removed:
+    what a user-facing message quotes of an exception. Wrappers such as torch.onnx's "Failed to
+    export ... step 1/3" say nothing of the model in their own first line; their cause does."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
+    first = text[0].strip() if text else ""
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 class UsageError(Exception):

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import io
 import logging
-import re
 import tempfile
 import warnings
 from collections.abc import Mapping, Sequence
@@ -25,8 +24,8 @@ import torch
 
 from fusion._ir import const_array, opset_version
 from fusion.cleanup import cleanup
-from normexport.errors import raise_if_interrupted
-from normexport.load import _quiet_torch as quiet_torch
+from normexport.errors import one_line, raise_if_interrupted
+from normexport.load import quiet_torch
 
 
 class ExportError(RuntimeError):
@@ -125,7 +124,7 @@ def export_module(
             return Exported(model, "dynamo")
         except Exception as err:  # the exporter raises many types; all mean "try the other"
             raise_if_interrupted()  # unless it is what a Ctrl-C inside a lazy import became
-            errors.append(f"dynamo exporter: {_first_line(err)}")
+            errors.append(f"dynamo exporter: {one_line(err)}")
     if exporter in ("auto", "torchscript") and not is_program:
         try:
             with tempfile.TemporaryDirectory() as tmp, _quiet(), torch.no_grad():
@@ -147,7 +146,7 @@ def export_module(
             return Exported(model, "torchscript", errors[0] if errors else None)
         except Exception as err:
             raise_if_interrupted()
-            errors.append(f"TorchScript exporter: {_first_line(err)}")
+            errors.append(f"TorchScript exporter: {one_line(err)}")
     raise ExportError("; ".join(errors))
 
 
@@ -165,13 +164,3 @@ def _drop_malformed_zero_conv_bias(model: ir.Model) -> None:
             if bias is not None and bias.ndim != 1 and not bias.any():
                 node.resize_inputs(2)
     ir.passes.common.RemoveUnusedNodesPass()(model)
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of the error at the root of ``err``'s causes: torch.onnx wraps the
-    reason ("No ONNX function found for aten.linalg_eig") in a "Failed to export ... step 1/3"
-    error whose own first line says nothing about the model."""
-    while err.__cause__ is not None:
-        err = err.__cause__
-    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"

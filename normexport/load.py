@@ -37,7 +37,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.export.pt2_archive import constants as _pt2
 
-from normexport.errors import InputFileError, UsageError
+from normexport.errors import InputFileError, UsageError, one_line
 
 
 @dataclasses.dataclass
@@ -135,9 +135,7 @@ def load_model(
         try:
             model = ir.load(path)
         except Exception as err:  # onnx_ir's and protobuf's error types
-            raise InputFileError(
-                f"{path}: cannot read this ONNX model ({_one_line(err)})"
-            ) from None
+            raise InputFileError(f"{path}: cannot read this ONNX model ({one_line(err)})") from None
         return LoadedModel(path, kind, onnx_model=model)
     if kind == "exported_program":
         program = load_program(path, trust_pickle=trust_pickle)
@@ -151,7 +149,7 @@ def load_model(
             module = torch.jit.load(path, map_location="cpu")
         except Exception as err:  # torch's own error types for a damaged archive
             raise InputFileError(
-                f"{path}: a TorchScript archive torch cannot load ({_one_line(err)})"
+                f"{path}: a TorchScript archive torch cannot load ({one_line(err)})"
             ) from None
         notes = _eval_note(module, path)
         return LoadedModel(path, kind, module=module.eval(), notes=notes)
@@ -173,7 +171,7 @@ def load_model(
         return LoadedModel(path, "pickled_module", module=obj.eval(), notes=notes)
     except Exception as err:  # a damaged file: EOFError, RuntimeError from the zip reader
         raise InputFileError(
-            f"{path}: torch.load cannot read it ({_one_line(err)}); is the file complete?"
+            f"{path}: torch.load cannot read it ({one_line(err)}); is the file complete?"
         ) from None
     state_dict = _state_dict(obj)
     if state_dict is None:
@@ -200,13 +198,13 @@ def _load_trusted(path: Path) -> object:
             else "a module that cannot be imported here"
         )
         raise InputFileError(
-            f"{path}: the pickled model's class is in {where} ({_one_line(err)}); move the "
+            f"{path}: the pickled model's class is in {where} ({one_line(err)}); move the "
             "class into a module on the Python path (or the current folder) and save it again, "
             "or save its state_dict and pass --model-class package.module:Class"
         ) from None
     except Exception as err:  # EOFError, UnpicklingError, RuntimeError: a damaged file
         raise InputFileError(
-            f"{path}: cannot unpickle it ({_one_line(err)}); is the file complete?"
+            f"{path}: cannot unpickle it ({one_line(err)}); is the file complete?"
         ) from None
 
 
@@ -400,7 +398,7 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.expor
     from torch.export.pt2_archive import PT2ArchiveReader
 
     try:
-        with _quiet_torch():
+        with quiet_torch():
             reader = PT2ArchiveReader(str(path))
             names = reader.get_file_names()
             # every file under models/ is a program to torch, whatever its name ends with
@@ -412,7 +410,7 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.expor
         raise
     except Exception as err:
         raise UsageError(
-            f"{path}: not a torch.export archive that this torch can read ({_one_line(err)})"
+            f"{path}: not a torch.export archive that this torch can read ({one_line(err)})"
         ) from None
     try:
         for spec in specs:
@@ -422,16 +420,16 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.expor
             pytree.treespec_loads(spec)
     except Exception as err:
         raise UsageError(
-            f"{path}: cannot rebuild its input/output structure ({_one_line(err)}); "
+            f"{path}: cannot rebuild its input/output structure ({one_line(err)}); "
             "re-export the model so that it takes and returns tensors, or tuples, lists or "
             "dicts of them"
         ) from None
     try:
-        with _quiet_torch() as errors, _weights_only(not trust_pickle):
+        with quiet_torch() as errors, _weights_only(not trust_pickle):
             return torch.export.load(path)
     except Exception as err:
         cause = errors[0] if errors else err
-        raise UsageError(f"{path}: torch.export.load cannot load it ({_one_line(cause)})") from None
+        raise UsageError(f"{path}: torch.export.load cannot load it ({one_line(cause)})") from None
 
 
 _PICKLE_HINT = "loading it runs code from the file; if you trust its source, add --trust-pickle"
@@ -514,13 +512,13 @@ def _type_names(spec: str) -> set[str]:
 
 
 @contextlib.contextmanager
-def _quiet_torch():
+def quiet_torch():
     """Keep torch's warnings and log lines from the user; yields the errors they carried.
 
     torch's loggers print through their own handlers and do not propagate, so each one that
     prints is given a collecting handler for the duration.
     """
-    errors: list[BaseException | str] = []
+    errors: list[BaseException] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
@@ -566,11 +564,3 @@ def _weights_only(force: bool):
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-
-
-def _one_line(err: BaseException | str) -> str:
-    text = str(err).strip().splitlines()
-    first = text[0].strip() if text else ""
-    if isinstance(err, BaseException):
-        return f"{type(err).__name__}: {first}" if first else type(err).__name__
-    return first

@@ -19,7 +19,7 @@ import fusion
 from fusion._ir import opset_version
 from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
-from normexport.errors import InputFileError, UsageError
+from normexport.errors import InputFileError, UsageError, one_line
 from normexport.export import ExportError, export_module
 from normexport.latency import BUSY_SPREAD, time_interleaved
 from normexport.load import LoadedModel, load_model
@@ -224,7 +224,7 @@ def _input_session(path: Path, provider: str):
         raise
     except Exception as err:  # ORT raises its own error types for a bad file
         raise UsageError(
-            f"{path}: ONNX Runtime cannot load this model ({_first_line(err)}); normexport "
+            f"{path}: ONNX Runtime cannot load this model ({one_line(err)}); normexport "
             "optimizes models that ONNX Runtime runs: fix or re-export it"
         ) from None
 
@@ -250,7 +250,7 @@ def _runs_as_given(session, feeds: dict[str, np.ndarray], path: Path, opts: Opti
         )
         raise UsageError(
             f"{path}: ONNX Runtime cannot run this model as given on inputs {given} "
-            f"({_first_line(err)}); {hint}"
+            f"({one_line(err)}); {hint}"
         ) from None
 
 
@@ -263,7 +263,7 @@ def _checker_level(path: Path) -> tuple[str, str | None]:
             fusion.check(path, full_check=full)
             return level, problem
         except Exception as err:  # ValidationError, InferenceError: the checker's verdict
-            problem = problem or _first_line(err)
+            problem = problem or one_line(err)
     return "none", problem
 
 
@@ -424,7 +424,7 @@ def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
 
         outs = oracle(example)
     except Exception as err:  # whatever a model's float64 copy raises: fall back, and say so
-        why = f"a float64 copy of the model could not be run ({_first_line(err)})"
+        why = f"a float64 copy of the model could not be run ({one_line(err)})"
         return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
     narrow = [str(o.dtype) for o in outs if o.dtype.kind == "f" and o.dtype != np.float64]
     if narrow:
@@ -717,8 +717,3 @@ def _by_feed_name(example: dict[str, np.ndarray], feed_names: list[str]) -> dict
             f"({list(example)}) were given"
         )
     return dict(zip(feed_names, example.values(), strict=True))
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
