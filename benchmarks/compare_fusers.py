@@ -119,7 +119,7 @@ def judge(entry: Entry, module: torch.nn.Module, raw: Counter, variant: Variant,
     worst = parity.worst()["y"]
     result["max_abs_err"] = worst.max_abs_err
     result["failures"] = [probe for probe, _ in parity.failures()]
-    new_norm_op = any(ops[op] > raw[op] for op in fusion.NORM_OPS)
+    new_norm_op = any(ops[op.op_type] > raw[op.op_type] for op in fusion.NORM_OPS)
     decomposed = DECOMPOSED[entry.family]
     if not parity.passed or (entry.expect is None and new_norm_op):
         verdict = "X"

@@ -6,9 +6,9 @@ and GELU). Usable alone on any .onnx::
 
     model = ir.load("model.onnx")
     report = fusion.optimize(model, target="ort")   # in place
-    fusion.check(model)
     ir.save(model, "model.opt.onnx")
-    print(report.to_dict())
+    fusion.check("model.opt.onnx")
+    print(report.to_dict(fusion.FUSION_KINDS))
 
 Every rewrite is exact (up to float rounding): a candidate that cannot be expressed exactly by
 the fused op is left alone and recorded in the report with its reason.
@@ -24,52 +24,44 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from fusion.cleanup import cleanup, normalize_ir_version
-from fusion.fold_batchnorm import FoldBatchNorm
-from fusion.fuse_attention import FuseAttention
-from fusion.fuse_layernorm import FuseLayerNorm
-from fusion.fuse_rmsnorm import TARGETS, FuseRMSNorm
-from fusion.fuse_skip import FuseSkip
-from fusion.report import FUSION_KINDS, FusionReport, Refusal
+from fusion import registry
+from fusion.base import (
+    TARGETS,
+    CannotFuse,
+    Code,
+    Fused,
+    FusionPass,
+    FusionReport,
+    Kind,
+    NodeFusionPass,
+    Op,
+    Refused,
+)
+from fusion.cleanup import Cleanup, cleanup, normalize_ir_version
+from fusion.registry import FUSION_KINDS, KINDS, NORM_OPS, PASSES, ort_registered
 
 __all__ = [
     "FUSION_KINDS",
+    "KINDS",
+    "NORM_OPS",
+    "PASSES",
     "TARGETS",
-    "FuseSkip",
+    "CannotFuse",
+    "Code",
+    "Fused",
+    "FusionPass",
     "FusionReport",
-    "Refusal",
+    "Kind",
+    "NodeFusionPass",
+    "Op",
+    "Refused",
     "check",
     "cleanup",
     "norm_ops",
     "optimize",
+    "ort_registered",
+    "registry",
 ]
-
-#: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
-#: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.
-ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
-
-#: Standard ops that ORT registers in the default domain below the opset that introduced them
-#: (op -> that opset): its LayerNormFusion emits LayerNormalization into models of any opset.
-ORT_EARLY_OPS = {"LayerNormalization": 17}
-
-
-def ort_registered(op_type: str, domain: str, opset: int) -> bool:
-    """Whether ``op_type`` in ``domain`` is an ONNX Runtime op, not a standard one, in a model
-    of default-domain ``opset`` (:data:`ORT_DEFAULT_DOMAIN_OPS`, :data:`ORT_EARLY_OPS`)."""
-    if domain != "":
-        return False
-    return op_type in ORT_DEFAULT_DOMAIN_OPS or opset < ORT_EARLY_OPS.get(op_type, 0)
-
-
-#: Op types that the report counts before and after optimizing.
-NORM_OPS = (
-    "BatchNormalization",
-    "LayerNormalization",
-    "RMSNormalization",
-    "SimplifiedLayerNormalization",
-    "SkipLayerNormalization",
-    "SkipSimplifiedLayerNormalization",
-)
 
 
 def optimize(
@@ -77,23 +69,23 @@ def optimize(
 ) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
-    Runs: exact clean-up (constant folding, CSE, dead nodes), FoldBatchNorm, FuseLayerNorm,
-    FuseRMSNorm, FuseAttention (``target="ort"``), optionally FuseSkip, clean-up again. The
-    model's opset is never raised: an op is only emitted where the model's opset (or, for
-    ``target="ort"``, ONNX Runtime) has it.
+    Runs, as one :class:`onnx_ir.passes.PassManager`: exact clean-up (constant folding, CSE,
+    dead nodes), then each pass of :data:`fusion.registry.PASSES` that is enabled for
+    ``target`` and the options (FoldBatchNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention,
+    FuseSkip), then clean-up again. The model's opset is never raised: an op is only emitted
+    where the model's opset (or, for ``target="ort"``, ONNX Runtime) has it.
 
     Args:
         model: the model, changed in place.
         target: one of :data:`TARGETS`.
-        skip: also fuse residual Add + norm into com.microsoft Skip(Simplified)LayerNormalization.
-            A speed choice per execution provider, not an exactness one: on ORT 1.31's CPU
-            provider SkipLayerNormalization is 2.4-3.6x slower than Add + LayerNormalization
-            (``benchmarks/results/forms_cpu.json``). Needs ``target="ort"``.
+        skip: also fuse residual Add + norm into com.microsoft Skip(Simplified)LayerNormalization
+            (:mod:`fusion.fuse_skip`): a speed choice per execution provider, not an exactness
+            one. Needs ``target="ort"``.
         attention: fuse attention and GELU into com.microsoft ops with onnxscript's rules
             (:mod:`fusion.fuse_attention`). None (default): for ``target="ort"`` only.
 
     Returns:
-        What was fused, and what was refused with the reason.
+        What was fused, and what was refused with the reason, in pass order.
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip`` or ``attention``
@@ -101,25 +93,17 @@ def optimize(
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
-    for name, wanted in (("skip", skip), ("attention", attention)):
+    options = {"skip": skip, "attention": attention}
+    for name, wanted in options.items():
         if wanted and target != "ort":
             raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
     report = FusionReport()
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
-    cleanup(model)
-    passes = [
-        FoldBatchNorm(report),
-        FuseLayerNorm(report, target=target),
-        FuseRMSNorm(report, target=target),
-    ]
-    if attention or (attention is None and target == "ort"):
-        passes.append(FuseAttention(report))
-    if skip:
-        passes.append(FuseSkip(report))  # last: it fuses the norms the passes above produce
+    passes = [p(target) for p in PASSES if p.enabled(target, options)]
+    ir.passes.PassManager([Cleanup(), *passes, Cleanup()])(model)
     for fusion_pass in passes:
-        fusion_pass(model)
-    cleanup(model)
+        report.extend(fusion_pass.outcomes)
     return report
 
 
@@ -174,5 +158,7 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
 
 def norm_ops(model: ir.Model) -> dict[str, int]:
     """How many nodes of each :data:`NORM_OPS` type the main graph holds (zeros left out)."""
-    counts = Counter(node.op_type for node in model.graph if node.op_type in NORM_OPS)
+    counts = Counter(
+        node.op_type for node in model.graph if Op(node.op_type, node.domain) in NORM_OPS
+    )
     return dict(sorted(counts.items()))

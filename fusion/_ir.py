@@ -21,6 +21,11 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def label(node: ir.Node) -> str:
+    """A name for ``node`` in reports: its name, else its first output's name, else its op."""
+    return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
+
+
 def sole_consumer(value: ir.Value) -> ir.Node | None:
     """The only node that reads ``value``, or None if it has several uses or is a graph output."""
     if value.is_graph_output():

@@ -50,6 +50,14 @@ def cleanup(model: ir.Model) -> None:
     ir.passes.common.TopologicalSortPass()(model)
 
 
+class Cleanup(ir.passes.InPlacePass):
+    """:func:`cleanup` as a pass (it reports no change: its rewrites cannot change a number)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        cleanup(model)
+        return ir.passes.PassResult(model, modified=False)
+
+
 def drop_absent_outputs(model: ir.Model) -> int:
     """Drop the trailing outputs named '' (absent optional outputs) of each main-graph node;
     return how many nodes changed.

@@ -73,7 +73,7 @@ The graph
     x ─ BN ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W, b) ─ y
                                                x ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W', b') ─ y
 
-Everything else is left alone and recorded in the :class:`~fusion.report.FusionReport` with
+Everything else is left alone and recorded in the :class:`~fusion.base.FusionReport` with
 the reason: a BatchNorm after a ReLU (CREPE's conv -> ReLU -> BN -> max-pool -> pad -> conv),
 a layer whose output has another consumer, a constant that is not per-channel, a division by a
 constant with a zero element, a BatchNorm in training mode, a padded Conv after a BatchNorm,
@@ -100,7 +100,7 @@ from fusion._ir import (
     shape_text,
     sole_consumer,
 )
-from fusion.report import FusionReport
+from fusion.base import CannotFuse, Code, FusionPass, Kind, Op
 
 _LINEAR = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 _LINEAR_NAMES = "Conv/ConvTranspose/Gemm/MatMul"
@@ -111,12 +111,15 @@ _RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 _ACROSS = ("Transpose", "Identity", "MaxPool", *_RESHAPES)
 
 
-class _Refusal(Exception):
-    """A candidate that cannot be folded exactly; ``args[0]`` is the user-readable reason."""
+class _Refusal(CannotFuse):
+    """A candidate that cannot be folded exactly (detail for the report, stable code)."""
+
+    def __init__(self, detail: str, code: Code = Code.UNCLASSIFIED):
+        super().__init__(code, detail)
 
     @property
     def reason(self) -> str:
-        return self.args[0]
+        return self.detail
 
 
 def _label(node: ir.Node) -> str:
@@ -729,31 +732,29 @@ def _explain(value: ir.Value, stops: dict[ir.Node, str], shapes: KnownShapes) ->
     return f"input comes from {op} '{_label(producer)}', which was not folded: {why}"
 
 
-class FoldBatchNorm(ir.passes.InPlacePass):
+class FoldBatchNorm(FusionPass):
     """Fold inference-mode BatchNormalization and per-channel affine chains into linear layers.
 
     See the module docstring for the math and the cases. Weights may be float16, float32 or
     float64; folding is computed in float64 and cast back. Graph outputs keep their names.
 
-    Args:
-        report: the shared :class:`~fusion.report.FusionReport`. Each fold adds a
-            ``record("batchnorm_folded", ...)`` that counts one per BatchNormalization folded,
-            or one for a hand-written per-channel affine chain with no BatchNormalization in
-            it; a chain of scalar constants only is recorded as ``"affine_folded"``. Each
-            candidate left alone (every BatchNormalization still in the graph, and every
-            constant Mul / Add / Sub / Div after a linear layer that could not be folded) adds
-            a ``refuse("batchnorm", node_name, reason)``.
+    Outcomes: each fold is a ``batchnorm_folded`` that counts one per BatchNormalization
+    folded, or one for a hand-written per-channel affine chain with no BatchNormalization in
+    it; a chain of scalar constants only is an ``affine_folded``. Each candidate left alone
+    (every BatchNormalization still in the graph, and every constant Mul / Add / Sub / Div
+    after a linear layer that could not be folded) is a ``batchnorm`` refusal.
 
     Running the pass a second time changes nothing. It raises no errors of its own: a graph it
     cannot read as foldable is left as it is and explained in the report.
     """
 
-    def __init__(self, report: FusionReport):
-        super().__init__()
-        self.report = report
+    kinds = (
+        Kind("batchnorm_folded", "batchnorm", (Op("BatchNormalization"),)),
+        Kind("affine_folded", "affine", norm=False),
+    )
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Fold in place; ``PassResult.modified`` tells whether anything was folded."""
+    def apply(self, model: ir.Model) -> bool:
+        """Fold in place; return whether anything was folded."""
         graph = model.graph
         shapes = KnownShapes(model)
         stops: dict[ir.Node, str] = {}  # candidate (or op on the way) -> why it was not folded
@@ -764,8 +765,8 @@ class FoldBatchNorm(ir.passes.InPlacePass):
             modified |= self._fold_into_next(graph, bn, stops, shapes)
         for node in graph:
             if node in stops and node.op_type not in _ACROSS:
-                self.report.refuse("batchnorm", _label(node), stops[node])
-        return ir.passes.PassResult(model, modified)
+                self.refused(_label(node), _Refusal(stops[node]))
+        return modified
 
     def _fold_chain_after(
         self, graph: ir.Graph, node: ir.Node, stops: dict, shapes: KnownShapes
@@ -827,11 +828,11 @@ class FoldBatchNorm(ir.passes.InPlacePass):
             replace_output(graph, folded.outputs[0], _data_input(folded))
         remove_nodes(graph, chain)
         moved = f" across {', '.join(n.op_type for n in moved_across)}" if moved_across else ""
-        self.report.record(
-            "batchnorm_folded" if per_channel else "affine_folded",
+        self.fused(
             _label(node),
             f"folded into {node.op_type} '{_label(node)}'{moved}",
-            max(batchnorms, 1),
+            kind="batchnorm_folded" if per_channel else "affine_folded",
+            count=max(batchnorms, 1),
         )
         return True
 
@@ -895,7 +896,7 @@ class FoldBatchNorm(ir.passes.InPlacePass):
             stops.pop(bn, None)
             moved = f" across {', '.join(n.op_type for n in across)}" if across else ""
             became = f"folded into the following {following.op_type} '{_label(following)}'{moved}"
-            self.report.record("batchnorm_folded", _label(bn), became)
+            self.fused(_label(bn), became)
             return True
         before = stops.get(bn) or _explain(bn.inputs[0], stops, shapes)
         stops[bn] = f"{before}; and it cannot fold into the layer after it: {after}"

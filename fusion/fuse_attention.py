@@ -55,8 +55,8 @@ from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
 from fusion._ir import const_array
+from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 from fusion.fuse_layernorm import producer
-from fusion.report import FusionReport
 
 #: onnxscript fusions in fuse_xformers' order, each with whether shape inference follows it
 #: (the sdpa rule adds nodes whose shapes the mha rules check).
@@ -78,28 +78,37 @@ _RULES = (
 # user's concern.
 _shape_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
 
-#: Contrib ops the rules above leave in the graph, by report kind.
-_FUSED_OPS = {
-    "attention_fused": ("Attention", "MultiHeadAttention"),
-    "gelu_fused": ("Gelu", "FastGelu", "BiasGelu"),
-}
 
-
-class FuseAttention:
+class FuseAttention(FusionPass):
     """Rewrite attention and GELU subgraphs into com.microsoft contrib ops (in place).
 
     Records one ``attention_fused`` per Attention / MultiHeadAttention node and one
     ``gelu_fused`` per Gelu / FastGelu / BiasGelu node that the pass added.
 
-    Args:
-        report: the shared report the counts go to.
+    Runs for ``target="ort"``, by default or when ``optimize(attention=True)``.
     """
 
-    def __init__(self, report: FusionReport):
-        self.report = report
+    kinds = (
+        Kind(
+            "attention_fused",
+            "attention",
+            (Op("Attention", MS_DOMAIN), Op("MultiHeadAttention", MS_DOMAIN)),
+            norm=False,
+        ),
+        Kind(
+            "gelu_fused",
+            "gelu",
+            (Op("Gelu", MS_DOMAIN), Op("FastGelu", MS_DOMAIN), Op("BiasGelu", MS_DOMAIN)),
+            norm=False,
+        ),
+    )
+    targets = ("ort",)
+    option = "attention"
+    on_by_default = ("ort",)
 
-    def __call__(self, model: ir.Model) -> None:
-        before = _fused_nodes(model)
+    def apply(self, model: ir.Model) -> bool:
+        """Fuse in place; return whether a contrib op was added."""
+        before = self._fused_nodes(model)
         level = _shape_log.level
         _shape_log.setLevel(logging.ERROR)
         try:
@@ -116,15 +125,15 @@ class FuseAttention:
                 _pass_kv_in_heads(node)
         common_passes.RemoveUnusedNodesPass()(model)
         common_passes.RemoveUnusedFunctionsPass()(model)
-        for node in model.graph:
-            for kind, ops in _FUSED_OPS.items():
-                if node.domain == "com.microsoft" and node.op_type in ops and node not in before:
-                    self.report.record(kind, node.name or node.op_type, node.op_type)
+        added = [n for n in model.graph if n in self._fused_nodes(model) and n not in before]
+        for node in added:
+            kind = next(k for k in self.kinds if Op(node.op_type, node.domain) in k.ops)
+            self.fused(node.name or node.op_type, node.op_type, kind=kind.name)
+        return bool(added)
 
-
-def _fused_nodes(model: ir.Model) -> set[ir.Node]:
-    ops = {op for group in _FUSED_OPS.values() for op in group}
-    return {n for n in model.graph if n.domain == "com.microsoft" and n.op_type in ops}
+    def _fused_nodes(self, model: ir.Model) -> set[ir.Node]:
+        ops = {op for kind in self.kinds for op in kind.ops}
+        return {n for n in model.graph if Op(n.op_type, n.domain) in ops}
 
 
 def _pass_kv_in_heads(mha: ir.Node) -> None:

@@ -92,7 +92,7 @@ from fusion._ir import (
     as_division,
     const_array,
     escaping_value,
-    opset_version,
+    label,
     other_input,
     rank_of,
     reduce_axes,
@@ -101,7 +101,7 @@ from fusion._ir import (
     scalar_const,
     sole_consumer,
 )
-from fusion.report import FusionReport
+from fusion.base import CannotFuse, Code, FusionPass, Kind, NodeFusionPass, Op
 
 FLOAT = ir.DataType.FLOAT
 
@@ -114,8 +114,11 @@ EPS_OUTSIDE = (
 )
 
 
-class NormRefused(Exception):
-    """A norm candidate that cannot be fused exactly; ``args[0]`` is the reason for the report."""
+class NormRefused(CannotFuse):
+    """A norm candidate that cannot be fused exactly (detail for the report, stable code)."""
+
+    def __init__(self, detail: str, code: Code = Code.UNCLASSIFIED):
+        super().__init__(code, detail)
 
 
 def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
@@ -398,11 +401,6 @@ def absorb_const(
     return node, operand, array
 
 
-def label(node: ir.Node) -> str:
-    """A name for ``node`` in the report: its name, else its first output's name."""
-    return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
-
-
 @dataclasses.dataclass
 class NormMatch:
     """A matched LayerNorm or RMSNorm: what the fused node needs, and the nodes it replaces.
@@ -477,8 +475,7 @@ class NormMatch:
 
     def absorb_affine(
         self,
-        report: FusionReport,
-        kind: str,
+        fusion_pass: FusionPass,
         rank: int | None,
         ops: tuple[tuple[str, str], ...],
         fused: str,
@@ -486,8 +483,7 @@ class NormMatch:
         """Extend over constant weight / bias ops after the norm, in the order of ``ops``.
 
         Args:
-            report: where a weight that cannot be absorbed is recorded.
-            kind: the refusal kind, ``"layernorm"`` or ``"rmsnorm"``.
+            fusion_pass: the pass that records a weight that cannot be absorbed.
             rank: the rank of ``x``, if known.
             ops: ``(op_type, "weight" | "bias")`` pairs, e.g. ``(("Mul", "weight"),)``.
             fused: how the fused op is named in a refusal.
@@ -499,11 +495,13 @@ class NormMatch:
             node, operand, array = found
             param = affine_param(array, self.k, rank, self.dims)
             if param is None:
-                report.refuse(
-                    kind,
-                    label(node),
-                    f"{what} of shape {list(array.shape)} varies along an axis that is not "
-                    f"normalized: kept as a separate {op_type} after the {fused}",
+                fusion_pass.refused(
+                    node,
+                    NormRefused(
+                        f"{what} of shape {list(array.shape)} varies along an axis that is not "
+                        f"normalized: kept as a separate {op_type} after the {fused}",
+                        Code.AXIS_NOT_NORMALIZED,
+                    ),
                 )
                 return
             setattr(self, what, (operand, param))
@@ -532,49 +530,7 @@ class NormMatch:
         remove_nodes(graph, [n for n in self.nodes if n in dead])
 
 
-class NormFusionPass(ir.passes.InPlacePass):
-    """The driver that the LayerNorm and RMSNorm passes share.
-
-    Visits every node of the main graph; ``_match(model, node)`` returns a fusable norm that
-    ends at ``node`` (or None, or raises :class:`NormRefused` with the reason), and
-    ``_rewrite(model, match)`` replaces it and returns the op it became. Records each as
-    ``"<kind>_fused"`` or as a ``kind`` refusal in the shared report.
-    """
-
-    #: ``"layernorm"`` or ``"rmsnorm"``: the refusal kind; fusions count as ``kind + "_fused"``.
-    kind: str
-
-    def __init__(self, report: FusionReport):
-        """Args: report: where fusions and refusals are recorded (shared between passes)."""
-        super().__init__()
-        self.report = report
-
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Fuse every norm that can be fused exactly; return whether the model changed."""
-        graph = model.graph
-        modified = False
-        for node in list(graph):
-            if node.graph is not graph:  # removed by an earlier fusion
-                continue
-            try:
-                match = self._match(model, node)
-            except NormRefused as refusal:
-                self.report.refuse(self.kind, label(node), refusal.args[0])
-                continue
-            if match is not None:
-                became = self._rewrite(model, match)
-                self.report.record(f"{self.kind}_fused", label(node), became)
-                modified = True
-        return ir.passes.PassResult(model, modified=modified)
-
-    def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
-        raise NotImplementedError
-
-    def _rewrite(self, model: ir.Model, match: NormMatch) -> str:
-        raise NotImplementedError
-
-
-class FuseLayerNorm(NormFusionPass):
+class FuseLayerNorm(NodeFusionPass):
     """Replace each hand-written LayerNorm in the main graph by one ``LayerNormalization``.
 
     Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
@@ -582,21 +538,10 @@ class FuseLayerNorm(NormFusionPass):
     refusal with its reason (see the module docstring).
     """
 
-    kind = "layernorm"
+    kinds = (Kind("layernorm_fused", "layernorm", (Op("LayerNormalization"),)),)
+    needs_opset = {"onnx": 17}
 
-    def __init__(self, report: FusionReport, target: str = "ort"):
-        """Args: report: shared record of fusions and refusals; target: ``"ort"`` or ``"onnx"``
-        (:data:`fusion.fuse_rmsnorm.TARGETS`).
-
-        Raises:
-            ValueError: ``target`` is neither.
-        """
-        if target not in ("ort", "onnx"):
-            raise ValueError(f"unknown target {target!r}: choose 'ort' or 'onnx'")
-        super().__init__(report)
-        self.target = target
-
-    def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
+    def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through the affine part."""
         division = as_division(node)
         if division is None:
@@ -604,7 +549,7 @@ class FuseLayerNorm(NormFusionPass):
         numerator, den, inverse = division
         outside = match_eps_outside_sqrt(den)
         if outside is not None and centered(outside) is not None:
-            raise NormRefused(EPS_OUTSIDE)
+            raise NormRefused(EPS_OUTSIDE, Code.EPS_OUTSIDE_SQRT)
         core = match_mean_square(den)
         found = centered(core.value) if core is not None else None
         if found is None:
@@ -628,26 +573,21 @@ class FuseLayerNorm(NormFusionPass):
         # for its other readers: the fused node computes the same value from x itself.
         escaping = escaping_value(nodes[len(centering) :], node.outputs[0])
         if escaping is not None:
-            raise NormRefused(f"{escaping.name} is also read outside the LayerNorm subgraph")
-        opset = opset_version(model)
-        if opset < 17 and self.target == "onnx":
             raise NormRefused(
-                f"opset {opset} has no LayerNormalization (needs 17): export with --opset 17 "
-                "or target ONNX Runtime"
+                f"{escaping.name} is also read outside the LayerNorm subgraph", Code.SHARED_OUTPUT
             )
         dims = normalized_dims(k, x, core.value, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
         match.absorb_casts()
         match.absorb_affine(
-            self.report,
-            "layernorm",
+            self,
             rank,
             (("Mul", "weight"), ("Add", "bias")),
             "LayerNormalization",
         )
         return match
 
-    def _rewrite(self, model: ir.Model, match: NormMatch) -> str:
+    def rewrite(self, model: ir.Model, match: NormMatch) -> str:
         """Insert the LayerNormalization, move the readers over, drop the old nodes."""
         graph = model.graph
         hint = label(match.nodes[-1])

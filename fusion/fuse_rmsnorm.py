@@ -67,24 +67,18 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, escaping_value, opset_version, rank_of
+from fusion._ir import as_division, escaping_value, label, opset_version, rank_of
+from fusion.base import Code, Kind, NodeFusionPass, Op
 from fusion.fuse_layernorm import (
-    NormFusionPass,
     NormMatch,
     NormRefused,
     centered,
     check_core,
-    label,
     match_eps_outside_sqrt,
     match_mean_square,
     normalized_dims,
     producer,
 )
-from fusion.report import FusionReport
-
-#: ``target`` values: ``"ort"`` may use ONNX Runtime's own ops (SimplifiedLayerNormalization
-#: for RMSNorm below opset 23); ``"onnx"`` keeps to standard ops.
-TARGETS = ("ort", "onnx")
 
 EPS_OUTSIDE = (
     "eps outside the square root: not an RMSNorm; differs by orders of magnitude for small inputs"
@@ -106,7 +100,7 @@ def _clamped_l2_norm(den: ir.Value) -> bool:
     return clamp is not None and any(producer(v, "ReduceL2") is not None for v in clamp.inputs)
 
 
-class FuseRMSNorm(NormFusionPass):
+class FuseRMSNorm(NodeFusionPass):
     """Replace each hand-written RMSNorm in the main graph by one fused node.
 
     Opset 23 and up: ``RMSNormalization``. Below 23: ORT's ``SimplifiedLayerNormalization``
@@ -115,20 +109,16 @@ class FuseRMSNorm(NormFusionPass):
     exactly are left intact and recorded as ``"rmsnorm"`` refusals (see the module docstring).
     """
 
-    kind = "rmsnorm"
+    kinds = (
+        Kind(
+            "rmsnorm_fused",
+            "rmsnorm",
+            (Op("RMSNormalization"), Op("SimplifiedLayerNormalization")),
+        ),
+    )
+    needs_opset = {"onnx": 23}
 
-    def __init__(self, report: FusionReport, target: str = "ort"):
-        """Args: report: shared record of fusions and refusals; target: one of :data:`TARGETS`.
-
-        Raises:
-            ValueError: ``target`` is not one of :data:`TARGETS`.
-        """
-        if target not in TARGETS:
-            raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
-        super().__init__(report)
-        self.target = target
-
-    def _match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
+    def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight."""
         division = as_division(node)
         if division is None:
@@ -136,7 +126,7 @@ class FuseRMSNorm(NormFusionPass):
         numerator, den, inverse = division
         outside = match_eps_outside_sqrt(den)
         if outside is not None and centered(outside) is None:
-            raise NormRefused(EPS_OUTSIDE)
+            raise NormRefused(EPS_OUTSIDE, Code.EPS_OUTSIDE_SQRT)
         if _clamped_l2_norm(den):
             raise NormRefused(F_NORMALIZE)
         core = match_mean_square(den)
@@ -150,20 +140,16 @@ class FuseRMSNorm(NormFusionPass):
         nodes = [*core.nodes, *inverse, node]
         escaping = escaping_value(nodes, node.outputs[0])
         if escaping is not None:
-            raise NormRefused(f"{escaping.name} is also read outside the RMSNorm subgraph")
-        opset = opset_version(model)
-        if opset < 23 and self.target == "onnx":
             raise NormRefused(
-                f"opset {opset} has no RMSNormalization (needs 23): export with --opset 23 "
-                "or target ONNX Runtime"
+                f"{escaping.name} is also read outside the RMSNorm subgraph", Code.SHARED_OUTPUT
             )
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
         match.absorb_casts()
-        match.absorb_affine(self.report, "rmsnorm", rank, (("Mul", "weight"),), "fused RMSNorm")
+        match.absorb_affine(self, rank, (("Mul", "weight"),), "fused RMSNorm")
         return match
 
-    def _rewrite(self, model: ir.Model, match: NormMatch) -> str:
+    def rewrite(self, model: ir.Model, match: NormMatch) -> str:
         """Insert the fused node, move the readers over, drop the old nodes; return its op."""
         graph = model.graph
         anchor = match.nodes[-1]

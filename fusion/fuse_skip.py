@@ -77,12 +77,13 @@ import onnx_ir as ir
 from fusion._ir import (
     KnownShapes,
     const_array,
+    label,
     replace_output,
     same_dim,
     shape_text,
     sole_consumer,
 )
-from fusion.report import FusionReport
+from fusion.base import MS_DOMAIN, CannotFuse, Code, FusionPass, Kind, Op
 
 #: Norm op (default domain) -> the com.microsoft op that adds the residual first.
 SKIP_OPS = {
@@ -92,15 +93,13 @@ SKIP_OPS = {
 }
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-_MS_DOMAIN = "com.microsoft"
 
 
-class _Refused(Exception):
-    """A candidate the Skip op cannot express; ``args[0]`` is the reason for the report."""
+class _Refused(CannotFuse):
+    """A candidate the Skip op cannot express (detail for the report, stable code)."""
 
-
-def _label(node: ir.Node) -> str:
-    return node.name or f"{node.op_type}({node.outputs[0].name})"
+    def __init__(self, detail: str, code: Code = Code.UNCLASSIFIED):
+        super().__init__(code, detail)
 
 
 def _same_shape(a: ir.Shape | tuple, b: ir.Shape | tuple) -> bool:
@@ -209,35 +208,42 @@ def _check_norm(norm: ir.Node, shapes: KnownShapes) -> None:
             )
 
 
-class FuseSkip(ir.passes.InPlacePass):
+class FuseSkip(FusionPass):
     """Fuse ``norm(Add(a, b))`` into ``com.microsoft`` SkipLayerNormalization or
     SkipSimplifiedLayerNormalization (see the module docstring for the math and the conditions).
 
     Only the main graph is rewritten. The model's ``com.microsoft`` opset import (version 1) is
     added when a fusion needs it. Running the pass twice changes nothing the second time.
 
-    Args:
-        report: the shared :class:`~fusion.report.FusionReport`; each fusion adds a
-            ``record("skip_fused", norm_name, op_type)``, each candidate left alone a
-            ``refuse("skip", norm_name, reason)``.
+    Each fusion is a ``skip_fused`` outcome; each candidate left alone a ``skip`` refusal.
+    Runs for ``target="ort"`` only, when ``optimize(skip=True)``.
     """
 
-    def __init__(self, report: FusionReport):
-        super().__init__()
-        self.report = report
+    kinds = (
+        Kind(
+            "skip_fused",
+            "skip",
+            (
+                Op("SkipLayerNormalization", MS_DOMAIN),
+                Op("SkipSimplifiedLayerNormalization", MS_DOMAIN),
+            ),
+        ),
+    )
+    targets = ("ort",)
+    option = "skip"
 
-    def call(self, model: ir.Model) -> ir.passes.PassResult:
-        """Fuse in place; ``PassResult.modified`` tells whether anything was fused."""
+    def apply(self, model: ir.Model) -> bool:
+        """Fuse in place; return whether anything was fused."""
         graph = model.graph
         shapes = KnownShapes(model)
-        version = model.opset_imports.get(_MS_DOMAIN, 1)
+        version = model.opset_imports.get(MS_DOMAIN, 1)
         modified = False
         for norm in [n for n in graph if n.domain == "" and n.op_type in SKIP_OPS]:
             add = norm.inputs[0].producer() if norm.inputs[0] is not None else None
             if add is not None and add.op_type == "Cast" and add.domain == "":
                 before = add.inputs[0].producer() if add.inputs[0] is not None else None
                 if _is_residual(before):
-                    self.report.refuse("skip", _label(norm), _CAST_BETWEEN)
+                    self.refused(norm, _Refused(_CAST_BETWEEN))
                 continue
             if add is None or add.op_type != "Add" or add.domain != "":
                 continue
@@ -252,15 +258,15 @@ class FuseSkip(ir.passes.InPlacePass):
                         "version 1"
                     )
             except _Refused as refusal:
-                self.report.refuse("skip", _label(norm), refusal.args[0])
+                self.refused(norm, refusal)
                 continue
             became = self._fuse(graph, add, norm, data, skip)
-            model.opset_imports[_MS_DOMAIN] = 1
-            self.report.record("skip_fused", _label(norm), became)
+            model.opset_imports[MS_DOMAIN] = 1
+            self.fused(norm, became)
             modified = True
         if modified:
             graph.sort()
-        return ir.passes.PassResult(model, modified)
+        return modified
 
     @staticmethod
     def _fuse(graph: ir.Graph, add: ir.Node, norm: ir.Node, data: ir.Value, skip: ir.Value) -> str:
@@ -270,12 +276,12 @@ class FuseSkip(ir.passes.InPlacePass):
         total = add.outputs[0]
         keeps_sum = sole_consumer(total) is not norm
         fused = ir.Node(
-            _MS_DOMAIN,
+            MS_DOMAIN,
             op_type,
             [data, skip, *params],
             attributes=[ir.AttrFloat32("epsilon", norm.attributes.get_float("epsilon", 1e-5))],
             num_outputs=4 if keeps_sum else 1,
-            name=f"{_label(norm)}_skip",
+            name=f"{label(norm)}_skip",
         )
         graph.insert_after(add, fused)
         replace_output(graph, norm.outputs[0], fused.outputs[0])

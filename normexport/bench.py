@@ -47,6 +47,7 @@ from rich.table import Table
 
 import fusion
 from normexport import report, runtime, variants
+from normexport.arguments import add_model_arguments
 from normexport.errors import UsageError
 from normexport.files import save_figure
 from normexport.latency import Timing, paired_ratio, time_interleaved
@@ -66,8 +67,6 @@ FUSED_NORMS = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser for ``normexport bench``."""
-    from normexport.cli import add_model_arguments
-
     p = argparse.ArgumentParser(
         prog="normexport bench",
         description="Time the raw export, ORT's offline optimization, onnxscript's "

@@ -58,7 +58,7 @@ def from_report(fusions: dict, already: list[dict]) -> list[Finding]:
         Finding(f["kind"].split("_")[0], f["node"], "fused", f["became"]) for f in fusions["fused"]
     ]
     findings += [
-        Finding(r["kind"], r["node"], "left alone", r["reason"]) for r in fusions["refused"]
+        Finding(r["kind"], r["node"], "left alone", r["detail"]) for r in fusions["refused"]
     ]
     return findings
 

@@ -153,7 +153,7 @@ def run(opts: Options) -> dict:
         "files_written": [str(p) for p in written],
         "external_data": len(written) > 1,
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in example.items()},
-        "fusions": fusions.to_dict() | {"already_fused": already},
+        "fusions": fusions.to_dict(fusion.FUSION_KINDS) | {"already_fused": already},
         "norm_ops": {"before": ops_before, "after": fusion.norm_ops(optimized)},
         "checker": checker,
         "parity": parity,

@@ -132,10 +132,10 @@ def render(report: dict, console: Console) -> None:
     console.print(table)
     if fusions["refused"]:
         refused = Table(title="Left alone", title_justify="left")
-        for col in ("kind", "node", "reason"):
+        for col in ("kind", "node", "code", "detail"):
             refused.add_column(col, overflow="fold")
         for r in fusions["refused"]:
-            refused.add_row(r["kind"], r["node"], r["reason"])
+            refused.add_row(r["kind"], r["node"], r["code"], r["detail"])
         console.print(refused)
 
     _render_parity(report["parity"], console)

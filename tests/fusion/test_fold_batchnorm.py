@@ -16,8 +16,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from fusion.base import FusionReport
 from fusion.fold_batchnorm import FoldBatchNorm
-from fusion.report import FusionReport
 from normexport.export import export_module
 from normexport.runtime import make_session, run
 
@@ -178,8 +178,9 @@ def _ops(model: ir.Model) -> list[str]:
 
 
 def _fold(model: ir.Model) -> tuple[FusionReport, bool]:
-    report = FusionReport()
-    return report, FoldBatchNorm(report)(model).modified
+    fusion_pass = FoldBatchNorm()
+    modified = fusion_pass(model).modified
+    return fusion_pass.outcomes, modified
 
 
 def _assert_second_run_is_noop(model: ir.Model) -> None:
@@ -224,7 +225,7 @@ def _assert_refused_unchanged(model, feeds, eager, anchor_op: str, *reason_parts
     assert not modified
     assert report.counts["batchnorm_folded"] == 0
     assert ir.to_proto(model).SerializeToString() == proto
-    refused = {r.node: r.reason for r in report.refused if r.kind == "batchnorm"}
+    refused = {r.node: r.detail for r in report.refused if r.kind == "batchnorm"}
     assert anchors and set(anchors) <= set(refused), (anchors, report.refused)
     for anchor in anchors:
         for part in reason_parts:
@@ -463,7 +464,7 @@ def test_refuses_division_by_constant_with_zero():
     model = _conv_then([node], [numpy_helper.from_array(d, "d")])
     report, modified = _fold(model)
     assert not modified
-    assert [(r.node, r.reason) for r in report.refused] == [
+    assert [(r.node, r.detail) for r in report.refused] == [
         ("div", "divides by a constant with a zero element: no exact reciprocal")
     ]
     assert _ops(model) == ["Conv", "Div"]
@@ -477,7 +478,7 @@ def test_refuses_training_mode_batchnorm():
     report, modified = _fold(model)
     assert not modified
     assert [r.node for r in report.refused] == ["bn_y"]
-    assert report.refused[0].reason.startswith("training_mode=1")
+    assert report.refused[0].detail.startswith("training_mode=1")
     assert "BatchNormalization" in _ops(model)
 
 
@@ -492,7 +493,7 @@ def test_refuses_batchnorm_on_axis_1_of_rank_3_matmul():
     model = _model(nodes, [w, *_bn_inits("y", params)], [3, 2, 5], [3, 2, 6], 15)
     report, modified = _fold(model)
     assert not modified
-    assert "has its channels on axis 2" in report.refused[0].reason
+    assert "has its channels on axis 2" in report.refused[0].detail
     assert report.refused[0].node == "bn_y"
 
 
@@ -712,8 +713,8 @@ def test_refuses_reshape_with_unknown_shape():
     assert ir.to_proto(model).SerializeToString() == before
     (refusal,) = report.refused
     assert refusal.node == "bn_y"
-    assert "Reshape 'flatten' from (2, 3, 6) to (" in refusal.reason
-    assert "regroups the channels across dimensions whose sizes are unknown" in refusal.reason
+    assert "Reshape 'flatten' from (2, 3, 6) to (" in refusal.detail
+    assert "regroups the channels across dimensions whose sizes are unknown" in refusal.detail
     _assert_close(run(make_session(model), feeds)[0], expected)
 
 
@@ -740,7 +741,7 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
 
     report, _ = _fold(model)
 
-    refused = {r.node: r.reason for r in report.refused}
+    refused = {r.node: r.detail for r in report.refused}
     assert len(refused) == 6 - report.counts["batchnorm_folded"]
     assert sum("goes to Pad (through MaxPool)" in reason for reason in refused.values()) == 5
     if (scale > 0).all():

@@ -22,15 +22,16 @@ from norm_testing import (
 )
 
 import fusion
+from fusion.base import FusionReport
 from fusion.fuse_layernorm import FuseLayerNorm
-from fusion.report import FusionReport
 
 torch.set_num_threads(1)
 
 
 def fuse(model: ir.Model, target: str = "ort") -> tuple[FusionReport, bool]:
-    report = FusionReport()
-    return report, FuseLayerNorm(report, target=target)(model).modified
+    fusion_pass = FuseLayerNorm(target=target)
+    modified = fusion_pass(model).modified
+    return fusion_pass.outcomes, modified
 
 
 def randomized(module: torch.nn.Module) -> torch.nn.Module:
@@ -136,7 +137,7 @@ def assert_refused(
     before = ir.to_proto(model).SerializeToString()
     report, modified = fuse(model, target)
     assert not modified and not report.counts
-    assert [r.reason for r in report.refused] == [reason]
+    assert [r.detail for r in report.refused] == [reason]
     assert ir.to_proto(model).SerializeToString() == before
     check_against_torch(module, model)
     return model, report
@@ -218,7 +219,7 @@ def test_intermediate_read_elsewhere_is_refused():
     report, modified = fuse(model)
     assert not modified
     (refusal,) = report.refused
-    assert refusal.reason.endswith("is also read outside the LayerNorm subgraph")
+    assert refusal.detail.endswith("is also read outside the LayerNorm subgraph")
     assert ir.to_proto(model).SerializeToString() == before
 
 
@@ -237,7 +238,7 @@ def test_weight_over_other_axis_is_not_absorbed(exporter, opset):
     report, modified = fuse(model)
     assert modified and report.counts["layernorm_fused"] == 1
     (refusal,) = report.refused
-    assert refusal.reason == (
+    assert refusal.detail == (
         "weight of shape [3, 1] varies along an axis that is not normalized: kept as a separate "
         "Mul after the LayerNormalization"
     )
@@ -360,7 +361,7 @@ def test_variance_that_is_not_a_scaled_keepdims_mean_is_refused(tail, reason):
     before = ir.to_proto(model).SerializeToString()
     report, modified = fuse(model)
     assert not modified and not report.counts
-    assert [r.reason for r in report.refused] == [reason]
+    assert [r.detail for r in report.refused] == [reason]
     assert ir.to_proto(model).SerializeToString() == before
 
 

@@ -144,7 +144,7 @@ def optimized(name: str) -> tuple[ir.Model, fusion.FusionReport]:
 
 
 def report_text(report: fusion.FusionReport) -> str:
-    return " | ".join([r.reason for r in report.refused] + [f.became for f in report.fused])
+    return " | ".join([r.detail for r in report.refused] + [f.became for f in report.fused])
 
 
 def feeds(proto: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
@@ -324,7 +324,7 @@ def test_opset_9_batchnorm_with_5_outputs_is_training_mode():
     assert "BatchNormalization" in _ops(model)
     (refusal,) = report.refused
     assert "5 outputs at opset 9: before opset 14 that is the training-mode form" in (
-        refusal.reason
+        refusal.detail
     )
     fusion.check(model)
     _assert_parity(proto, model)
@@ -335,7 +335,7 @@ def test_opset_15_training_mode_1_is_refused():
     model, report = _optimize(proto)
     assert "BatchNormalization" in _ops(model)
     (refusal,) = report.refused
-    assert refusal.reason.startswith("training_mode=1: statistics come from the batch")
+    assert refusal.detail.startswith("training_mode=1: statistics come from the batch")
     fusion.check(model)
 
 
@@ -352,7 +352,7 @@ def test_statistics_output_read_is_refused():
     proto.graph.output.append(helper.make_tensor_value_info("running_mean", TensorProto.FLOAT, [4]))
     _, report = _optimize(proto)
     (refusal,) = report.refused
-    assert "statistics output 'running_mean' is read" in refusal.reason
+    assert "statistics output 'running_mean' is read" in refusal.detail
 
 
 def test_empty_optional_output_does_not_block_folding():
@@ -473,7 +473,7 @@ def test_layernorm_at_opset_12_refused_for_onnx():
     model, report = _optimize(proto, target="onnx")
     assert "LayerNormalization" not in _ops(model)
     (refusal,) = report.refused
-    assert refusal.reason.startswith("opset 12 has no LayerNormalization (needs 17)")
+    assert refusal.detail.startswith("opset 12 has no LayerNormalization (needs 17)")
     fusion.check(model)
 
 

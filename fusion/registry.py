@@ -1,0 +1,66 @@
+"""The one registry of fusion passes, the kinds of rewrite they make, and the norm ops.
+
+The report, ``explain``, ``bench``, the variants, the demo and the gallery read these instead
+of keeping lists of their own. A new fusion is one line in :data:`PASSES`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from fusion.base import Kind, Op
+from fusion.fold_batchnorm import FoldBatchNorm
+from fusion.fuse_attention import FuseAttention
+from fusion.fuse_layernorm import FuseLayerNorm
+from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.fuse_skip import FuseSkip
+
+#: The fusion passes in the order optimize() runs them. FuseSkip is last: it fuses the norms
+#: the passes before it produce.
+PASSES = (FoldBatchNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip)
+
+#: Every kind of rewrite, in report order.
+KINDS: tuple[Kind, ...] = tuple(kind for p in PASSES for kind in p.kinds)
+
+#: The report's count keys (every report carries each, zero or not).
+FUSION_KINDS: tuple[str, ...] = tuple(kind.name for kind in KINDS)
+
+#: The normalization ops, each with its family: what ``fusion.norm_ops`` counts.
+NORM_OPS: Mapping[Op, str] = {op: kind.family for kind in KINDS if kind.norm for op in kind.ops}
+
+#: The norm ops the fusion passes emit (BatchNormalization is folded away, never emitted).
+FUSED_NORM_OPS: tuple[Op, ...] = tuple(op for op in NORM_OPS if op.op_type != "BatchNormalization")
+
+#: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
+#: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.
+ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+#: Standard ops that ORT registers in the default domain below the opset that introduced them
+#: (op -> that opset): its LayerNormFusion emits LayerNormalization into models of any opset.
+ORT_EARLY_OPS = {"LayerNormalization": 17}
+
+
+def kind(name: str) -> Kind:
+    """The :class:`~fusion.base.Kind` called ``name`` (a count key such as
+    ``"layernorm_fused"``).
+
+    Raises:
+        KeyError: no pass makes a kind of that name.
+    """
+    found = next((k for k in KINDS if k.name == name), None)
+    if found is None:
+        raise KeyError(f"unknown fusion kind {name!r}: one of {FUSION_KINDS}")
+    return found
+
+
+def family_of(op_type: str, domain: str = "") -> str | None:
+    """The norm family of an op (``"layernorm"`` for LayerNormalization), or None."""
+    return NORM_OPS.get(Op(op_type, domain))
+
+
+def ort_registered(op_type: str, domain: str, opset: int) -> bool:
+    """Whether ``op_type`` in ``domain`` is an ONNX Runtime op, not a standard one, in a model
+    of default-domain ``opset`` (:data:`ORT_DEFAULT_DOMAIN_OPS`, :data:`ORT_EARLY_OPS`)."""
+    if domain != "":
+        return False
+    return op_type in ORT_DEFAULT_DOMAIN_OPS or opset < ORT_EARLY_OPS.get(op_type, 0)

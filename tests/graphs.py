@@ -1,0 +1,91 @@
+"""Build small ONNX graphs without PyTorch, run them on ONNX Runtime, compare two models.
+
+For the fast, graph-level pass tests (``make test-fast``): every graph is written node by node
+with :mod:`onnx.helper`, so a test shows exactly the pattern it exercises, and runs in
+milliseconds. Parameters come from a seeded generator: randomize every weight and statistic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+#: A node as ``(op_type, inputs, outputs, attributes)``; add ``"domain"`` to the attributes
+#: dict as ``{"domain": "com.microsoft"}`` for a contrib op.
+NodeSpec = tuple[str, Sequence[str], Sequence[str], Mapping]
+
+
+def make_model(
+    nodes: Sequence[NodeSpec],
+    inputs: Mapping[str, tuple[int, Sequence[int | str]]],
+    outputs: Mapping[str, tuple[int, Sequence[int | str] | None]],
+    initializers: Mapping[str, np.ndarray] = (),
+    *,
+    opset: int = 18,
+    ir_version: int = 10,
+) -> ir.Model:
+    """An onnx_ir model of one graph.
+
+    Args:
+        nodes: the nodes in order, each ``(op_type, inputs, outputs, attributes)``.
+        inputs: graph inputs, name -> ``(onnx.TensorProto dtype, shape)``.
+        outputs: graph outputs, name -> ``(dtype, shape or None)``.
+        initializers: name -> array (constants of the graph).
+        opset: the ai.onnx opset (com.microsoft version 1 is imported when a node uses it).
+    """
+    protos = []
+    for op_type, node_inputs, node_outputs, attributes in nodes:
+        attrs = dict(attributes)
+        domain = attrs.pop("domain", "")
+        protos.append(
+            helper.make_node(op_type, list(node_inputs), list(node_outputs), domain=domain, **attrs)
+        )
+    graph = helper.make_graph(
+        protos,
+        "g",
+        [helper.make_tensor_value_info(n, t, list(s)) for n, (t, s) in inputs.items()],
+        [
+            helper.make_tensor_value_info(n, t, None if s is None else list(s))
+            for n, (t, s) in outputs.items()
+        ],
+        [numpy_helper.from_array(np.asarray(a), n) for n, a in dict(initializers).items()],
+    )
+    imports = [helper.make_opsetid("", opset)]
+    if any(p.domain == "com.microsoft" for p in protos):
+        imports.append(helper.make_opsetid("com.microsoft", 1))
+    proto = helper.make_model(graph, opset_imports=imports, ir_version=ir_version)
+    proto = onnx.shape_inference.infer_shapes(proto)
+    return ir.serde.deserialize_model(proto)
+
+
+def run(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """Outputs of ``model`` on ``feeds``, on ORT's CPU provider with graph optimizations off
+    (so that ONNX Runtime's own fusions do not hide what a pass did)."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    data = ir.serde.serialize_model(model).SerializeToString()
+    session = ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
+    return session.run(None, dict(feeds))
+
+
+def ops(model: ir.Model) -> list[str]:
+    """The op types of the main graph, in order."""
+    return [node.op_type for node in model.graph]
+
+
+def assert_close(got: Sequence[np.ndarray], want: Sequence[np.ndarray], rtol: float = 1e-5):
+    """Each pair finite where ``want`` is, and within ``1e-6 + rtol * max|want|`` (float64)."""
+    assert len(got) == len(want)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.shape == w.shape, (i, g.shape, w.shape)
+        g, w = g.astype(np.float64), w.astype(np.float64)
+        assert np.isfinite(g[np.isfinite(w)]).all(), f"output {i}: non-finite values"
+        err = np.abs(g - w)[np.isfinite(w)].max(initial=0.0)
+        tol = 1e-6 + rtol * np.abs(w[np.isfinite(w)]).max(initial=0.0)
+        assert err <= tol, f"output {i}: max abs err {err:.3g} > {tol:.3g}"
