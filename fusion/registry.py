@@ -11,13 +11,14 @@ from collections.abc import Mapping
 from fusion.base import Kind, Op
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_attention import FuseAttention
+from fusion.fuse_instancenorm import FuseInstanceNorm
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.fuse_skip import FuseSkip
 
 #: The fusion passes in the order optimize() runs them. FuseSkip is last: it fuses the norms
 #: the passes before it produce.
-PASSES = (FoldBatchNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip)
+PASSES = (FoldBatchNorm, FuseInstanceNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip)
 
 #: Every kind of rewrite, in report order.
 KINDS: tuple[Kind, ...] = tuple(kind for p in PASSES for kind in p.kinds)

@@ -1,0 +1,115 @@
+"""Fuse the per-channel "CNN LayerNorm" into one ``InstanceNormalization`` node.
+
+Tutorials normalize a feature map ``x`` of shape (N, C, *spatial) over its spatial axes, with a
+weight and bias per channel::
+
+    mu = x.mean((2, 3), keepdim=True); var = ((x - mu) ** 2).mean((2, 3), keepdim=True)
+    y = gamma * (x - mu) / sqrt(var + eps) + beta        # gamma, beta: (1, C, 1, 1)
+
+ONNX ``InstanceNormalization`` (onnx/docs/Operators.md#InstanceNormalization, opset 6) is
+exactly this function: ``y = scale[c] * (x - mean) / sqrt(var + epsilon) + B[c]`` with the mean
+and the biased variance over the spatial axes of each (n, c). :class:`FuseLayerNorm` would make
+it ``LayerNormalization(axis=2)`` and leave the per-channel ``Mul`` / ``Add`` after it (their
+constants vary along C, an axis LayerNormalization does not normalize); this pass runs first
+and makes the whole subgraph one node. The normalization is matched by FuseLayerNorm's own
+matcher, so every form it accepts is accepted here (a scaled variance ``factor * var`` gives
+``scale = gamma / sqrt(factor)`` and ``epsilon = eps / factor``, as there).
+
+What is not exactly an InstanceNorm is left to FuseLayerNorm, which fuses or refuses it: a norm
+over other axes than 2 and on, a half-precision round trip (InstanceNormalization computes in the
+input type, the fused LayerNormalization in float32), a weight that is not per channel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import add_initializer, const_array, other_input, rank_of, sole_consumer
+from fusion.base import CannotFuse, Kind, NodeFusionPass, Op
+from fusion.fuse_layernorm import FuseLayerNorm, NormMatch
+
+
+def _per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarray | None:
+    """``array`` as a float32 (C,) vector when broadcasting it against (N, C, *spatial) varies
+    along axis 1 at most; None otherwise."""
+    if array is None or array.ndim > rank or array.dtype != np.float32:
+        return None
+    full = array.reshape((1,) * (rank - array.ndim) + array.shape)
+    if any(n != 1 for i, n in enumerate(full.shape) if i != 1) or full.shape[1] not in (
+        1,
+        channels,
+    ):
+        return None
+    return np.ascontiguousarray(np.broadcast_to(full.reshape(-1), (channels,)))
+
+
+def _absorb(match: NormMatch, op_type: str, rank: int, channels: int) -> np.ndarray | None:
+    """Extend ``match`` over ``op_type(output, c)`` with ``c`` per channel; return ``c`` as a
+    (C,) vector, or None (``match`` unchanged)."""
+    node = sole_consumer(match.output)
+    if node is None or node.op_type != op_type or node.domain != "":
+        return None
+    vector = _per_channel(const_array(other_input(node, match.output)), rank, channels)
+    if vector is not None:
+        match.nodes.append(node)
+        match.output = node.outputs[0]
+    return vector
+
+
+class FuseInstanceNorm(NodeFusionPass):
+    """Replace each hand-written per-channel "CNN LayerNorm" by one ``InstanceNormalization``
+    (see the module docstring for the math). Runs before :class:`FuseLayerNorm`.
+
+    Counted as ``instancenorm_fused``. It refuses nothing itself: a candidate that is not
+    exactly an InstanceNorm is FuseLayerNorm's to fuse or to refuse with the reason.
+    """
+
+    kinds = (Kind("instancenorm_fused", "instancenorm", (Op("InstanceNormalization"),)),)
+
+    def __init__(self, target: str = "ort"):
+        super().__init__(target)
+        self._layernorm = FuseLayerNorm(target)  # its matcher; its outcomes are not kept
+
+    def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
+        """A LayerNorm over axes 2.. of a float32 (N, C, ...) input with no weight of its own,
+        followed by a per-channel Mul (and optionally Add); None for anything else."""
+        try:
+            match = self._layernorm.match(model, node)
+        except CannotFuse:  # FuseLayerNorm's to report
+            return None
+        if match is None or match.weight is not None or match.bias is not None:
+            return None
+        rank = rank_of(match.x)
+        if rank is None or rank < 3 or match.k != rank - 2 or match.dtype != ir.DataType.FLOAT:
+            return None
+        channels = match.x.shape[1]
+        if not isinstance(channels, int):
+            return None
+        scale = _absorb(match, "Mul", rank, channels)
+        if scale is None:
+            return None
+        bias = _absorb(match, "Add", rank, channels)
+        match.weight = (None, scale)
+        match.bias = (None, bias if bias is not None else np.zeros(channels, np.float32))
+        return match
+
+    def rewrite(self, model: ir.Model, match: NormMatch) -> str:
+        """Insert the InstanceNormalization, move the readers over, drop the old nodes."""
+        graph = model.graph
+        hint = match.nodes[-1].name or "instancenorm"
+        scale = (match.weight[1].astype(np.float64) / math.sqrt(match.factor)).astype(np.float32)
+        fused = ir.node(
+            "InstanceNormalization",
+            [
+                match.x,
+                add_initializer(graph, f"{hint}_scale", scale),
+                add_initializer(graph, f"{hint}_B", match.bias[1]),
+            ],
+            {"epsilon": match.epsilon},
+            name=f"{hint}_InstanceNormalization",
+        )
+        match.replace(graph, fused)
+        return "InstanceNormalization"
