@@ -73,12 +73,23 @@ The graph
     x ─ BN ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W, b) ─ y
                                                x ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W', b') ─ y
 
-Everything else is left alone and recorded in the :class:`~fusion.base.FusionReport` with
-the reason: a BatchNorm after a ReLU (CREPE's conv -> ReLU -> BN -> max-pool -> pad -> conv),
-a layer whose output has another consumer, a constant that is not per-channel, a division by a
-constant with a zero element, a BatchNorm in training mode, a padded Conv after a BatchNorm,
-a MaxPool between a layer and a BatchNorm with a scale that is not positive, a reshape whose
-shapes are unknown. Only the main graph is rewritten (not If / Loop bodies).
+Everything else is left alone and recorded in the :class:`~fusion.base.FusionReport` with a
+stable :class:`~fusion.base.Code` and the reason: a BatchNorm after a ReLU (CREPE's conv ->
+ReLU -> BN -> max-pool -> pad -> conv; ``no_linear_layer``), a layer whose output has another
+consumer (``shared_output``), a constant that is not per-channel (``not_per_channel``), a
+division by a constant with a zero element (``zero_divisor``), a BatchNorm in training mode
+(``training_mode``), a padded Conv after a BatchNorm (``padded_conv``), a MaxPool between a
+layer and a BatchNorm with a scale that is not positive (``maxpool_negative_scale``), a reshape
+that regroups the channels across dimensions of unknown size (``channels_regrouped``). Only the
+main graph is rewritten (not If / Loop bodies).
+
+The code
+--------
+:mod:`~fusion.fold_batchnorm.algebra` (BatchNorm and constant ops as ``(s, t)``, the layers,
+the per-channel checks), :mod:`~fusion.fold_batchnorm.across` (moving a map across Transpose /
+Reshape / MaxPool ...), :mod:`~fusion.fold_batchnorm.after` (fold into the layer before the
+BatchNorm: the walk down its readers), :mod:`~fusion.fold_batchnorm.before` (fold into the
+layer after it).
 """
 
 from __future__ import annotations
