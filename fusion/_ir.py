@@ -34,6 +34,23 @@ def sole_consumer(value: ir.Value) -> ir.Node | None:
     return uses[0].node if len(uses) == 1 else None
 
 
+def num_consumers(value: ir.Value) -> int:
+    """How many times ``value`` is read: its uses by nodes, plus one if it is a graph output."""
+    return len(list(value.uses())) + int(value.is_graph_output())
+
+
+def value_reader(value: ir.Value) -> ir.Node | None:
+    """The only node that reads the elements of ``value``, or None (several, or a graph output).
+
+    ``Shape`` and ``Size`` read only the shape, which a rewrite that keeps shapes never changes:
+    the TorchScript exporter writes ``x.reshape(x.shape[0], -1)`` with a ``Shape`` of ``x``.
+    """
+    if value.is_graph_output():
+        return None
+    readers = [use.node for use in value.uses() if use.node.op_type not in ("Shape", "Size")]
+    return readers[0] if len(readers) == 1 else None
+
+
 def opset_version(model: ir.Model, domain: str = "") -> int:
     """The model's opset version for ``domain`` ("" is ai.onnx); 0 when it imports none."""
     return model.opset_imports.get(domain, model.graph.opset_imports.get(domain, 0))
@@ -170,13 +187,41 @@ def remove_nodes(graph: ir.Graph, nodes: list[ir.Node]) -> None:
     inputs = {value for node in nodes for value in node.inputs if value is not None}
     graph.remove(nodes, safe=True)
     for value in inputs:
-        if value.uses() or value.is_graph_output() or value.is_graph_input():
-            continue
-        producer = value.producer()
-        if producer is not None and producer.op_type == "Constant" and producer.graph is graph:
-            graph.remove(producer, safe=True)
-        elif value.is_initializer() and value.name in graph.initializers:
-            graph.initializers.pop(value.name)
+        drop_if_unused(graph, value)
+
+
+def drop_if_unused(graph: ir.Graph, value: ir.Value | None) -> None:
+    """Remove the constant ``value`` (an initializer of ``graph`` that is not a graph input, or
+    the output of a Constant node in it) when nothing reads it any more; else do nothing."""
+    if value is None or value.uses() or value.is_graph_output() or value.is_graph_input():
+        return
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant" and producer.graph is graph:
+        graph.remove(producer, safe=True)
+    elif value.is_initializer() and graph.initializers.get(value.name) is value:
+        graph.initializers.pop(value.name)
+
+
+def set_input(graph: ir.Graph, node: ir.Node, index: int, array: np.ndarray, hint: str) -> None:
+    """Make input ``index`` of ``node`` a new initializer holding ``array``, named after ``hint``
+    (adding the input slot if ``node`` has fewer inputs); the old constant goes if unused."""
+    if index >= len(node.inputs):
+        node.resize_inputs(index + 1)
+    old = node.inputs[index]
+    node.replace_input_with(index, add_initializer(graph, hint, array))
+    drop_if_unused(graph, old)
+
+
+def unused_name(graph: ir.Graph, hint: str) -> str:
+    """``hint``, or ``hint_<n>``: a value name that no input, initializer or node output of
+    ``graph`` has."""
+    taken = {v.name for v in graph.inputs} | set(graph.initializers)
+    taken |= {v.name for node in graph for v in node.outputs}
+    name, n = hint, 0
+    while name in taken:
+        n += 1
+        name = f"{hint}_{n}"
+    return name
 
 
 def _fully_known(shape: ir.Shape | None) -> bool:

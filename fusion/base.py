@@ -80,6 +80,48 @@ class Code(enum.StrEnum):
     AXIS_NOT_NORMALIZED = "axis_not_normalized"
 
     # BatchNorm and affine folding.
+    #: No Conv / ConvTranspose / Gemm / MatMul before it (or after it) to fold into.
+    NO_LINEAR_LAYER = "no_linear_layer"
+    #: The layer before it folds nothing, for no reason found on the way (a fallback).
+    CHAIN_NOT_FOLDED = "chain_not_folded"
+    #: The layer's weight has a shape it cannot have (not 2-D for Gemm / MatMul, < 3-D for Conv).
+    WEIGHT_SHAPE = "weight_shape"
+    #: The layer's bias does not fit its output channels.
+    BIAS_SHAPE = "bias_shape"
+    #: The BatchNorm parameters are not four vectors of one (C,) shape.
+    PARAMETER_SHAPE = "parameter_shape"
+    #: BatchNorm ``spatial=0`` (opset < 9): statistics per element, not per channel.
+    SPATIAL_ZERO = "spatial_zero"
+    #: ``input_var + epsilon`` is not positive for some channel.
+    NONPOSITIVE_VARIANCE = "nonpositive_variance"
+    #: The channel counts of the map and of the layer (or of the BatchNorm input) differ.
+    CHANNEL_MISMATCH = "channel_mismatch"
+    #: The map's channels land on another axis of the layer than its channel axis.
+    WRONG_CHANNEL_AXIS = "wrong_channel_axis"
+    #: A reshape regroups the channels across dimensions of unknown size.
+    CHANNELS_REGROUPED = "channels_regrouped"
+    #: A constant that varies along an axis other than the channels (or over a pool window).
+    NOT_PER_CHANNEL = "not_per_channel"
+    #: A constant does not broadcast against the shape around a reshape.
+    SHAPE_MISMATCH = "shape_mismatch"
+    #: A Transpose ``perm`` that does not fit the rank of its input.
+    PERM_MISMATCH = "perm_mismatch"
+    #: A MaxPool on the way has its Indices output in use.
+    MAXPOOL_INDICES_USED = "maxpool_indices_used"
+    #: A MaxPool on the way, and a scale that is not positive: the max would become a min.
+    MAXPOOL_NEGATIVE_SCALE = "maxpool_negative_scale"
+    #: A BatchNorm on a value of rank < 2.
+    NO_CHANNEL_AXIS = "no_channel_axis"
+    #: A constant with more axes than the value it applies to (broadcasting grows the output).
+    BROADCAST_CHANGES_SHAPE = "broadcast_changes_shape"
+    #: An op with a constant operand that is not an affine map of the tensor (constant / x).
+    NOT_AFFINE = "not_affine"
+    #: A division by a constant with a zero element.
+    ZERO_DIVISOR = "zero_divisor"
+    #: The Conv after a BatchNorm pads its input (a padded zero is not ``s * 0 + t``).
+    PADDED_CONV = "padded_conv"
+    #: The Gemm after a BatchNorm has ``transA=1``.
+    GEMM_TRANS_A = "gemm_trans_a"
 
     # Skip (residual Add + norm).
 

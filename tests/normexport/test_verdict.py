@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fusion
-from fusion import fold_batchnorm
+from fusion.fold_batchnorm import algebra, before
 from normexport import pipeline
 
 
@@ -162,7 +162,7 @@ def _layernorm_to_rmsnorm(model: ir.Model) -> None:
 
 def _wrong_variance(monkeypatch) -> None:
     """BatchNorm folded with the standard deviation where the variance belongs."""
-    real = fold_batchnorm._batchnorm_affine
+    real = algebra.batchnorm_affine
 
     def wrong(node):
         real(node)  # its refusals stand
@@ -172,7 +172,9 @@ def _wrong_variance(monkeypatch) -> None:
         s = scale / np.sqrt(np.sqrt(var) + node.attributes.get_float("epsilon", 1e-5))
         return s, bias - mean * s
 
-    monkeypatch.setattr(fold_batchnorm, "_batchnorm_affine", wrong)
+    # Where it is looked up: the fold into the layer before (algebra.step) and after (before).
+    for module in (algebra, before):
+        monkeypatch.setattr(module, "batchnorm_affine", wrong)
 
 
 BROKEN = {
