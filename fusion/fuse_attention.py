@@ -54,9 +54,8 @@ from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
 from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
-from fusion._ir import const_array
+from fusion._ir import const_array, producer
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
-from fusion.fuse_layernorm import producer
 
 #: onnxscript fusions in fuse_xformers' order, each with whether shape inference follows it
 #: (the sdpa rule adds nodes whose shapes the mha rules check).

@@ -29,7 +29,7 @@ Spellings accepted (the LLaMA / HF ``LlamaRMSNorm`` forms as both exporters writ
     after        [Cast] [Mul by constant w (either operand order)]
 
 A constant factor ``f`` on the mean square moves into the op exactly, as for LayerNorm:
-``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.fuse_layernorm`).
+``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.norm_match`).
 
 Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. The HF
 round trip ``Cast(x16, float32) ... Cast(back)`` with the weight applied after the cast back in
@@ -67,9 +67,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, escaping_value, label, opset_version, rank_of
+from fusion._ir import as_division, escaping_value, label, opset_version, producer, rank_of
 from fusion.base import Code, Kind, NodeFusionPass, Op
-from fusion.fuse_layernorm import (
+from fusion.norm_match import (
     NormMatch,
     NormRefused,
     centered,
@@ -77,7 +77,6 @@ from fusion.fuse_layernorm import (
     match_eps_outside_sqrt,
     match_mean_square,
     normalized_dims,
-    producer,
 )
 
 EPS_OUTSIDE = (
