@@ -84,10 +84,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusion._ir import as_division, escaping_value, label, rank_of
-from fusion.base import Code, Kind, NodeFusionPass, Op
+from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.norm_match import (
     NormMatch,
-    NormRefused,
     centered,
     check_core,
     match_eps_outside_sqrt,
@@ -122,7 +121,7 @@ class FuseLayerNorm(NodeFusionPass):
         numerator, den, inverse = division
         outside = match_eps_outside_sqrt(den)
         if outside is not None and centered(outside) is not None:
-            raise NormRefused(EPS_OUTSIDE, Code.EPS_OUTSIDE_SQRT)
+            raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
         core = match_mean_square(den)
         found = centered(core.value) if core is not None else None
         if found is None:
@@ -132,22 +131,25 @@ class FuseLayerNorm(NodeFusionPass):
         if numerator is not core.value:
             again = centered(numerator)
             if again is None or again[0] is not x:
-                raise NormRefused(
-                    "divides a tensor other than x - mean(x) by the standard deviation"
+                raise CannotFuse(
+                    Code.WRONG_NUMERATOR,
+                    "divides a tensor other than x - mean(x) by the standard deviation",
                 )
             centers.append(again)
         rank = rank_of(x, core.value, node.outputs[0])
         k = check_core(core, x, rank)
         if any(reduced_trailing(c[1], rank) != k for c in centers):
-            raise NormRefused("the mean and the variance reduce over different axes")
+            raise CannotFuse(
+                Code.DIFFERENT_AXES, "the mean and the variance reduce over different axes"
+            )
         centering = [n for c in centers for n in c[1:]]
         nodes = [*centering, *core.nodes, *inverse, node]
         # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays
         # for its other readers: the fused node computes the same value from x itself.
         escaping = escaping_value(nodes[len(centering) :], node.outputs[0])
         if escaping is not None:
-            raise NormRefused(
-                f"{escaping.name} is also read outside the LayerNorm subgraph", Code.SHARED_OUTPUT
+            raise CannotFuse(
+                Code.SHARED_OUTPUT, f"{escaping.name} is also read outside the LayerNorm subgraph"
             )
         dims = normalized_dims(k, x, core.value, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])

@@ -68,10 +68,9 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusion._ir import as_division, escaping_value, label, opset_version, producer, rank_of
-from fusion.base import Code, Kind, NodeFusionPass, Op
+from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.norm_match import (
     NormMatch,
-    NormRefused,
     centered,
     check_core,
     match_eps_outside_sqrt,
@@ -125,22 +124,25 @@ class FuseRMSNorm(NodeFusionPass):
         numerator, den, inverse = division
         outside = match_eps_outside_sqrt(den)
         if outside is not None and centered(outside) is None:
-            raise NormRefused(EPS_OUTSIDE, Code.EPS_OUTSIDE_SQRT)
+            raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
         if _clamped_l2_norm(den):
-            raise NormRefused(F_NORMALIZE)
+            raise CannotFuse(Code.F_NORMALIZE, F_NORMALIZE)
         core = match_mean_square(den)
         if core is None or centered(core.value) is not None:
             return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)
         x = core.value
         if numerator is not x:
-            raise NormRefused("divides a tensor other than the one whose mean square is taken")
+            raise CannotFuse(
+                Code.WRONG_NUMERATOR,
+                "divides a tensor other than the one whose mean square is taken",
+            )
         rank = rank_of(x, node.outputs[0])
         k = check_core(core, x, rank)
         nodes = [*core.nodes, *inverse, node]
         escaping = escaping_value(nodes, node.outputs[0])
         if escaping is not None:
-            raise NormRefused(
-                f"{escaping.name} is also read outside the RMSNorm subgraph", Code.SHARED_OUTPUT
+            raise CannotFuse(
+                Code.SHARED_OUTPUT, f"{escaping.name} is also read outside the RMSNorm subgraph"
             )
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])

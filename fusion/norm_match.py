@@ -48,13 +48,6 @@ FLOAT = ir.DataType.FLOAT
 HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-class NormRefused(CannotFuse):
-    """A norm candidate that cannot be fused exactly (detail for the report, stable code)."""
-
-    def __init__(self, detail: str, code: Code = Code.UNCLASSIFIED):
-        super().__init__(code, detail)
-
-
 def _square_of(value: ir.Value) -> tuple[ir.Value, ir.Node] | None:
     """``(v, node)`` when ``value`` is ``Pow(v, 2)`` or ``Mul(v, v)``."""
     node = producer(value, "Pow")
@@ -90,6 +83,7 @@ class MeanSquare:
         restores: Reshape / Expand nodes between the mean and the Add, in graph order (they
             must put back the reduced axes that ``keepdims=0`` dropped; see :func:`check_core`).
         nodes: every node from the square to the Sqrt.
+        eps_constant: whether eps is a constant (of any size).
     """
 
     value: ir.Value
@@ -98,6 +92,7 @@ class MeanSquare:
     factor: float
     restores: list[ir.Node]
     nodes: list[ir.Node]
+    eps_constant: bool = False
 
 
 def _scaled_mean_square(value: ir.Value) -> MeanSquare | None:
@@ -151,6 +146,7 @@ def match_mean_square(den: ir.Value) -> MeanSquare | None:
         return None
     eps_array = const_array(eps)
     found.eps = eps_array.reshape(()) if eps_array is not None and eps_array.size == 1 else None
+    found.eps_constant = eps_array is not None
     found.nodes += [add, sqrt]
     return found
 
@@ -201,19 +197,25 @@ def reduced_trailing(reduce: ir.Node, rank: int | None, *, restored: bool = Fals
             axes back (the caller checks them).
 
     Raises:
-        NormRefused: the axes are not constant, not trailing, or the reduction drops them.
+        CannotFuse: ``not_constant`` (the axes), ``axes_not_trailing``, or ``keepdims_zero``
+            (the reduction drops the axes and nothing restores them).
     """
     axes = reduce_axes(reduce, rank)
     if axes is None:
-        raise NormRefused(f"{reduce.name} reduces over axes that are not constant")
+        raise CannotFuse(
+            Code.NOT_CONSTANT, f"{reduce.name} reduces over axes that are not constant"
+        )
     if reduce.attributes.get_int("keepdims", 1) != 1 and not restored:
-        raise NormRefused(f"{reduce.name} has keepdims=0: not a per-row statistic")
+        raise CannotFuse(
+            Code.KEEPDIMS_ZERO, f"{reduce.name} has keepdims=0: not a per-row statistic"
+        )
     k = trailing_axes(axes, rank)
     if k is None:
         where = f"a rank-{rank} input" if rank is not None else "an input of unknown rank"
-        raise NormRefused(
+        raise CannotFuse(
+            Code.AXES_NOT_TRAILING,
             f"mean over axes {list(axes)} of {where}: the fused op normalizes the trailing "
-            "axes only"
+            "axes only",
         )
     return k
 
@@ -222,16 +224,18 @@ def _check_restored(core: MeanSquare, x: ir.Value, k: int) -> None:
     """The Reshape / Expand nodes after the mean must leave it in its keepdims shape.
 
     Raises:
-        NormRefused: the shape of ``x`` or a target shape is not known, or the result is not
-            ``x``'s shape with the ``k`` normalized axes set to 1.
+        CannotFuse: ``unknown_shape`` (the shape of ``x`` is not static) or
+            ``variance_reshaped`` (a target shape is not a constant of explicit dimensions, or
+            the result is not ``x``'s shape with the ``k`` normalized axes set to 1).
     """
     if not core.restores:
         return
     dims = tuple(x.shape.dims) if x.shape is not None else ()
     if not dims or not all(isinstance(d, int) for d in dims):
-        raise NormRefused(
+        raise CannotFuse(
+            Code.UNKNOWN_SHAPE,
             "the variance is reshaped, and the input's shape is not static: cannot check that "
-            "the reshape only restores the reduced axes"
+            "the reshape only restores the reduced axes",
         )
     keep = dims[: len(dims) - k] + (1,) * k
     shape = keep if core.reduce.attributes.get_int("keepdims", 1) else keep[: len(dims) - k]
@@ -239,14 +243,16 @@ def _check_restored(core: MeanSquare, x: ir.Value, k: int) -> None:
         target = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
         target = tuple(int(t) for t in target.reshape(-1)) if target is not None else None
         if target is None or (node.op_type == "Reshape" and min(target, default=1) < 1):
-            raise NormRefused(
+            raise CannotFuse(
+                Code.VARIANCE_RESHAPED,
                 f"the variance goes through {node.op_type} '{node.name}' to a shape that is not "
-                "a constant of explicit dimensions"
+                "a constant of explicit dimensions",
             )
         shape = target if node.op_type == "Reshape" else np.broadcast_shapes(shape, target)
     if tuple(shape) != keep:
-        raise NormRefused(
-            f"the variance is reshaped to {list(shape)}, not to its keepdims shape {list(keep)}"
+        raise CannotFuse(
+            Code.VARIANCE_RESHAPED,
+            f"the variance is reshaped to {list(shape)}, not to its keepdims shape {list(keep)}",
         )
 
 
@@ -254,22 +260,29 @@ def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
     """The checks LayerNorm and RMSNorm share; return ``k``, the number of normalized axes.
 
     Raises:
-        NormRefused: eps is not a one-element constant; the mean is not over trailing axes or
-            is not kept per row; the factor is not positive; the norm is not in float32.
+        CannotFuse: ``not_constant`` / ``eps_not_scalar`` (eps is not a one-element
+            constant), the codes of :func:`reduced_trailing` and :func:`_check_restored`,
+            ``factor_not_positive``, ``unsupported_dtype`` (the norm is not in float32).
     """
+    if core.eps is None and not core.eps_constant:
+        raise CannotFuse(Code.NOT_CONSTANT, "eps is not a constant: it cannot become an attribute")
     if core.eps is None:
-        raise NormRefused("eps is not a one-element constant: it cannot become an attribute")
+        raise CannotFuse(
+            Code.EPS_NOT_SCALAR, "eps is not a one-element constant: it cannot become an attribute"
+        )
     k = reduced_trailing(core.reduce, rank, restored=bool(core.restores))
     _check_restored(core, x, k)
     if not (math.isfinite(core.factor) and core.factor > 0):
-        raise NormRefused(
+        raise CannotFuse(
+            Code.FACTOR_NOT_POSITIVE,
             f"the mean square is multiplied by {core.factor:g}: only a positive factor can move "
-            "into epsilon and the scale"
+            "into epsilon and the scale",
         )
     if core.eps.dtype != FLOAT.numpy():
-        raise NormRefused(
+        raise CannotFuse(
+            Code.UNSUPPORTED_DTYPE,
             f"computes in {core.eps.dtype}: only float32 norms are fused (the fused op with "
-            "stash_type=1 computes in float32, a different function)"
+            "stash_type=1 computes in float32, a different function)",
         )
     return k
 
@@ -425,10 +438,10 @@ class NormMatch:
             if param is None:
                 fusion_pass.refused(
                     node,
-                    NormRefused(
+                    CannotFuse(
+                        Code.AXIS_NOT_NORMALIZED,
                         f"{what} of shape {list(array.shape)} varies along an axis that is not "
                         f"normalized: kept as a separate {op_type} after the {fused}",
-                        Code.AXIS_NOT_NORMALIZED,
                     ),
                 )
                 return
