@@ -54,18 +54,20 @@ Everything else with an ``Add`` feeding a norm is left alone and reported with t
 Numerics and speed
 ------------------
 The rewrite is exact up to float rounding, with two differences from the unfused pair: the CPU
-kernel takes the variance in one pass (``E[s^2] - E[s]^2`` in the input type), which loses
-precision on rows whose mean is large against their spread (rows of mean 1e3 and std 1.4 at
-H = 768: max error 1.2e-3 against 4e-5 for Add + LayerNormalization); and in float16 it adds
-``input + skip`` in float32 without rounding the sum to float16 before normalizing.
+kernel takes the variance in one pass (``E[s^2] - E[s]^2`` in the input type), which cancels
+catastrophically on rows whose mean is large against their spread, where the two-pass variance
+of Add + LayerNormalization does not (the tests' ``1e3 scale`` probe is such a row); and in
+float16 it adds ``input + skip`` in float32 without rounding the sum to float16 before
+normalizing.
 
-It is a speed choice, not an exactness one, and not a win everywhere. On ORT 1.31's CPU provider
-(interleaved medians, float32) SkipLayerNormalization was 2.4x to 2.9x slower than
-Add + LayerNormalization at (8, 512, 768) and 2.8x to 3.6x slower at (1, 128, 768);
-SkipSimplifiedLayerNormalization was as fast as Add + SimplifiedLayerNormalization or
-Add + RMSNormalization at (8, 512, 768) and 1.5x slower at (1, 128, 768). ORT's own session-time
-``SkipLayerNormFusion`` makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up,
-on the CPU provider too, whenever the sum is read by the norm only; a CPU session avoids it with
+It is a speed choice, not an exactness one, and not a win everywhere. One node instead of two
+saves a pass over ``s`` in memory, but ORT's CPU kernels for the Skip ops are not faster than
+its Add and LayerNormalization / RMSNormalization kernels together: the measured ratios per
+shape, CPU provider, float32, are in ``benchmarks/results/forms_cpu.json`` (groups
+``skip_layernorm`` and ``skip_rmsnorm``; made by ``benchmarks/forms.py``), and there the
+SkipLayerNormalization form is the slower one. ORT's own session-time ``SkipLayerNormFusion``
+makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up, on the CPU provider
+too, whenever the sum is read by the norm only; a CPU session avoids it with
 ``disabled_optimizers=["SkipLayerNormFusion"]``. So :func:`fusion.optimize` does not run this
 pass by default; it is chosen per execution provider.
 """
