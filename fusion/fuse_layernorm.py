@@ -114,7 +114,16 @@ class FuseLayerNorm(NodeFusionPass):
     needs_opset = {"onnx": 17}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
-        """Walk up from ``node`` (the division) to ``x``, then down through the affine part."""
+        """Walk up from ``node`` (the division) to ``x``, then down through the affine part.
+
+        Returns:
+            The match (``x`` float32, or float16 / bfloat16 when a round trip through float32
+            was absorbed; ``k`` trailing axes), or None when ``node`` ends no LayerNorm.
+
+        Raises:
+            CannotFuse: ``eps_outside_sqrt``, ``wrong_numerator``, ``different_axes``,
+                ``shared_output``, or a code of :func:`fusion.norm_match.check_core`.
+        """
         division = as_division(node)
         if division is None:
             return None

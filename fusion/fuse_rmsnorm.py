@@ -117,7 +117,16 @@ class FuseRMSNorm(NodeFusionPass):
     needs_opset = {"onnx": 23}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
-        """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight."""
+        """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight.
+
+        Returns:
+            The match (``x`` float32, or float16 / bfloat16 when a round trip through float32
+            was absorbed; ``k`` trailing axes), or None when ``node`` ends no RMSNorm.
+
+        Raises:
+            CannotFuse: ``eps_outside_sqrt``, ``f_normalize``, ``wrong_numerator``,
+                ``shared_output``, or a code of :func:`fusion.norm_match.check_core`.
+        """
         division = as_division(node)
         if division is None:
             return None
