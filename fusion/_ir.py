@@ -21,6 +21,12 @@ def const_array(value: ir.Value | None) -> np.ndarray | None:
     return None if tensor is None else tensor.numpy()
 
 
+def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    """The standard-domain (ai.onnx) node of type ``op_type`` that produces ``value``, or None."""
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain == "" else None
+
+
 def label(node: ir.Node) -> str:
     """A name for ``node`` in reports: its name, else its first output's name, else its op."""
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type

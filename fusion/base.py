@@ -76,8 +76,26 @@ class Code(enum.StrEnum):
     UNCLASSIFIED = "unclassified"
 
     # LayerNorm / RMSNorm.
+    #: ``v / (sqrt(ms) + eps)``: eps added outside the square root, a different function.
     EPS_OUTSIDE_SQRT = "eps_outside_sqrt"
+    #: A weight or bias that varies along an axis that is not normalized (kept as its own op).
     AXIS_NOT_NORMALIZED = "axis_not_normalized"
+    #: ``F.normalize(x) * sqrt(d)``: the L2 norm clamped at eps, not eps added to the mean square.
+    F_NORMALIZE = "f_normalize"
+    #: The division's numerator is not the tensor whose (centered) mean square is taken.
+    WRONG_NUMERATOR = "wrong_numerator"
+    #: A mean over axes that are not the trailing axes of the input.
+    AXES_NOT_TRAILING = "axes_not_trailing"
+    #: A ReduceMean with keepdims=0 whose result is not put back into its keepdims shape.
+    KEEPDIMS_ZERO = "keepdims_zero"
+    #: The mean and the variance reduce over different axes.
+    DIFFERENT_AXES = "different_axes"
+    #: eps is a constant of more than one element: it cannot become the epsilon attribute.
+    EPS_NOT_SCALAR = "eps_not_scalar"
+    #: The mean square is scaled by a factor that is zero, negative or not finite.
+    FACTOR_NOT_POSITIVE = "factor_not_positive"
+    #: The variance is reshaped to a shape other than its keepdims shape, or to one not known.
+    VARIANCE_RESHAPED = "variance_reshaped"
 
     # BatchNorm and affine folding.
     #: No Conv / ConvTranspose / Gemm / MatMul before it (or after it) to fold into.
@@ -124,6 +142,26 @@ class Code(enum.StrEnum):
     GEMM_TRANS_A = "gemm_trans_a"
 
     # Skip (residual Add + norm).
+    #: A Cast between the residual Add and the norm (the Skip op would add in another type).
+    CAST_BETWEEN = "cast_between"
+    #: The model imports com.microsoft at a version other than the Skip ops' 1.
+    MS_OPSET_VERSION = "ms_opset_version"
+    #: The norm's mean / inverse-std outputs are read (the Skip kernels do not compute them).
+    STATS_OUTPUTS_USED = "stats_outputs_used"
+    #: The norm normalizes more than the last axis.
+    NOT_LAST_AXIS = "not_last_axis"
+    #: The Add operands are neither 2-D nor 3-D.
+    UNSUPPORTED_RANK = "unsupported_rank"
+    #: The Add operands' shapes are not a pair the Skip op accepts.
+    SHAPE_MISMATCH = "shape_mismatch"
+    #: A float16 norm with stash_type=0 (statistics in float16; the Skip op uses float32).
+    STASH_TYPE_ZERO = "stash_type_zero"
+    #: epsilon < 0, which the Skip kernels reject.
+    NEGATIVE_EPSILON = "negative_epsilon"
+    #: The norm's scale or bias has a type other than the data's.
+    PARAM_DTYPE = "param_dtype"
+    #: The norm's scale or bias is not a 1-D vector as long as the last axis.
+    PARAM_SHAPE = "param_shape"
 
 
 class CannotFuse(Exception):

@@ -1,9 +1,11 @@
 """Fuse attention and GELU into ONNX Runtime's contrib ops, with onnxscript's own rules.
 
 Not a norm pass: it runs after them (``target="ort"`` only) so that a transformer's output is
-not slower on ONNX Runtime than what onnxscript's ``optimize_for_ort`` makes of it. Measured on
-all-MiniLM-L6-v2 at (1, 32), ORT 1.31 CPU provider, interleaved medians: normexport's norms
-alone 12.48 ms, ``optimize_for_ort`` 11.37 ms, normexport's norms plus this pass 11.15 ms.
+not slower on ONNX Runtime than what onnxscript's ``optimize_for_ort`` makes of it: with the
+norms fused alone, the attention and GELU subgraphs stay as dozens of small ops that
+``optimize_for_ort`` would have fused. The timings of normexport against ``optimize_for_ort``
+per zoo model are in ``benchmarks/results/demo_models_cpu.json`` (``benchmarks/demo_models.py``;
+all-MiniLM-L6-v2 in ``demo_minilm_cpu.json``).
 
 The rules are onnxscript's (``onnxscript.rewriter.ort_fusions``, 0.7), applied one rule set
 at a time in the order ``fuse_xformers`` applies them, and nothing else of that pipeline:
@@ -22,9 +24,9 @@ are already split into heads, ``(B, N, L, H)``, to MultiHeadAttention through
 again. MultiHeadAttention also takes key and value as ``(B, N, L, H)`` directly (its 4-D "past
 key" form, ContribOperators.md), so where ``N`` is the op's ``num_heads`` the tensors are
 passed as they are: the same numbers, two Transposes and two Reshapes fewer per attention,
-and no re-split inside the op. On the llama-tiny zoo model at (8, 16) (ORT 1.31 CPU provider,
-``benchmarks/demo_models.py``, paired medians) normexport's model went from 1.05x the time of
-ORT's transformer optimizer's, which leaves this attention unfused, to 0.96x.
+and no re-split inside the op. ORT's transformer optimizer leaves this attention unfused; the
+llama-tiny zoo model's timings against it are in ``benchmarks/results/demo_llama-tiny_cpu.json``
+(``benchmarks/demo_models.py``).
 
 Op semantics: onnxruntime docs/ContribOperators.md (domain ``com.microsoft``). Left out on
 purpose: onnxscript's norm rules (normexport's passes choose the norm form per provider: its
@@ -54,9 +56,8 @@ from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
 from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
-from fusion._ir import const_array
+from fusion._ir import const_array, producer
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
-from fusion.fuse_layernorm import producer
 
 #: onnxscript fusions in fuse_xformers' order, each with whether shape inference follows it
 #: (the sdpa rule adds nodes whose shapes the mha rules check).

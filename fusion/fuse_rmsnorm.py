@@ -29,7 +29,7 @@ Spellings accepted (the LLaMA / HF ``LlamaRMSNorm`` forms as both exporters writ
     after        [Cast] [Mul by constant w (either operand order)]
 
 A constant factor ``f`` on the mean square moves into the op exactly, as for LayerNorm:
-``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.fuse_layernorm`).
+``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.norm_match`).
 
 Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. The HF
 round trip ``Cast(x16, float32) ... Cast(back)`` with the weight applied after the cast back in
@@ -67,17 +67,15 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, escaping_value, label, opset_version, rank_of
-from fusion.base import Code, Kind, NodeFusionPass, Op
-from fusion.fuse_layernorm import (
+from fusion._ir import as_division, escaping_value, label, opset_version, producer, rank_of
+from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion.norm_match import (
     NormMatch,
-    NormRefused,
     centered,
     check_core,
     match_eps_outside_sqrt,
     match_mean_square,
     normalized_dims,
-    producer,
 )
 
 EPS_OUTSIDE = (
@@ -119,29 +117,41 @@ class FuseRMSNorm(NodeFusionPass):
     needs_opset = {"onnx": 23}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
-        """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight."""
+        """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight.
+
+        Returns:
+            The match (``x`` float32, or float16 / bfloat16 when a round trip through float32
+            was absorbed; ``k`` trailing axes), or None when ``node`` ends no RMSNorm.
+
+        Raises:
+            CannotFuse: ``eps_outside_sqrt``, ``f_normalize``, ``wrong_numerator``,
+                ``shared_output``, or a code of :func:`fusion.norm_match.check_core`.
+        """
         division = as_division(node)
         if division is None:
             return None
         numerator, den, inverse = division
         outside = match_eps_outside_sqrt(den)
         if outside is not None and centered(outside) is None:
-            raise NormRefused(EPS_OUTSIDE, Code.EPS_OUTSIDE_SQRT)
+            raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
         if _clamped_l2_norm(den):
-            raise NormRefused(F_NORMALIZE)
+            raise CannotFuse(Code.F_NORMALIZE, F_NORMALIZE)
         core = match_mean_square(den)
         if core is None or centered(core.value) is not None:
             return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)
         x = core.value
         if numerator is not x:
-            raise NormRefused("divides a tensor other than the one whose mean square is taken")
+            raise CannotFuse(
+                Code.WRONG_NUMERATOR,
+                "divides a tensor other than the one whose mean square is taken",
+            )
         rank = rank_of(x, node.outputs[0])
         k = check_core(core, x, rank)
         nodes = [*core.nodes, *inverse, node]
         escaping = escaping_value(nodes, node.outputs[0])
         if escaping is not None:
-            raise NormRefused(
-                f"{escaping.name} is also read outside the RMSNorm subgraph", Code.SHARED_OUTPUT
+            raise CannotFuse(
+                Code.SHARED_OUTPUT, f"{escaping.name} is also read outside the RMSNorm subgraph"
             )
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])

@@ -54,18 +54,20 @@ Everything else with an ``Add`` feeding a norm is left alone and reported with t
 Numerics and speed
 ------------------
 The rewrite is exact up to float rounding, with two differences from the unfused pair: the CPU
-kernel takes the variance in one pass (``E[s^2] - E[s]^2`` in the input type), which loses
-precision on rows whose mean is large against their spread (rows of mean 1e3 and std 1.4 at
-H = 768: max error 1.2e-3 against 4e-5 for Add + LayerNormalization); and in float16 it adds
-``input + skip`` in float32 without rounding the sum to float16 before normalizing.
+kernel takes the variance in one pass (``E[s^2] - E[s]^2`` in the input type), which cancels
+catastrophically on rows whose mean is large against their spread, where the two-pass variance
+of Add + LayerNormalization does not (the tests' ``1e3 scale`` probe is such a row); and in
+float16 it adds ``input + skip`` in float32 without rounding the sum to float16 before
+normalizing.
 
-It is a speed choice, not an exactness one, and not a win everywhere. On ORT 1.31's CPU provider
-(interleaved medians, float32) SkipLayerNormalization was 2.4x to 2.9x slower than
-Add + LayerNormalization at (8, 512, 768) and 2.8x to 3.6x slower at (1, 128, 768);
-SkipSimplifiedLayerNormalization was as fast as Add + SimplifiedLayerNormalization or
-Add + RMSNormalization at (8, 512, 768) and 1.5x slower at (1, 128, 768). ORT's own session-time
-``SkipLayerNormFusion`` makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up,
-on the CPU provider too, whenever the sum is read by the norm only; a CPU session avoids it with
+It is a speed choice, not an exactness one, and not a win everywhere. One node instead of two
+saves a pass over ``s`` in memory, but ORT's CPU kernels for the Skip ops are not faster than
+its Add and LayerNormalization / RMSNormalization kernels together: the measured ratios per
+shape, CPU provider, float32, are in ``benchmarks/results/forms_cpu.json`` (groups
+``skip_layernorm`` and ``skip_rmsnorm``; made by ``benchmarks/forms.py``), and there the
+SkipLayerNormalization form is the slower one. ORT's own session-time ``SkipLayerNormFusion``
+makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up, on the CPU provider
+too, whenever the sum is read by the norm only; a CPU session avoids it with
 ``disabled_optimizers=["SkipLayerNormFusion"]``. So :func:`fusion.optimize` does not run this
 pass by default; it is chosen per execution provider.
 """
@@ -93,13 +95,6 @@ SKIP_OPS = {
 }
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-
-
-class _Refused(CannotFuse):
-    """A candidate the Skip op cannot express (detail for the report, stable code)."""
-
-    def __init__(self, detail: str, code: Code = Code.UNCLASSIFIED):
-        super().__init__(code, detail)
 
 
 def _same_shape(a: ir.Shape | tuple, b: ir.Shape | tuple) -> bool:
@@ -132,12 +127,15 @@ def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.
     """``(input, skip)``: the Add operands in the roles the Skip op accepts.
 
     Raises:
-        _Refused: their shapes are unknown or do not fit.
+        CannotFuse: ``unknown_shape``, ``unsupported_rank`` (neither is 2-D or 3-D) or
+            ``shape_mismatch`` (no pair the Skip op accepts).
     """
     shape_a, shape_b = shapes(a), shapes(b)
     if shape_a is None or shape_b is None:
         unknown = a if shape_a is None else b
-        raise _Refused(f"the shape of the Add operand '{unknown.name}' is unknown")
+        raise CannotFuse(
+            Code.UNKNOWN_SHAPE, f"the shape of the Add operand '{unknown.name}' is unknown"
+        )
     for data, skip, data_shape, skip_shape in ((a, b, shape_a, shape_b), (b, a, shape_b, shape_a)):
         if len(data_shape) not in (2, 3):
             continue
@@ -150,12 +148,14 @@ def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.
             return data, skip
     ranks = {len(shape_a), len(shape_b)}
     if not ranks & {2, 3}:
-        raise _Refused(
-            f"the Add operands have rank {max(ranks)}: the Skip op takes 2-D or 3-D inputs"
+        raise CannotFuse(
+            Code.UNSUPPORTED_RANK,
+            f"the Add operands have rank {max(ranks)}: the Skip op takes 2-D or 3-D inputs",
         )
-    raise _Refused(
+    raise CannotFuse(
+        Code.SHAPE_MISMATCH,
         f"the Add operands have shapes {shape_text(shape_a)} and {shape_text(shape_b)}: the Skip "
-        "op needs equal shapes, or for a 3-D input (B, S, H) a skip of (1, S, H) or (S, H)"
+        "op needs equal shapes, or for a 3-D input (B, S, H) a skip of (1, S, H) or (S, H)",
     )
 
 
@@ -163,48 +163,69 @@ def _check_norm(norm: ir.Node, shapes: KnownShapes) -> None:
     """Check that ``norm`` normalizes the last axis, in a type and shape the Skip op takes.
 
     Raises:
-        _Refused: it does not.
+        CannotFuse: ``stats_outputs_used``, ``unknown_shape`` (the input's rank),
+            ``not_last_axis``, ``unsupported_dtype``, ``stash_type_zero``,
+            ``negative_epsilon``, or those of :func:`_check_params`.
     """
     op = norm.op_type
     if any(out is not None and (out.uses() or out.is_graph_output()) for out in norm.outputs[1:]):
-        raise _Refused(f"{op}'s statistics outputs are in use: the Skip op does not compute them")
+        raise CannotFuse(
+            Code.STATS_OUTPUTS_USED,
+            f"{op}'s statistics outputs are in use: the Skip op does not compute them",
+        )
     shape = shapes(norm.inputs[0])
     if shape is None:
-        raise _Refused(f"the rank of the {op} input is unknown")
+        raise CannotFuse(Code.UNKNOWN_SHAPE, f"the rank of the {op} input is unknown")
     axis = norm.attributes.get_int("axis", -1)
     if axis % len(shape) != len(shape) - 1:
-        raise _Refused(
+        raise CannotFuse(
+            Code.NOT_LAST_AXIS,
             f"{op} normalizes axes {axis % len(shape)}..{len(shape) - 1} of a rank-{len(shape)} "
-            "input: the Skip op normalizes the last axis only"
+            "input: the Skip op normalizes the last axis only",
         )
     dtype = shapes.dtype(norm.inputs[0])
     if dtype not in _DTYPES:
-        raise _Refused(
+        raise CannotFuse(
+            Code.UNSUPPORTED_DTYPE,
             f"the data type is {dtype.name if dtype else 'unknown'}: ORT's Skip kernels take "
-            "float32 and float16"
+            "float32 and float16",
         )
     if dtype == ir.DataType.FLOAT16 and norm.attributes.get_int("stash_type", 1) != 1:
-        raise _Refused(
-            f"{op} has stash_type=0 (statistics in float16): the Skip op computes them in float32"
+        raise CannotFuse(
+            Code.STASH_TYPE_ZERO,
+            f"{op} has stash_type=0 (statistics in float16): the Skip op computes them in float32",
         )
     if norm.attributes.get_float("epsilon", 1e-5) < 0:
-        raise _Refused("epsilon is negative: ORT's Skip kernels require epsilon >= 0")
-    hidden = shape[-1]
+        raise CannotFuse(
+            Code.NEGATIVE_EPSILON, "epsilon is negative: ORT's Skip kernels require epsilon >= 0"
+        )
+    _check_params(norm, shape, dtype, shapes)
+
+
+def _check_params(norm: ir.Node, shape: ir.Shape, dtype: ir.DataType, shapes: KnownShapes) -> None:
+    """Check that the norm's scale and bias are 1-D of length ``shape[-1]`` and of ``dtype``.
+
+    Raises:
+        CannotFuse: ``param_dtype`` or ``param_shape``.
+    """
+    op = norm.op_type
     for index, what in ((1, "scale"), (2, "bias")):
         if index >= len(norm.inputs) or norm.inputs[index] is None:
             continue
         param = norm.inputs[index]
         param_shape = shapes(param)
         if shapes.dtype(param) != dtype:
-            raise _Refused(
+            raise CannotFuse(
+                Code.PARAM_DTYPE,
                 f"{op} {what} has type {shapes.dtype(param)}, not the data type {dtype.name}: "
-                "the Skip op takes one type"
+                "the Skip op takes one type",
             )
-        if param_shape is None or len(param_shape) != 1 or not same_dim(param_shape[0], hidden):
+        if param_shape is None or len(param_shape) != 1 or not same_dim(param_shape[0], shape[-1]):
             got = "an unknown shape" if param_shape is None else f"shape {shape_text(param_shape)}"
-            raise _Refused(
+            raise CannotFuse(
+                Code.PARAM_SHAPE,
                 f"{op} {what} has {got}: the Skip op takes a 1-D vector as long as the last "
-                f"axis of the input {shape_text(shape)}"
+                f"axis of the input {shape_text(shape)}",
             )
 
 
@@ -243,7 +264,7 @@ class FuseSkip(FusionPass):
             if add is not None and add.op_type == "Cast" and add.domain == "":
                 before = add.inputs[0].producer() if add.inputs[0] is not None else None
                 if _is_residual(before):
-                    self.refused(norm, _Refused(_CAST_BETWEEN))
+                    self.refused(norm, CannotFuse(Code.CAST_BETWEEN, _CAST_BETWEEN))
                 continue
             if add is None or add.op_type != "Add" or add.domain != "":
                 continue
@@ -253,11 +274,12 @@ class FuseSkip(FusionPass):
                 _check_norm(norm, shapes)
                 data, skip = _order(*add.inputs, shapes)
                 if version != 1:
-                    raise _Refused(
+                    raise CannotFuse(
+                        Code.MS_OPSET_VERSION,
                         f"the model imports com.microsoft version {version}; the Skip ops are "
-                        "version 1"
+                        "version 1",
                     )
-            except _Refused as refusal:
+            except CannotFuse as refusal:
                 self.refused(norm, refusal)
                 continue
             became = self._fuse(graph, add, norm, data, skip)

@@ -10,6 +10,8 @@ import fusion
 from normexport.export import export_module
 from normexport.runtime import make_session, run
 
+pytestmark = pytest.mark.slow
+
 
 class TinyBert(torch.nn.Module):
     """One BERT layer (hidden 32, 2 heads, erf GELU), random weights, with a padding mask."""

@@ -5,7 +5,9 @@ an Add; ONNX Runtime's SimplifiedLayerNormalization, the shape variants and the 
 built with onnx.helper. Each fused model is run on ONNX Runtime's CPU provider and compared with
 PyTorch (or a float64 numpy reference) and with the unfused graph, on random inputs and on the
 probes that make eps matter; it must pass fusion.check, and a second run of the pass must change
-nothing. Refused candidates must be left byte-identical, with the reason in the report.
+nothing. Refused candidates must be left byte-identical, with the reason code in the report.
+Exports PyTorch modules (slow); the graph-level cases without PyTorch are in
+``test_fuse_skip_graphs.py``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
-from fusion.base import FusionReport
+from fusion.base import Code, FusionReport
 from fusion.fuse_skip import SKIP_OPS, FuseSkip
 from normexport.export import export_module
 from normexport.runtime import make_session, run
+
+pytestmark = pytest.mark.slow
 
 torch.set_num_threads(1)
 
@@ -307,57 +311,63 @@ def test_fuses_float16(op):
     assert np.abs(fused.astype(np.float64) - unfused.astype(np.float64)).max() <= ulp
 
 
-def _assert_refused(model: ir.Model, *reason_parts: str) -> None:
+def _assert_refused(model: ir.Model, code: Code, *detail_parts: str) -> None:
     before = ir.to_proto(model).SerializeToString()
     report, modified = _fuse(model)
     assert not modified
     assert report.fused == []
     assert ir.to_proto(model).SerializeToString() == before
     (refusal,) = report.refused
-    assert (refusal.kind, refusal.node) == ("skip", "norm")
-    for part in reason_parts:
+    assert (refusal.kind, refusal.node, refusal.code) == ("skip", "norm", code), refusal
+    for part in detail_parts:
         assert part in refusal.detail, refusal.detail
 
 
 @pytest.mark.parametrize(
-    ("op", "shapes", "kwargs", "reason"),
+    ("op", "shapes", "kwargs", "code", "detail"),
     [
         (
             "LayerNormalization",
             ((B, S, H),) * 2,
             {"norm_attrs": {"axis": -2}, "param_shape": (S, H)},
+            Code.NOT_LAST_AXIS,
             "normalizes axes 1..2 of a rank-3 input",
         ),
-        ("LayerNormalization", ((B, 3, S, H),) * 2, {}, "rank 4: the Skip op takes 2-D or 3-D"),
+        ("LayerNormalization", ((B, 3, S, H),) * 2, {}, Code.UNSUPPORTED_RANK, "rank 4"),
         (
             "SimplifiedLayerNormalization",
             ((B, S, H), (B, 1, H)),
             {},
+            Code.SHAPE_MISMATCH,
             "shapes (2, 5, 16) and (2, 1, 16)",
         ),
-        ("RMSNormalization", ((S, H), (1, H)), {}, "needs equal shapes"),
+        ("RMSNormalization", ((S, H), (1, H)), {}, Code.SHAPE_MISMATCH, "needs equal shapes"),
         (
             "LayerNormalization",
             ((B, S, H),) * 2,
             {"dtype": TensorProto.DOUBLE},
+            Code.UNSUPPORTED_DTYPE,
             "the data type is DOUBLE",
         ),
         (
             "RMSNormalization",
             ((B, S, H),) * 2,
             {"dtype": TensorProto.FLOAT16, "norm_attrs": {"stash_type": 0}},
+            Code.STASH_TYPE_ZERO,
             "stash_type=0",
         ),
         (
             "LayerNormalization",
             ((B, S, H),) * 2,
             {"outputs": ("y", "mean"), "norm_outputs": ("y", "mean")},
+            Code.STATS_OUTPUTS_USED,
             "statistics outputs are in use",
         ),
         (
             "LayerNormalization",
             (None, (B, S, H)),
             {},
+            Code.UNKNOWN_SHAPE,
             "the rank of the LayerNormalization input is unknown",
         ),
     ],
@@ -372,9 +382,9 @@ def _assert_refused(model: ir.Model, *reason_parts: str) -> None:
         "unknown_shape",
     ],
 )
-def test_refuses(op, shapes, kwargs, reason):
+def test_refuses(op, shapes, kwargs, code, detail):
     model = _graph_model(op, shapes, **kwargs)
-    _assert_refused(model, reason)
+    _assert_refused(model, code, detail)
 
 
 def test_bias_add_is_no_candidate():

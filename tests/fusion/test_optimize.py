@@ -1,59 +1,58 @@
-"""fusion.optimize end to end on small graphs: checker, contrib ops, idempotence."""
+"""fusion.optimize end to end on small hand-written graphs: checker, contrib ops, idempotence.
+
+No PyTorch: the graphs are written with onnx.helper (:mod:`norm_graphs`), and each optimized
+model is compared with the original on ONNX Runtime (graph optimizations off).
+"""
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-import torch
+from graphs import assert_close, run
+from norm_graphs import Graph, inputs, layernorm, rmsnorm
+from onnx import TensorProto
 
 import fusion
-from normexport.export import export_module
-from normexport.runtime import make_session, run
+
+FLOAT = TensorProto.FLOAT
+X = (2, 3, 5, 6)
 
 
-class RMSBlock(torch.nn.Module):
-    """Conv -> BN, then a LLaMA-style RMSNorm over the last axis."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 1)
-        self.bn = torch.nn.BatchNorm2d(4)
-        self.weight = torch.nn.Parameter(1 + 0.5 * torch.randn(6))
-        with torch.no_grad():
-            self.bn.running_mean.uniform_(-1, 1)
-            self.bn.running_var.uniform_(0.5, 2)
-            self.bn.weight.uniform_(0.5, 1.5)
-            self.bn.bias.uniform_(-1, 1)
-
-    def forward(self, x):
-        h = self.bn(self.conv(x))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-        return self.weight * h
-
-
-def _export(opset):
-    torch.manual_seed(0)
-    module = RMSBlock().eval()
-    x = torch.randn(2, 3, 5, 6)
-    exported = export_module(module, [x], opset=opset, input_names=["x"], exporter="dynamo")
-    return exported.model, x, module(x).detach().numpy()
+def _conv_bn_rms(opset: int, rng: np.random.Generator) -> ir.Model:
+    """Conv -> BatchNormalization, then a LLaMA-style RMSNorm over the last axis (random
+    weights and statistics)."""
+    g = Graph(opset)
+    w = g.const("conv_w", rng.standard_normal((4, 3, 1, 1)).astype(np.float32))
+    b = g.const("conv_b", rng.standard_normal(4).astype(np.float32))
+    h = g.node("Conv", ["x", w, b], "conv")
+    bn = [
+        g.const("bn_scale", rng.uniform(0.5, 1.5, 4).astype(np.float32)),
+        g.const("bn_bias", rng.uniform(-1, 1, 4).astype(np.float32)),
+        g.const("bn_mean", rng.uniform(-1, 1, 4).astype(np.float32)),
+        g.const("bn_var", rng.uniform(0.5, 2, 4).astype(np.float32)),
+    ]
+    h = g.node("BatchNormalization", [h, *bn], "bn", epsilon=1e-5)
+    weight = g.const("rms_w", (1 + 0.5 * rng.standard_normal(X[-1])).astype(np.float32))
+    y = g.node("Mul", [weight, rmsnorm(g, h)], "y")
+    return g.model({"x": (FLOAT, X)}, {y: (FLOAT, (2, 4, 5, 6))})
 
 
 @pytest.mark.parametrize(("opset", "op"), [(18, "SimplifiedLayerNormalization"),
                                            (23, "RMSNormalization")])  # fmt: skip
-def test_optimize_passes_the_checker_and_matches_torch(opset, op):
-    model, x, expected = _export(opset)
+def test_optimize_passes_the_checker_and_matches_the_original(rng, opset, op):
+    model = _conv_bn_rms(opset, rng)
+    feeds = inputs(rng, model)
+    expected = run(model, feeds)
     report = fusion.optimize(model, target="ort")
     assert report.counts["batchnorm_folded"] == 1 and report.counts["rmsnorm_fused"] == 1
     assert fusion.norm_ops(model) == {op: 1}
     assert model.opset_imports[""] == opset  # never raised
     fusion.check(model)
-    (y,) = run(make_session(model), {"x": x.numpy()})
-    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+    assert_close(run(model, feeds), expected, rtol=1e-4)
 
 
-def test_second_optimize_changes_nothing():
-    model, _, _ = _export(18)
+def test_second_optimize_changes_nothing(rng):
+    model = _conv_bn_rms(18, rng)
     fusion.optimize(model)
     before = ir.to_proto(model).SerializeToString()
     report = fusion.optimize(model)
@@ -61,8 +60,8 @@ def test_second_optimize_changes_nothing():
     assert ir.to_proto(model).SerializeToString() == before
 
 
-def test_check_rejects_an_invalid_model():
-    model, _, _ = _export(18)
+def test_check_rejects_an_invalid_model(rng):
+    model = _conv_bn_rms(18, rng)
     fusion.optimize(model)
     node = next(n for n in model.graph if n.op_type == "Conv")
     node.attributes["group"] = ir.AttrString("group", "one")  # wrong attribute type
@@ -70,30 +69,30 @@ def test_check_rejects_an_invalid_model():
         fusion.check(model)
 
 
-class ResidualNorm(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(16, 16)
-        self.norm = torch.nn.LayerNorm(16)
+def _residual_norm(rng: np.random.Generator) -> ir.Model:
+    """``LayerNorm(x + Linear(x))``, the LayerNorm written out (weight and bias), hidden 16."""
+    g = Graph(18)
+    w = g.const("lin_w", rng.standard_normal((16, 16)).astype(np.float32) / 4)
+    b = g.const("lin_b", rng.standard_normal(16).astype(np.float32))
+    lin = g.node("Add", [g.node("MatMul", ["x", w], "mm"), b], "lin")
+    total = g.node("Add", ["x", lin], "sum")
+    gamma = g.const("gamma", (1 + 0.5 * rng.standard_normal(16)).astype(np.float32))
+    beta = g.const("beta", rng.standard_normal(16).astype(np.float32))
+    y = g.node("Add", [g.node("Mul", [layernorm(g, total), gamma], "scaled"), beta], "y")
+    return g.model({"x": (FLOAT, (2, 5, 16))}, {y: (FLOAT, (2, 5, 16))})
 
-    def forward(self, x):
-        return self.norm(x + self.linear(x))
 
-
-def test_skip_is_opt_in_and_exact():
-    torch.manual_seed(0)
-    module = ResidualNorm().eval()
-    x = torch.randn(2, 5, 16)
-    expected = module(x).detach().numpy()
-    plain = export_module(module, [x], input_names=["x"], exporter="dynamo").model
+def test_skip_is_opt_in_and_exact(rng):
+    plain = _residual_norm(rng)
     fusion.optimize(plain)
     assert fusion.norm_ops(plain) == {"LayerNormalization": 1}
-    skipped = export_module(module, [x], input_names=["x"], exporter="dynamo").model
+    skipped = _residual_norm(np.random.default_rng(0))
+    feeds = inputs(rng, skipped)
+    expected = run(skipped, feeds)
     report = fusion.optimize(skipped, skip=True)
     assert report.counts["skip_fused"] == 1
     assert fusion.norm_ops(skipped) == {"SkipLayerNormalization": 1}
     fusion.check(skipped)
-    (y,) = run(make_session(skipped), {"x": x.numpy()})
-    np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-5)
+    assert_close(run(skipped, feeds), expected, rtol=1e-4)
     with pytest.raises(ValueError, match="target='ort'"):
         fusion.optimize(skipped, target="onnx", skip=True)

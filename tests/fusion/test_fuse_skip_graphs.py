@@ -1,0 +1,113 @@
+"""FuseSkip on hand-written ONNX graphs (no PyTorch): residual Add + norm -> Skip*Normalization.
+
+Every fused graph runs on ONNX Runtime before and after the pass on random inputs with
+randomized weights, and must pass :func:`fusion.check`; every refusal is asserted by its code,
+with the graph left byte for byte as it was. The exporter-based cases are in
+``test_fuse_skip.py`` (slow).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from graphs import ops
+from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, layernorm, rmsnorm
+from onnx import TensorProto
+
+from fusion.base import MS_DOMAIN, Code
+from fusion.fuse_layernorm import FuseLayerNorm
+from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.fuse_skip import FuseSkip
+
+H = SHAPE[-1]
+FLOAT = TensorProto.FLOAT
+
+#: norm op -> (opset, the Skip op it becomes)
+NORMS = {
+    "LayerNormalization": (17, "SkipLayerNormalization"),
+    "SimplifiedLayerNormalization": (17, "SkipSimplifiedLayerNormalization"),
+    "RMSNormalization": (23, "SkipSimplifiedLayerNormalization"),
+}
+
+
+def _residual_norm(
+    rng: np.random.Generator,
+    op: str,
+    *,
+    sum_read: bool = False,
+    dtype: int = FLOAT,
+    cast: bool = False,
+    **attributes,
+):
+    """``op(Add(a, b))`` with a random scale (and bias for LayerNormalization), epsilon 1e-5;
+    ``sum_read`` makes the sum a graph output too, ``cast`` puts a Cast to float32 between
+    the Add (in ``dtype``) and the norm."""
+    g = Graph(NORMS[op][0])
+    total = g.node("Add", ["a", "b"], "sum")
+    if cast:
+        total = g.node("Cast", [total], "sum32", to=FLOAT)
+    params = [g.const("gamma", (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))]
+    if op == "LayerNormalization":
+        params.append(g.const("beta", rng.standard_normal(H).astype(np.float32)))
+    attributes.setdefault("epsilon", 1e-5)
+    g.nodes.append((op, [total, *params], ["y"], {"name": "norm", **attributes}))
+    outputs = {"y": (FLOAT, SHAPE), **({"sum": (dtype, SHAPE)} if sum_read else {})}
+    return g.model({"a": (dtype, SHAPE), "b": (dtype, SHAPE)}, outputs)
+
+
+@pytest.mark.parametrize("sum_read", [False, True], ids=["sum_unread", "sum_read"])
+@pytest.mark.parametrize("op", list(NORMS))
+def test_add_and_norm_are_fused(rng, op, sum_read):
+    model = _residual_norm(rng, op, sum_read=sum_read)
+    report = fuse_and_compare(model, FuseSkip("ort"), rng, rtol=1e-4)
+    assert report.counts["skip_fused"] == 1 and not report.refused
+    (node,) = model.graph
+    assert (node.op_type, node.domain) == (NORMS[op][1], MS_DOMAIN)
+    assert [v.name for v in node.inputs[:2]] == ["a", "b"]
+    assert node.attributes.get_float("epsilon") == np.float32(1e-5)
+    assert model.opset_imports[MS_DOMAIN] == 1
+    if sum_read:
+        assert node.outputs[3].name == "sum" and node.outputs[3].is_graph_output()
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_hand_written_norm_after_a_residual_add_becomes_one_skip_op(rng, norm):
+    """The norm passes, then FuseSkip: the whole residual block is one node."""
+    g = Graph(18)
+    total = g.node("Add", ["a", "b"], "sum")
+    normed = layernorm(g, total) if norm == "layernorm" else rmsnorm(g, total)
+    w = g.const("w", (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+    y = g.node("Mul", [normed, w], "y")
+    model = g.model({"a": (FLOAT, SHAPE), "b": (FLOAT, SHAPE)}, {y: (FLOAT, SHAPE)})
+    norm_pass = FuseLayerNorm("ort") if norm == "layernorm" else FuseRMSNorm("ort")
+    fuse_and_compare(model, norm_pass, rng)
+    fuse_and_compare(model, FuseSkip("ort"), rng, rtol=1e-4)
+    expected = (
+        "SkipLayerNormalization" if norm == "layernorm" else "SkipSimplifiedLayerNormalization"
+    )
+    assert ops(model) == [expected]
+
+
+def test_cast_between_residual_and_norm_is_refused(rng):
+    model = _residual_norm(rng, "LayerNormalization", dtype=TensorProto.FLOAT16, cast=True)
+    assert_refused(model, FuseSkip("ort"), Code.CAST_BETWEEN)
+
+
+def test_negative_epsilon_is_refused(rng):
+    model = _residual_norm(rng, "LayerNormalization", epsilon=-1e-5)
+    assert_refused(model, FuseSkip("ort"), Code.NEGATIVE_EPSILON)
+
+
+def test_norm_over_two_axes_is_refused(rng):
+    g = Graph(17)
+    total = g.node("Add", ["a", "b"], "sum")
+    gamma = g.const("gamma", rng.standard_normal(SHAPE[1:]).astype(np.float32))
+    g.nodes.append(("LayerNormalization", [total, gamma], ["y"], {"name": "norm", "axis": -2}))
+    model = g.model({"a": (FLOAT, SHAPE), "b": (FLOAT, SHAPE)}, {"y": (FLOAT, SHAPE)})
+    assert_refused(model, FuseSkip("ort"), Code.NOT_LAST_AXIS)
+
+
+def test_other_com_microsoft_version_is_refused(rng):
+    model = _residual_norm(rng, "LayerNormalization")
+    model.opset_imports[MS_DOMAIN] = 2
+    assert_refused(model, FuseSkip("ort"), Code.MS_OPSET_VERSION)
