@@ -72,9 +72,6 @@ class Code(enum.StrEnum):
     UNKNOWN_SHAPE = "unknown_shape"
     UNSUPPORTED_DTYPE = "unsupported_dtype"
 
-    #: Not yet given a code of its own (to be replaced by specific codes).
-    UNCLASSIFIED = "unclassified"
-
     # LayerNorm / RMSNorm.
     #: ``v / (sqrt(ms) + eps)``: eps added outside the square root, a different function.
     EPS_OUTSIDE_SQRT = "eps_outside_sqrt"
@@ -120,7 +117,8 @@ class Code(enum.StrEnum):
     CHANNELS_REGROUPED = "channels_regrouped"
     #: A constant that varies along an axis other than the channels (or over a pool window).
     NOT_PER_CHANNEL = "not_per_channel"
-    #: A constant does not broadcast against the shape around a reshape.
+    #: Shapes that do not fit: a constant that does not broadcast against the shape around a
+    #: reshape (BatchNorm), Add operands that are not a pair the Skip op accepts.
     SHAPE_MISMATCH = "shape_mismatch"
     #: A Transpose ``perm`` that does not fit the rank of its input.
     PERM_MISMATCH = "perm_mismatch"
@@ -152,8 +150,6 @@ class Code(enum.StrEnum):
     NOT_LAST_AXIS = "not_last_axis"
     #: The Add operands are neither 2-D nor 3-D.
     UNSUPPORTED_RANK = "unsupported_rank"
-    #: The Add operands' shapes are not a pair the Skip op accepts.
-    SHAPE_MISMATCH = "shape_mismatch"
     #: A float16 norm with stash_type=0 (statistics in float16; the Skip op uses float32).
     STASH_TYPE_ZERO = "stash_type_zero"
     #: epsilon < 0, which the Skip kernels reject.

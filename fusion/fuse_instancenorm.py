@@ -29,7 +29,8 @@ import onnx_ir as ir
 
 from fusion._ir import add_initializer, const_array, other_input, rank_of, sole_consumer
 from fusion.base import CannotFuse, Kind, NodeFusionPass, Op
-from fusion.fuse_layernorm import FuseLayerNorm, NormMatch
+from fusion.fuse_layernorm import FuseLayerNorm
+from fusion.norm_match import NormMatch
 
 
 def _per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarray | None:
