@@ -26,7 +26,8 @@ export's own rounding noise did nothing wrong. A wrong fold is orders of magnitu
 noise, so it still fails. Without a raw model the rule is the tolerance alone.
 
 "Close enough" (``atol + rtol * max|ref|``, no NaN/Inf where the reference is finite) is
-:func:`closeness`, the one definition that the verdict, autotune and the tests share.
+:func:`closeness`, the one definition for the verdict and for every other comparison (autotune's
+candidates, the tests).
 
 A check is *weak* where the oracle's output varies by no more than ``atol`` (all zeros, or
 constant): any constant near it would pass, so the result says so.
@@ -185,9 +186,9 @@ def closeness(
     """Compare ``got`` with ``ref`` elementwise in float64: is it within
     ``atol + rtol * max|ref|``, with no NaN/Inf where ``ref`` is finite?
 
-    Elements where ``ref`` itself is NaN or Inf are not compared. This is the tolerance the
-    parity verdict, autotune and the tests all mean by "close enough"; the verdict adds the
-    raw export's noise on top (:func:`compare`).
+    Elements where ``ref`` itself is NaN or Inf are not compared. This is what "close enough"
+    means wherever outputs are compared; the parity verdict adds the raw export's noise on top
+    (:func:`compare`).
 
     Args:
         got, ref: arrays of the same shape, any real dtype.
