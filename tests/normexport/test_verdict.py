@@ -18,6 +18,8 @@ import fusion
 from fusion import fold_batchnorm
 from normexport import pipeline
 
+pytestmark = pytest.mark.slow  # every test exports a PyTorch model and runs the pipeline
+
 
 def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     """Random BN statistics and affine parameters, random norm weights; eval mode."""
