@@ -1,13 +1,87 @@
-"""Argument groups that several commands share (the main command, ``explain``, ``bench``)."""
+"""The main job's options, and the command-line flags that fill them, in one place.
+
+:class:`Options` is what :func:`normexport.pipeline.run` (and :func:`normexport.optimize`)
+take. Each flag's ``dest`` is the name of the field it fills, and its default is that field's
+default, so :func:`options_from_args` is a plain copy with no special cases. The argument groups
+are shared: the main command uses all three, ``explain`` the model group, ``bench`` the model
+group and flags of its own. This module imports no PyTorch or ONNX package.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
+from typing import Any
+
+from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL
+
+
+@dataclasses.dataclass
+class Options:
+    """What the user asked for; the CLI flags of the same names fill it.
+
+    Attributes:
+        model: the model file (for an in-memory ``module``, a name used in messages and in
+            the report).
+        output: where to write the optimized model (default: MODEL stem + ``.opt.onnx``).
+        report: where the caller will write the JSON report (and ``.png`` chart beside it), or
+            None; checked up front so that no output lands on the input or on another.
+        input_shape: ``--input-shape`` specs, see :mod:`normexport.inputs`.
+        inputs: an ``.npz`` file of example inputs by name (real data), or None.
+        dynamic: ``--dynamic`` axes, e.g. ``batch``, ``batch,sequence`` or ``x:0,2``.
+        opset: ai.onnx opset to export at (None: the exporter's default).
+        target: ``ort`` or ``onnx`` (see :data:`fusion.TARGETS`).
+        provider: ``auto``, ``cpu`` or ``cuda``.
+        benchmark: time the variants (``--no-benchmark`` clears it).
+        atol, rtol: parity tolerances (see :func:`normexport.parity.closeness`); atol in the
+            outputs' units, rtol times the oracle's largest magnitude.
+        trust_pickle, model_class, model_kwargs, exporter: how to load and export the model
+            (see the README's table of model files).
+        budget_s: seconds of timed runs to aim for (``--budget``).
+        autotune: time the exact alternative forms of the optimized model (and the ORT
+            session settings they need; where attention was fused, also the model without
+            it) on ``provider`` and keep the fastest.
+        module: an in-memory ``torch.nn.Module`` to export instead of loading ``model``
+            (Python API only; it is run in eval mode).
+    """
+
+    model: Path
+    output: Path | None = None
+    report: Path | None = None
+    input_shape: list[str] = dataclasses.field(default_factory=list)
+    inputs: Path | None = None
+    dynamic: str | None = None
+    opset: int | None = None
+    target: str = "ort"
+    provider: str = "auto"
+    benchmark: bool = True
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
+    trust_pickle: bool = False
+    model_class: str | None = None
+    model_kwargs: str | None = None
+    exporter: str = "auto"
+    budget_s: float = 10.0
+    autotune: bool = False
+    module: Any = None
+
+
+def _default(name: str) -> Any:
+    """The default of the :class:`Options` field ``name`` (for a flag's ``default=``)."""
+    return next(f.default for f in dataclasses.fields(Options) if f.name == name)
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    """The :class:`Options` that parsed flags ask for: every field a flag of this parser
+    fills (its ``dest`` is the field's name); the others keep their defaults."""
+    given = vars(args)
+    names = [f.name for f in dataclasses.fields(Options)]
+    return Options(**{name: given[name] for name in names if name in given})
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """MODEL and the flags that say how to load and export it (main command and explain)."""
+    """MODEL and the flags that say how to load and export it (main command, explain, bench)."""
     p.add_argument(
         "model",
         type=Path,
@@ -29,7 +103,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         choices=["ort", "onnx"],
-        default="ort",
+        default=_default("target"),
         help="ort: ONNX Runtime ops allowed (default); onnx: standard ops only",
     )
     p.add_argument(
@@ -41,6 +115,49 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-class", metavar="PKG.MODULE:CLASS", help="class for a state_dict")
     p.add_argument("--model-kwargs", metavar="JSON", help="constructor arguments, JSON object")
     p.add_argument(
-        "--exporter", choices=["auto", "dynamo", "torchscript"], default="auto", help="see README"
+        "--exporter",
+        choices=["auto", "dynamo", "torchscript"],
+        default=_default("exporter"),
+        help="see README",
     )
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the main command writes: the model, the report, and the optional explanation."""
+    p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
+    p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
+    p.add_argument(
+        "--explain", action="store_true", help="also list every candidate and what became of it"
+    )
+
+
+def add_check_arguments(p: argparse.ArgumentParser) -> None:
+    """How the main command checks and times the result: provider, timing, parity tolerances."""
+    p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default=_default("provider"))
+    p.add_argument(
+        "--no-benchmark",
+        dest="benchmark",
+        action="store_false",
+        help="skip the latency comparison",
+    )
+    p.add_argument(
+        "--autotune",
+        action="store_true",
+        help="time the exact alternative forms on this machine's provider and keep the fastest",
+    )
+    p.add_argument(
+        "--budget",
+        dest="budget_s",
+        type=float,
+        default=_default("budget_s"),
+        metavar="SECONDS",
+        help="time spent on timing",
+    )
+    p.add_argument("--atol", type=float, default=_default("atol"), help="parity absolute tolerance")
+    p.add_argument(
+        "--rtol",
+        type=float,
+        default=_default("rtol"),
+        help="parity relative tolerance (times the output's max magnitude)",
+    )

@@ -14,15 +14,17 @@ output). The kinds and the mapping are in :mod:`normexport.errors`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-from pathlib import Path
 
 from rich.console import Console
 
 from normexport import errors
-from normexport.arguments import add_model_arguments
-from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL
+from normexport.arguments import (
+    add_check_arguments,
+    add_model_arguments,
+    add_output_arguments,
+    options_from_args,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,28 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         "See also: normexport explain MODEL.",
     )
     add_model_arguments(p)
-    p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
-    p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
-    p.add_argument(
-        "--explain", action="store_true", help="also list every candidate and what became of it"
-    )
-    p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--no-benchmark", action="store_true", help="skip the latency comparison")
-    p.add_argument(
-        "--autotune",
-        action="store_true",
-        help="time the exact alternative forms on this machine's provider and keep the fastest",
-    )
-    p.add_argument(
-        "--budget", type=float, default=10.0, metavar="SECONDS", help="time spent on timing"
-    )
-    p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="parity absolute tolerance")
-    p.add_argument(
-        "--rtol",
-        type=float,
-        default=DEFAULT_RTOL,
-        help="parity relative tolerance (times the output's max magnitude)",
-    )
+    add_output_arguments(p)
+    add_check_arguments(p)
     return p
 
 
@@ -85,25 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     return _guarded(_main, args)
 
 
-def _options(args: argparse.Namespace):
-    from normexport import pipeline
-
-    known = {f.name for f in dataclasses.fields(pipeline.Options)}
-    values = {k: v for k, v in vars(args).items() if k in known}
-    if "no_benchmark" in vars(args):
-        values["benchmark"] = not args.no_benchmark
-    if "budget" in vars(args):
-        values["budget_s"] = args.budget
-    return pipeline.Options(**values)
-
-
 def _main(args: argparse.Namespace, console: Console) -> int:
     from normexport import explain, pipeline, report
 
-    result = pipeline.run(_options(args))
+    result = pipeline.run(options_from_args(args))
     report.render(result, console)
     if args.explain:
-        findings = explain.from_report(result["fusions"], result["fusions"]["already_fused"])
+        fusions = result.fusions
+        findings = explain.from_report(fusions.fused, fusions.refused, fusions.already_fused)
         explain.render(findings, f"What became of each norm in {args.model}", console)
     if args.report:
         report.write_json(result, args.report)
@@ -111,15 +82,15 @@ def _main(args: argparse.Namespace, console: Console) -> int:
             console.print(f"report: {args.report} and {args.report.with_suffix('.png')}")
         else:
             console.print(f"report: {args.report}")
-    return 0 if result["parity"]["passed"] else 1
+    return 0 if result.passed else 1
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
     from normexport import explain, pipeline
 
-    _, _, model, exporter = pipeline.prepare(_options(args))
-    source = "as exported" if exporter != "none" else "as given"
-    findings = explain.explain(model, target=args.target)
+    prepared = pipeline.prepare(options_from_args(args))
+    source = "as exported" if prepared.export.exporter != "none" else "as given"
+    findings = explain.explain(prepared.raw, target=args.target)
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
     return 0
 

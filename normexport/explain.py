@@ -8,6 +8,7 @@ op, each rewrite (what it became), and each candidate left alone with its reason
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import onnx_ir as ir
 from rich.console import Console
@@ -41,25 +42,41 @@ class Finding:
     detail: str
 
 
-def already_fused(model: ir.Model) -> list[dict]:
-    """The norms that ``model`` already holds as one op: ``[{kind, node, op}, ...]``."""
+@dataclasses.dataclass(frozen=True)
+class AlreadyFused:
+    """A norm that the model held as one op before normexport's passes.
+
+    Attributes:
+        kind: ``layernorm``, ``rmsnorm`` or ``skip``.
+        node: the node's name (its op type where it has none).
+        op: its op type, e.g. ``"LayerNormalization"``.
+    """
+
+    kind: str
+    node: str
+    op: str
+
+
+def already_fused(model: ir.Model) -> list[AlreadyFused]:
+    """The norms that ``model`` already holds as one op, in graph order."""
     return [
-        {"kind": _KIND[node.op_type], "node": node.name or node.op_type, "op": node.op_type}
+        AlreadyFused(_KIND[node.op_type], node.name or node.op_type, node.op_type)
         for node in model.graph
         if node.op_type in _KIND
     ]
 
 
-def from_report(fusions: dict, already: list[dict]) -> list[Finding]:
-    """Findings from a report's ``fusions`` (:meth:`fusion.FusionReport.to_dict`) and the
-    output of :func:`already_fused` on the model before the passes."""
-    findings = [Finding(a["kind"], a["node"], "already fused", a["op"]) for a in already]
-    findings += [
-        Finding(f["kind"].split("_")[0], f["node"], "fused", f["became"]) for f in fusions["fused"]
-    ]
-    findings += [
-        Finding(r["kind"], r["node"], "left alone", r["detail"]) for r in fusions["refused"]
-    ]
+def from_report(
+    fused: Iterable[fusion.Fused],
+    refused: Iterable[fusion.Refused],
+    already: Iterable[AlreadyFused] = (),
+) -> list[Finding]:
+    """Findings from a fusion report's outcomes (:class:`fusion.FusionReport`, or a
+    :class:`normexport.report.Fusions`) and :func:`already_fused` of the model before the
+    passes."""
+    findings = [Finding(a.kind, a.node, "already fused", a.op) for a in already]
+    findings += [Finding(f.kind.split("_")[0], f.node, "fused", f.became) for f in fused]
+    findings += [Finding(r.kind, r.node, "left alone", r.detail) for r in refused]
     return findings
 
 
@@ -74,7 +91,8 @@ def explain(model: ir.Model, target: str = "ort") -> list[Finding]:
         ValueError: ``target`` is unknown.
     """
     already = already_fused(model)
-    return from_report(fusion.optimize(model, target=target).to_dict(), already)
+    outcomes = fusion.optimize(model, target=target)
+    return from_report(outcomes.fused, outcomes.refused, already)
 
 
 def render(findings: list[Finding], title: str, console: Console) -> None:

@@ -25,6 +25,10 @@ exact answer, the raw export is as far, and an optimized model that is no furthe
 export's own rounding noise did nothing wrong. A wrong fold is orders of magnitude beyond that
 noise, so it still fails. Without a raw model the rule is the tolerance alone.
 
+"Close enough" (``atol + rtol * max|ref|``, no NaN/Inf where the reference is finite) is
+:func:`closeness`, the one definition for the verdict and for every other comparison (autotune's
+candidates, the tests).
+
 A check is *weak* where the oracle's output varies by no more than ``atol`` (all zeros, or
 constant): any constant near it would pass, so the result says so.
 """
@@ -145,8 +149,51 @@ class ParityResult:
         }
 
 
-def _errors(got, ref) -> tuple[float, float, float, int, float]:
-    """``(max abs err, rel L2 err, max |ref|, NaN/Inf where ref is finite, spread of ref)``.
+@dataclasses.dataclass(frozen=True)
+class Closeness:
+    """How close an array is to a reference: the one definition of "close enough".
+
+    Attributes:
+        max_abs_err: ``max |got - ref|`` over the elements where ``ref`` is finite; ``inf``
+            where ``got`` is NaN or Inf at such an element (0 for empty arrays).
+        max_abs_ref: ``max |ref|`` over its finite elements.
+        nonfinite_mismatch: elements where ``ref`` is finite and ``got`` is NaN or Inf.
+        tolerance: ``atol + rtol * max_abs_ref``.
+    """
+
+    max_abs_err: float
+    max_abs_ref: float
+    nonfinite_mismatch: int
+    tolerance: float
+
+    @property
+    def within(self) -> bool:
+        """No NaN/Inf where the reference is finite, and ``max_abs_err <= tolerance``."""
+        return self.nonfinite_mismatch == 0 and self.max_abs_err <= self.tolerance
+
+    def describe(self) -> str:
+        """One line for an assertion or a report, e.g. ``max abs err 0.5 > 0.0004``."""
+        line = f"max abs err {self.max_abs_err:.3g} {'<=' if self.within else '>'} tolerance "
+        line += f"{self.tolerance:.3g} (max |ref| {self.max_abs_ref:.3g})"
+        if self.nonfinite_mismatch:
+            line += f", {self.nonfinite_mismatch} NaN/Inf where the reference is finite"
+        return line
+
+
+def closeness(
+    got: np.ndarray, ref: np.ndarray, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL
+) -> Closeness:
+    """Compare ``got`` with ``ref`` elementwise in float64: is it within
+    ``atol + rtol * max|ref|``, with no NaN/Inf where ``ref`` is finite?
+
+    Elements where ``ref`` itself is NaN or Inf are not compared. This is what "close enough"
+    means wherever outputs are compared; the parity verdict adds the raw export's noise on top
+    (:func:`compare`).
+
+    Args:
+        got, ref: arrays of the same shape, any real dtype.
+        atol: absolute tolerance (units of the output).
+        rtol: relative tolerance, times the reference's largest finite magnitude.
 
     Raises:
         ValueError: the shapes differ.
@@ -157,16 +204,36 @@ def _errors(got, ref) -> tuple[float, float, float, int, float]:
         raise ValueError(f"shape {got.shape} vs reference {ref.shape}")
     finite = np.isfinite(ref)
     mismatch = int(np.count_nonzero(finite & ~np.isfinite(got)))
-    diff = np.abs(np.where(finite, got - ref, 0.0))
-    diff = np.where(np.isnan(diff), np.inf, diff)
+    diff = _abs_diff(got, ref, finite)
     max_abs = float(diff.max()) if diff.size else 0.0
-    ref_f = np.where(finite, ref, 0.0)
-    max_ref = float(np.abs(ref_f).max()) if ref.size else 0.0
+    max_ref = float(np.abs(np.where(finite, ref, 0.0)).max()) if ref.size else 0.0
+    return Closeness(max_abs, max_ref, mismatch, atol + rtol * max_ref)
+
+
+def _abs_diff(got: np.ndarray, ref: np.ndarray, finite: np.ndarray) -> np.ndarray:
+    """``|got - ref|`` where ``ref`` is finite (0 elsewhere), NaN made ``inf``."""
+    diff = np.abs(np.where(finite, got - ref, 0.0))
+    return np.where(np.isnan(diff), np.inf, diff)
+
+
+def _errors(got, ref) -> tuple[float, float, float, int, float]:
+    """``(max abs err, rel L2 err, max |ref|, NaN/Inf where ref is finite, spread of ref)``.
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    close = closeness(got, ref, atol=0.0, rtol=0.0)
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    finite = np.isfinite(ref)
     spread = float(np.ptp(ref[finite])) if finite.any() else 0.0
-    ref_norm = float(np.linalg.norm(ref_f))
-    err_norm = float(np.linalg.norm(diff)) if np.isfinite(max_abs) else float("inf")
+    ref_norm = float(np.linalg.norm(np.where(finite, ref, 0.0)))
+    max_abs = close.max_abs_err
+    err_norm = (
+        float(np.linalg.norm(_abs_diff(got, ref, finite))) if np.isfinite(max_abs) else float("inf")
+    )
     rel_l2 = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
-    return max_abs, rel_l2, max_ref, mismatch, spread
+    return max_abs, rel_l2, close.max_abs_ref, close.nonfinite_mismatch, spread
 
 
 def compare(
@@ -193,9 +260,9 @@ def compare(
         torch_err = _errors(pytorch, ref)[0] if pytorch is not None else None
     except ValueError as err:
         raise ValueError(f"output {name!r}: {err}") from None
-    passed = mismatch == 0 and (
-        max_abs <= atol + rtol * max_ref
-        or (raw_err is not None and max_abs <= noise_factor * raw_err[0])
+    within = Closeness(max_abs, max_ref, mismatch, atol + rtol * max_ref).within
+    passed = within or (
+        mismatch == 0 and raw_err is not None and max_abs <= noise_factor * raw_err[0]
     )
     return OutputError(
         name,

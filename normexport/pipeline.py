@@ -8,6 +8,7 @@ import math
 import os
 import warnings
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -19,57 +20,26 @@ import fusion
 from fusion._ir import opset_version
 from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
+from normexport.arguments import Options
 from normexport.errors import InputFileError, UsageError, one_line
 from normexport.export import ExportError, export_module
-from normexport.latency import BUSY_SPREAD, time_interleaved
+from normexport.latency import time_interleaved
 from normexport.load import LoadedModel, load_model
-from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, check_parity
+from normexport.parity import ParityResult, check_parity
+from normexport.report import (
+    Checker,
+    Fusions,
+    InputInfo,
+    Latency,
+    NormOps,
+    Report,
+    Versions,
+)
+
+__all__ = ["Options", "Prepared", "Report", "default_output", "prepare", "run"]
 
 #: ONNX Runtime's graph optimizations off: the model runs as written (parity verdicts).
 AS_WRITTEN = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
-
-
-@dataclasses.dataclass
-class Options:
-    """What the user asked for; the CLI flags of the same names fill it.
-
-    Attributes:
-        model: the model file.
-        output: where to write the optimized model (default: MODEL stem + ``.opt.onnx``).
-        report: where the caller will write the JSON report (and ``.png`` chart beside it), or
-            None; checked up front so that no output lands on the input or on another.
-        input_shape: ``--input-shape`` specs, see :mod:`normexport.inputs`.
-        inputs: an ``.npz`` file of example inputs by name (real data), or None.
-        dynamic: ``--dynamic`` axes, e.g. ``batch``, ``batch,sequence`` or ``x:0,2``.
-        opset: ai.onnx opset to export at (None: the exporter's default).
-        target: ``ort`` or ``onnx`` (see :data:`fusion.TARGETS`).
-        provider: ``auto``, ``cpu`` or ``cuda``.
-        benchmark: time the variants.
-        atol, rtol: parity tolerances (see :mod:`normexport.parity`).
-        budget_s: seconds of timed runs to aim for.
-        autotune: time the exact alternative forms of the optimized model (and the ORT
-            session settings they need; where attention was fused, also the model without
-            it) on ``provider`` and keep the fastest.
-    """
-
-    model: Path
-    output: Path | None = None
-    report: Path | None = None
-    input_shape: list[str] = dataclasses.field(default_factory=list)
-    inputs: Path | None = None
-    dynamic: str | None = None
-    opset: int | None = None
-    target: str = "ort"
-    provider: str = "auto"
-    benchmark: bool = True
-    atol: float = DEFAULT_ATOL
-    rtol: float = DEFAULT_RTOL
-    trust_pickle: bool = False
-    model_class: str | None = None
-    model_kwargs: str | None = None
-    exporter: str = "auto"
-    budget_s: float = 10.0
-    autotune: bool = False
 
 
 def default_output(model_path: Path) -> Path:
@@ -78,97 +48,193 @@ def default_output(model_path: Path) -> Path:
     return model_path.with_name(model_path.stem + ".opt.onnx")
 
 
-def run(opts: Options) -> dict:
+@dataclasses.dataclass(frozen=True)
+class ExportInfo:
+    """Which exporter made the raw model.
+
+    Attributes:
+        exporter: ``"dynamo"``, ``"torchscript"``, or ``"none"`` for ONNX input.
+        fallback_reason: why the dynamo exporter failed where the TorchScript one was used
+            (one line), else None.
+    """
+
+    exporter: str
+    fallback_reason: str | None = None
+
+
+class Prepared(NamedTuple):
+    """The loaded model, its example inputs, and its ONNX form before normexport's passes."""
+
+    loaded: LoadedModel
+    example: dict[str, np.ndarray]
+    raw: ir.Model
+    export: ExportInfo
+
+
+@dataclasses.dataclass
+class _Job:
+    """What the stages of :func:`run` hand on to each other."""
+
+    opts: Options
+    output: Path
+    provider: str
+    provider_note: str | None
+    loaded: LoadedModel
+    example: dict[str, np.ndarray]
+    export: ExportInfo
+    raw: ir.Model | None  # in memory until the optimized model is staged
+    feed_names: list[str]
+    sets: dict[str, dict[str, np.ndarray]]
+    ops_before: dict[str, int]
+    already: list
+    external: bool
+    raw_path: Path | None = None
+    reference_session: Any = None  # ONNX input: the input file, as written
+    input_checker: tuple[str, str | None] = ("full", None)
+    staged: Path | None = None
+    fusions: fusion.FusionReport | None = None
+    checker: Checker | None = None
+    tuned: autotune.AutotuneResult | None = None
+    written: list[Path] = dataclasses.field(default_factory=list)
+
+    @property
+    def disabled(self) -> tuple[str, ...]:
+        """ORT optimizers the output's sessions must disable (autotune's choice)."""
+        return self.tuned.disabled_optimizers if self.tuned else ()
+
+
+def run(opts: Options) -> Report:
     """Run the main job and return the report (see README, "The report").
 
-    Works from files: an ONNX input is read lazily (its external data stays on disk until a
-    pass needs it), the raw export and every intermediate model live in a scratch folder beside
-    the output, the checker and every ONNX Runtime session open files by path, and the output
-    is written with its own external data file (``OUT.onnx.data``) when the input had one or
-    the model is large (:func:`normexport.files.wants_external_data`); no model is ever one
+    Stages: plan the outputs, :func:`prepare` (load, example inputs, export), take the
+    reference, optimize and check, autotune (on request), publish, parity, latency (on
+    request). Works from files: an ONNX input is read lazily (its external data stays on disk
+    until a pass needs it), the raw export and every intermediate model live in a scratch folder
+    beside the output, the checker and every ONNX Runtime session open files by path, and the
+    output is written with its own external data file (``OUT.onnx.data``) when the input had one
+    or the model is large (:func:`normexport.files.wants_external_data`); no model is ever one
     protobuf in memory. The optimized model is written even when parity fails;
-    ``report["parity"]["passed"]`` says whether it did.
+    ``report.parity.passed`` says whether it did.
 
     Raises:
         UsageError: a user mistake: unreadable or invalid file, missing or bad option, an
             output path that would overwrite the input.
     """
-    model_path = Path(opts.model)
-    output = Path(opts.output) if opts.output else default_output(model_path)
+    output, writes = plan_outputs(opts)
+    provider, provider_note = runtime.resolve_provider(opts.provider)
+    job = _start(opts, output, writes, (provider, provider_note), prepare(opts))
+    with files.work_folder(output) as work:
+        _reference(job, work)
+        _optimize(job, work)
+        if opts.autotune:
+            _autotune(job)
+        _publish(job)
+        parity = _parity(job)
+        latency = _latency(job) if opts.benchmark else None
+    return _report(job, parity, latency)
+
+
+def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
+    """The output path, and every file the run writes by the option that names it, checked
+    before any work: each writable, none on the input, none written twice.
+
+    Raises:
+        UsageError: see :func:`normexport.files.check_writable` and :func:`refuse_overwriting`.
+    """
+    if opts.output is None and opts.module is not None:
+        raise UsageError("an in-memory module has no file to write beside: give output=PATH")
+    output = Path(opts.output) if opts.output else default_output(Path(opts.model))
     writes = {"-o": [output, files.data_path(output)]}
     if opts.report is not None:
         writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
     for flag, paths in writes.items():
         for path in paths:
             files.check_writable(path, flag)
-    refuse_overwriting([model_path], writes)  # before the export, which can take minutes
-    provider, provider_note = runtime.resolve_provider(opts.provider)
-    loaded, example, raw, exporter = prepare(opts)
+    if opts.module is None:
+        refuse_overwriting([Path(opts.model)], writes)  # before the export (minutes)
+    return output, writes
+
+
+def _start(opts, output, writes, provider, prepared: Prepared) -> _Job:
+    """The job's state after :func:`prepare`: input files checked against the outputs, feed
+    names, the input sets for parity, what the raw model holds."""
+    loaded, example, raw, export = prepared
     refuse_overwriting(input_files(loaded), writes)
-    ops_before = fusion.norm_ops(raw)
-    already = explain.already_fused(raw)
-    external = files.wants_external_data(raw)
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
     sets = inputs_mod.input_sets(
         _by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
     )
-    with files.work_folder(output) as work:
-        if loaded.kind == "onnx":
-            raw_path = model_path
-            reference_session = _input_session(model_path, provider)
-            _runs_as_given(reference_session, sets["example"], model_path, opts)
-            input_level, input_problem = _checker_level(model_path)
-        else:
-            raw_path = work / "raw.onnx"
-            files.save_model(raw, raw_path, external_data=True)
-            reference_session, input_level, input_problem = None, "full", None
-        optimized = raw  # optimized in place; the raw model lives on in raw_path
-        skip = variants.skip_fusion(opts.target, provider)
-        fusions = fusion.optimize(optimized, target=opts.target, skip=skip)
-        staged = work / output.name
-        files.save_model(optimized, staged, external_data=external)
-        checker = _check_output(staged, input_level, input_problem)
-        tuned = None
-        if opts.autotune:
-            tuned, fusions = _autotune(opts, raw_path, staged, fusions, sets, provider, external)
-        del optimized, raw  # the output is read from its file from here on
-        written = files.publish_model(staged, output)
-        disabled = tuned.disabled_optimizers if tuned else ()
-        parity = _parity(
-            loaded, sets, feed_names, raw_path, output, reference_session, provider, disabled, opts
-        )
-        latency = None
-        if opts.benchmark:
-            latency = _latency(
-                loaded, sets["example"], feed_names, raw_path, output, provider, disabled, opts
-            )
-    optimized = ir.load(output)
-    return {
-        "model": str(opts.model),
-        "kind": loaded.kind,
-        "exporter": exporter,
-        "opset": opset_version(optimized),
-        "target": opts.target,
-        "output": str(output),
-        "files_written": [str(p) for p in written],
-        "external_data": len(written) > 1,
-        "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in example.items()},
-        "fusions": fusions.to_dict(fusion.FUSION_KINDS) | {"already_fused": already},
-        "norm_ops": {"before": ops_before, "after": fusion.norm_ops(optimized)},
-        "checker": checker,
-        "parity": parity,
-        "provider": runtime.PROVIDERS[provider][0],
-        "provider_note": provider_note,
-        "notes": loaded.notes,
-        "latency_ms": latency,
-        "latency_conditions": latency_conditions(latency),
-        "autotune": tuned.to_dict() if tuned else None,
-        "versions": {
-            "torch": torch.__version__,
-            "onnx": onnx.__version__,
-            "onnxruntime": onnxruntime.__version__,
-        },
-    }
+    return _Job(
+        opts,
+        output,
+        *provider,
+        loaded,
+        example,
+        export,
+        raw,
+        feed_names,
+        sets,
+        ops_before=fusion.norm_ops(raw),
+        already=explain.already_fused(raw),
+        external=files.wants_external_data(raw),
+    )
+
+
+def _reference(job: _Job, work: Path) -> None:
+    """The model the output is compared with, on file: for ONNX input the input itself (loaded
+    as written, run once, checked), else the raw export saved into ``work``."""
+    if job.loaded.kind == "onnx":
+        path = Path(job.opts.model)
+        job.raw_path = path
+        job.reference_session = _input_session(path, job.provider)
+        _runs_as_given(job.reference_session, job.sets["example"], path, job.opts)
+        job.input_checker = _checker_level(path)
+    else:
+        job.raw_path = work / "raw.onnx"
+        files.save_model(job.raw, job.raw_path, external_data=True)
+
+
+def _optimize(job: _Job, work: Path) -> None:
+    """Run the passes on the raw model in place (it lives on in ``raw_path``), stage the result
+    in ``work`` and check it."""
+    opts = job.opts
+    skip = variants.skip_fusion(opts.target, job.provider)
+    job.fusions = fusion.optimize(job.raw, target=opts.target, skip=skip)
+    job.staged = work / job.output.name
+    files.save_model(job.raw, job.staged, external_data=job.external)
+    job.checker = _check_output(job.staged, *job.input_checker)
+
+
+def _publish(job: _Job) -> None:
+    """Move the staged model onto the output; from here on it is read from its file."""
+    job.raw = None
+    job.written = files.publish_model(job.staged, job.output)
+
+
+def _report(job: _Job, parity: ParityResult, latency: Latency | None) -> Report:
+    """The typed report of a finished job."""
+    optimized = ir.load(job.output)
+    return Report(
+        model=str(job.opts.model),
+        kind=job.loaded.kind,
+        exporter=job.export.exporter,
+        exporter_fallback=job.export.fallback_reason,
+        opset=opset_version(optimized),
+        target=job.opts.target,
+        output=job.output,
+        files_written=list(job.written),
+        inputs={k: InputInfo(list(v.shape), str(v.dtype)) for k, v in job.example.items()},
+        fusions=Fusions.from_fusion_report(job.fusions, job.already),
+        norm_ops=NormOps(job.ops_before, fusion.norm_ops(optimized)),
+        checker=job.checker,
+        parity=parity,
+        provider=runtime.PROVIDERS[job.provider][0],
+        provider_note=job.provider_note,
+        notes=list(job.loaded.notes),
+        latency=latency,
+        autotune=job.tuned,
+        versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
+    )
 
 
 def refuse_overwriting(inputs: list[Path], outputs: dict[str, list[Path]]) -> None:
@@ -267,7 +333,7 @@ def _checker_level(path: Path) -> tuple[str, str | None]:
     return "none", problem
 
 
-def _check_output(path: Path, input_level: str, input_problem: str | None) -> dict:
+def _check_output(path: Path, input_level: str, input_problem: str | None) -> Checker:
     """Check the output file at the level the input passed.
 
     An output that fails a level its input passed is normexport's bug (the error propagates:
@@ -277,114 +343,99 @@ def _check_output(path: Path, input_level: str, input_problem: str | None) -> di
     is then the test.
 
     Returns:
-        ``{"input": level, "input_problem", "output": level, "output_problem"}``.
+        The levels each got, with the checker's complaints.
     """
     if input_level != "none":
         fusion.check(path, full_check=input_level == "full")
-        return {"input": input_level, "input_problem": input_problem, "output": input_level}
-    output_level, output_problem = _checker_level(path)
-    return {
-        "input": "none",
-        "input_problem": input_problem,
-        "output": output_level,
-        "output_problem": output_problem,
-    }
+        return Checker(input_level, input_problem, input_level)
+    return Checker("none", input_problem, *_checker_level(path))
 
 
-def _autotune(opts, raw_path, staged, fusions, sets, provider, external):
+def _autotune(job: _Job) -> None:
     """Time the exact alternatives of the staged output (and, where attention was fused, of the
-    model without it) and put the fastest in ``staged``'s place.
-
-    Returns:
-        ``(AutotuneResult, the fusion report of the model kept)``.
-    """
-    unfused_path = None
-    unfused_fusions = None
-    if fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
-        unfused = ir.load(raw_path)
-        unfused_fusions = fusion.optimize(
-            unfused,
-            target=opts.target,
-            skip=variants.skip_fusion(opts.target, provider),
-            attention=False,
-        )
+    model without it) and put the fastest in the staged model's place; the job's fusion report
+    becomes that of the model kept."""
+    opts, staged = job.opts, job.staged
+    unfused_path = unfused_fusions = None
+    if job.fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
+        unfused = ir.load(job.raw_path)
+        skip = variants.skip_fusion(opts.target, job.provider)
+        unfused_fusions = fusion.optimize(unfused, target=opts.target, skip=skip, attention=False)
         unfused_path = staged.with_name(autotune.ATTENTION_UNFUSED + ".onnx")
         files.save_model(unfused, unfused_path, external_data=True)
     tuned = autotune.autotune(
         autotune.candidates(staged, target=opts.target, attention_unfused=unfused_path),
-        sets["example"],
-        provider,
+        job.sets["example"],
+        job.provider,
         budget_s=opts.budget_s / 2,
         atol=opts.atol,
         rtol=opts.rtol,
     )
     if tuned.best != tuned.default:
-        chosen = ir.load(tuned.model)
-        kept = staged.with_name("tuned") / staged.name
-        kept.parent.mkdir()
-        files.save_model(chosen, kept, external_data=external)
-        fusion.check(kept, full_check=False)
-        for path in (staged, files.data_path(staged)):
-            path.unlink(missing_ok=True)
-        os.replace(kept, staged)
-        if files.data_path(kept).exists():
-            os.replace(files.data_path(kept), files.data_path(staged))
+        _replace_staged(staged, ir.load(tuned.model), job.external)
     if tuned.best.startswith(autotune.ATTENTION_UNFUSED):
-        fusions = unfused_fusions
-    return tuned, fusions
+        job.fusions = unfused_fusions
+    job.tuned = tuned
 
 
-def _parity(
-    loaded, sets, feed_names, raw_path, output, reference_session, provider, disabled, opts
-):
+def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:
+    """Write ``chosen`` in the staged model's place (and its external data file's)."""
+    kept = staged.with_name("tuned") / staged.name
+    kept.parent.mkdir()
+    files.save_model(chosen, kept, external_data=external)
+    fusion.check(kept, full_check=False)
+    for path in (staged, files.data_path(staged)):
+        path.unlink(missing_ok=True)
+    os.replace(kept, staged)
+    if files.data_path(kept).exists():
+        os.replace(files.data_path(kept), files.data_path(staged))
+
+
+def _parity(job: _Job) -> ParityResult:
     """The parity verdict of the optimized model against the oracle (see
     :mod:`normexport.parity`): the PyTorch model in float64 (or, for ONNX input, the input file),
     with the raw export (or the input file) and PyTorch float32 compared with it too. Both ONNX
     models run with ONNX Runtime's graph optimizations off, so that its own rewrites are not
-    part of the comparison.
-
-    Returns:
-        :meth:`normexport.parity.ParityResult.to_dict`; its ``raw_export_max_abs_err`` is the
-        raw export's worst error against the oracle over all input sets (None for ONNX input
-        compared with itself).
+    part of the comparison. Its ``raw_worst()`` is the raw export's worst error against the
+    oracle over all input sets (None for ONNX input compared with itself).
     """
     opt_session = runtime.make_session(
-        output,
-        provider,
+        job.output,
+        job.provider,
         optimization_level=AS_WRITTEN,
         spinning=False,
-        disabled_optimizers=disabled,
+        disabled_optimizers=job.disabled,
     )
 
     def candidate(feeds):
         return runtime.run(opt_session, feeds)
 
     output_names = [o.name for o in opt_session.get_outputs()]
-    common = {"atol": opts.atol, "rtol": opts.rtol}
-    if loaded.module is None:
-        result = check_parity(
+    common = {"atol": job.opts.atol, "rtol": job.opts.rtol}
+    if job.loaded.module is None:
+        reference = job.reference_session
+        return check_parity(
             candidate,
-            lambda feeds: runtime.run(reference_session, feeds),
-            sets,
+            lambda feeds: runtime.run(reference, feeds),
+            job.sets,
             output_names,
             reference_kind="onnx",
             oracle_kind="onnx",
             **common,
         )
-        return result.to_dict()
-    eager = _eager(loaded)
+    eager = _eager(job.loaded)
 
     def pytorch(feeds):
-        return eager([feeds[name] for name in feed_names])
+        return eager([feeds[name] for name in job.feed_names])
 
-    oracle, oracle_kind, notes = _float64_oracle(loaded, sets["example"], feed_names)
+    oracle, oracle_kind, notes = _float64_oracle(job.loaded, job.sets["example"], job.feed_names)
     raw_session = runtime.make_session(
-        raw_path, provider, optimization_level=AS_WRITTEN, spinning=False
+        job.raw_path, job.provider, optimization_level=AS_WRITTEN, spinning=False
     )
-    result = check_parity(
+    return check_parity(
         candidate,
         oracle or pytorch,
-        sets,
+        job.sets,
         output_names,
         reference_kind="pytorch",
         raw=lambda feeds: runtime.run(raw_session, feeds),
@@ -393,7 +444,6 @@ def _parity(
         notes=notes,
         **common,
     )
-    return result.to_dict()
 
 
 def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
@@ -458,49 +508,41 @@ def latency_threads() -> int:
         return os.cpu_count() or 1
 
 
-def _latency(loaded, feeds, feed_names, raw_path, output, provider, disabled, opts) -> dict:
-    """PyTorch eager (where there is a module), the raw export and the optimized model, timed
-    interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms. PyTorch and ONNX
-    Runtime get the same number of threads (:func:`latency_threads`): each with its default
-    beside the other's pool oversubscribes the cores and times the contention."""
+def _latency(job: _Job) -> Latency:
+    """PyTorch eager (where there is a module), the raw export and the optimized model on the
+    example inputs, timed interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms.
+    PyTorch and ONNX Runtime get the same number of threads (:func:`latency_threads`): each with
+    its default beside the other's pool oversubscribes the cores and times the contention."""
     threads = latency_threads()
+    feeds, provider = job.sets["example"], job.provider
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
-    raw_session = runtime.make_session(raw_path, provider, spinning=False, threads=threads)
+    raw_session = runtime.make_session(job.raw_path, provider, spinning=False, threads=threads)
     opt_session = runtime.make_session(
-        output, provider, spinning=False, disabled_optimizers=disabled, threads=threads
+        job.output, provider, spinning=False, disabled_optimizers=job.disabled, threads=threads
     )
     timed = {
         "ort_raw": lambda: runtime.run(raw_session, feeds),
         "ort_optimized": lambda: runtime.run(opt_session, feeds),
     }
-    if loaded.module is not None:
-        eager = _eager(loaded)
-        timed = {"pytorch_eager": lambda: eager([feeds[n] for n in feed_names])} | timed
+    if job.loaded.module is not None:
+        eager = _eager(job.loaded)
+        timed = {"pytorch_eager": lambda: eager([feeds[n] for n in job.feed_names])} | timed
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        timings = time_interleaved(timed, budget_s=opts.budget_s)
+        timings = time_interleaved(timed, budget_s=job.opts.budget_s)
     finally:
         torch.set_num_threads(before)
-    return {k: v.to_dict() for k, v in timings.items()}
+    return Latency(dict(timings), threads, threads)
 
 
-def latency_conditions(latency: dict | None) -> dict | None:
-    """The thread counts used for timing, and the variants whose spread (p90 over median
-    beyond :data:`BUSY_SPREAD`) says the machine was busy while they ran."""
-    if not latency:
-        return None
-    threads = latency_threads()
-    busy = [k for k, t in latency.items() if t["p90_ms"] > BUSY_SPREAD * t["median_ms"]]
-    return {"pytorch_threads": threads, "onnxruntime_threads": threads, "busy": busy}
-
-
-def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model, str]:
-    """Load the model, settle its example inputs, export it (or take the ONNX as it is).
+def prepare(opts: Options) -> Prepared:
+    """Load the model (or take ``opts.module``), settle its example inputs, export it (or take
+    the ONNX as it is).
 
     Returns:
-        ``(loaded, example inputs by name, ONNX model before normexport's passes, exporter)``;
-        exporter is ``"dynamo"``, ``"torchscript"`` or ``"none"`` for ONNX input.
+        ``(loaded, example inputs by name, ONNX model before normexport's passes, export)``;
+        ``export.exporter`` is ``"dynamo"``, ``"torchscript"`` or ``"none"`` for ONNX input.
 
     Raises:
         UsageError: see :func:`run`.
@@ -508,17 +550,20 @@ def prepare(opts: Options) -> tuple[LoadedModel, dict[str, np.ndarray], ir.Model
     if opts.target not in fusion.TARGETS:
         raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(fusion.TARGETS)}")
     check_options(opts)
-    loaded = load_model(
-        opts.model,
-        trust_pickle=opts.trust_pickle,
-        model_class=opts.model_class,
-        model_kwargs=opts.model_kwargs,
-    )
+    if opts.module is not None:
+        loaded = LoadedModel(Path(opts.model), "nn_module", module=opts.module)
+    else:
+        loaded = load_model(
+            opts.model,
+            trust_pickle=opts.trust_pickle,
+            model_class=opts.model_class,
+            model_kwargs=opts.model_kwargs,
+        )
     if loaded.kind == "onnx":
         _require_external_data(loaded)
     example = _example_inputs(loaded, opts)
-    raw, exporter = _raw_onnx(loaded, example, opts)
-    return loaded, example, raw, exporter
+    raw, export = _raw_onnx(loaded, example, opts)
+    return Prepared(loaded, example, raw, export)
 
 
 def check_options(opts: Options) -> None:
@@ -626,13 +671,13 @@ def _dynamic_axes(spec: str | None, names: list[str]) -> dict[str, dict[int, str
 
 def _raw_onnx(
     loaded: LoadedModel, example: dict[str, np.ndarray], opts: Options
-) -> tuple[ir.Model, str]:
+) -> tuple[ir.Model, ExportInfo]:
     """The model before normexport's passes, and which exporter made it ("none" for ONNX)."""
     if loaded.kind == "onnx":
         for flag, value in (("--opset", opts.opset), ("--dynamic", opts.dynamic)):
             if value:
                 raise UsageError(f"{flag} applies to PyTorch models; {loaded.path} is ONNX already")
-        return loaded.onnx_model, "none"
+        return loaded.onnx_model, ExportInfo("none")
     names = list(example)
     args = [torch.from_numpy(a) for a in example.values()]
     try:
@@ -647,7 +692,7 @@ def _raw_onnx(
     except ExportError as err:
         raise UsageError(f"{loaded.path}: could not export to ONNX: {err}") from None
     _check_export(exported, loaded, opts)
-    return exported.model, exported.exporter
+    return exported.model, ExportInfo(exported.exporter, exported.fallback_reason)
 
 
 def _check_export(exported, loaded: LoadedModel, opts: Options) -> None:

@@ -1,30 +1,249 @@
-"""The report: a table on the terminal, JSON on request, and a latency chart (PNG)."""
+"""The report: typed (:class:`Report`, whose :meth:`Report.to_dict` is the JSON), a table on
+the terminal, JSON on request, and a latency chart (PNG).
+
+The JSON schema, key by key with types and units, is in ``docs/report.md``.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
+import fusion
 from fusion import FUSION_KINDS
+from normexport.explain import AlreadyFused
 from normexport.files import atomic_path, save_figure
-from normexport.latency import BUSY_SPREAD
+from normexport.latency import BUSY_SPREAD, Timing
+from normexport.parity import OutputError, ParityResult
+
+if TYPE_CHECKING:
+    from normexport.autotune import AutotuneResult
 
 
-def _render_checker(checker: dict, console: Console) -> None:
+@dataclasses.dataclass(frozen=True)
+class InputInfo:
+    """One example input the model was exported and checked with.
+
+    Attributes:
+        shape: its shape (elements per axis).
+        dtype: its numpy dtype name, e.g. ``"float32"``, ``"int64"``.
+    """
+
+    shape: list[int]
+    dtype: str
+
+
+@dataclasses.dataclass
+class Fusions:
+    """What normexport's passes did (from :class:`fusion.FusionReport`).
+
+    Attributes:
+        counts: rewrites per kind, a count (zero or not) for every :data:`fusion.FUSION_KINDS`
+            key.
+        fused: each rewrite and what it became, in graph order.
+        refused: each candidate left alone, with its stable ``code`` and a ``detail`` sentence.
+        notes: changes to the model that are no fusion (e.g. an IR version raised).
+        already_fused: the norms the model held as one op before the passes.
+    """
+
+    counts: dict[str, int]
+    fused: list[fusion.Fused]
+    refused: list[fusion.Refused]
+    notes: list[str]
+    already_fused: list[AlreadyFused] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def from_fusion_report(
+        cls, report: fusion.FusionReport, already_fused: list[AlreadyFused] = ()
+    ) -> Fusions:
+        """The report's outcomes, with a count for every :data:`fusion.FUSION_KINDS` key."""
+        counts = report.counts
+        return cls(
+            {kind: counts.get(kind, 0) for kind in FUSION_KINDS},
+            list(report.fused),
+            list(report.refused),
+            list(report.notes),
+            list(already_fused),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form: the counts as top-level keys, then ``fused``, ``refused``, ``notes``,
+        ``already_fused``."""
+        return {
+            **self.counts,
+            "fused": [dataclasses.asdict(f) for f in self.fused],
+            "refused": [dataclasses.asdict(r) for r in self.refused],
+            "notes": list(self.notes),
+            "already_fused": [dataclasses.asdict(a) for a in self.already_fused],
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class NormOps:
+    """Normalization op counts (:func:`fusion.norm_ops`), op type -> nodes, zeros left out.
+
+    Attributes:
+        before: in the model before normexport's passes (the raw export or the input file).
+        after: in the written model.
+    """
+
+    before: dict[str, int]
+    after: dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checker:
+    """How far the ONNX checker accepts the input and the output.
+
+    Attributes:
+        input, output: ``"full"`` (with strict shape inference), ``"basic"`` or ``"none"``.
+        input_problem, output_problem: the checker's complaint at the first level each failed,
+            or None.
+    """
+
+    input: str
+    input_problem: str | None
+    output: str
+    output_problem: str | None = None
+
+
+@dataclasses.dataclass
+class Latency:
+    """Latency of each variant, timed interleaved in one process, and the conditions.
+
+    Attributes:
+        timings: variant (``pytorch_eager``, ``ort_raw``, ``ort_optimized``) -> its timing, ms.
+        pytorch_threads, onnxruntime_threads: intra-op threads each was given (the same).
+    """
+
+    timings: dict[str, Timing]
+    pytorch_threads: int
+    onnxruntime_threads: int
+
+    @property
+    def busy(self) -> list[str]:
+        """The variants whose p90 was over :data:`BUSY_SPREAD` times their median."""
+        return [k for k, t in self.timings.items() if t.p90_ms > BUSY_SPREAD * t.median_ms]
+
+    def conditions(self) -> dict[str, Any]:
+        """The JSON ``latency_conditions``."""
+        return {
+            "pytorch_threads": self.pytorch_threads,
+            "onnxruntime_threads": self.onnxruntime_threads,
+            "busy": self.busy,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Versions:
+    """Versions of the libraries that exported, checked and timed the model."""
+
+    torch: str
+    onnx: str
+    onnxruntime: str
+
+
+@dataclasses.dataclass
+class Report:
+    """What the main job did (:func:`normexport.pipeline.run`, :func:`normexport.optimize`).
+
+    Attributes:
+        model: the model file as given (or ``<nn.Module Name>`` for an in-memory module).
+        kind: how it loaded: ``onnx``, ``exported_program``, ``torchscript``,
+            ``pickled_module``, ``state_dict`` or ``nn_module``.
+        exporter: ``dynamo``, ``torchscript``, or ``none`` for ONNX input.
+        exporter_fallback: why the dynamo exporter failed and the TorchScript one was used
+            (one line), or None.
+        opset: the written model's ai.onnx opset.
+        target: ``ort`` or ``onnx``.
+        output: the written model.
+        files_written: the model, then its own external data file where it has one.
+        inputs: example input name -> shape and dtype.
+        fusions, norm_ops, checker: see the classes.
+        parity: the verdict and errors (:class:`normexport.parity.ParityResult`).
+        provider: the ONNX Runtime execution provider the sessions really used.
+        provider_note: why it is not the one asked for, or None.
+        notes: what to know about how the model was loaded (e.g. put in eval mode).
+        latency: the timings, or None without benchmarking.
+        autotune: what ``--autotune`` measured and kept, or None.
+        versions: library versions.
+    """
+
+    model: str
+    kind: str
+    exporter: str
+    exporter_fallback: str | None
+    opset: int
+    target: str
+    output: Path
+    files_written: list[Path]
+    inputs: dict[str, InputInfo]
+    fusions: Fusions
+    norm_ops: NormOps
+    checker: Checker
+    parity: ParityResult
+    provider: str
+    provider_note: str | None
+    notes: list[str]
+    latency: Latency | None
+    autotune: AutotuneResult | None
+    versions: Versions
+
+    @property
+    def passed(self) -> bool:
+        """Whether parity passed (exit code 0; else 1)."""
+        return self.parity.passed
+
+    @property
+    def external_data(self) -> bool:
+        """Whether the output has its own external data file."""
+        return len(self.files_written) > 1
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON report (schema: ``docs/report.md``)."""
+        latency = self.latency
+        return {
+            "model": self.model,
+            "kind": self.kind,
+            "exporter": self.exporter,
+            "exporter_fallback": self.exporter_fallback,
+            "opset": self.opset,
+            "target": self.target,
+            "output": str(self.output),
+            "files_written": [str(p) for p in self.files_written],
+            "external_data": self.external_data,
+            "inputs": {k: dataclasses.asdict(v) for k, v in self.inputs.items()},
+            "fusions": self.fusions.to_dict(),
+            "norm_ops": dataclasses.asdict(self.norm_ops),
+            "checker": dataclasses.asdict(self.checker),
+            "parity": self.parity.to_dict(),
+            "provider": self.provider,
+            "provider_note": self.provider_note,
+            "notes": list(self.notes),
+            "latency_ms": {k: t.to_dict() for k, t in latency.timings.items()} if latency else None,
+            "latency_conditions": latency.conditions() if latency else None,
+            "autotune": self.autotune.to_dict() if self.autotune else None,
+            "versions": dataclasses.asdict(self.versions),
+        }
+
+
+def _render_checker(checker: Checker, console: Console) -> None:
     """One line when the input already fails the ONNX checker (old exporters' files)."""
-    if checker["input"] == "full":
+    if checker.input == "full":
         return
-    which = "full check" if checker["input"] == "basic" else "check"
-    line = f"[yellow]the input fails the ONNX checker's {which}[/] ({checker['input_problem']})"
-    if checker["input"] == "basic":
+    which = "full check" if checker.input == "basic" else "check"
+    line = f"[yellow]the input fails the ONNX checker's {which}[/] ({checker.input_problem})"
+    if checker.input == "basic":
         line += "; the output was checked as far as the input passes (no shape inference)"
-    elif checker["output"] == "full":
+    elif checker.output == "full":
         line += "; the output passes it"
     else:
-        line += f"; so does the output ({checker['output_problem']})"
+        line += f"; so does the output ({checker.output_problem})"
     console.print(line + "; ONNX Runtime loads and runs both")
 
 
@@ -36,174 +255,180 @@ def _err(value) -> str:
 ROWS_PER_SET_UP_TO = 4
 
 
-def _render_parity(parity: dict, console: Console) -> None:
+def _parity_rows(parity: ParityResult) -> list[tuple[str, OutputError]]:
+    """(input set, errors) per table row: every set of every output where there are few
+    outputs, else each output's worst set."""
+    worst = parity.worst()
+    if parity.probes and len(worst) <= ROWS_PER_SET_UP_TO:
+        sets = parity.probes.items()
+        return [(p, e) for name in worst for p, es in sets for e in es if e.output == name]
+    return [(_worst_set(parity, e), e) for e in worst.values()]
+
+
+def _parity_table(parity: ParityResult) -> Table:
     """Errors against the oracle, per output and input set, with the verdict."""
-    oracle = parity.get("oracle", parity["reference"])
-    factor = parity.get("noise_factor")
-    rule = f"atol {parity['atol']:g}, rtol {parity['rtol']:g}"
-    if factor is not None:
-        rule += f", noise factor {factor:g} x raw export"
+    oracle = parity.oracle or parity.reference
+    rule = f"atol {parity.atol:g}, rtol {parity.rtol:g}"
+    if parity.noise_factor is not None:
+        rule += f", noise factor {parity.noise_factor:g} x raw export"
     table = Table(
-        title=f"Parity: error vs {oracle} ({rule}; inputs: {', '.join(parity['probes'])})",
+        title=f"Parity: error vs {oracle} ({rule}; inputs: {', '.join(parity.probes)})",
         title_justify="left",
     )
     cols = ("output", "input set", "optimized", "raw export", "pytorch f32", "max |oracle|", "")
     for col in cols:
         table.add_column(col, justify="left" if col in ("output", "input set") else "right")
-    sets = parity.get("sets") or {}
-    if sets and len(parity["outputs"]) <= ROWS_PER_SET_UP_TO:
-        rows = [
-            (p, e)
-            for name in parity["outputs"]
-            for p, es in sets.items()
-            for e in es
-            if e["output"] == name
-        ]
-    else:
-        rows = [(_worst_set(parity, name, e), e) for name, e in parity["outputs"].items()]
-    for probe, e in rows:
-        verdict = "[green]pass[/]" if e["passed"] else "[red]FAIL[/]"
-        if e.get("weak"):
+    for probe, e in _parity_rows(parity):
+        verdict = "[green]pass[/]" if e.passed else "[red]FAIL[/]"
+        if e.weak:
             verdict += " [yellow](weak)[/]"
-        table.add_row(
-            e["output"],
-            probe,
-            _err(e["max_abs_err"]),
-            _err(e.get("raw_max_abs_err")),
-            _err(e.get("pytorch_max_abs_err")),
-            _err(e["max_abs_ref"]),
-            verdict,
-        )
-    console.print(table)
-    for note in parity.get("oracle_notes", []):
+        errors = (e.max_abs_err, e.raw_max_abs_err, e.pytorch_max_abs_err, e.max_abs_ref)
+        table.add_row(e.output, probe, *map(_err, errors), verdict)
+    return table
+
+
+def _render_parity(parity: ParityResult, console: Console) -> None:
+    """The parity table, the oracle's notes, the weak checks and the first failures."""
+    console.print(_parity_table(parity))
+    for note in parity.notes:
         console.print(f"[yellow]note[/]: {note}")
     weak: dict[str, list[str]] = {}
-    for w in parity.get("weak_checks", []):
-        weak.setdefault(w["output"], []).append(w["probe"])
+    for probe, output in parity.weak_checks():
+        weak.setdefault(output, []).append(probe)
     for name, probes in weak.items():
-        every = len(probes) == len(parity["probes"])
+        every = len(probes) == len(parity.probes)
+        where = (
+            "[bold]every input set[/]: parity says little about it" if every else ", ".join(probes)
+        )
         console.print(
             f"[yellow]weak check[/]: output {name!r}'s reference is constant (within atol) on "
-            + (
-                "[bold]every input set[/]: parity says little about it"
-                if every
-                else ", ".join(probes)
-            )
+            + where
         )
-    for f in parity["failures"][:10]:
+    for probe, f in parity.failures()[:10]:
         console.print(
-            f"[red]diverges[/]: output {f['output']!r} on input set {f['probe']!r}: max abs err "
-            f"{f['max_abs_err']:.3g} (raw export {_err(f.get('raw_max_abs_err'))}), rel L2 "
-            f"{f['rel_l2_err']:.3g}, {f['nonfinite_mismatch']} NaN/Inf where the reference is "
-            "finite"
+            f"[red]diverges[/]: output {f.output!r} on input set {probe!r}: max abs err "
+            f"{f.max_abs_err:.3g} (raw export {_err(f.raw_max_abs_err)}), rel L2 "
+            f"{f.rel_l2_err:.3g}, {f.nonfinite_mismatch} NaN/Inf where the reference is finite"
         )
 
 
-def _worst_set(parity: dict, name: str, worst: dict) -> str:
-    for probe, errors in (parity.get("sets") or {}).items():
-        if any(e == worst for e in errors if e["output"] == name):
+def _worst_set(parity: ParityResult, worst: OutputError) -> str:
+    for probe, errors in parity.probes.items():
+        if any(e is worst for e in errors):
             return probe
     return "(worst)"
 
 
-def render(report: dict, console: Console) -> None:
-    """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
+def _render_header(report: Report, console: Console) -> None:
+    """The model, how it was exported, where it went, and the notes about it."""
     console.print(
-        f"[bold]{report['model']}[/] ({report['kind'].replace('_', ' ')}, exporter "
-        f"{report['exporter']}, opset {report['opset']}, target {report['target']}) -> "
-        f"[bold]{report['output']}[/]"
+        f"[bold]{report.model}[/] ({report.kind.replace('_', ' ')}, exporter "
+        f"{report.exporter}, opset {report.opset}, target {report.target}) -> "
+        f"[bold]{report.output}[/]"
     )
-    if report["external_data"]:
-        console.print(f"external data: {report['files_written'][1]} (the output's own)")
-    _render_checker(report["checker"], console)
-    for note in report.get("notes", []):
+    if report.exporter_fallback:
+        console.print(
+            f"[yellow]exporter[/]: the dynamo exporter failed ({report.exporter_fallback}); "
+            "the TorchScript exporter was used"
+        )
+    if report.external_data:
+        console.print(f"external data: {report.files_written[1]} (the output's own)")
+    _render_checker(report.checker, console)
+    for note in [*report.notes, *report.fusions.notes]:
         console.print(f"[yellow]note[/]: {note}")
-    fusions = report["fusions"]
-    for note in fusions.get("notes", []):
-        console.print(f"[yellow]note[/]: {note}")
+
+
+def _render_fusions(fusions: Fusions, norm: NormOps, console: Console) -> None:
+    """Counts per kind, norm ops before -> after, and the candidates left alone."""
     table = Table(title="Fusions", title_justify="left")
     table.add_column("kind")
     table.add_column("count", justify="right")
-    for kind in FUSION_KINDS:
-        table.add_row(kind, str(fusions[kind]))
-    norm = report["norm_ops"]
-    for op in sorted(set(norm["before"]) | set(norm["after"])):
-        table.add_row(f"{op} nodes", f"{norm['before'].get(op, 0)} -> {norm['after'].get(op, 0)}")
+    for kind, count in fusions.counts.items():
+        table.add_row(kind, str(count))
+    for op in sorted(set(norm.before) | set(norm.after)):
+        table.add_row(f"{op} nodes", f"{norm.before.get(op, 0)} -> {norm.after.get(op, 0)}")
     console.print(table)
-    if fusions["refused"]:
+    if fusions.refused:
         refused = Table(title="Left alone", title_justify="left")
         for col in ("kind", "node", "code", "detail"):
             refused.add_column(col, overflow="fold")
-        for r in fusions["refused"]:
-            refused.add_row(r["kind"], r["node"], r["code"], r["detail"])
+        for r in fusions.refused:
+            refused.add_row(r.kind, r.node, r.code, r.detail)
         console.print(refused)
 
-    _render_parity(report["parity"], console)
 
-    console.print(f"provider: [bold]{report['provider']}[/]")
-    if report["provider_note"]:
-        console.print(f"[yellow]{report['provider_note']}[/]")
-    latency = report["latency_ms"]
-    if latency:
-        table = Table(
-            title="Latency (ms per call; interleaved, ORT thread spinning off)",
-            title_justify="left",
+def _render_latency(latency: Latency, console: Console) -> None:
+    """Median, p90 and runs per variant, as ratios to the optimized model; the threads."""
+    table = Table(
+        title="Latency (ms per call; interleaved, ORT thread spinning off)",
+        title_justify="left",
+    )
+    for col in ("variant", "median", "p90", "runs", "÷ optimized"):
+        table.add_column(col, justify="right" if col != "variant" else "left")
+    opt = latency.timings["ort_optimized"].median_ms
+    for name, t in latency.timings.items():
+        ratio = f"{t.median_ms / opt:.2f}x"
+        table.add_row(name, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", str(t.runs), ratio)
+    console.print(table)
+    console.print(
+        f"threads: PyTorch {latency.pytorch_threads}, ONNX Runtime "
+        f"{latency.onnxruntime_threads} (intra-op; inter-op 1)"
+    )
+    if latency.busy:
+        console.print(
+            f"[yellow]the machine was busy[/]: p90 over {BUSY_SPREAD:g}x the median for "
+            f"{', '.join(latency.busy)}; compare these numbers with care, or re-run"
         )
-        for col in ("variant", "median", "p90", "runs", "÷ optimized"):
-            table.add_column(col, justify="right" if col != "variant" else "left")
-        opt = latency["ort_optimized"]["median_ms"]
-        for name, t in latency.items():
-            table.add_row(
-                name,
-                f"{t['median_ms']:.3f}",
-                f"{t['p90_ms']:.3f}",
-                str(t["runs"]),
-                f"{t['median_ms'] / opt:.2f}x",
-            )
-        console.print(table)
-        cond = report.get("latency_conditions")
-        if cond:
-            console.print(
-                f"threads: PyTorch {cond['pytorch_threads']}, ONNX Runtime "
-                f"{cond['onnxruntime_threads']} (intra-op; inter-op 1)"
-            )
-            if cond["busy"]:
-                console.print(
-                    f"[yellow]the machine was busy[/]: p90 over {BUSY_SPREAD:g}x the median for "
-                    f"{', '.join(cond['busy'])}; compare these numbers with care, or re-run"
-                )
-    tuned = report.get("autotune")
-    if tuned:
-        line = f"autotune on {tuned['provider']}: kept [bold]{tuned['best']}[/]"
-        if tuned["best"] != tuned["default"]:
-            ratio = tuned["ratio_to_default"][tuned["best"]]
-            line += f" ({ratio['median']:.2f}x the time of {tuned['default']})"
-        console.print(line)
-        if tuned["disabled_optimizers"]:
-            console.print(
-                "[yellow]deploy it with this ORT session setting: "
-                f"disabled_optimizers={tuned['disabled_optimizers']}[/] (ORT's own fusion would "
-                "undo the faster form)"
-            )
-    verdict = "[green]parity passed[/]" if report["parity"]["passed"] else "[red]parity FAILED[/]"
+
+
+def _render_autotune(tuned: AutotuneResult, console: Console) -> None:
+    """Which form autotune kept, and the session setting it needs."""
+    line = f"autotune on {tuned.provider}: kept [bold]{tuned.best}[/]"
+    if tuned.best != tuned.default:
+        ratio = tuned.ratio_to_default[tuned.best]
+        line += f" ({ratio.median:.2f}x the time of {tuned.default})"
+    console.print(line)
+    if tuned.disabled_optimizers:
+        console.print(
+            "[yellow]deploy it with this ORT session setting: "
+            f"disabled_optimizers={list(tuned.disabled_optimizers)}[/] (ORT's own fusion would "
+            "undo the faster form)"
+        )
+
+
+def render(report: Report, console: Console) -> None:
+    """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
+    _render_header(report, console)
+    _render_fusions(report.fusions, report.norm_ops, console)
+    _render_parity(report.parity, console)
+    console.print(f"provider: [bold]{report.provider}[/]")
+    if report.provider_note:
+        console.print(f"[yellow]{report.provider_note}[/]")
+    if report.latency and report.latency.timings:
+        _render_latency(report.latency, console)
+    if report.autotune:
+        _render_autotune(report.autotune, console)
+    verdict = "[green]parity passed[/]" if report.passed else "[red]parity FAILED[/]"
     console.print(verdict)
 
 
-def write_json(report: dict, path: Path) -> None:
-    """Write ``report`` as JSON, atomically (temporary file in the same folder, then rename)."""
+def write_json(report: Report | dict, path: Path) -> None:
+    """Write ``report`` (a :class:`Report`, or any JSON-ready dict) as JSON, atomically
+    (temporary file in the same folder, then rename)."""
+    data = report.to_dict() if isinstance(report, Report) else report
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(report, indent=2))
+        tmp.write_text(json.dumps(data, indent=2))
 
 
-def write_chart(report: dict, path: Path) -> bool:
+def write_chart(report: Report, path: Path) -> bool:
     """Bar chart of median latency (p90 as error bar) per variant, as PNG.
 
     Returns:
         False (and writes nothing) when the report has no latency.
     """
-    latency = report["latency_ms"]
-    if not latency:
+    if not report.latency or not report.latency.timings:
         return False
+    latency = {k: t.to_dict() for k, t in report.latency.timings.items()}
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,8 +439,8 @@ def write_chart(report: dict, path: Path) -> bool:
     p90 = [latency[n]["p90_ms"] - latency[n]["median_ms"] for n in names]
     fig, ax = plt.subplots(figsize=(6, 3))
     ax.barh(names, med, xerr=[[0] * len(names), p90], color=["#999", "#69c", "#2a6"][-len(names) :])
-    ax.set_xlabel(f"ms per call, median (bar) and p90 (whisker), {report['provider']}")
-    ax.set_title(Path(report["model"]).name)
+    ax.set_xlabel(f"ms per call, median (bar) and p90 (whisker), {report.provider}")
+    ax.set_title(Path(report.model).name)
     fig.tight_layout()
     save_figure(fig, path)
     return True

@@ -28,7 +28,7 @@ def test_zoo_model_end_to_end(name, tmp_path):
         opts = dataclasses.replace(opts, trust_pickle=True)
     if "--model-class" in flags:
         opts = dataclasses.replace(opts, model_class=flags[flags.index("--model-class") + 1])
-    report = pipeline.run(opts)
+    report = pipeline.run(opts).to_dict()
 
     failures = report["parity"]["failures"]
     assert report["parity"]["passed"], failures[:3]

@@ -434,7 +434,30 @@ def _threads(argv: list[str], capsys) -> tuple[int, str, str]:
     return codes[0], captured.out, captured.err
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+#: Cases that export a model, run to the end or start a Python process (a second or more each);
+#: the others stop at their error before any export and stay in ``make test-fast``.
+SLOW_CASES = {
+    "sigterm-during-write",
+    "sigint-during-export",
+    "unexportable-op",
+    "model-class-from-cwd-script",
+    "interrupt-inside-lazy-import",
+    "long-names",
+    "input-shape-wrong-size",
+    "opset-13-falls-back",
+    "opset-13-dynamo",
+    "forward-returns-none",
+    "training-mode-is-reported",
+}
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.id in SLOW_CASES else [])
+        for c in CASES
+    ],
+)
 def test_bad_input(case, shared, tmp_path, monkeypatch, capsys):
     cwd = tmp_path / "cwd"
     shutil.copytree(shared, cwd, ignore=shutil.ignore_patterns("__pycache__", MARKER))

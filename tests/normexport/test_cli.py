@@ -74,6 +74,7 @@ def test_pickled_module_needs_trust(capsys, pickled):
     assert not pipeline.default_output(pickled).exists()
 
 
+@pytest.mark.slow
 def test_pickled_module_end_to_end(capsys, pickled, tmp_path):
     before = digest(pickled)
     report_path = tmp_path / "out" / "report.json"
@@ -97,6 +98,7 @@ def test_pickled_module_end_to_end(capsys, pickled, tmp_path):
     assert "parity passed" in out
 
 
+@pytest.mark.slow
 def test_state_dict_needs_model_class(capsys, tmp_path):
     from models.resnet import ResNetSmall
 
@@ -120,6 +122,7 @@ def test_state_dict_needs_model_class(capsys, tmp_path):
     assert code == 0, out
 
 
+@pytest.mark.slow
 def test_torchscript_archive(capsys, tmp_path):
     path = tmp_path / "scripted.pt"
     net = make_net()
@@ -130,6 +133,7 @@ def test_torchscript_archive(capsys, tmp_path):
     assert out_path.exists()
 
 
+@pytest.mark.slow
 def test_exported_program_carries_its_inputs(capsys, tmp_path):
     path = tmp_path / "program.pt2"
     torch.export.save(torch.export.export(make_net(), (torch.randn(2, 3, 8, 8),)), path)
@@ -141,6 +145,7 @@ def test_exported_program_carries_its_inputs(capsys, tmp_path):
     assert report["fusions"]["batchnorm_folded"] == 2
 
 
+@pytest.mark.slow
 def test_onnx_input_is_checked_against_unoptimized_onnx(capsys, tmp_path):
     exported = export_module(make_net(), [torch.randn(2, 3, 8, 8)], input_names=["x"])
     path = tmp_path / "net.onnx"
@@ -182,6 +187,7 @@ def test_debug_shows_the_traceback(tmp_path):
         cli.main([str(tmp_path / "missing.pt"), "--debug"])
 
 
+@pytest.mark.slow
 def test_wrong_model_fails_parity_and_exits_1(capsys, pickled, monkeypatch, tmp_path):
     """A deliberately broken optimizer: the parity check must catch it."""
     real_optimize = fusion.optimize
@@ -222,6 +228,7 @@ class LookAlike(nn.Module):
         return y / (torch.sqrt((y * y).mean(-1, keepdim=True)) + 1e-6)
 
 
+@pytest.mark.slow
 def test_explain_lists_fused_and_left_alone_with_reasons(capsys, tmp_path):
     exported = export_module(LookAlike(), [torch.randn(2, 8)], input_names=["x"])
     path = tmp_path / "lookalike.onnx"
@@ -234,6 +241,7 @@ def test_explain_lists_fused_and_left_alone_with_reasons(capsys, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["lookalike.onnx"]  # writes nothing
 
 
+@pytest.mark.slow
 def test_main_command_explain_flag(capsys, pickled):
     code, out, _ = run_cli(
         capsys, pickled, "--trust-pickle", "--input-shape", SHAPE, "--no-benchmark", "--explain"
@@ -272,6 +280,7 @@ class Residual(nn.Module):
         return self.norm(x + self.linear(x))
 
 
+@pytest.mark.slow
 def test_autotune_records_candidates_and_keeps_parity(capsys, tmp_path):
     path = tmp_path / "residual.pt"
     torch.save(Residual().eval(), path)
@@ -289,6 +298,7 @@ def test_autotune_records_candidates_and_keeps_parity(capsys, tmp_path):
         assert "disabled_optimizers" in out
 
 
+@pytest.mark.slow
 def test_autotune_choice_becomes_the_output(capsys, tmp_path, monkeypatch):
     """Where autotune keeps another form than the default, that form is what is written (with
     its own external data) and what parity judges."""

@@ -19,6 +19,8 @@ from torch import nn
 
 from normexport import cli, files
 
+pytestmark = pytest.mark.slow  # every test exports a PyTorch model first
+
 
 class HandLayerNorm(nn.Module):
     """A LayerNorm written out, as tutorials do (eps 1e-5 survives torch's own optimizer)."""
@@ -179,7 +181,6 @@ def _big_model(folder: Path, rows: int, width: int = 64) -> Path:
     return path
 
 
-@pytest.mark.slow
 def test_model_over_2_gib(tmp_path):
     rows = (2**31 + 2**26) // (64 * 4)  # 2.06 GiB of table
     model = _big_model(tmp_path, rows)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from normexport.inputs import id_ranges, input_sets, parse_input_shape
-from normexport.parity import check_parity, compare
+from normexport.parity import check_parity, closeness, compare
 
 
 def test_compare_metrics_are_exact():
@@ -129,3 +129,22 @@ def test_random_sets_do_not_repeat_a_generated_example():
     sets = input_sets(example)
     for i in range(3):
         assert not np.array_equal(sets[f"random_{i}"]["x"], example["x"]), i
+
+
+def test_closeness_is_atol_plus_rtol_times_max_ref():
+    ref = np.array([-4.0, 1.0, np.nan, np.inf])
+    got = np.array([-4.3, 1.0, 7.0, 0.0])  # where ref is NaN/Inf nothing is compared
+    c = closeness(got, ref, atol=0.1, rtol=0.05)
+    assert (c.max_abs_err, c.max_abs_ref, c.nonfinite_mismatch) == pytest.approx((0.3, 4.0, 0))
+    assert c.tolerance == pytest.approx(0.1 + 0.05 * 4.0) and c.within
+    assert not closeness(got, ref, atol=0.1, rtol=0.04).within
+    assert "> tolerance" in closeness(got, ref, atol=0.0, rtol=0.0).describe()
+
+
+def test_closeness_nan_where_reference_is_finite_is_never_close():
+    c = closeness(np.array([np.nan, np.inf]), np.zeros(2), atol=1e9, rtol=1e9)
+    assert c.nonfinite_mismatch == 2 and c.max_abs_err == np.inf and not c.within
+    assert "2 NaN/Inf" in c.describe()
+    with pytest.raises(ValueError, match="shape"):
+        closeness(np.zeros(2), np.zeros(3))
+    assert closeness(np.zeros(0), np.zeros(0)).within

@@ -18,6 +18,8 @@ import fusion
 from fusion.fold_batchnorm import algebra, before
 from normexport import pipeline
 
+pytestmark = pytest.mark.slow  # every test exports a PyTorch model and runs the pipeline
+
 
 def _randomize(model: nn.Module, seed: int = 0) -> nn.Module:
     """Random BN statistics and affine parameters, random norm weights; eval mode."""
@@ -121,7 +123,7 @@ def _run(tmp_path, model: nn.Module, shape: str) -> dict:
     path = tmp_path / "m.pt"
     torch.save(model, path)
     opts = pipeline.Options(model=path, trust_pickle=True, input_shape=[shape], benchmark=False)
-    return pipeline.run(opts)
+    return pipeline.run(opts).to_dict()  # the JSON users read
 
 
 # --- deliberately broken optimizers ---------------------------------------------------------
@@ -271,7 +273,7 @@ def test_token_id_model_gets_random_sets(tmp_path):
         input_shape=["input_ids=2x6:int64", "attention_mask=2x6:int64"],
         benchmark=False,
     )
-    parity = pipeline.run(opts)["parity"]
+    parity = pipeline.run(opts).to_dict()["parity"]
     assert parity["passed"], parity["failures"]
     assert parity["probes"] == ["example", "random_0", "random_1", "random_2"]
 

@@ -1,0 +1,158 @@
+"""The Python API, ``normexport.optimize``, and the one mapping from flags to Options.
+
+The tests on an .onnx file built with onnx.helper run the whole pipeline without exporting
+anything (a second or two); the nn.Module test exports, so it is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import normexport
+from normexport.arguments import Options, options_from_args
+from normexport.cli import build_explain_parser, build_parser
+from normexport.errors import InputFileError, UsageError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _matmul_bn_onnx(path: Path) -> Path:
+    """x (2, 4) -> MatMul (4, 3) -> BatchNormalization over 3 channels, random statistics."""
+    rng = np.random.default_rng(0)
+    stats = {
+        "scale": rng.uniform(0.5, 2.0, 3),
+        "bias": rng.standard_normal(3),
+        "mean": rng.standard_normal(3),
+        "var": rng.uniform(0.5, 2.0, 3),
+    }
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3)).astype(np.float32), "w")]
+    inits += [numpy_helper.from_array(v.astype(np.float32), k) for k, v in stats.items()]
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+            helper.make_node(
+                "BatchNormalization", ["h", "scale", "bias", "mean", "var"], ["y"], name="bn"
+            ),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.save(model, path)
+    return path
+
+
+def test_import_is_light():
+    code = (
+        "import sys, normexport; print(sorted({'torch', 'onnx', 'onnxruntime'} & set(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_onnx_file_report_fields_and_files(tmp_path):
+    model = _matmul_bn_onnx(tmp_path / "m.onnx")
+    out, json_path = tmp_path / "out" / "m.opt.onnx", tmp_path / "r.json"
+    report = normexport.optimize(
+        model, output=out, report=json_path, benchmark=False, provider="cpu"
+    )
+    assert isinstance(report, normexport.Report)
+    assert report.passed and report.parity.oracle == "onnx"
+    assert report.kind == "onnx" and report.exporter == "none" and report.exporter_fallback is None
+    assert report.fusions.counts["batchnorm_folded"] == 1
+    assert report.norm_ops.before == {"BatchNormalization": 1} and report.norm_ops.after == {}
+    assert report.output == out and report.files_written == [out] and out.is_file()
+    assert report.inputs["x"].shape == [2, 4] and report.latency is None
+    assert json.loads(json_path.read_text()) == json.loads(json.dumps(report.to_dict()))
+    assert not json_path.with_suffix(".png").exists()  # no latency, no chart
+
+
+def test_every_report_key_is_documented(tmp_path):
+    """docs/report.md names every key the JSON has (for a run without timing)."""
+    report = normexport.optimize(
+        _matmul_bn_onnx(tmp_path / "m.onnx"), benchmark=False, provider="cpu"
+    )
+    documented = set(re.findall(r"`([a-z_0-9]+)`", (ROOT / "docs" / "report.md").read_text()))
+
+    def keys(value, variable=False):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not variable:
+                    yield k
+                # per-output / per-set / per-variant maps: their keys are names, not schema
+                yield from keys(v, k in ("inputs", "outputs", "sets", "before", "after"))
+        elif isinstance(value, list):
+            for v in value:
+                yield from keys(v)
+
+    assert set(keys(report.to_dict())) - documented == set()
+
+
+def test_errors_are_the_clis(tmp_path):
+    with pytest.raises(InputFileError, match="no such file"):
+        normexport.optimize(tmp_path / "missing.onnx")
+    with pytest.raises(UsageError, match="--atol"):
+        normexport.optimize(_matmul_bn_onnx(tmp_path / "m.onnx"), atol=float("nan"))
+
+
+def test_argument_errors_need_no_model():
+    with pytest.raises(UsageError, match="model file path or a torch.nn.Module"):
+        normexport.optimize(42)
+
+    class Net:
+        def forward(self, x):
+            return x
+
+    with pytest.raises(UsageError, match="give output="):
+        normexport.optimize(Net())
+
+
+def test_flags_fill_options_by_name():
+    args = build_parser().parse_args(
+        ["m.pt", "--no-benchmark", "--budget", "3", "--atol", "1e-3", "--input-shape", "1,3"]
+    )
+    assert options_from_args(args) == Options(
+        model=Path("m.pt"), benchmark=False, budget_s=3.0, atol=1e-3, input_shape=["1,3"]
+    )
+    assert options_from_args(build_parser().parse_args(["m.pt"])) == Options(model=Path("m.pt"))
+    explain = options_from_args(build_explain_parser().parse_args(["m.pt", "--opset", "18"]))
+    assert explain == Options(model=Path("m.pt"), opset=18)
+
+
+def test_every_flag_is_an_option_field():
+    fields = set(Options.__dataclass_fields__)
+    dests = {a.dest for a in build_parser()._actions} - {"help", "debug", "explain"}
+    assert dests <= fields
+
+
+@pytest.mark.slow
+def test_module_is_exported_optimized_and_written(tmp_path):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    with torch.no_grad():
+        net[1].running_mean.uniform_(-1, 1)
+        net[1].running_var.uniform_(0.5, 2)
+    net.train()
+    out = tmp_path / "net.onnx"
+    report = normexport.optimize(net, output=out, input_shapes=[(1, 3, 8, 8)], budget_s=0.5)
+    assert report.passed and report.kind == "nn_module"
+    assert report.fusions.counts["batchnorm_folded"] == 1 and out.is_file()
+    assert report.parity.oracle == "pytorch_float64"
+    assert set(report.latency.timings) == {"pytorch_eager", "ort_raw", "ort_optimized"}
+    assert net.training  # given back as it came
