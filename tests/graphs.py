@@ -15,6 +15,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from normexport.parity import closeness
+
 #: A node as ``(op_type, inputs, outputs, attributes)``; add ``"domain"`` to the attributes
 #: dict as ``{"domain": "com.microsoft"}`` for a contrib op.
 NodeSpec = tuple[str, Sequence[str], Sequence[str], Mapping]
@@ -79,13 +81,12 @@ def ops(model: ir.Model) -> list[str]:
     return [node.op_type for node in model.graph]
 
 
-def assert_close(got: Sequence[np.ndarray], want: Sequence[np.ndarray], rtol: float = 1e-5):
-    """Each pair finite where ``want`` is, and within ``1e-6 + rtol * max|want|`` (float64)."""
+def assert_close(
+    got: Sequence[np.ndarray], want: Sequence[np.ndarray], rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
+    """Each pair within :func:`normexport.parity.closeness` (``atol + rtol * max|want|``, no
+    NaN/Inf where ``want`` is finite)."""
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g.shape == w.shape, (i, g.shape, w.shape)
-        g, w = g.astype(np.float64), w.astype(np.float64)
-        assert np.isfinite(g[np.isfinite(w)]).all(), f"output {i}: non-finite values"
-        err = np.abs(g - w)[np.isfinite(w)].max(initial=0.0)
-        tol = 1e-6 + rtol * np.abs(w[np.isfinite(w)]).max(initial=0.0)
-        assert err <= tol, f"output {i}: max abs err {err:.3g} > {tol:.3g}"
+        c = closeness(g, w, atol=atol, rtol=rtol)
+        assert c.within, f"output {i}: {c.describe()}"

@@ -7,6 +7,7 @@ import onnx_ir as ir
 import torch
 
 from normexport.export import export_module
+from normexport.parity import closeness
 from normexport.runtime import make_session, run
 
 SHAPE = (2, 3, 16)
@@ -27,13 +28,8 @@ def probes(shape=SHAPE, dtype=torch.float32) -> dict[str, torch.Tensor]:
 
 def assert_matches(out: np.ndarray, ref: np.ndarray, what: str, rtol: float = 1e-3) -> None:
     """No NaN/Inf where torch has none; max abs err <= 1e-4 + rtol * max |ref|."""
-    assert out.shape == ref.shape, what
-    bad = ~np.isfinite(out) & np.isfinite(ref)
-    assert not bad.any(), f"{what}: {bad.sum()} non-finite values where torch has none"
-    finite = np.isfinite(ref)
-    err = np.abs(out[finite].astype(np.float64) - ref[finite].astype(np.float64)).max()
-    tol = 1e-4 + rtol * np.abs(ref[finite]).max()
-    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
+    c = closeness(out, ref, atol=1e-4, rtol=rtol)
+    assert c.within, f"{what}: {c.describe()}"
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:

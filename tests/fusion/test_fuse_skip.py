@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from norm_testing import assert_matches
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
@@ -44,15 +45,6 @@ def _probes(shape=(B, S, H)) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         "1e3 scale": (a * 1e3, b * 1e3),
     }
     return {k: (x.astype(np.float32), y.astype(np.float32)) for k, (x, y) in found.items()}
-
-
-def _assert_close(actual: np.ndarray, expected: np.ndarray, what: str, rtol=1e-4) -> None:
-    """max |actual - expected| <= 1e-4 + rtol * max |expected|; NaN/Inf fail."""
-    assert actual.shape == expected.shape, what
-    assert np.isfinite(actual).all(), what
-    err = np.abs(actual.astype(np.float64) - expected.astype(np.float64)).max()
-    tol = 1e-4 + rtol * np.abs(expected).max()
-    assert err <= tol, f"{what}: max abs err {err:.3g} > {tol:.3g}"
 
 
 def _fuse(model: ir.Model) -> tuple[FusionReport, bool]:
@@ -165,8 +157,8 @@ def test_fuses_torch_module(name, exporter):
             eager = module(torch.from_numpy(a), torch.from_numpy(b)).numpy()
         feeds = {"x": a, "y": b}
         out = run(session, feeds)[0]
-        _assert_close(out, eager, f"{probe} vs torch", rtol=1e-3)
-        _assert_close(out, run(unfused, feeds)[0], f"{probe} vs unfused", rtol=1e-3)
+        assert_matches(out, eager, f"{probe} vs torch", rtol=1e-3)
+        assert_matches(out, run(unfused, feeds)[0], f"{probe} vs unfused", rtol=1e-3)
     _assert_second_run_is_noop(model)
 
 
@@ -261,8 +253,8 @@ def test_fuses_graph(op, shapes):
     assert skip.attributes["epsilon"].value == np.float32(1e-5)
     fusion.check(model)
     fused = run(make_session(model), feeds)[0]
-    _assert_close(fused, _reference(op, a, b, model), "vs float64")
-    _assert_close(fused, unfused, "vs unfused")
+    assert_matches(fused, _reference(op, a, b, model), "vs float64")
+    assert_matches(fused, unfused, "vs unfused")
     _assert_second_run_is_noop(model)
 
 
@@ -287,7 +279,7 @@ def test_sum_read_elsewhere_comes_from_output_3_and_keeps_its_graph_output_name(
     for got, want, what in zip(
         run(make_session(model), feeds), expected, ["y", "sum", "sq"], strict=True
     ):
-        _assert_close(got, want, what)
+        assert_matches(got, want, what)
     np.testing.assert_array_equal(run(make_session(model), feeds)[1], feeds["a"] + feeds["b"])
 
 
