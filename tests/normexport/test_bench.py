@@ -117,6 +117,7 @@ def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch, tmp_pat
     assert built["onnxscript_ort"].model is None
     assert built["onnxscript_ort"].error == "RuntimeError: optimizer exploded"
     assert built["normexport"].norm_ops == {"LayerNormalization": 2}
+    assert built["normexport"].details == {"layernorm_fused": 2}  # fusion counts, zeros left out
     assert built["ort_raw"].norm_ops == {}
     assert built["ort_offline"].to_dict()["session_optimization"] == "ORT_DISABLE_ALL"
     assert built["normexport"].to_dict()["session_optimization"] == "ORT_ENABLE_ALL"
