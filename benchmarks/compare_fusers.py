@@ -53,6 +53,7 @@ from rich.table import Table
 import fusion
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
 from normexport import bench, report, runtime
+from normexport.errors import one_line
 from normexport.export import ExportError, export_module
 from normexport.inputs import input_sets
 from normexport.parity import check_parity
@@ -92,11 +93,6 @@ LEGEND = {
 STYLE = {"F": "green", "=": "dim green", ".": "yellow", "R": "cyan", "X": "bold red", "E": "red"}
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
-
-
 def judge(entry: Entry, module: torch.nn.Module, raw: Counter, variant: Variant, sets) -> dict:
     """The verdict (see the module docstring) on one tool's model of one entry."""
     if variant.model is None:
@@ -115,7 +111,7 @@ def judge(entry: Entry, module: torch.nn.Module, raw: Counter, variant: Variant,
             rtol=entry.rtol,
         )
     except Exception as err:  # ORT rejecting a tool's model is a result, not a crash
-        return {**result, "verdict": "E", "error": _first_line(err)}
+        return {**result, "verdict": "E", "error": one_line(err)}
     worst = parity.worst()["y"]
     result["max_abs_err"] = worst.max_abs_err
     result["failures"] = [probe for probe, _ in parity.failures()]
@@ -177,7 +173,7 @@ def _expectation(entry: Entry) -> str:
         return f"refuse: {entry.refused}"
     if entry.expect == FOLDED:
         return "fold"
-    return entry.expect if entry.dtype == torch.float32 else f"{entry.expect} ({entry.dtype})"
+    return "fuse" if entry.dtype == torch.float32 else f"fuse ({entry.dtype})"
 
 
 def summarize(rows: dict[str, dict]) -> dict:
@@ -207,14 +203,15 @@ def render(rows: dict[str, dict], summary: dict, exports, console: Console) -> N
         console.print(f"  {mark}  {meaning}")
     table = Table(title="Summary: verdicts over every (entry, export)")
     table.add_column("tool")
-    for family in ("layernorm", "rmsnorm", "batchnorm"):
+    families = list(dict.fromkeys(row["family"] for row in rows.values()))
+    for family in families:
         table.add_column(family)
     for tool, by_family in summary.items():
         table.add_row(
             tool,
             *(
                 " ".join(f"{m}:{n}" for m, n in sorted(by_family.get(f, {}).items()))
-                for f in ("layernorm", "rmsnorm", "batchnorm")
+                for f in families
             ),
         )
     console.print(table)

@@ -154,15 +154,8 @@ def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> dict:
             "function)",
         ),
     }
-    result = bench.bench_model(
-        raw,
-        {"h": x},
-        module=hand,
-        provider=provider,
-        io_binding=provider == "cuda",
-        budget_s=budget_s,
-        extra=extra,
-    )
+    opts = bench.BenchOptions(provider=provider, io_binding=provider == "cuda", budget_s=budget_s)
+    result = bench.bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
     point = result["points"][0]
     ratios, ms = point["ratio_to_normexport"], point["latency_ms"]
     result["targets"] = []

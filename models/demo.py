@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 import models
+from fusion.registry import FUSION_KINDS
 
 #: What each model's report must show: (description, predicate over the report).
 EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
@@ -152,14 +153,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_summary(rows: list[dict]) -> None:
-    """One line per model: fusion counts, worst parity error, the three latencies."""
+    """One line per model: a count per fusion kind (:data:`fusion.registry.FUSION_KINDS`),
+    worst parity error, the three latencies."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title="normexport demo: summary (CPU; latency medians in ms)")
-    cols = ["model", "file", "BN folded", "affine folded", "LN fused", "RMS fused",
-            "attn / GELU fused", "left alone", "norm ops after", "max abs err", "rel L2 err",
-            "eager", "ORT raw", "ORT opt", "parity"]  # fmt: skip
+    kinds = [kind.replace("_", " ") for kind in FUSION_KINDS]  # one count column per kind
+    cols = ["model", "file", *kinds, "left alone", "norm ops after", "max abs err",
+            "rel L2 err", "eager", "ORT raw", "ORT opt", "parity"]  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
     for row in rows:
@@ -177,11 +179,7 @@ def print_summary(rows: list[dict]) -> None:
         table.add_row(
             row["model"],
             r["kind"].replace("_", " "),
-            str(f["batchnorm_folded"]),
-            str(f["affine_folded"]),
-            str(f["layernorm_fused"]),
-            str(f["rmsnorm_fused"]),
-            f"{f['attention_fused']} / {f['gelu_fused']}",
+            *(str(f.get(kind, 0)) for kind in FUSION_KINDS),
             str(len(f["refused"])),
             after,
             f"{max(e['max_abs_err'] for e in worst):.2g}",

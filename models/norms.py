@@ -53,12 +53,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: ``Entry.expect`` values besides an op type: the BatchNorm disappears into a linear layer;
-#: the RMSNorm op for the opset (RMSNormalization from 23, else ORT's
-#: SimplifiedLayerNormalization, for ``target="ort"``).
+from fusion import registry
+
+#: ``Entry.expect`` values: the BatchNorm disappears into a linear layer; the norm becomes its
+#: family's fused op (which one at which opset: :func:`fused_op`).
 FOLDED = "folded"
-RMSNORM = "RMSNorm"
-LAYERNORM = "LayerNormalization"
+FUSED = "fused"
+
+#: The norm families of :mod:`fusion.registry`, each with the pass that rewrites it.
+FAMILIES = {p.kinds[0].family: p for p in registry.PASSES if p.kinds[0].norm}
+
+
+def fused_op(family: str, opset: int) -> str:
+    """The op that ``family``'s pass emits for ``target="ort"`` at ``opset``: its first op where
+    the opset has it (the pass's ``needs_opset["onnx"]``), else its last, ONNX Runtime's (for
+    RMSNorm: RMSNormalization from opset 23, else SimplifiedLayerNormalization)."""
+    fusion_pass = FAMILIES[family]
+    ops = fusion_pass.kinds[0].ops
+    return ops[0].op_type if opset >= fusion_pass.needs_opset.get("onnx", 0) else ops[-1].op_type
+
 
 #: Ops of each family's decomposed form: none may remain once the norm is fused or folded.
 DECOMPOSED = {
@@ -440,13 +453,14 @@ class Entry:
 
     Attributes:
         name: short unique name.
-        family: ``"layernorm"``, ``"rmsnorm"`` or ``"batchnorm"`` (the report's refusal kind).
+        family: a norm family of :data:`FAMILIES` (the report's refusal kind), e.g.
+            ``"layernorm"``.
         factory: builds the module (float32, parameters seeded; called under
             ``torch.manual_seed(0)``).
         shape: the input shape.
-        expect: the op that must replace the norm (:data:`LAYERNORM`, :data:`RMSNORM` resolved
-            per opset by :meth:`expected_op`, or :data:`FOLDED`: no BatchNormalization left);
-            None when the candidate must be refused.
+        expect: :data:`FUSED` (the family's fused op must replace the norm, see
+            :meth:`expected_op`) or :data:`FOLDED` (no BatchNormalization left); None when the
+            candidate must be refused.
         refused: a fragment of the refusal reason the report must carry (only when ``expect``
             is None).
         dtype: the model's precision: float32, float16 or float64 (the module and its input
@@ -471,6 +485,10 @@ class Entry:
     opsets: tuple[int, ...] | None = None
     atol: float = 1e-4
     rtol: float = 1e-3
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"{self.name}: family {self.family!r} is none of {list(FAMILIES)}")
 
     def build(self) -> nn.Module:
         """The module in eval mode, in its dtype, every BatchNorm statistic randomized."""
@@ -505,17 +523,15 @@ class Entry:
     def expected_op(self, opset: int) -> str | None:
         """The norm op type that must be in the optimized model at ``opset`` (None for a
         folded BatchNorm or a refusal)."""
-        if self.expect == RMSNORM:
-            return "RMSNormalization" if opset >= 23 else "SimplifiedLayerNormalization"
-        return self.expect if self.expect != FOLDED else None
+        return fused_op(self.family, opset) if self.expect == FUSED else None
 
 
 def _ln(name, factory, shape=BTC, **kw) -> Entry:
-    return Entry(name, "layernorm", factory, shape, LAYERNORM, **kw)
+    return Entry(name, "layernorm", factory, shape, FUSED, **kw)
 
 
 def _rms(name, factory, shape=BTC, **kw) -> Entry:
-    return Entry(name, "rmsnorm", factory, shape, RMSNORM, **kw)
+    return Entry(name, "rmsnorm", factory, shape, FUSED, **kw)
 
 
 def _refused(family, name, factory, reason, shape=BTC, **kw) -> Entry:
@@ -668,7 +684,3 @@ def torch_outputs(module: nn.Module, feeds: dict[str, np.ndarray]) -> list[np.nd
     """``module`` run eagerly on ``feeds["x"]``, in its own precision: the parity reference."""
     with torch.no_grad():
         return [module(torch.from_numpy(feeds["x"])).numpy()]
-
-
-#: The gallery by name.
-BY_NAME: dict[str, Entry] = {entry.name: entry for entry in GALLERY}

@@ -120,10 +120,9 @@ def candidates(
     ``attention_unfused``: the file of the same model optimized with ``attention=False``
     (:func:`fusion.optimize`); its forms join as ``attention_unfused`` and
     ``attention_unfused+FORM``. Fused attention is a speed choice per provider and shape: on
-    ORT 1.31's CPU provider the llama-tiny zoo model's MultiHeadAttention was once 1.07x slower
-    at (8, 16) and 1.07x faster at (1, 128) than its unfused MatMul-Softmax-MatMul; since
-    :mod:`fusion.fuse_attention` passes key and value split into heads, the unfused model takes
-    1.02x the fused one's time at (8, 16) and 1.14x at (1, 128)."""
+    ORT's CPU provider the llama-tiny zoo model's MultiHeadAttention has been slower than its
+    unfused MatMul-Softmax-MatMul at a small sequence length and faster at a long one (time both
+    with ``normexport bench``, or let this module choose for the user's inputs)."""
     sources = {"": model}
     if attention_unfused is not None:
         sources[ATTENTION_UNFUSED] = attention_unfused
@@ -187,6 +186,50 @@ def autotune(
     cands = {k: v if isinstance(v, Candidate) else Candidate(v) for k, v in cands.items()}
     default = default or next(iter(cands))
     io_binding = provider == "cuda" if io_binding is None else io_binding
+    runners, outputs, rejected = _runners(cands, feeds, provider, default, io_binding)
+    diffs = {}
+    for name in list(runners):
+        diff = _agrees(outputs[name], outputs[default], atol, rtol)
+        if diff is None:
+            rejected[name] = "outputs differ from the default's beyond the tolerance"
+            del runners[name]
+        else:
+            diffs[name] = diff
+    timings = time_interleaved(runners, budget_s=budget_s)
+    ratios = {k: paired_ratio(t, timings[default]) for k, t in timings.items() if k != default}
+    return AutotuneResult(
+        best=_choose(timings, ratios, default),
+        default=default,
+        provider=runtime.PROVIDERS[provider][0],
+        timings=timings,
+        ratio_to_default=ratios,
+        max_abs_diff=diffs,
+        rejected=rejected,
+        io_binding=io_binding,
+        candidates=dict(cands),
+    )
+
+
+def _choose(timings: dict[str, Timing], ratios: dict[str, Ratio], default: str) -> str:
+    """The fastest candidate if it beats ``default`` beyond the spread (the 95% interval of its
+    paired ratio lies below 1), else ``default``."""
+    fastest = min(timings, key=lambda k: timings[k].median_ms)
+    return fastest if fastest != default and ratios[fastest].ci_high < 1.0 else default
+
+
+def _runners(
+    cands: dict[str, Candidate],
+    feeds: Mapping[str, np.ndarray],
+    provider: str,
+    default: str,
+    io_binding: bool,
+) -> tuple[dict, dict, dict[str, str]]:
+    """A session per candidate: (name -> run once, name -> its outputs, name -> why it was
+    rejected) for the candidates that load and run.
+
+    Raises:
+        ValueError: the default candidate does not run.
+    """
     runners, outputs, rejected = {}, {}, {}
     for name, cand in cands.items():
         try:
@@ -199,28 +242,4 @@ def autotune(
             if name == default:
                 raise ValueError(f"the default candidate {name!r} does not run: {err}") from err
             rejected[name] = f"{type(err).__name__}: {err}"
-    diffs = {}
-    for name in list(runners):
-        diff = _agrees(outputs[name], outputs[default], atol, rtol)
-        if diff is None:
-            rejected[name] = "outputs differ from the default's beyond the tolerance"
-            del runners[name]
-        else:
-            diffs[name] = diff
-    timings = time_interleaved(runners, budget_s=budget_s)
-    ratios = {k: paired_ratio(t, timings[default]) for k, t in timings.items() if k != default}
-    best = default
-    fastest = min(timings, key=lambda k: timings[k].median_ms)
-    if fastest != default and ratios[fastest].ci_high < 1.0:
-        best = fastest
-    return AutotuneResult(
-        best=best,
-        default=default,
-        provider=runtime.PROVIDERS[provider][0],
-        timings=timings,
-        ratio_to_default=ratios,
-        max_abs_diff=diffs,
-        rejected=rejected,
-        io_binding=io_binding,
-        candidates=dict(cands),
-    )
+    return runners, outputs, rejected

@@ -20,9 +20,9 @@ What is timed, and how (see :mod:`normexport.latency` for the statistics):
   turns Add + LayerNormalization into SkipLayerNormalization on its own, for one);
 - each variant's output is compared with the reference (eager, else the raw export) at every
   point, so that a fast but inexact optimizer shows as such;
-- the floor: the first fused norm of normexport's model, alone, against one elementwise op
-  (Relu: one read, one write) over the same tensor on the same provider: how far the norm is
-  from the memory-bound limit.
+- the floor: the first fused norm (:data:`fusion.registry.FUSED_NORM_OPS`) of normexport's
+  model, alone, against one elementwise op (Relu: one read, one write) over the same tensor on
+  the same provider: how far the norm is from the memory-bound limit.
 
 A variant that fails to build or to run at some shape is recorded with its error; the rest of
 the comparison goes on.
@@ -35,6 +35,7 @@ import dataclasses
 import os
 import platform
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -46,23 +47,17 @@ from rich.console import Console
 from rich.table import Table
 
 import fusion
+from fusion.base import Op
+from fusion.registry import FUSED_NORM_OPS
 from normexport import report, runtime, variants
 from normexport.arguments import add_model_arguments
-from normexport.errors import UsageError
+from normexport.errors import UsageError, one_line
 from normexport.files import save_figure
 from normexport.latency import Timing, paired_ratio, time_interleaved
 from normexport.load import detect_kind
 
 #: Name of the PyTorch eager entry among the variants' timings.
 EAGER = "pytorch_eager"
-#: Fused norm ops the floor is measured for.
-FUSED_NORMS = (
-    "LayerNormalization",
-    "RMSNormalization",
-    "SimplifiedLayerNormalization",
-    "SkipLayerNormalization",
-    "SkipSimplifiedLayerNormalization",
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,30 +136,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     """Run ``normexport bench``; returns the exit code (0; errors raise)."""
     from normexport import pipeline
 
-    if args.cuda_graph and args.provider == "cpu":
-        raise UsageError("--cuda-graph needs the CUDA provider, not --provider cpu")
-    batches = _sizes(args.batch, "--batch")
-    seqs = _sizes(args.seq, "--seq")
-    if args.min_runs < 3:
-        raise UsageError(f"--min-runs {args.min_runs}: give at least 3 (a median needs runs)")
-    only = args.variants.split(",") if args.variants else None
-    if only and (unknown := [v for v in only if v not in variants.VARIANTS]):
-        raise UsageError(f"--variants: unknown {unknown}; choose from {list(variants.VARIANTS)}")
-    dynamic = args.dynamic
-    if dynamic is None and detect_kind(args.model) != "onnx":
-        dynamic = "batch,sequence" if seqs != [None] else "batch"
-    opts = pipeline.Options(
-        model=args.model,
-        input_shape=args.input_shape,
-        inputs=args.inputs,
-        dynamic=dynamic,
-        opset=args.opset,
-        target=args.target,
-        trust_pickle=args.trust_pickle,
-        model_class=args.model_class,
-        model_kwargs=args.model_kwargs,
-        exporter=args.exporter,
-    )
+    batches, seqs, only = _sweep_arguments(args)
+    opts = _pipeline_options(args, seqs)
     writes = {
         flag: [path] for flag, path in (("--json", args.json), ("--chart", args.chart)) if path
     }
@@ -173,16 +146,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     pipeline.refuse_overwriting(pipeline.input_files(loaded), writes)
     if loaded.kind == "onnx":
         raw = Path(args.model)  # the variants are built from the file itself, not a copy
-    provider, note = _provider(args.provider)
+    provider, note = runtime.resolve_provider(args.provider)
     if note:
         console.print(f"[yellow]{note}[/]")
     if args.cuda_graph and provider != "cuda":
         raise UsageError("--cuda-graph needs the CUDA provider, and it is not in use here")
-    module = None if args.no_eager else loaded.module
-    result = bench_model(
-        raw,
-        example,
-        module=module,
+    options = BenchOptions(
         provider=provider,
         batches=batches,
         seqs=seqs,
@@ -196,7 +165,56 @@ def run(args: argparse.Namespace, console: Console) -> int:
         min_runs=args.min_runs,
         with_cpu=provider != "cpu" if args.cpu is None else args.cpu,
     )
+    module = None if args.no_eager else loaded.module
+    result = bench_model(raw, example, options, module=module)
     result = {"model": str(args.model), "provider_note": note} | result
+    _write_results(result, args, console)
+    return 0
+
+
+def _sweep_arguments(args: argparse.Namespace) -> tuple[list, list, list[str] | None]:
+    """The batches, sequence lengths and variants that ``args`` ask for.
+
+    Raises:
+        UsageError: a bad ``--batch``, ``--seq``, ``--min-runs`` or ``--variants``, or
+            ``--cuda-graph`` with ``--provider cpu``.
+    """
+    if args.cuda_graph and args.provider == "cpu":
+        raise UsageError("--cuda-graph needs the CUDA provider, not --provider cpu")
+    batches = _sizes(args.batch, "--batch")
+    seqs = _sizes(args.seq, "--seq")
+    if args.min_runs < 3:
+        raise UsageError(f"--min-runs {args.min_runs}: give at least 3 (a median needs runs)")
+    only = args.variants.split(",") if args.variants else None
+    if only and (unknown := [v for v in only if v not in variants.VARIANTS]):
+        raise UsageError(f"--variants: unknown {unknown}; choose from {list(variants.VARIANTS)}")
+    return batches, seqs, only
+
+
+def _pipeline_options(args: argparse.Namespace, seqs: list[int | None]):
+    """How the pipeline loads and exports the model: dynamic batch (and sequence, when the
+    sweep changes it) unless ``--dynamic`` says otherwise or the model is ONNX already."""
+    from normexport import pipeline
+
+    dynamic = args.dynamic
+    if dynamic is None and detect_kind(args.model) != "onnx":
+        dynamic = "batch,sequence" if seqs != [None] else "batch"
+    return pipeline.Options(
+        model=args.model,
+        input_shape=args.input_shape,
+        inputs=args.inputs,
+        dynamic=dynamic,
+        opset=args.opset,
+        target=args.target,
+        trust_pickle=args.trust_pickle,
+        model_class=args.model_class,
+        model_kwargs=args.model_kwargs,
+        exporter=args.exporter,
+    )
+
+
+def _write_results(result: dict, args: argparse.Namespace, console: Console) -> None:
+    """Print the tables; write ``--json`` and ``--chart`` where asked."""
     render(result, console)
     if args.json:
         report.write_json(result, args.json)
@@ -204,13 +222,6 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.chart:
         write_chart(result, args.chart)
         console.print(f"chart: {args.chart}")
-    return 0
-
-
-def _provider(requested: str) -> tuple[str, str | None]:
-    """``runtime.resolve_provider``; a CUDA request that does not load is a
-    ``ProviderUnavailable`` (a UsageError) that names ``--provider cuda``."""
-    return runtime.resolve_provider(requested)
 
 
 def machine(provider: str) -> dict:
@@ -280,27 +291,49 @@ def _max_abs_diff(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
     )
 
 
-def _error(err: Exception) -> str:
-    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+@dataclasses.dataclass(frozen=True)
+class BenchOptions:
+    """What :func:`bench_model` times, where and for how long.
+
+    Attributes:
+        provider: ``"cpu"`` or ``"cuda"`` (already resolved).
+        batches, seqs, sweep: the points, see :func:`sweep_points` (None keeps the example's
+            size).
+        io_binding, cuda_graph: see the module docstring.
+        target: normexport's target.
+        only: variants to build (default: all).
+        floor: measure the elementwise floor.
+        budget_s: timing seconds over all points.
+        min_runs: timed rounds per point at least, whatever the budget.
+        with_cpu: also time the raw export and normexport's model on ORT's CPU provider
+            (:func:`cpu_baseline`), interleaved with the rest; for a CUDA comparison.
+    """
+
+    provider: str = "cpu"
+    batches: Sequence[int | None] = (None,)
+    seqs: Sequence[int | None] = (None,)
+    sweep: str = "grid"
+    io_binding: bool = False
+    cuda_graph: bool = False
+    target: str = "ort"
+    only: Sequence[str] | None = None
+    floor: bool = True
+    budget_s: float = 20.0
+    min_runs: int = 20
+    with_cpu: bool = False
+
+    def settings(self, eager: bool) -> dict:
+        """The result's ``settings``: how it was timed, and whether eager ran beside."""
+        keys = ("sweep", "min_runs", "with_cpu", "io_binding", "cuda_graph", "target", "budget_s")
+        return {k: getattr(self, k) for k in keys} | {"eager": eager}
 
 
 def bench_model(
     raw: ir.Model | Path,
     example: dict[str, np.ndarray],
+    options: BenchOptions | None = None,
     *,
     module=None,
-    provider: str = "cpu",
-    batches: list[int | None] = (None,),
-    seqs: list[int | None] = (None,),
-    sweep: str = "grid",
-    io_binding: bool = False,
-    cuda_graph: bool = False,
-    target: str = "ort",
-    only: list[str] | None = None,
-    floor: bool = True,
-    budget_s: float = 20.0,
-    min_runs: int = 20,
-    with_cpu: bool = False,
     extra: dict[str, variants.Variant] | None = None,
 ) -> dict:
     """Build the variants of ``raw`` and time them (and eager) at each (batch, seq) point.
@@ -310,17 +343,8 @@ def bench_model(
             an .onnx file or in memory. The variants are written to a temporary folder.
         example: example inputs by graph input name; resized per point by
             :func:`resize_inputs` (None keeps the example's size).
-        batches, seqs, sweep: the points, see :func:`sweep_points`.
+        options: the points, provider and budget (default: :class:`BenchOptions`).
         module: the PyTorch model for the eager entry, or None.
-        provider: ``"cpu"`` or ``"cuda"`` (already resolved).
-        io_binding, cuda_graph: see the module docstring.
-        target: normexport's target.
-        only: variants to build (default: all).
-        floor: measure the elementwise floor.
-        budget_s: timing seconds over all points.
-        min_runs: timed rounds per point at least, whatever the budget.
-        with_cpu: also time the raw export and normexport's model on ORT's CPU provider
-            (:func:`cpu_baseline`), interleaved with the rest; for a CUDA comparison.
         extra: models of the caller's own to time beside the variants
             (:meth:`normexport.variants.Variant.extra`); not counted as optimizers in
             ``normexport_vs_best``.
@@ -331,33 +355,16 @@ def bench_model(
         ``errors``, ``ratio_to_normexport``, ``ratio_to_eager``, ``max_abs_diff`` vs
         ``reference``, ``normexport_vs_best``) and ``floor``.
     """
-    points = sweep_points(batches, seqs, sweep)
+    opts = options or BenchOptions()
+    points = sweep_points(list(opts.batches), list(opts.seqs), opts.sweep)
+    only = list(opts.only) if opts.only else None
     with tempfile.TemporaryDirectory(prefix="normexport-bench-") as folder:
-        built = variants.build_variants(raw, provider, Path(folder), target=target, only=only)
-        built |= (cpu_baseline(built) if with_cpu else {}) | (extra or {})
-        return _bench_points(
-            built,
-            points,
-            example,
-            module,
-            provider,
-            io_binding=io_binding,
-            cuda_graph=cuda_graph,
-            floor=floor,
-            budget_s=budget_s,
-            min_runs=min_runs,
-        ) | {
-            "settings": {
-                "sweep": sweep,
-                "min_runs": min_runs,
-                "with_cpu": with_cpu,
-                "io_binding": io_binding,
-                "cuda_graph": cuda_graph,
-                "target": target,
-                "budget_s": budget_s,
-                "eager": module is not None,
-            }
-        }
+        built = variants.build_variants(
+            raw, opts.provider, Path(folder), target=opts.target, only=only
+        )
+        built |= (cpu_baseline(built) if opts.with_cpu else {}) | (extra or {})
+        result = _bench_points(built, points, example, module, opts)
+        return result | {"settings": opts.settings(eager=module is not None)}
 
 
 def _bench_points(
@@ -365,56 +372,42 @@ def _bench_points(
     points: list[tuple[int | None, int | None]],
     example: dict[str, np.ndarray],
     module,
-    provider: str,
-    *,
-    io_binding: bool,
-    cuda_graph: bool,
-    floor: bool,
-    budget_s: float,
-    min_runs: int,
+    opts: BenchOptions,
 ) -> dict:
     """Time ``built`` at each point, then the floor; :func:`bench_model`'s result but
     ``settings``."""
     sessions: dict[str, object] = {}
     point_results = []
+    budget_s = opts.budget_s / len(points)
     for batch, seq in points:
         feeds = resize_inputs(example, batch, seq)
-        point_results.append(
-            _bench_point(
-                built,
-                sessions,
-                feeds,
-                module,
-                provider,
-                io_binding=io_binding,
-                cuda_graph=cuda_graph,
-                budget_s=budget_s / len(points),
-                min_runs=min_runs,
-            )
-            | {"batch": batch, "seq": seq}
-        )
-    floor_result = None
+        timed = _bench_point(built, sessions, feeds, module, opts, budget_s)
+        point_results.append(timed | {"batch": batch, "seq": seq})
     ran = [
         pt for pt, r in zip(points, point_results, strict=True) if "normexport" in r["latency_ms"]
     ]
-    if floor and ran:  # at the first size normexport's model ran at
-        feeds = resize_inputs(example, *ran[0])
-        try:
-            floor_result = norm_floor(
-                built["normexport"].model, feeds, provider, budget_s=max(2.0, budget_s / 10)
-            )
-        except Exception as err:  # the floor is a side measurement: record, go on
-            floor_result = {"error": _error(err)}
+    floor_result = None
+    if opts.floor and ran:  # at the first size normexport's model ran at
+        floor_result = _floor(built, resize_inputs(example, *ran[0]), opts)
     return {
-        "machine": machine(provider),
-        "provider": runtime.PROVIDERS[provider][0],
+        "machine": machine(opts.provider),
+        "provider": runtime.PROVIDERS[opts.provider][0],
         "variants": {
-            k: v.to_dict() | {"ort_ran_norm_ops": _ran_norm_ops(v, provider)}
+            k: v.to_dict() | {"ort_ran_norm_ops": _ran_norm_ops(v, opts.provider)}
             for k, v in built.items()
         },
         "points": point_results,
         "floor": floor_result,
     }
+
+
+def _floor(built: dict[str, variants.Variant], feeds: dict, opts: BenchOptions) -> dict | None:
+    """:func:`norm_floor` of normexport's model; an error is recorded, not raised."""
+    try:
+        budget_s = max(2.0, opts.budget_s / 10)
+        return norm_floor(built["normexport"].model, feeds, opts.provider, budget_s=budget_s)
+    except Exception as err:  # the floor is a side measurement: record, go on
+        return {"error": one_line(err)}
 
 
 def sweep_points(
@@ -489,45 +482,37 @@ def _bench_point(
     sessions: dict,
     feeds: dict[str, np.ndarray],
     module,
-    provider: str,
-    *,
-    io_binding: bool,
-    cuda_graph: bool,
+    opts: BenchOptions,
     budget_s: float,
-    min_runs: int,
 ) -> dict:
-    """Time every variant at one input size; see :func:`bench_model`."""
+    """Time every variant at one input size, in ``budget_s`` seconds; see :func:`bench_model`."""
     runners, outputs, errors = {}, {}, {}
     if module is not None:
         try:
-            call, get = _eager_runner(module, list(feeds.values()), provider)
+            call, get = _eager_runner(module, list(feeds.values()), opts.provider)
             outputs[EAGER] = get()
             runners[EAGER] = call
         except Exception as err:  # e.g. an exported program specialized to one shape
-            errors[EAGER] = _error(err)
+            errors[EAGER] = one_line(err)
     for name, variant in built.items():
         if variant.model is None:
             errors[name] = f"not built: {variant.error}"
             continue
-        graphed = cuda_graph and variant.provider is None  # not the CPU baseline's copies
+        graphed = opts.cuda_graph and variant.provider is None  # not the CPU baseline's copies
         try:
             if graphed or name not in sessions:  # a CUDA graph is captured for one shape
-                sessions[name] = _session(variant, provider, graphed)
-            call, get = runtime.runner(sessions[name], feeds, io_binding=io_binding or graphed)
+                sessions[name] = _session(variant, opts.provider, graphed)
+            io_binding = opts.io_binding or graphed
+            call, get = runtime.runner(sessions[name], feeds, io_binding=io_binding)
             outputs[name] = get()
             runners[name] = call
         except Exception as err:
-            errors[name] = _error(err)
+            errors[name] = one_line(err)
     reference = EAGER if EAGER in outputs else "ort_raw" if "ort_raw" in outputs else None
-    diffs = {}
-    if reference is not None:
-        for name, out in outputs.items():
-            try:
-                diffs[name] = _max_abs_diff(out, outputs[reference])
-            except (ValueError, TypeError) as err:  # different output count or shape
-                diffs[name] = None
-                errors.setdefault(name, f"outputs differ in structure: {err}")
-    timings = time_interleaved(runners, budget_s=budget_s, min_runs=min_runs) if runners else {}
+    diffs = _diffs(outputs, reference, errors)
+    timings = (
+        time_interleaved(runners, budget_s=budget_s, min_runs=opts.min_runs) if runners else {}
+    )
     return {
         "inputs": {k: list(v.shape) for k, v in feeds.items()},
         "latency_ms": {k: t.to_dict() for k, t in timings.items()},
@@ -538,6 +523,21 @@ def _bench_point(
         "max_abs_diff": diffs,
         "normexport_vs_best": _vs_best(timings),
     }
+
+
+def _diffs(outputs: dict[str, list], reference: str | None, errors: dict[str, str]) -> dict:
+    """Max |output - reference's output| per variant (None, with an error recorded, where the
+    outputs differ in structure); empty without a reference."""
+    diffs = {}
+    if reference is None:
+        return diffs
+    for name, out in outputs.items():
+        try:
+            diffs[name] = _max_abs_diff(out, outputs[reference])
+        except (ValueError, TypeError) as err:  # different output count or shape
+            diffs[name] = None
+            errors.setdefault(name, f"outputs differ in structure: {err}")
+    return diffs
 
 
 def _ratios(timings: dict[str, Timing], base: str) -> dict[str, dict]:
@@ -562,7 +562,7 @@ def _norm_input_shapes(model: Path, feeds, provider: str) -> tuple[ir.Model, ir.
     """normexport's model, its first fused norm node, and that node's input shapes (probed by
     running a copy of the model with the node's inputs added as graph outputs)."""
     copy = ir.load(model)
-    node = next((n for n in copy.graph if n.op_type in FUSED_NORMS), None)
+    node = next((n for n in copy.graph if Op(n.op_type, n.domain) in FUSED_NORM_OPS), None)
     if node is None:
         return copy, None, {}
     probed = [

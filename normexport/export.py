@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import io
-import logging
 import tempfile
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import torch
 from fusion._ir import const_array, opset_version
 from fusion.cleanup import cleanup
 from normexport.errors import one_line, raise_if_interrupted
-from normexport.load import quiet_torch
+from normexport.quiet import quiet, quiet_torch
 
 
 class ExportError(RuntimeError):
@@ -50,21 +47,10 @@ class Exported:
 
 @contextlib.contextmanager
 def _quiet():
-    """Silence the exporters' progress prints and warnings (they are not the user's concern)."""
-    logger = logging.getLogger("torch.onnx")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    with (
-        warnings.catch_warnings(),
-        contextlib.redirect_stdout(io.StringIO()),
-        contextlib.redirect_stderr(io.StringIO()),
-        quiet_torch(),  # torch's loggers print tracebacks of the failures we report in one line
-    ):
-        warnings.simplefilter("ignore")
-        try:
-            yield
-        finally:
-            logger.setLevel(level)
+    """Silence the exporters' progress prints and warnings (they are not the user's concern),
+    and torch's loggers, which print tracebacks of the failures we report in one line."""
+    with quiet("torch.onnx"), quiet_torch():
+        yield
 
 
 def export_module(
@@ -100,54 +86,68 @@ def export_module(
     is_program = isinstance(module, torch.export.ExportedProgram)
     if not is_program:
         module = module.eval()
+    names = list(input_names) if input_names else None
+    axes = dict(dynamic_axes) if dynamic_axes else None
     kwargs = dict(kwargs or {})
     errors = []
     if exporter in ("auto", "dynamo"):
         try:
-            with _quiet(), torch.no_grad():
-                program = torch.onnx.export(
-                    module,
-                    tuple(args),
-                    kwargs=kwargs or None,
-                    dynamo=True,
-                    optimize=False,
-                    opset_version=opset,
-                    input_names=list(input_names) if input_names else None,
-                    dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
-                )
-            raise_if_interrupted()  # torch's own fallbacks may have swallowed a Ctrl-C
-            model = program.model
-            if opset is not None and opset_version(model) != opset:  # it converts down to 17
-                raise ValueError(f"--opset {opset}: it wrote opset {opset_version(model)}")
-            cleanup(model)
-            _drop_malformed_zero_conv_bias(model)
-            return Exported(model, "dynamo")
+            return Exported(_dynamo(module, tuple(args), kwargs, opset, names, axes), "dynamo")
         except Exception as err:  # the exporter raises many types; all mean "try the other"
             raise_if_interrupted()  # unless it is what a Ctrl-C inside a lazy import became
             errors.append(f"dynamo exporter: {one_line(err)}")
     if exporter in ("auto", "torchscript") and not is_program:
         try:
-            with tempfile.TemporaryDirectory() as tmp, _quiet(), torch.no_grad():
-                path = Path(tmp) / "model.onnx"
-                torch.onnx.export(
-                    module,
-                    tuple(args) + ((kwargs,) if kwargs else ()),
-                    str(path),
-                    dynamo=False,
-                    opset_version=opset or 17,
-                    input_names=list(input_names) if input_names else None,
-                    dynamic_axes=dict(dynamic_axes) if dynamic_axes else None,
-                )
-                model = ir.load(path)
-                # Read the weights into memory before the folder goes away.
-                for value in model.graph.initializers.values():
-                    value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
-            cleanup(model)
+            model = _torchscript(module, tuple(args), kwargs, opset, names, axes)
             return Exported(model, "torchscript", errors[0] if errors else None)
         except Exception as err:
             raise_if_interrupted()
             errors.append(f"TorchScript exporter: {one_line(err)}")
     raise ExportError("; ".join(errors))
+
+
+def _dynamo(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes) -> ir.Model:
+    """The dynamo exporter's model, cleaned up (see :func:`export_module`)."""
+    with _quiet(), torch.no_grad():
+        program = torch.onnx.export(
+            module,
+            args,
+            kwargs=kwargs or None,
+            dynamo=True,
+            optimize=False,
+            opset_version=opset,
+            input_names=input_names,
+            dynamic_axes=dynamic_axes,
+        )
+    raise_if_interrupted()  # torch's own fallbacks may have swallowed a Ctrl-C
+    model = program.model
+    if opset is not None and opset_version(model) != opset:  # it converts down to 17
+        raise ValueError(f"--opset {opset}: it wrote opset {opset_version(model)}")
+    cleanup(model)
+    _drop_malformed_zero_conv_bias(model)
+    return model
+
+
+def _torchscript(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes) -> ir.Model:
+    """The TorchScript exporter's model (opset 17 unless ``opset``), weights in memory, cleaned
+    up."""
+    with tempfile.TemporaryDirectory() as tmp, _quiet(), torch.no_grad():
+        path = Path(tmp) / "model.onnx"
+        torch.onnx.export(
+            module,
+            args + ((kwargs,) if kwargs else ()),
+            str(path),
+            dynamo=False,
+            opset_version=opset or 17,
+            input_names=input_names,
+            dynamic_axes=dynamic_axes,
+        )
+        model = ir.load(path)
+        # Read the weights into memory before the folder goes away.
+        for value in model.graph.initializers.values():
+            value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
+    cleanup(model)
+    return model
 
 
 def _drop_malformed_zero_conv_bias(model: ir.Model) -> None:

@@ -177,11 +177,6 @@ def _has_numpy(dtype: ir.DataType) -> bool:
     return True
 
 
-def specs_from_arrays(arrays: dict[str, np.ndarray]) -> list[InputSpec]:
-    """Specs that describe the given example arrays (name, shape, dtype)."""
-    return [InputSpec(name, a.shape, a.dtype) for name, a in arrays.items()]
-
-
 def onnx_input_specs(model: ir.Model, given: list[InputSpec], path: str) -> list[InputSpec]:
     """Concrete specs for an ONNX model's graph inputs.
 

@@ -20,12 +20,10 @@ import dataclasses
 import importlib
 import io
 import json
-import logging
 import os
 import pickle
 import re
 import sys
-import warnings
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -38,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch.export.pt2_archive import constants as _pt2
 
 from normexport.errors import InputFileError, UsageError, one_line
+from normexport.quiet import quiet_torch
 
 
 @dataclasses.dataclass
@@ -132,27 +131,47 @@ def load_model(
     path = Path(path)
     kind = detect_kind(path)
     if kind == "onnx":
-        try:
-            model = ir.load(path)
-        except Exception as err:  # onnx_ir's and protobuf's error types
-            raise InputFileError(f"{path}: cannot read this ONNX model ({one_line(err)})") from None
-        return LoadedModel(path, kind, onnx_model=model)
+        return _load_onnx(path)
     if kind == "exported_program":
-        program = load_program(path, trust_pickle=trust_pickle)
-        example = None
-        if program.example_inputs is not None:
-            args, kwargs = program.example_inputs
-            example = _named_arrays(program, args, kwargs)
-        return LoadedModel(path, kind, module=program, example_inputs=example)
+        return _load_exported_program(path, trust_pickle)
     if kind == "torchscript":
-        try:
-            module = torch.jit.load(path, map_location="cpu")
-        except Exception as err:  # torch's own error types for a damaged archive
-            raise InputFileError(
-                f"{path}: a TorchScript archive torch cannot load ({one_line(err)})"
-            ) from None
-        notes = _eval_note(module, path)
-        return LoadedModel(path, kind, module=module.eval(), notes=notes)
+        return _load_torchscript(path)
+    return _load_torch_save(path, trust_pickle, model_class, model_kwargs)
+
+
+def _load_onnx(path: Path) -> LoadedModel:
+    try:
+        model = ir.load(path)
+    except Exception as err:  # onnx_ir's and protobuf's error types
+        raise InputFileError(f"{path}: cannot read this ONNX model ({one_line(err)})") from None
+    return LoadedModel(path, "onnx", onnx_model=model)
+
+
+def _load_exported_program(path: Path, trust_pickle: bool) -> LoadedModel:
+    program = load_program(path, trust_pickle=trust_pickle)
+    example = None
+    if program.example_inputs is not None:
+        args, kwargs = program.example_inputs
+        example = _named_arrays(program, args, kwargs)
+    return LoadedModel(path, "exported_program", module=program, example_inputs=example)
+
+
+def _load_torchscript(path: Path) -> LoadedModel:
+    try:
+        module = torch.jit.load(path, map_location="cpu")
+    except Exception as err:  # torch's own error types for a damaged archive
+        raise InputFileError(
+            f"{path}: a TorchScript archive torch cannot load ({one_line(err)})"
+        ) from None
+    notes = _eval_note(module, path)
+    return LoadedModel(path, "torchscript", module=module.eval(), notes=notes)
+
+
+def _load_torch_save(
+    path: Path, trust_pickle: bool, model_class: str | None, model_kwargs: str | None
+) -> LoadedModel:
+    """A ``torch.save`` file: a state_dict (built with ``model_class``), or a whole pickled
+    module when ``trust_pickle``."""
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
@@ -271,7 +290,7 @@ def _build(
     try:
         result = module.load_state_dict(state_dict, strict=False)
     except RuntimeError as err:  # size mismatches
-        raise UsageError(f"{path} does not fit {model_class}: {_first_line(err)}") from None
+        raise UsageError(f"{path} does not fit {model_class}: {_mismatch(err)}") from None
     if result.missing_keys or result.unexpected_keys:
         raise UsageError(
             f"{path} does not fit {model_class}: missing keys {result.missing_keys[:5]}, "
@@ -293,7 +312,9 @@ def _named_arrays(
     }
 
 
-def _first_line(err: BaseException) -> str:
+def _mismatch(err: BaseException) -> str:
+    """What ``load_state_dict`` says does not fit: the line after its "Error(s) in loading
+    state_dict for X:" header (the first line when there is no other)."""
     lines = str(err).strip().splitlines()
     return lines[1].strip() if len(lines) > 1 else (lines[0] if lines else type(err).__name__)
 
@@ -509,39 +530,6 @@ def _type_names(spec: str) -> set[str]:
                 names.add(node["type"])
             stack.extend(node.get("children_spec") or [])
     return names
-
-
-@contextlib.contextmanager
-def quiet_torch():
-    """Keep torch's warnings and log lines from the user; yields the errors they carried.
-
-    torch's loggers print through their own handlers and do not propagate, so each one that
-    prints is given a collecting handler for the duration.
-    """
-    errors: list[BaseException] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.exc_info and record.exc_info[1] is not None:
-                errors.append(record.exc_info[1])
-
-    collect = Collect()
-    saved = {}
-    for name, logger in list(logging.root.manager.loggerDict.items()):
-        if (
-            isinstance(logger, logging.Logger)
-            and (name == "torch" or name.startswith("torch."))
-            and (logger.handlers or not logger.propagate)
-        ):
-            saved[logger] = logger.handlers
-            logger.handlers = [collect]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield errors
-    finally:
-        for logger, handlers in saved.items():
-            logger.handlers = handlers
 
 
 @contextlib.contextmanager

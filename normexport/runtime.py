@@ -102,6 +102,38 @@ def make_session(
         raise ValueError(f"unknown provider {provider!r}: choose one of {sorted(PROVIDERS)}")
     if cuda_graph and provider != "cuda":
         raise ValueError("cuda_graph needs provider 'cuda'")
+    options = _session_options(optimization_level, optimized_model_path, spinning, threads)
+    providers: list = list(PROVIDERS[provider])
+    if cuda_graph:
+        providers[0] = (CUDA, {"enable_cuda_graph": "1"})
+    with _session_source(model) as source:
+        session = ort.InferenceSession(
+            source,
+            options,
+            providers=providers,
+            disabled_optimizers=list(disabled_optimizers) or None,
+        )
+    _check_provider(session, provider)
+    return session
+
+
+def _check_provider(session: ort.InferenceSession, provider: str) -> None:
+    """Raise :class:`ProviderUnavailable` when ``session`` fell back from ``provider``."""
+    if session.get_providers()[0] != PROVIDERS[provider][0]:
+        raise ProviderUnavailable(
+            f"{PROVIDERS[provider][0]} did not load (ONNX Runtime fell back to "
+            f"{session.get_providers()[0]}); use --provider cpu, or install the CUDA libraries "
+            "that onnxruntime-gpu needs"
+        )
+
+
+def _session_options(
+    optimization_level: ort.GraphOptimizationLevel,
+    optimized_model_path: str | None,
+    spinning: bool,
+    threads: int | None,
+) -> ort.SessionOptions:
+    """The session options of :func:`make_session` (its arguments of the same names)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = optimization_level
     options.log_severity_level = 3  # errors only: the CUDA fallback is reported by us, not ORT
@@ -120,23 +152,7 @@ def make_session(
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-    providers: list = list(PROVIDERS[provider])
-    if cuda_graph:
-        providers[0] = (CUDA, {"enable_cuda_graph": "1"})
-    with _session_source(model) as source:
-        session = ort.InferenceSession(
-            source,
-            options,
-            providers=providers,
-            disabled_optimizers=list(disabled_optimizers) or None,
-        )
-    if session.get_providers()[0] != PROVIDERS[provider][0]:
-        raise ProviderUnavailable(
-            f"{PROVIDERS[provider][0]} did not load (ONNX Runtime fell back to "
-            f"{session.get_providers()[0]}); use --provider cpu, or install the CUDA libraries "
-            "that onnxruntime-gpu needs"
-        )
-    return session
+    return options
 
 
 def resolve_provider(requested: str) -> tuple[str, str | None]:

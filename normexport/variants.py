@@ -20,10 +20,7 @@ registers in the default domain).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import logging
 import sys
 import time
 from collections.abc import Callable
@@ -35,8 +32,11 @@ import onnxruntime as ort
 
 import fusion
 from fusion._ir import opset_version, remove_nodes, replace_output
+from fusion.base import MS_DOMAIN
+from fusion.registry import FUSION_KINDS
 from normexport import runtime
 from normexport.files import save_model
+from normexport.quiet import quiet
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.
@@ -116,21 +116,6 @@ class Variant:
         }
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Keep the optimizers' progress logs and prints off the user's terminal."""
-    loggers = [logging.getLogger(n) for n in ("onnxscript", "onnxruntime", "fusion")]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        for lg, level in zip(loggers, levels, strict=True):
-            lg.setLevel(level)
-
-
 def _ort_offline(raw: Path, out: Path, provider: str, target: str) -> dict:
     runtime.make_session(raw, provider, optimized_model_path=str(out))
     return {}
@@ -173,7 +158,9 @@ def _normexport(raw: Path, out: Path, provider: str, target: str) -> dict:
     report = fusion.optimize(model, target=target, skip=skip_fusion(target, provider))
     save_model(model, out, external_data=True)
     fusion.check(out)
-    return {k: v for k, v in report.to_dict().items() if k in fusion.FUSION_KINDS and v}
+    return {
+        kind: n for kind, n in report.to_dict(FUSION_KINDS).items() if kind in FUSION_KINDS and n
+    }
 
 
 #: Variant name -> builder ``(raw .onnx, output .onnx, provider, target) -> details``; the
@@ -224,7 +211,7 @@ def build_variants(
         path = Path(raw) if name == "ort_raw" else Path(folder) / f"{name}.onnx"
         try:
             builder = _BUILDERS.get(name)
-            with _quiet():
+            with quiet("onnxscript", "onnxruntime", "fusion"):  # their progress logs
                 details = builder(Path(raw), path, provider, target) if builder else {}
         except Exception as err:  # a broken optimizer is a result, not a crash
             out[name] = Variant(name, None, error=f"{type(err).__name__}: {err}".strip())
@@ -245,8 +232,6 @@ def build_variants(
 
 
 # --- exact forms ---------------------------------------------------------------------------
-
-MS_DOMAIN = "com.microsoft"
 
 
 def _rms_to_simplified(model: ir.Model, node: ir.Node) -> bool:

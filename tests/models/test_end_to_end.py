@@ -16,6 +16,8 @@ import models
 from models.demo import EXPECTED, save_model_file
 from normexport import pipeline
 
+pytestmark = pytest.mark.slow  # runs the pipeline end to end on real models
+
 
 @pytest.mark.parametrize("name", list(models.ZOO))
 def test_zoo_model_end_to_end(name, tmp_path):

@@ -14,6 +14,8 @@ from models import crepe, llama, minilm, paddle, resnet
 from models._files import packaged_file
 from normexport.runtime import make_session, run
 
+pytestmark = pytest.mark.slow  # builds and exports the zoo's real models
+
 #: Output shape of each PyTorch zoo model on its example inputs.
 TORCH_OUTPUT_SHAPES = {
     "crepe-tiny": (4, 360),

@@ -1,5 +1,6 @@
-"""``normexport bench``, its variants, IO-binding runs, the floor, and autotune: structure only
-(keys, ratios, provider labels, the CPU-fallback line, files written). No timed assertions."""
+"""``normexport bench`` on an exported PyTorch model: its variants, IO-binding runs, the floor,
+the sweep and the CLI: structure only (keys, ratios, provider labels, files written). No timed
+assertions. The one-op tests of variants, sessions and autotune are in ``test_variants.py``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from normexport import autotune, bench, cli, runtime, variants
+from normexport import bench, cli, runtime, variants
 from normexport.errors import UsageError
 from normexport.export import export_module
+
+pytestmark = pytest.mark.slow  # exports PyTorch models
 
 HIDDEN = 16
 
@@ -46,7 +49,8 @@ def raw_export(dynamic: bool = True) -> tuple[ir.Model, dict[str, np.ndarray], n
 @pytest.fixture(scope="module")
 def small_bench() -> dict:
     raw, example, module = raw_export()
-    return bench.bench_model(raw, example, module=module, batches=[1, 3], seqs=[None], budget_s=0.2)
+    opts = bench.BenchOptions(batches=[1, 3], seqs=[None], budget_s=0.2)
+    return bench.bench_model(raw, example, opts, module=module)
 
 
 # --- runtime ---------------------------------------------------------------------------------
@@ -61,23 +65,6 @@ def test_bound_run_matches_plain_run_and_keeps_outputs():
     np.testing.assert_array_equal(outputs()[0], plain[0])
     run_plain, outputs_plain = runtime.runner(session, example, io_binding=False)
     np.testing.assert_array_equal(outputs_plain()[0], plain[0])
-
-
-def test_cuda_graph_needs_cuda():
-    with pytest.raises(ValueError, match="cuda_graph"):
-        runtime.make_session(variants.op_model("Relu", (2, 2)), "cpu", cuda_graph=True)
-
-
-def test_auto_without_cuda_says_so_in_one_line(monkeypatch):
-    def no_cuda(model, provider, **kwargs):
-        raise runtime.ProviderUnavailable("CUDAExecutionProvider did not load")
-
-    monkeypatch.setattr(runtime, "make_session", no_cuda)
-    provider, note = runtime.resolve_provider("auto")
-    assert provider == "cpu"
-    assert note == "CUDA was not available (the CUDA provider did not load): ran on CPU"
-    with pytest.raises(UsageError, match="--provider cuda"):
-        bench._provider("cuda")
 
 
 # --- inputs and arguments ------------------------------------------------------------------
@@ -130,50 +117,12 @@ def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch, tmp_pat
     assert built["onnxscript_ort"].model is None
     assert built["onnxscript_ort"].error == "RuntimeError: optimizer exploded"
     assert built["normexport"].norm_ops == {"LayerNormalization": 2}
+    assert built["normexport"].details == {"layernorm_fused": 2}  # fusion counts, zeros left out
     assert built["ort_raw"].norm_ops == {}
     assert built["ort_offline"].to_dict()["session_optimization"] == "ORT_DISABLE_ALL"
     assert built["normexport"].to_dict()["session_optimization"] == "ORT_ENABLE_ALL"
     with pytest.raises(ValueError, match="unknown variant"):
         variants.build_variants(raw, "cpu", tmp_path, only=["nope"])
-
-
-@pytest.mark.parametrize("form", list(variants.OP_FORMS))
-def test_op_forms_load_and_run(form):
-    session = runtime.make_session(variants.op_model(form, (2, 3, 8)), "cpu")
-    (y,) = runtime.run(session, variants.op_inputs(form, (2, 3, 8)))
-    assert y.shape == (2, 3, 8) and np.isfinite(y).all()
-
-
-def _outputs(model: bytes, feeds, disabled=()) -> np.ndarray:
-    session = runtime.make_session(model, "cpu", disabled_optimizers=disabled)
-    return runtime.run(session, feeds)[0]
-
-
-def _model_file(folder, name: str, model: bytes):
-    path = folder / f"{name}.onnx"
-    path.write_bytes(model)
-    return path
-
-
-@pytest.mark.parametrize(
-    ("form", "expected"),
-    [
-        ("SkipLayerNormalization", {"as_built", "skip_split"}),
-        ("SkipSimplifiedLayerNormalization", {"as_built", "skip_split"}),
-        ("RMSNormalization", {"as_built", "rms_as_SimplifiedLayerNormalization"}),
-        ("Add+SimplifiedLayerNormalization", {"as_built"}),  # opset 17: no RMSNormalization
-    ],
-)
-def test_exact_forms_compute_the_same(form, expected, tmp_path):
-    shape = (2, 3, 8)
-    feeds = variants.op_inputs(form, shape)
-    forms = variants.exact_forms(_model_file(tmp_path, "m", variants.op_model(form, shape)))
-    assert set(forms) == expected
-    ref = _outputs(forms["as_built"], feeds)
-    for model in forms.values():
-        np.testing.assert_allclose(_outputs(model, feeds), ref, rtol=1e-5, atol=1e-5)
-    rms = _model_file(tmp_path, "rms", variants.op_model("RMSNormalization", shape))
-    assert set(variants.exact_forms(rms, target="onnx")) == {"as_built"}
 
 
 # --- bench_model -----------------------------------------------------------------------------
@@ -223,7 +172,8 @@ def test_floor_compares_the_fused_norm_with_one_elementwise_op(small_bench):
 
 def test_a_variant_that_fails_to_run_is_recorded_not_fatal():
     raw, example, module = raw_export(dynamic=False)  # batch fixed at 2
-    r = bench.bench_model(raw, example, module=module, batches=[3], floor=False, budget_s=0.1)
+    opts = bench.BenchOptions(batches=[3], floor=False, budget_s=0.1)
+    r = bench.bench_model(raw, example, opts, module=module)
     p = r["points"][0]
     assert set(p["errors"]) == set(variants.VARIANTS)  # ORT refuses batch 3
     assert set(p["latency_ms"]) == {bench.EAGER}  # eager still timed
@@ -292,35 +242,13 @@ def test_cli_bench_usage_errors(model_file, capsys):
     assert "--min-runs 1: give at least 3" in capsys.readouterr().err
 
 
-# --- autotune --------------------------------------------------------------------------------
-
-
-def test_autotune_picks_among_exact_candidates_and_rejects_inexact_ones(tmp_path):
-    shape = (2, 3, 8)
-    model = _model_file(tmp_path, "m", variants.op_model("SkipLayerNormalization", shape))
-    cands = autotune.candidates(model)
-    assert list(cands) == ["as_built", "skip_split", "skip_split+no_skip_fusion"]
-    assert cands["skip_split+no_skip_fusion"].disabled_optimizers == (autotune.SKIP_FUSION,)
-    cands["wrong"] = autotune.Candidate(variants.op_model("Add", shape))
-    result = autotune.autotune(cands, variants.op_inputs("Add", shape), budget_s=0.2)
-    assert result.default == "as_built"
-    assert result.best in {"as_built", "skip_split", "skip_split+no_skip_fusion"}
-    assert result.rejected == {"wrong": "outputs differ from the default's beyond the tolerance"}
-    d = result.to_dict()
-    assert d["provider"] == "CPUExecutionProvider"
-    assert set(d["timings_ms"]) == {"as_built", "skip_split", "skip_split+no_skip_fusion"}
-    assert set(d["ratio_to_default"]) == {"skip_split", "skip_split+no_skip_fusion"}
-    if result.best != "as_built":  # switched only when faster beyond the spread
-        assert d["ratio_to_default"][result.best]["ci_high"] < 1.0
-    assert result.model == cands[result.best].model
-
-
 def test_cpu_baseline_runs_beside_and_is_no_optimizer():
     raw, example, _ = raw_export()
-    r = bench.bench_model(
-        raw, example, batches=[2], only=["ort_raw", "normexport"], with_cpu=True,
-        floor=False, budget_s=0.1, min_runs=3,
+    opts = bench.BenchOptions(
+        batches=[2], only=["ort_raw", "normexport"], with_cpu=True, floor=False, budget_s=0.1,
+        min_runs=3,
     )  # fmt: skip
+    r = bench.bench_model(raw, example, opts)
     assert r["variants"]["normexport@cpu"]["provider"] == "cpu"
     assert r["variants"]["normexport"]["provider"] is None
     point = r["points"][0]

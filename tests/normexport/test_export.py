@@ -7,6 +7,8 @@ import torch
 from normexport.export import export_module
 from normexport.runtime import make_session, run
 
+pytestmark = pytest.mark.slow  # exports PyTorch models
+
 
 class TinyEpsLayerNorm(torch.nn.Module):
     """A tutorial LayerNorm with eps 1e-8: dynamo's built-in optimizer deletes the Add."""

@@ -26,6 +26,8 @@ from normexport import cli
 from normexport.errors import UsageError
 from normexport.load import load_model
 
+pytestmark = pytest.mark.slow  # loads torch.export programs and runs the CLI on them
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -97,6 +99,7 @@ def save_program(model, path: Path, ids: torch.Tensor, kwargs=None) -> torch.Ten
 LOAD_AND_RUN = """
 import sys, torch
 from normexport.load import load_model
+
 loaded = load_model(sys.argv[1])
 ids = torch.from_numpy(loaded.example_inputs["input_ids"])
 out = loaded.module.module()(ids, use_cache=False)

@@ -1,0 +1,94 @@
+"""Variants, sessions and autotune on one-op models built in code: no PyTorch, no export, fast.
+No timed assertions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from normexport import autotune, runtime, variants
+from normexport.errors import UsageError
+
+# --- sessions --------------------------------------------------------------------------------
+
+
+def test_cuda_graph_needs_cuda():
+    with pytest.raises(ValueError, match="cuda_graph"):
+        runtime.make_session(variants.op_model("Relu", (2, 2)), "cpu", cuda_graph=True)
+
+
+def test_auto_without_cuda_says_so_in_one_line(monkeypatch):
+    def no_cuda(model, provider, **kwargs):
+        raise runtime.ProviderUnavailable("CUDAExecutionProvider did not load")
+
+    monkeypatch.setattr(runtime, "make_session", no_cuda)
+    provider, note = runtime.resolve_provider("auto")
+    assert provider == "cpu"
+    assert note == "CUDA was not available (the CUDA provider did not load): ran on CPU"
+    with pytest.raises(UsageError, match="--provider cuda"):
+        runtime.resolve_provider("cuda")
+
+
+# --- exact forms and one-op models ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", list(variants.OP_FORMS))
+def test_op_forms_load_and_run(form):
+    session = runtime.make_session(variants.op_model(form, (2, 3, 8)), "cpu")
+    (y,) = runtime.run(session, variants.op_inputs(form, (2, 3, 8)))
+    assert y.shape == (2, 3, 8) and np.isfinite(y).all()
+
+
+def _outputs(model: bytes, feeds, disabled=()) -> np.ndarray:
+    session = runtime.make_session(model, "cpu", disabled_optimizers=disabled)
+    return runtime.run(session, feeds)[0]
+
+
+def _model_file(folder, name: str, model: bytes):
+    path = folder / f"{name}.onnx"
+    path.write_bytes(model)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("form", "expected"),
+    [
+        ("SkipLayerNormalization", {"as_built", "skip_split"}),
+        ("SkipSimplifiedLayerNormalization", {"as_built", "skip_split"}),
+        ("RMSNormalization", {"as_built", "rms_as_SimplifiedLayerNormalization"}),
+        ("Add+SimplifiedLayerNormalization", {"as_built"}),  # opset 17: no RMSNormalization
+    ],
+)
+def test_exact_forms_compute_the_same(form, expected, tmp_path):
+    shape = (2, 3, 8)
+    feeds = variants.op_inputs(form, shape)
+    forms = variants.exact_forms(_model_file(tmp_path, "m", variants.op_model(form, shape)))
+    assert set(forms) == expected
+    ref = _outputs(forms["as_built"], feeds)
+    for model in forms.values():
+        np.testing.assert_allclose(_outputs(model, feeds), ref, rtol=1e-5, atol=1e-5)
+    rms = _model_file(tmp_path, "rms", variants.op_model("RMSNormalization", shape))
+    assert set(variants.exact_forms(rms, target="onnx")) == {"as_built"}
+
+
+# --- autotune --------------------------------------------------------------------------------
+
+
+def test_autotune_picks_among_exact_candidates_and_rejects_inexact_ones(tmp_path):
+    shape = (2, 3, 8)
+    model = _model_file(tmp_path, "m", variants.op_model("SkipLayerNormalization", shape))
+    cands = autotune.candidates(model)
+    assert list(cands) == ["as_built", "skip_split", "skip_split+no_skip_fusion"]
+    assert cands["skip_split+no_skip_fusion"].disabled_optimizers == (autotune.SKIP_FUSION,)
+    cands["wrong"] = autotune.Candidate(variants.op_model("Add", shape))
+    result = autotune.autotune(cands, variants.op_inputs("Add", shape), budget_s=0.2)
+    assert result.default == "as_built"
+    assert result.best in {"as_built", "skip_split", "skip_split+no_skip_fusion"}
+    assert result.rejected == {"wrong": "outputs differ from the default's beyond the tolerance"}
+    d = result.to_dict()
+    assert d["provider"] == "CPUExecutionProvider"
+    assert set(d["timings_ms"]) == {"as_built", "skip_split", "skip_split+no_skip_fusion"}
+    assert set(d["ratio_to_default"]) == {"skip_split", "skip_split+no_skip_fusion"}
+    if result.best != "as_built":  # switched only when faster beyond the spread
+        assert d["ratio_to_default"][result.best]["ci_high"] < 1.0
+    assert result.model == cands[result.best].model
