@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from normexport import runtime, variants
 from normexport.latency import Ratio, Timing, paired_ratio, time_interleaved
+from normexport.parity import closeness
 
 #: ORT graph transformer that fuses Add + LayerNormalization into SkipLayerNormalization.
 SKIP_FUSION = "SkipLayerNormFusion"
@@ -137,16 +138,16 @@ def candidates(
 
 
 def _agrees(got: list[np.ndarray], ref: list[np.ndarray], atol: float, rtol: float) -> float | None:
-    """max |got - ref| if within ``atol + rtol * max|ref|`` with no new NaN/Inf, else None."""
+    """max |got - ref| if every output is within :func:`~normexport.parity.closeness`'s
+    ``atol + rtol * max|ref|`` with no new NaN/Inf, else None (also for a shape mismatch)."""
     worst = 0.0
     for g, r in zip(got, ref, strict=True):
-        if g.shape != r.shape or (np.isfinite(r) & ~np.isfinite(g)).any():
+        if g.shape != r.shape:
             return None
-        finite = np.isfinite(r)
-        diff = float(np.max(np.abs(g[finite].astype(np.float64) - r[finite]), initial=0.0))
-        if diff > atol + rtol * float(np.max(np.abs(r[finite]), initial=0.0)):
+        c = closeness(g, r, atol=atol, rtol=rtol)
+        if not c.within:
             return None
-        worst = max(worst, diff)
+        worst = max(worst, c.max_abs_err)
     return worst
 
 

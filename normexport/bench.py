@@ -51,10 +51,12 @@ from fusion.base import Op
 from fusion.registry import FUSED_NORM_OPS
 from normexport import report, runtime, variants
 from normexport.arguments import add_model_arguments
+from normexport.eager import Eager
 from normexport.errors import UsageError, one_line
 from normexport.files import save_figure
 from normexport.latency import Timing, paired_ratio, time_interleaved
 from normexport.load import detect_kind
+from normexport.parity import closeness
 
 #: Name of the PyTorch eager entry among the variants' timings.
 EAGER = "pytorch_eager"
@@ -262,33 +264,13 @@ def resize_inputs(
     return out
 
 
-def _eager_runner(module, arrays: list[np.ndarray], provider: str):
-    """(run once, get outputs as numpy) for PyTorch eager on the provider's device."""
-    if isinstance(module, torch.export.ExportedProgram):
-        module = module.module()
-    device = "cuda" if provider == "cuda" else "cpu"
-    module = module.to(device)
-    tensors = [torch.from_numpy(a).to(device) for a in arrays]
-
-    def call():
-        with torch.inference_mode():
-            out = module(*tensors)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return out
-
-    def outputs() -> list[np.ndarray]:
-        leaves = torch.utils._pytree.tree_leaves(call())
-        return [t.detach().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
-
-    return call, outputs
-
-
 def _max_abs_diff(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
-    return max(
-        float(np.max(np.abs(g.astype(np.float64) - r.astype(np.float64)), initial=0.0))
-        for g, r in zip(got, ref, strict=True)
-    )
+    """The largest :attr:`~normexport.parity.Closeness.max_abs_err` over the outputs.
+
+    Raises:
+        ValueError: the output counts or shapes differ.
+    """
+    return max(closeness(g, r).max_abs_err for g, r in zip(got, ref, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,9 +471,9 @@ def _bench_point(
     runners, outputs, errors = {}, {}, {}
     if module is not None:
         try:
-            call, get = _eager_runner(module, list(feeds.values()), opts.provider)
-            outputs[EAGER] = get()
-            runners[EAGER] = call
+            eager = Eager(module, device="cuda" if opts.provider == "cuda" else "cpu")
+            outputs[EAGER] = eager(list(feeds.values()))
+            runners[EAGER] = eager.bind(list(feeds.values()))
         except Exception as err:  # e.g. an exported program specialized to one shape
             errors[EAGER] = one_line(err)
     for name, variant in built.items():

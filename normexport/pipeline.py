@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import os
-import warnings
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -21,6 +19,7 @@ from fusion._ir import opset_version
 from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport.arguments import Options
+from normexport.eager import Eager
 from normexport.errors import InputFileError, UsageError, one_line
 from normexport.export import ExportError, export_module
 from normexport.latency import time_interleaved
@@ -423,7 +422,7 @@ def _parity(job: _Job) -> ParityResult:
             oracle_kind="onnx",
             **common,
         )
-    eager = _eager(job.loaded)
+    eager = Eager(job.loaded.module)
 
     def pytorch(feeds):
         return eager([feeds[name] for name in job.feed_names])
@@ -467,7 +466,7 @@ def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
         )
         return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
     try:
-        eager = _eager(loaded, float64=True)
+        eager = Eager(loaded.module, float64=True)
 
         def oracle(feeds):
             return eager([feeds[name] for name in feed_names])
@@ -525,7 +524,7 @@ def _latency(job: _Job) -> Latency:
         "ort_optimized": lambda: runtime.run(opt_session, feeds),
     }
     if job.loaded.module is not None:
-        eager = _eager(job.loaded)
+        eager = Eager(job.loaded.module)
         timed = {"pytorch_eager": lambda: eager([feeds[n] for n in job.feed_names])} | timed
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -713,43 +712,6 @@ def _check_export(exported, loaded: LoadedModel, opts: Options) -> None:
             f"--opset {opts.opset}: the {exported.exporter} exporter cannot export at that "
             f"opset (it wrote opset {got}); choose another --opset, or another --exporter"
         )
-
-
-def _eager(loaded: LoadedModel, float64: bool = False):
-    """A function: list of input arrays -> list of PyTorch output arrays (float32 eager, or a
-    float64 deep copy of the model with float inputs cast to float64).
-
-    An exported program is called the way it was exported: its example inputs' structure
-    (positional and keyword arguments, non-tensor values such as ``use_cache=False``) with the
-    given arrays in place of its tensors, in order.
-    """
-    module, structure = loaded.module, None
-    if isinstance(module, torch.export.ExportedProgram):
-        structure = module.example_inputs
-        module = module.module()
-    if float64:
-        with warnings.catch_warnings():  # .double() reads .grad of every parameter
-            warnings.simplefilter("ignore")
-            module = copy.deepcopy(module).double()
-
-    def tensor(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-        return t.double() if float64 and t.is_floating_point() else t
-
-    def call(arrays: list[np.ndarray]) -> list[np.ndarray]:
-        tensors = [tensor(a) for a in arrays]
-        args, kwargs = tensors, {}
-        if structure is not None:
-            given = iter(tensors)
-            args, kwargs = torch.utils._pytree.tree_map(
-                lambda x: next(given) if isinstance(x, torch.Tensor) else x, structure
-            )
-        with torch.inference_mode():
-            out = module(*args, **kwargs)
-        leaves = torch.utils._pytree.tree_leaves(out)
-        return [t.detach().cpu().numpy() for t in leaves if isinstance(t, torch.Tensor)]
-
-    return call
 
 
 def _by_feed_name(example: dict[str, np.ndarray], feed_names: list[str]) -> dict:
