@@ -103,34 +103,34 @@ def test_weight_varying_along_a_non_normalized_axis_stays_a_mul(rng):
     assert ops(model) == ["LayerNormalization", "Mul"]
 
 
-def _refused(code: Code, outputs=(), **kwargs) -> None:
+def _assert_refused(code: Code, outputs=(), **kwargs) -> None:
     g = Graph()
     model = _model(g, layernorm(g, "x", **kwargs), outputs)
     assert_refused(model, FuseLayerNorm("onnx"), code)
 
 
 def test_eps_outside_sqrt_is_refused():
-    _refused(Code.EPS_OUTSIDE_SQRT, eps_outside=True)
+    _assert_refused(Code.EPS_OUTSIDE_SQRT, eps_outside=True)
 
 
 def test_mean_over_non_trailing_axes_is_refused():
-    _refused(Code.AXES_NOT_TRAILING, axes=(1,))
+    _assert_refused(Code.AXES_NOT_TRAILING, axes=(1,))
 
 
 def test_mean_and_variance_over_different_axes_are_refused():
-    _refused(Code.DIFFERENT_AXES, var_axes=(-2, -1))
+    _assert_refused(Code.DIFFERENT_AXES, var_axes=(-2, -1))
 
 
 def test_intermediate_read_outside_is_refused():
-    _refused(Code.SHARED_OUTPUT, outputs=("var",))
+    _assert_refused(Code.SHARED_OUTPUT, outputs=("var",))
 
 
 def test_other_numerator_is_refused():
-    _refused(Code.WRONG_NUMERATOR, numerator="x")
+    _assert_refused(Code.WRONG_NUMERATOR, numerator="x")
 
 
 def test_eps_of_several_elements_is_refused():
-    _refused(Code.EPS_NOT_SCALAR, eps=np.full(H, 1e-5, np.float32))
+    _assert_refused(Code.EPS_NOT_SCALAR, eps=np.full(H, 1e-5, np.float32))
 
 
 def test_eps_from_a_graph_input_is_refused():
