@@ -41,24 +41,6 @@ ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 ORT_EARLY_OPS = {"LayerNormalization": 17}
 
 
-def kind(name: str) -> Kind:
-    """The :class:`~fusion.base.Kind` called ``name`` (a count key such as
-    ``"layernorm_fused"``).
-
-    Raises:
-        KeyError: no pass makes a kind of that name.
-    """
-    found = next((k for k in KINDS if k.name == name), None)
-    if found is None:
-        raise KeyError(f"unknown fusion kind {name!r}: one of {FUSION_KINDS}")
-    return found
-
-
-def family_of(op_type: str, domain: str = "") -> str | None:
-    """The norm family of an op (``"layernorm"`` for LayerNormalization), or None."""
-    return NORM_OPS.get(Op(op_type, domain))
-
-
 def ort_registered(op_type: str, domain: str, opset: int) -> bool:
     """Whether ``op_type`` in ``domain`` is an ONNX Runtime op, not a standard one, in a model
     of default-domain ``opset`` (:data:`ORT_DEFAULT_DOMAIN_OPS`, :data:`ORT_EARLY_OPS`)."""

@@ -16,14 +16,6 @@ from rich.table import Table
 
 import fusion
 
-_KIND = {
-    "LayerNormalization": "layernorm",
-    "RMSNormalization": "rmsnorm",
-    "SimplifiedLayerNormalization": "rmsnorm",
-    "SkipLayerNormalization": "skip",
-    "SkipSimplifiedLayerNormalization": "skip",
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
@@ -60,9 +52,9 @@ class AlreadyFused:
 def already_fused(model: ir.Model) -> list[AlreadyFused]:
     """The norms that ``model`` already holds as one op, in graph order."""
     return [
-        AlreadyFused(_KIND[node.op_type], node.name or node.op_type, node.op_type)
+        AlreadyFused(fusion.NORM_OPS[op], node.name or node.op_type, node.op_type)
         for node in model.graph
-        if node.op_type in _KIND
+        if (op := fusion.Op(node.op_type, node.domain)) in fusion.registry.FUSED_NORM_OPS
     ]
 
 
