@@ -21,8 +21,8 @@ class Eager:
 
     Args:
         model: an ``nn.Module`` or a ``torch.export.ExportedProgram``.
-        float64: run a deep copy of the model in float64, with float inputs cast to float64
-            (integer inputs as they are): the exact reference of the parity check.
+        float64: run a float64 copy of the model (:func:`float64_copy`), with float inputs
+            cast to float64 (integer inputs as they are): the exact reference of parity.
         device: ``"cpu"`` or ``"cuda"``; outputs come back as numpy arrays on the host.
     """
 
@@ -32,9 +32,7 @@ class Eager:
             self.structure = model.example_inputs
             model = model.module()
         if float64:
-            with warnings.catch_warnings():  # .double() reads .grad of every parameter
-                warnings.simplefilter("ignore")
-                model = copy.deepcopy(model).double()
+            model = float64_copy(model)
         self.module = model.to(device) if device != "cpu" else model
         self.float64 = float64
         self.device = device
@@ -73,3 +71,27 @@ class Eager:
         if self.float64 and t.is_floating_point():
             t = t.double()
         return t.to(self.device) if self.device != "cpu" else t
+
+
+def float64_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` in float64 (``.double()``).
+
+    In a graph module (an exported program's, and its higher-order ops' submodules) every
+    ``torch.float32`` argument becomes ``torch.float64`` too, so that explicit casts
+    (``aten.to.dtype``, LLaMA's RMSNorm upcast), ``aten.full(dtype=...)`` and the exporter's
+    dtype asserts follow the weights instead of failing on them.
+    """
+    with warnings.catch_warnings():  # .double() reads .grad of every parameter
+        warnings.simplefilter("ignore")
+        module = copy.deepcopy(module).double()
+    for sub in module.modules():
+        if isinstance(sub, torch.fx.GraphModule):
+            for node in sub.graph.nodes:
+                node.args = torch.fx.node.map_aggregate(node.args, _float64_dtype)
+                node.kwargs = torch.fx.node.map_aggregate(node.kwargs, _float64_dtype)
+            sub.recompile()
+    return module
+
+
+def _float64_dtype(arg: Any) -> Any:
+    return torch.float64 if arg is torch.float32 else arg

@@ -18,6 +18,7 @@ import fusion
 from fusion._ir import opset_version
 from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
+from normexport import oracle as oracle_mod
 from normexport.arguments import Options
 from normexport.eager import Eager
 from normexport.errors import InputFileError, UsageError, one_line
@@ -38,7 +39,6 @@ from normexport.report import (
 __all__ = ["Options", "Prepared", "Report", "default_output", "prepare", "run"]
 
 #: ONNX Runtime's graph optimizations off: the model runs as written (parity verdicts).
-AS_WRITTEN = onnxruntime.GraphOptimizationLevel.ORT_DISABLE_ALL
 
 
 def default_output(model_path: Path) -> Path:
@@ -128,7 +128,7 @@ def run(opts: Options) -> Report:
         if opts.autotune:
             _autotune(job)
         _publish(job)
-        parity = _parity(job)
+        parity = _parity(job, work)
         latency = _latency(job) if opts.benchmark else None
     return _report(job, parity, latency)
 
@@ -284,7 +284,9 @@ def _input_session(path: Path, provider: str):
         UsageError: ONNX Runtime cannot load ``path``.
     """
     try:
-        return runtime.make_session(path, provider, optimization_level=AS_WRITTEN, spinning=False)
+        return runtime.make_session(
+            path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False
+        )
     except runtime.ProviderUnavailable:
         raise
     except Exception as err:  # ORT raises its own error types for a bad file
@@ -390,36 +392,59 @@ def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:
         os.replace(files.data_path(kept), files.data_path(staged))
 
 
-def _parity(job: _Job) -> ParityResult:
+def _parity(job: _Job, work: Path) -> ParityResult:
     """The parity verdict of the optimized model against the oracle (see
-    :mod:`normexport.parity`): the PyTorch model in float64 (or, for ONNX input, the input file),
-    with the raw export (or the input file) and PyTorch float32 compared with it too. Both ONNX
-    models run with ONNX Runtime's graph optimizations off, so that its own rewrites are not
-    part of the comparison. Its ``raw_worst()`` is the raw export's worst error against the
-    oracle over all input sets (None for ONNX input compared with itself).
+    :mod:`normexport.parity` and :mod:`normexport.oracle`), with the raw model (the raw export,
+    or the input file as written) and PyTorch float32 compared with it too. Every ONNX model
+    runs with ONNX Runtime's graph optimizations off, so that its own rewrites are not part of
+    the comparison. Its ``raw_worst()`` is the raw model's worst error against the oracle over
+    all input sets (None where no float64 oracle could be built for ONNX input).
     """
     opt_session = runtime.make_session(
         job.output,
         job.provider,
-        optimization_level=AS_WRITTEN,
+        optimization_level=runtime.AS_WRITTEN,
         spinning=False,
         disabled_optimizers=job.disabled,
+    )
+    raw_session = job.reference_session or runtime.make_session(
+        job.raw_path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False
     )
 
     def candidate(feeds):
         return runtime.run(opt_session, feeds)
 
-    output_names = [o.name for o in opt_session.get_outputs()]
-    common = {"atol": job.opts.atol, "rtol": job.opts.rtol}
+    def raw(feeds):
+        return runtime.run(raw_session, feeds)
+
+    common = {
+        "output_names": [o.name for o in opt_session.get_outputs()],
+        "atol": job.opts.atol,
+        "rtol": job.opts.rtol,
+    }
     if job.loaded.module is None:
-        reference = job.reference_session
+        found = oracle_mod.onnx_float64(
+            job.raw_path, raw, job.sets["example"], work, "the input graph"
+        )
+        if found.run is None:  # compared with the input file itself, tolerance only
+            notes = [*found.notes, "the reference is the input file as written, in float32"]
+            return check_parity(
+                candidate,
+                raw,
+                job.sets,
+                reference_kind="onnx",
+                oracle_kind="onnx",
+                notes=notes,
+                **common,
+            )
         return check_parity(
             candidate,
-            lambda feeds: runtime.run(reference, feeds),
+            found.run,
             job.sets,
-            output_names,
             reference_kind="onnx",
-            oracle_kind="onnx",
+            raw=raw,
+            oracle_kind=found.kind,
+            notes=found.notes,
             **common,
         )
     eager = Eager(job.loaded.module)
@@ -427,75 +452,33 @@ def _parity(job: _Job) -> ParityResult:
     def pytorch(feeds):
         return eager([feeds[name] for name in job.feed_names])
 
-    oracle, oracle_kind, notes = _float64_oracle(job.loaded, job.sets["example"], job.feed_names)
-    raw_session = runtime.make_session(
-        job.raw_path, job.provider, optimization_level=AS_WRITTEN, spinning=False
-    )
+    found = _pytorch_oracle(job, raw, work)
     return check_parity(
         candidate,
-        oracle or pytorch,
+        found.run or pytorch,
         job.sets,
-        output_names,
         reference_kind="pytorch",
-        raw=lambda feeds: runtime.run(raw_session, feeds),
-        pytorch=pytorch if oracle else None,
-        oracle_kind=oracle_kind,
-        notes=notes,
+        raw=raw,
+        pytorch=pytorch if found.run else None,
+        oracle_kind=found.kind,
+        notes=found.notes,
         **common,
     )
 
 
-def _float64_oracle(loaded: LoadedModel, example: dict, feed_names: list[str]):
-    """The PyTorch model run in float64 (a deep copy, ``.double()``; float inputs cast,
-    integer inputs as they are), tried on the example first.
-
-    The copy holds the model's floating-point weights again at twice their float32 size; where
-    that would take more than a quarter of this machine's memory
-    (:data:`ORACLE_MEMORY_SHARE`), no copy is made.
-
-    Returns:
-        ``(feeds -> outputs, "pytorch_float64", [])``, or ``(None, "pytorch_float32", [why])``
-        where no float64 copy could be made or run, would not fit, or its outputs are not
-        float64 (a forward that casts to float32 itself).
-    """
-    needed, memory = _float64_copy_bytes(loaded), inputs_mod.memory_bytes()
-    if memory is not None and needed > memory * ORACLE_MEMORY_SHARE:
-        why = (
-            f"a float64 copy of the model would take {needed / 2**30:.1f} GiB, over "
-            f"{ORACLE_MEMORY_SHARE:.0%} of this machine's {memory / 2**30:.1f} GiB"
-        )
-        return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
-    try:
-        eager = Eager(loaded.module, float64=True)
-
-        def oracle(feeds):
-            return eager([feeds[name] for name in feed_names])
-
-        outs = oracle(example)
-    except Exception as err:  # whatever a model's float64 copy raises: fall back, and say so
-        why = f"a float64 copy of the model could not be run ({one_line(err)})"
-        return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
-    narrow = [str(o.dtype) for o in outs if o.dtype.kind == "f" and o.dtype != np.float64]
-    if narrow:
-        why = f"the float64 copy of the model returns {', '.join(sorted(set(narrow)))} outputs"
-        return None, "pytorch_float32", [why + "; the reference is PyTorch float32"]
-    return oracle, "pytorch_float64", []
-
-
-#: The largest share of physical memory the float64 oracle's copy of the model may take.
-ORACLE_MEMORY_SHARE = 0.25
-
-
-def _float64_copy_bytes(loaded: LoadedModel) -> int:
-    """Bytes a float64 copy of the model's floating-point parameters and buffers takes."""
-    module = loaded.module
-    if isinstance(module, torch.export.ExportedProgram):
-        tensors = [*module.state_dict.values(), *module.constants.values()]
-    else:
-        tensors = [*module.parameters(), *module.buffers()]
-    return sum(
-        8 * t.numel() for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()
-    )
+def _pytorch_oracle(job: _Job, raw, work: Path) -> oracle_mod.Oracle:
+    """The PyTorch model in float64; where that cannot run, the raw export in float64; where
+    neither can, None (PyTorch float32 is the reference), with every reason in the notes."""
+    found = oracle_mod.pytorch_float64(job.loaded, job.sets["example"], job.feed_names)
+    if found.run is not None:
+        return found
+    example = job.sets["example"]
+    export = oracle_mod.onnx_float64(job.raw_path, raw, example, work, "the raw export")
+    notes = [*found.notes, *export.notes]
+    if export.run is None:
+        notes.append("the reference is PyTorch float32")
+        return oracle_mod.Oracle(None, "pytorch_float32", notes)
+    return oracle_mod.Oracle(export.run, export.kind, notes)
 
 
 def latency_threads() -> int:

@@ -25,6 +25,9 @@ from normexport.errors import EnvironmentProblem
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
 
+#: Session graph optimization level that runs a model as written (ORT's own fusions off): what
+#: parity compares, so that ONNX Runtime's rewrites are not part of the comparison.
+AS_WRITTEN = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
 #: ``--provider`` choices mapped to the ORT provider lists tried for them.
 PROVIDERS = {"cpu": [CPU], "cuda": [CUDA, CPU]}
 

@@ -1,0 +1,164 @@
+"""Deliberately broken optimizers: what the parity verdict must catch.
+
+Each breaks :func:`fusion.optimize` in one way while inside :func:`broken`, so that the whole
+pipeline (export, optimize, parity) runs as usual around the fault. A verdict that passes any of
+them is wrong. ``tests/normexport/test_verdict.py`` runs them on small models and
+``benchmarks/verdict.py`` on the demo models.
+
+- ``scale``: one output channel of the first linear layer's weight (Conv, Gemm, or MatMul with
+  a constant weight) times ``factor``; 1.01 by default.
+- ``eps_dropped``: the first fused norm's epsilon set to 0 (NaN on a constant row), and every
+  BatchNorm folded without its epsilon.
+- ``layernorm_as_rmsnorm``: the first LayerNormalization made an RMSNorm (no mean
+  subtracted) followed by its bias.
+- ``bn_wrong_variance``: BatchNorm folded with the standard deviation where the variance
+  belongs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from unittest import mock
+
+import numpy as np
+import onnx_ir as ir
+
+import fusion
+from fusion.fold_batchnorm import algebra, before
+
+BREAKS = ("scale", "eps_dropped", "layernorm_as_rmsnorm", "bn_wrong_variance")
+
+#: Fused norm ops whose ``epsilon`` attribute ``eps_dropped`` sets to 0, in order of preference.
+EPS_OPS = (
+    "LayerNormalization",
+    "SkipLayerNormalization",
+    "RMSNormalization",
+    "SimplifiedLayerNormalization",
+    "SkipSimplifiedLayerNormalization",
+    "InstanceNormalization",
+)
+
+
+class NothingToBreak(LookupError):
+    """The optimized model has nothing this break applies to (e.g. no LayerNormalization)."""
+
+
+@contextlib.contextmanager
+def broken(kind: str, factor: float = 1.01) -> Iterator[None]:
+    """:func:`fusion.optimize` (and the BatchNorm algebra) broken one way while inside.
+
+    Args:
+        kind: one of :data:`BREAKS`.
+        factor: the ``scale`` break's factor.
+
+    Raises:
+        ValueError: an unknown ``kind``.
+        NothingToBreak: from the pipeline's call of ``fusion.optimize``, where the optimized
+            model has nothing ``kind`` applies to.
+    """
+    if kind not in BREAKS:
+        raise ValueError(f"unknown break {kind!r}; choose from {', '.join(BREAKS)}")
+    with contextlib.ExitStack() as stack:
+        if kind in ("bn_wrong_variance", "eps_dropped"):
+            wrong = (lambda var, eps: var) if kind == "eps_dropped" else _std_for_var
+            stack.enter_context(_batchnorm_algebra(wrong))
+        if kind != "bn_wrong_variance":
+            stack.enter_context(mock.patch.object(fusion, "optimize", _after(kind, factor)))
+        yield
+
+
+def _std_for_var(var: np.ndarray, eps: float) -> np.ndarray:
+    return np.sqrt(var) + eps
+
+
+def _after(kind: str, factor: float) -> Callable:
+    """:func:`fusion.optimize`, then the break ``kind`` applied to the optimized model."""
+    real = fusion.optimize
+
+    def optimize(model, **kwargs):
+        report = real(model, **kwargs)
+        if kind == "scale":
+            _scale_one_channel(model, factor)
+        elif kind == "layernorm_as_rmsnorm":
+            _layernorm_to_rmsnorm(model)
+        elif not _drop_eps(model) and not report.counts()["batchnorm_folded"]:
+            raise NothingToBreak("no fused norm and no folded BatchNorm: no epsilon to drop")
+        return report
+
+    return optimize
+
+
+@contextlib.contextmanager
+def _batchnorm_algebra(denominator: Callable[[np.ndarray, float], np.ndarray]) -> Iterator[None]:
+    """Fold BatchNorm with ``sqrt(denominator(var, eps))`` in place of ``sqrt(var + eps)``."""
+    real = algebra.batchnorm_affine
+
+    def wrong(node):
+        real(node)  # its refusals stand
+        scale, bias, mean, var = (
+            node.inputs[i].const_value.numpy().astype(np.float64) for i in (1, 2, 3, 4)
+        )
+        s = scale / np.sqrt(denominator(var, node.attributes.get_float("epsilon", 1e-5)))
+        return s, bias - mean * s
+
+    # Where it is looked up: the fold into the layer before (algebra.step) and after (before).
+    with (
+        mock.patch.object(algebra, "batchnorm_affine", wrong),
+        mock.patch.object(before, "batchnorm_affine", wrong),
+    ):
+        yield
+
+
+def _first(model: ir.Model, op_types: tuple[str, ...]) -> ir.Node | None:
+    for op_type in op_types:
+        for node in model.graph:
+            if node.op_type == op_type:
+                return node
+    return None
+
+
+def _scale_one_channel(model: ir.Model, factor: float) -> None:
+    """One output channel of the first linear layer with a constant weight times ``factor``:
+    a Conv's output channel 0 (axis 0), a MatMul's or Gemm's output feature 0."""
+    for node in model.graph:
+        weight = node.inputs[1] if node.op_type in ("Conv", "Gemm", "MatMul") else None
+        if weight is None or weight.const_value is None:
+            continue
+        array = weight.const_value.numpy().copy()
+        if node.op_type == "Conv" or (
+            node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
+        ):
+            array[0] *= factor
+        else:
+            array[..., 0] *= factor
+        weight.const_value = ir.tensor(array, name=weight.const_value.name)
+        return
+    raise NothingToBreak("no Conv, Gemm or MatMul with a constant weight")
+
+
+def _drop_eps(model: ir.Model) -> bool:
+    """The first fused norm's epsilon set to 0; False where there is none."""
+    node = _first(model, EPS_OPS)
+    if node is None:
+        return False
+    node.attributes["epsilon"] = ir.AttrFloat32("epsilon", 0.0)
+    return True
+
+
+def _layernorm_to_rmsnorm(model: ir.Model) -> None:
+    """The first LayerNormalization turned into an RMSNorm (no mean subtracted), then its bias."""
+    ln = _first(model, ("LayerNormalization",))
+    if ln is None:
+        raise NothingToBreak("no LayerNormalization")
+    x, scale, *bias = ln.inputs
+    attrs = {"axis": ln.attributes.get_int("axis", -1), "epsilon": 1e-5}
+    rms = ir.node("SimplifiedLayerNormalization", [x, scale], attributes=attrs)
+    new = [rms, ir.node("Add", [rms.outputs[0], bias[0]])] if bias and bias[0] else [rms]
+    model.graph.insert_before(ln, new)
+    out = new[-1].outputs[0]
+    ir.convenience.replace_all_uses_with(ln.outputs[0], out)
+    if ln.outputs[0] in model.graph.outputs:
+        model.graph.outputs[model.graph.outputs.index(ln.outputs[0])] = out
+        out.name, ln.outputs[0].name = ln.outputs[0].name, "unused"
+    model.graph.remove(ln, safe=True)
