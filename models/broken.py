@@ -82,7 +82,7 @@ def _after(kind: str, factor: float) -> Callable:
             _scale_one_channel(model, factor)
         elif kind == "layernorm_as_rmsnorm":
             _layernorm_to_rmsnorm(model)
-        elif not _drop_eps(model) and not report.counts()["batchnorm_folded"]:
+        elif not _drop_eps(model) and not report.counts["batchnorm_folded"]:
             raise NothingToBreak("no fused norm and no folded BatchNorm: no epsilon to drop")
         return report
 

@@ -268,14 +268,15 @@ def _parity_rows(parity: ParityResult) -> list[tuple[str, OutputError]]:
 def _parity_table(parity: ParityResult) -> Table:
     """Errors against the oracle, per output and input set, with the verdict."""
     oracle = parity.oracle or parity.reference
+    raw = "input file" if parity.reference == "onnx" else "raw export"
     rule = f"atol {parity.atol:g}, rtol {parity.rtol:g}"
     if parity.noise_factor is not None:
-        rule += f", noise factor {parity.noise_factor:g} x raw export"
+        rule += f", noise factor {parity.noise_factor:g} x {raw}"
     table = Table(
         title=f"Parity: error vs {oracle} ({rule}; inputs: {', '.join(parity.probes)})",
         title_justify="left",
     )
-    cols = ("output", "input set", "optimized", "raw export", "pytorch f32", "max |oracle|", "")
+    cols = ("output", "input set", "optimized", raw, "pytorch f32", "max |oracle|", "")
     for col in cols:
         table.add_column(col, justify="left" if col in ("output", "input set") else "right")
     for probe, e in _parity_rows(parity):

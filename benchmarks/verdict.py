@@ -1,0 +1,143 @@
+"""How sharp the parity verdict is on the demo models: deliberately broken optimizers.
+
+Each demo model is saved as ``make demo`` saves it (:func:`models.demo.save_model_file`), and
+the pipeline runs on it once as it is and once per break of :mod:`models.broken`
+(``scale`` at 1.01, ``eps_dropped``, ``layernorm_as_rmsnorm``, ``bn_wrong_variance``; a break
+the model has nothing for is ``n/a``). A verdict that passes any applicable break is wrong.
+Then the ``scale`` break is tried at each factor of :data:`FACTORS`, smallest first, up to the
+first one the verdict catches: the smallest single-channel weight scaling it catches (the
+closer to the export's own noise, the sharper the verdict).
+
+Per model, the JSON has the oracle, every break's verdict and worst error against the oracle
+(``inf``: NaN or Inf where the oracle is finite), the smallest scaling caught, and the
+unbroken run's worst errors of the optimized model, the raw model and PyTorch float32.
+
+    python benchmarks/verdict.py [--only resnet-small,minilm] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+import models
+from models import broken
+from models.demo import save_model_file
+from normexport import pipeline
+from normexport.arguments import Options
+
+#: Single-channel weight scalings tried, smallest first.
+FACTORS = (1.0001, 1.0003, 1.001, 1.003, 1.01, 1.03, 1.1, 1.3)
+
+
+def _options(zoo: models.ZooModel, folder: Path) -> Options:
+    """The pipeline's options for ``zoo`` saved in ``folder``, as ``make demo`` runs it."""
+    path, flags = save_model_file(zoo, folder)
+    inputs = folder / "inputs.npz"
+    np.savez(inputs, **zoo.inputs)
+    model_class = flags[flags.index("--model-class") + 1] if "--model-class" in flags else None
+    return Options(
+        model=path,
+        inputs=inputs,
+        output=folder / "out" / "model.onnx",
+        trust_pickle="--trust-pickle" in flags,
+        model_class=model_class,
+        benchmark=False,
+    )
+
+
+def _parity(opts: Options) -> dict:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return pipeline.run(opts).to_dict()["parity"]
+
+
+def _worst(parity: dict, key: str = "max_abs_err") -> float | None:
+    values = [e[key] for errors in parity["sets"].values() for e in errors]
+    return None if any(v is None for v in values) else max(values)
+
+
+def _broken(opts: Options, kind: str, factor: float = 1.01) -> dict:
+    """The verdict with the optimizer broken ``kind`` way."""
+    try:
+        with broken.broken(kind, factor):
+            parity = _parity(opts)
+    except broken.NothingToBreak as why:
+        return {"applies": False, "why": str(why)}
+    return {"applies": True, "caught": not parity["passed"], "max_abs_err": _worst(parity)}
+
+
+def measure(name: str, folder: Path) -> dict:
+    """Every break on zoo model ``name``, and the smallest scaling caught."""
+    opts = _options(models.load(name), folder)
+    clean = _parity(opts)
+    result = {
+        "oracle": clean["oracle"],
+        "oracle_notes": clean["oracle_notes"],
+        "unbroken": {
+            "passed": clean["passed"],
+            "optimized": _worst(clean),
+            "raw": _worst(clean, "raw_max_abs_err"),
+            "pytorch_float32": _worst(clean, "pytorch_max_abs_err"),
+        },
+        "breaks": {kind: _broken(opts, kind) for kind in broken.BREAKS},
+        "smallest_scale_caught": None,
+    }
+    for factor in FACTORS:
+        if _broken(opts, "scale", factor).get("caught"):
+            result["smallest_scale_caught"] = factor
+            break
+    return result
+
+
+def _cell(entry: dict) -> str:
+    if not entry["applies"]:
+        return "n/a"
+    return f"{'caught' if entry['caught'] else 'MISSED'} ({entry['max_abs_err']:.2g})"
+
+
+def print_table(results: dict[str, dict]) -> None:
+    """One row per model: the oracle, every break's verdict, the smallest scaling caught."""
+    table = Table(title="Deliberately broken optimizers against the parity verdict")
+    for column in ("model", "oracle", *broken.BREAKS, "smallest scale caught"):
+        table.add_column(column)
+    for name, r in results.items():
+        caught = r["smallest_scale_caught"]
+        cells = [_cell(r["breaks"][kind]) for kind in broken.BREAKS]
+        table.add_row(name, r["oracle"], *cells, f"x{caught}" if caught else "none")
+    Console(width=160).print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every break on the demo models; exit 1 where an applicable break was missed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated zoo names (default: all)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else list(models.ZOO)
+    results = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in names:
+            print(f"{name} ...", flush=True)
+            folder = Path(scratch) / name
+            folder.mkdir()
+            results[name] = measure(name, folder)
+    print_table(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "verdict.json"
+    path.write_text(json.dumps({"factors": FACTORS, "models": results}, indent=2) + "\n")
+    print(f"wrote {path}")
+    breaks = [e for r in results.values() for e in r["breaks"].values()]
+    return 1 if any(e["applies"] and not e["caught"] for e in breaks) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
