@@ -30,8 +30,14 @@ test: install lint
 test-fast: install lint
 	$(PY) -m pytest -q -m "not slow"
 
+# The other optimizers that benchmarks/compare_fusers.py runs beside normexport (onnxslim,
+# onnxsim: the `bench` extra); only `make bench` installs them, `make test` needs neither.
+$(VENV)/.bench-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[bench]'
+	touch $@
+
 # Latency benchmarks (CPU here, CUDA where a GPU is): JSON + PNG in benchmarks/results/.
-bench: install
+bench: install $(VENV)/.bench-installed
 	$(PY) benchmarks/forms.py
 	$(PY) benchmarks/norm_stack.py
 	$(PY) benchmarks/demo_models.py

@@ -1,4 +1,4 @@
-"""Which optimizer fuses which spelling of a norm: the gallery through four tools.
+"""Which optimizer fuses which spelling of a norm: the gallery through six tools.
 
 Every entry of :data:`models.norms.GALLERY` is exported (dynamo exporter at opsets 18 and 23,
 TorchScript exporter at opset 17, where the entry applies), and each tool optimizes the raw
@@ -12,7 +12,13 @@ off, so that the verdict is the tool's:
 - ``ort_transformers``: ``onnxruntime.transformers.optimizer.optimize_model``, model_type
   ``"bert"``, ``num_heads=0`` / ``hidden_size=0`` (inferred), ``opt_level=0``: its own Python
   fusions, without an ORT session pass that would credit it with ORT's;
+- ``onnxslim``: ``onnxslim.slim(model)``, its defaults;
+- ``onnxsim``: ``onnxsim.simplify(model)``, its defaults (its own output check off);
 - ``normexport``: :func:`fusion.optimize` (``target="ort"``).
+
+onnxslim and onnxsim come from the ``bench`` extra (``pip install -e '.[bench]'``, which
+``make bench`` runs); where one is not installed, its column is ``E`` with the reason in the
+JSON, and the other tools still run.
 
 Each result gets one verdict:
 
@@ -72,6 +78,8 @@ TOOLS = {
         "onnxruntime.transformers.optimizer.optimize_model(model_type='bert', num_heads=0, "
         "hidden_size=0, opt_level=0)",
     ),
+    "onnxslim": ("onnxslim", "onnxslim.slim(model)"),
+    "onnxsim": ("onnxsim", "onnxsim.simplify(model)"),
     "normexport": ("normexport", "fusion.optimize(model, target='ort')"),
 }
 
@@ -190,7 +198,7 @@ def summarize(rows: dict[str, dict]) -> dict:
 def render(rows: dict[str, dict], summary: dict, exports, console: Console) -> None:
     """The per-entry table, the legend and the summary."""
     columns = " ".join(f"{exporter[0]}{opset}" for exporter, opset in exports)
-    table = Table(title=f"Gallery through four optimizers (each cell: {columns})")
+    table = Table(title=f"Gallery through {len(TOOLS)} optimizers (each cell: {columns})")
     table.add_column("entry")
     table.add_column("expected")
     for tool in TOOLS:
@@ -217,10 +225,19 @@ def render(rows: dict[str, dict], summary: dict, exports, console: Console) -> N
     console.print(table)
 
 
+def _installed(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def versions() -> dict[str, str]:
     """Versions of every tool compared, and of what they ran on."""
     return {
         "normexport": importlib.metadata.version("normexport"),
+        "onnxslim": _installed("onnxslim"),
+        "onnxsim": _installed("onnxsim"),
         "onnxruntime": onnxruntime.__version__,
         "onnxscript": onnxscript.__version__,
         "onnx_ir": onnx_ir.__version__,

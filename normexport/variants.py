@@ -2,9 +2,10 @@
 
 Three things live here, all graph building (sessions are made by :mod:`normexport.runtime`):
 
-1. :func:`build_variants`: one exported model as each optimizer leaves it (:data:`VARIANTS`);
-   a variant that fails to build is kept with its error, so one broken optimizer never stops
-   the comparison.
+1. :func:`build_variants`: one exported model as each optimizer leaves it (:data:`VARIANTS`,
+   and on request :data:`OPTIONAL_VARIANTS`: onnxslim, onnxsim); a variant that fails to build
+   (or whose optional package is missing) is kept with its error, so one broken optimizer never
+   stops the comparison.
 2. :func:`exact_forms`: an optimized model with its fused norms rewritten into the other
    exact forms ONNX Runtime can run (RMSNormalization <-> SimplifiedLayerNormalization,
    SkipLayerNormalization -> Add + LayerNormalization), for :mod:`normexport.autotune`.
@@ -21,12 +22,14 @@ registers in the default domain).
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
@@ -49,6 +52,15 @@ VARIANTS = {
     "Python fusions only, opt_level 0), then ORT_ENABLE_ALL",
     "normexport": "normexport's fusion.optimize (Skip ops on CUDA only, as the CLI), then "
     "ORT_ENABLE_ALL",
+}
+
+#: Other optimizers' variants, from the optional ``bench`` extra (``pip install -e '.[bench]'``):
+#: built only when named in ``only`` (as ``benchmarks/compare_fusers.py`` does), so that a
+#: default comparison needs none of them. Both fold BatchNorm and fuse some norms.
+OPTIONAL_VARIANTS = {
+    "onnxslim": "onnxslim.slim(model) with its defaults, then ORT_ENABLE_ALL",
+    "onnxsim": "onnxsim.simplify(model) with its defaults (its own check off: check_n=0), "
+    "then ORT_ENABLE_ALL",
 }
 
 #: The variant the others are compared with.
@@ -86,7 +98,7 @@ class Variant:
     provider: str | None = None
 
     def __post_init__(self):
-        self.description = self.description or VARIANTS.get(self.name, "")
+        self.description = self.description or (VARIANTS | OPTIONAL_VARIANTS).get(self.name, "")
 
     @classmethod
     def extra(cls, name: str, model: Path, description: str) -> Variant:
@@ -146,6 +158,35 @@ def _ort_transformers(raw: Path, out: Path, provider: str, target: str) -> dict:
     return {k: v for k, v in counts.items() if v}
 
 
+def _optional(module: str):
+    """Import ``module``, an optimizer of the ``bench`` extra, or raise an ImportError that
+    says how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise ImportError(f"{module} is not installed (pip install -e '.[bench]'): {err}") from err
+
+
+def _save_proto(model: onnx.ModelProto, out: Path) -> None:
+    save_model(ir.from_proto(model), out, external_data=True)
+
+
+def _onnxslim(raw: Path, out: Path, provider: str, target: str) -> dict:
+    slim = _optional("onnxslim").slim
+    _save_proto(slim(onnx.load(raw)), out)  # onnx.load reads the external data beside raw
+    return {}
+
+
+def _onnxsim(raw: Path, out: Path, provider: str, target: str) -> dict:
+    simplify = _optional("onnxsim").simplify
+    model, _ = simplify(onnx.load(raw))  # the flag is its own check's, off by default
+    _save_proto(model, out)
+    # onnxsim records what it did in the model's metadata ("onnxsim.removed_nodes.count", ...).
+    said = {p.key: p.value for p in model.metadata_props}
+    counts = {k: int(said.get(f"onnxsim.{k}.count", 0)) for k in ("removed_nodes", "changed_nodes")}
+    return {k: n for k, n in counts.items() if n}
+
+
 def skip_fusion(target: str, provider: str) -> bool:
     """Whether normexport fuses residual Add + norm into Skip*LayerNormalization: only for
     ORT's CUDA provider; on its CPU provider the Skip ops are slower
@@ -170,6 +211,8 @@ _BUILDERS: dict[str, Callable[[Path, Path, str, str], dict]] = {
     "onnxscript_ort": _onnxscript_ort,
     "ort_transformers": _ort_transformers,
     "normexport": _normexport,
+    "onnxslim": _onnxslim,
+    "onnxsim": _onnxsim,
 }
 
 
@@ -181,7 +224,8 @@ def build_variants(
     target: str = "ort",
     only: list[str] | None = None,
 ) -> dict[str, Variant]:
-    """Build every variant of :data:`VARIANTS` (or those in ``only``) from the raw export.
+    """Build every variant of :data:`VARIANTS` (or those in ``only``, which may also name
+    :data:`OPTIONAL_VARIANTS`) from the raw export.
 
     Args:
         raw: the model before any optimizer, as an .onnx file or in memory (then written to
@@ -205,13 +249,14 @@ def build_variants(
         raw = path
     out = {}
     for name in only or list(VARIANTS):
-        if name not in VARIANTS:
-            raise ValueError(f"unknown variant {name!r}: choose from {list(VARIANTS)}")
+        if name not in VARIANTS and name not in OPTIONAL_VARIANTS:
+            known = list(VARIANTS) + list(OPTIONAL_VARIANTS)
+            raise ValueError(f"unknown variant {name!r}: choose from {known}")
         start = time.perf_counter()
         path = Path(raw) if name == "ort_raw" else Path(folder) / f"{name}.onnx"
         try:
             builder = _BUILDERS.get(name)
-            with quiet("onnxscript", "onnxruntime", "fusion"):  # their progress logs
+            with quiet("onnxscript", "onnxruntime", "fusion", "onnxslim", "onnxsim"):  # their logs
                 details = builder(Path(raw), path, provider, target) if builder else {}
         except Exception as err:  # a broken optimizer is a result, not a crash
             out[name] = Variant(name, None, error=f"{type(err).__name__}: {err}".strip())

@@ -3,11 +3,18 @@ No timed assertions."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+import onnx_ir as ir
 import pytest
+from graphs import make_model, ops, run
+from onnx import TensorProto
 
 from normexport import autotune, runtime, variants
 from normexport.errors import UsageError
+from normexport.files import data_path
+from normexport.parity import closeness
 
 # --- sessions --------------------------------------------------------------------------------
 
@@ -27,6 +34,60 @@ def test_auto_without_cuda_says_so_in_one_line(monkeypatch):
     assert note == "CUDA was not available (the CUDA provider did not load): ran on CPU"
     with pytest.raises(UsageError, match="--provider cuda"):
         runtime.resolve_provider("cuda")
+
+
+# --- other optimizers (the bench extra) ------------------------------------------------------
+
+
+def _conv_bn(rng: np.random.Generator, c: int = 16) -> ir.Model:
+    """Padded Conv then BatchNormalization (a fold every tool makes), every statistic random; the
+    (c, c, 3, 3) weight is over 1 KiB, so the raw export keeps it in external data."""
+    inits = {
+        "w": rng.normal(size=(c, c, 3, 3)),
+        "b": rng.normal(size=c),
+        "scale": rng.uniform(-2, 2, c),
+        "B": rng.uniform(-1, 1, c),
+        "mean": rng.uniform(-1, 1, c),
+        "var": rng.uniform(0.5, 2, c),
+    }
+    nodes = [
+        ("Conv", ["x", "w", "b"], ["c"], {"pads": [1, 1, 1, 1]}),
+        ("BatchNormalization", ["c", "scale", "B", "mean", "var"], ["y"], {"epsilon": 1e-3}),
+    ]
+    inits = {k: v.astype(np.float32) for k, v in inits.items()}
+    f32 = TensorProto.FLOAT
+    return make_model(nodes, {"x": (f32, [2, c, 5, 5])}, {"y": (f32, None)}, inits)
+
+
+@pytest.mark.parametrize("tool", list(variants.OPTIONAL_VARIANTS))
+def test_optional_tool_folds_batchnorm_exactly(tool, rng, tmp_path):
+    pytest.importorskip(tool, reason=f"{tool} is in the bench extra: pip install -e '.[bench]'")
+    raw = _conv_bn(rng)
+    feeds = {"x": rng.standard_normal((2, 16, 5, 5)).astype(np.float32)}
+    (want,) = run(raw, feeds)
+    built = variants.build_variants(raw, "cpu", tmp_path, only=[tool])
+    assert list(built) == [tool]
+    variant = built[tool]
+    assert variant.error is None and variant.model.parent == tmp_path
+    assert data_path(variant.model).exists()  # written with external data, as the others
+    assert variant.description == variants.OPTIONAL_VARIANTS[tool]
+    assert ops(ir.load(variant.model)) == ["Conv"] and variant.norm_ops == {}
+    if tool == "onnxsim":  # what it said it did, from its metadata
+        assert variant.details["removed_nodes"] >= 1
+    c = closeness(_outputs(variant.model, feeds), want, atol=1e-5, rtol=1e-4)
+    assert c.within, c.describe()
+
+
+def test_optional_tool_not_installed_is_recorded(monkeypatch, rng, tmp_path):
+    monkeypatch.setitem(sys.modules, "onnxsim", None)  # `import onnxsim` now raises ImportError
+    built = variants.build_variants(_conv_bn(rng), "cpu", tmp_path, only=["onnxsim", "normexport"])
+    assert built["onnxsim"].model is None
+    assert built["onnxsim"].error.startswith(
+        "ImportError: onnxsim is not installed (pip install -e '.[bench]')"
+    )
+    assert ops(ir.load(built["normexport"].model)) == ["Conv"]  # the others still built
+    with pytest.raises(ValueError, match="onnxslim"):  # the optional ones are named as choices
+        variants.build_variants(_conv_bn(rng), "cpu", tmp_path, only=["onnxslimm"])
 
 
 # --- exact forms and one-op models ----------------------------------------------------------
