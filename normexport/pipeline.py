@@ -417,53 +417,47 @@ def _parity(job: _Job, work: Path) -> ParityResult:
     def raw(feeds):
         return runtime.run(raw_session, feeds)
 
-    common = {
-        "output_names": [o.name for o in opt_session.get_outputs()],
-        "atol": job.opts.atol,
-        "rtol": job.opts.rtol,
-    }
+    return check_parity(
+        candidate,
+        sets=job.sets,
+        output_names=[o.name for o in opt_session.get_outputs()],
+        atol=job.opts.atol,
+        rtol=job.opts.rtol,
+        **_references(job, raw, work),
+    )
+
+
+def _references(job: _Job, raw, work: Path) -> dict:
+    """:func:`check_parity`'s reference arguments: the oracle (``reference``), the raw model
+    where it is not the oracle itself, PyTorch float32 where it is not, and the notes."""
     if job.loaded.module is None:
         found = oracle_mod.onnx_float64(
             job.raw_path, raw, job.sets["example"], work, "the input graph"
         )
         if found.run is None:  # compared with the input file itself, tolerance only
             notes = [*found.notes, "the reference is the input file as written, in float32"]
-            return check_parity(
-                candidate,
-                raw,
-                job.sets,
-                reference_kind="onnx",
-                oracle_kind="onnx",
-                notes=notes,
-                **common,
-            )
-        return check_parity(
-            candidate,
-            found.run,
-            job.sets,
-            reference_kind="onnx",
-            raw=raw,
-            oracle_kind=found.kind,
-            notes=found.notes,
-            **common,
-        )
+            return dict(reference=raw, reference_kind="onnx", oracle_kind="onnx", notes=notes)
+        return {
+            "reference": found.run,
+            "reference_kind": "onnx",
+            "raw": raw,
+            "oracle_kind": found.kind,
+            "notes": found.notes,
+        }
     eager = Eager(job.loaded.module)
 
     def pytorch(feeds):
         return eager([feeds[name] for name in job.feed_names])
 
     found = _pytorch_oracle(job, raw, work)
-    return check_parity(
-        candidate,
-        found.run or pytorch,
-        job.sets,
-        reference_kind="pytorch",
-        raw=raw,
-        pytorch=pytorch if found.run else None,
-        oracle_kind=found.kind,
-        notes=found.notes,
-        **common,
-    )
+    return {
+        "reference": found.run or pytorch,
+        "reference_kind": "pytorch",
+        "raw": raw,
+        "pytorch": pytorch if found.run else None,
+        "oracle_kind": found.kind,
+        "notes": found.notes,
+    }
 
 
 def _pytorch_oracle(job: _Job, raw, work: Path) -> oracle_mod.Oracle:
