@@ -161,17 +161,26 @@ def _move_across_reduction(
 
     Forward, the map must be constant along the reduced axes (``mean(s * x + t)`` is
     ``s * mean(x) + t`` only there), which are then dropped unless kept; back, they come back
-    as size 1.
+    as size 1, and a map on the output must not vary along a kept one (it would broadcast the
+    output up: no map of the reduction).
 
     Raises:
-        CannotFuse: ``pools_over_channels``, the map varies along a reduced axis;
-            ``unknown_shape``, the axes are unknown.
+        CannotFuse: ``pools_over_channels``, the map varies along a reduced axis (forward);
+            ``broadcast_changes_shape``, along a kept one (back); ``unknown_shape``, the axes
+            are unknown.
     """
     rank = coeff.ndim if forward else _input_rank(node, coeff.ndim, shapes)
     axes, keepdims = reduction(node, rank)
+    on_coeff = forward or keepdims  # the reduced axes are axes of coeff
+    varying = [a for a in axes if coeff.shape[a] != 1] if on_coeff else []
+    if not forward and varying:  # a constant on the output, broadcast up along a kept axis
+        raise CannotFuse(
+            Code.BROADCAST_CHANGES_SHAPE,
+            f"a constant of shape {coeff.shape} varies along axis {varying[0]}, which "
+            f"{node.op_type} '{label(node)}' reduced to size 1: broadcasting grows the output",
+        )
     if not forward:
         return coeff if keepdims else np.expand_dims(coeff, axes)
-    varying = [a for a in axes if coeff.shape[a] != 1]
     if varying:
         raise CannotFuse(
             Code.POOLS_OVER_CHANNELS,

@@ -410,6 +410,19 @@ def _bn_gemm_trans_a(rng):
     return nodes, (4, 3), inits, "n"
 
 
+def _mean_over_channels_then_per_channel_mul(rng):
+    """``conv(x).mean(1, keepdim=True) * c`` with ``c`` (1, C, 1, 1): the Mul broadcasts the
+    mean back up to C channels, which is no per-channel map of the conv output."""
+    inits = {"w": _normal(rng, 4, 3, 3, 3), "k": rng.uniform(0.5, 1.5, (1, 4, 1, 1))}
+    nodes = [
+        ("Conv", ["x", "w"], ["c"], {}),
+        ("ReduceMean", ["c"], ["m"], {"axes": [1], "keepdims": 1}),
+        ("Mul", ["m", "k"], ["y"], {}),
+    ]
+    inits["k"] = inits["k"].astype(np.float32)
+    return nodes, (2, 3, 6, 6), inits, "y"
+
+
 # name -> (builder, code)
 REFUSALS: dict[str, tuple[Callable, Code]] = {
     "training_mode": (_training_mode, Code.TRAINING_MODE),
@@ -424,6 +437,10 @@ REFUSALS: dict[str, tuple[Callable, Code]] = {
     "zero_divisor": (_zero_divisor, Code.ZERO_DIVISOR),
     "constant_over_layer": (_constant_over_layer, Code.NOT_AFFINE),
     "bn_then_gemm_trans_a": (_bn_gemm_trans_a, Code.GEMM_TRANS_A),
+    "mean_over_channels_then_per_channel_mul": (
+        _mean_over_channels_then_per_channel_mul,
+        Code.BROADCAST_CHANGES_SHAPE,
+    ),
 }
 
 
