@@ -124,8 +124,12 @@ class Code(enum.StrEnum):
     PERM_MISMATCH = "perm_mismatch"
     #: A MaxPool on the way has its Indices output in use.
     MAXPOOL_INDICES_USED = "maxpool_indices_used"
-    #: A MaxPool on the way, and a scale that is not positive: the max would become a min.
+    #: A MaxPool (GlobalMaxPool, ReduceMax) on the way, and a scale that is not positive: the
+    #: max would become a min.
     MAXPOOL_NEGATIVE_SCALE = "maxpool_negative_scale"
+    #: A mean or max (GlobalAveragePool, ReduceMean, ...) over an axis along which the map
+    #: varies, such as the channels: the pooled map is no affine map of the pooled tensor.
+    POOLS_OVER_CHANNELS = "pools_over_channels"
     #: A BatchNorm on a value of rank < 2.
     NO_CHANNEL_AXIS = "no_channel_axis"
     #: A constant with more axes than the value it applies to (broadcasting grows the output).

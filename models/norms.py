@@ -418,6 +418,72 @@ class LinearBatchNorm3d(nn.Module):
         return self.bn(self.linear(x).transpose(1, 2)).transpose(1, 2)
 
 
+class LinearBatchNormFlat(nn.Module):
+    """A Linear on (B, T, F) and ``BatchNorm1d`` over its features, applied to the rows:
+    ``bn(linear(x).reshape(-1, C)).reshape(B, T, C)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(HIDDEN, 12)
+        self.bn = nn.BatchNorm1d(12)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return self.bn(y.reshape(-1, y.shape[-1])).reshape(y.shape)
+
+
+class AddmmBatchNorm(nn.Module):
+    """``torch.addmm(b, x, W, beta=2, alpha=0.5)`` then ``BatchNorm1d``: both exporters write a
+    Gemm with alpha 0.5 and beta 2, which the fold must scale alike. ``transB`` is 0; with
+    ``transposed`` (``W`` stored (out, in), passed as ``W.t()``) the TorchScript exporter
+    writes ``transB=1`` (the dynamo exporter transposes the constant instead)."""
+
+    def __init__(self, transposed: bool = False):
+        super().__init__()
+        self.transposed = transposed
+        shape = (6, 8) if transposed else (8, 6)
+        self.weight = nn.Parameter(torch.randn(shape, generator=_generator(3)))
+        self.bias = nn.Parameter(torch.randn(6, generator=_generator(4)))
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        w = self.weight.t() if self.transposed else self.weight
+        return self.bn(torch.addmm(self.bias, x, w, beta=2.0, alpha=0.5))
+
+
+RESNET_TAIL = (2, 6, 5, 5)  # the input of ResNetTail
+
+
+class ResNetTail(nn.Module):
+    """A pre-activation ResNet's end: the last block's ``conv(x) + x``, the final BatchNorm,
+    global pooling and the classifier (the BatchNorm folds into the classifier).
+
+    ``pool``: ``"avg"`` (``nn.AdaptiveAvgPool2d(1)`` and ``torch.flatten``), ``"mean"``
+    (``y.mean((2, 3))``), ``"two_heads"`` (avg, read by two Linears whose outputs are summed);
+    look-alikes: ``"max"`` (``nn.AdaptiveMaxPool2d(1)``: a max, which a negative BatchNorm scale
+    turns into a min) and ``"channels"`` (``y.mean(1)``, a mean over the channels, then a Linear
+    over the width).
+    """
+
+    def __init__(self, pool: str = "avg"):
+        super().__init__()
+        self.pool = pool
+        self.conv = nn.Conv2d(6, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.fc = nn.Linear(5 if pool == "channels" else 6, 3)
+        self.fc2 = nn.Linear(6, 3) if pool == "two_heads" else None
+
+    def forward(self, x):
+        y = self.bn(self.conv(x) + x)
+        if self.pool == "mean":
+            return self.fc(y.mean((2, 3)))
+        if self.pool == "channels":
+            return self.fc(y.mean(1))
+        pool = F.adaptive_max_pool2d if self.pool == "max" else F.adaptive_avg_pool2d
+        y = torch.flatten(pool(y, 1), 1)
+        return self.fc(y) if self.fc2 is None else self.fc(y) + self.fc2(y)
+
+
 class SharedConvOutput(nn.Module):
     """Refused: the conv output is also read by the residual Add, so the conv cannot absorb
     the BatchNorm."""
@@ -656,6 +722,12 @@ GALLERY: list[Entry] = [
     ),
     _bn("bn_linear", lambda: _seq(nn.Linear(8, 6), nn.BatchNorm1d(6)), (3, 8)),
     _bn("bn_linear_3d", lambda: LinearBatchNorm3d(), BTC),
+    _bn("bn_linear_3d_rows", lambda: LinearBatchNormFlat(), BTC),
+    _bn("bn_addmm_alpha_beta", lambda: AddmmBatchNorm(), (3, 8)),
+    _bn("bn_addmm_alpha_beta_transposed", lambda: AddmmBatchNorm(transposed=True), (3, 8)),
+    _bn("bn_head_avgpool", lambda: ResNetTail(), RESNET_TAIL),
+    _bn("bn_head_mean", lambda: ResNetTail("mean"), RESNET_TAIL),
+    _bn("bn_head_two_linears", lambda: ResNetTail("two_heads"), RESNET_TAIL),
     _bn(
         "bn_before_unpadded_conv",
         lambda: _seq(nn.BatchNorm2d(4), nn.Conv2d(4, 6, 3, groups=2)),
@@ -676,6 +748,20 @@ GALLERY: list[Entry] = [
     ),
     _refused(
         "batchnorm", "bn_not_per_channel", lambda: NotPerChannel(), "not per-channel", (2, 3, 8, 8)
+    ),
+    _refused(
+        "batchnorm",
+        "bn_head_maxpool_negative_scale",
+        lambda: ResNetTail("max"),
+        "only when every scale gamma / sqrt(var + eps) is positive",
+        RESNET_TAIL,
+    ),
+    _refused(
+        "batchnorm",
+        "bn_head_mean_over_channels",
+        lambda: ResNetTail("channels"),
+        "reduces axis 1, along which the map varies",
+        RESNET_TAIL,
     ),
 ]
 

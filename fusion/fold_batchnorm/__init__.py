@@ -50,7 +50,12 @@ op ``f`` when ``f(s * x + t) = s' * f(x) + t'`` for constants ``s'``, ``t'``:
 - MaxPool: ``max_i(s * x_i + t) = s * max_i(x_i) + t`` when ``s > 0`` and ``s``, ``t`` are the
   same over the pooling window (per channel). A negative scale turns the max into a min, so
   a BatchNorm with any negative scale does not move across a MaxPool (MaxPool's padding is
-  ignored by the max, and its Indices output must be unused).
+  ignored by the max, and its Indices output must be unused). GlobalMaxPool and ReduceMax
+  alike, over axes along which ``s`` and ``t`` are constant.
+- Global mean pooling (GlobalAveragePool; ReduceMean over axes given as an attribute below
+  opset 18 or as a constant input from 18, ``keepdims`` 0 or 1): ``mean_i(s * x_i + t) =
+  s * mean_i(x_i) + t`` for any sign of ``s``, when ``s`` and ``t`` are constant along the
+  reduced axes, i.e. the mean is not over the channels. Neither pads.
 
 So ``Linear -> Transpose -> BatchNorm1d -> Transpose`` (``bn(linear(x).transpose(1, 2))
 .transpose(1, 2)`` on a (B, T, C) input), ``Linear -> Reshape(-1, C) -> BatchNorm1d ->
@@ -58,6 +63,24 @@ Reshape`` and ``Conv -> MaxPool -> BatchNorm`` fold into the layer before, and C
 ``BatchNorm -> MaxPool -> Transpose -> Reshape -> Linear`` folds into the classifier after it
 (channel ``c`` of the BatchNorm becomes input features ``f`` with ``(f // inner) % C == c``).
 After a MaxPool, the combined scale of everything folded across it must stay positive.
+
+A ResNet's head, ``residual Add -> BatchNorm -> global mean pooling -> Flatten -> Linear``, has
+no layer before the BatchNorm (the Add sums two branches), but the map passes through the mean
+and folds into the classifier: ``W (s * mean(x) + t) + b = (W s) mean(x) + (W t + b)``. The
+values after the BatchNorm may branch (a pooled tensor read by two heads): it folds when every
+reader, through the ops above, ends at a layer that can absorb it, into each of them; a reader
+that cannot (another op, a graph output) leaves it in place.
+
+What is counted as a BatchNorm
+------------------------------
+``batchnorm_folded`` counts BatchNormalization nodes, and BatchNorms written by hand: a chain of
+constant ops (no BatchNormalization) that scales per channel (Mul or Div by a constant of more
+than one element) and shifts per channel as a BatchNorm does, subtracting a per-channel
+constant (the running mean: ``(x - mean) / sqrt(var + eps) * gamma + beta``) or adding one
+after the scale (beta: FrozenBatchNorm2d's ``x * scale + shift``). Any other fold is an
+``affine_folded``: scalar scalings (attention's ``1/sqrt(d)``) and per-channel "layer scales"
+without a shift after them (ConvNeXt's and PoolFormer's ``gamma * x``, CaiT's LayerScale, also
+after the layer's own bias Add), which are no normalization.
 
 The graph
 ---------
@@ -72,6 +95,8 @@ The graph
     x ─ MatMul ─ Add ─ Transpose ─ BN ─ T ─ y  x ─ MatMul(W') ─ Add(b') ─ Transpose ─ T ─ y
     x ─ BN ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W, b) ─ y
                                                x ─ MaxPool ─ Transpose ─ Reshape ─ Gemm(W', b') ─ y
+    a ─ Add ─ BN ─ GlobalAveragePool ─ Flatten ─ Gemm(W, b) ─ y
+                                          a ─ Add ─ GlobalAveragePool ─ Flatten ─ Gemm(W', b') ─ y
 
 Everything else is left alone and recorded in the :class:`~fusion.base.FusionReport` with a
 stable :class:`~fusion.base.Code` and the reason: a BatchNorm after a ReLU (CREPE's conv ->
@@ -80,8 +105,10 @@ consumer (``shared_output``), a constant that is not per-channel (``not_per_chan
 division by a constant with a zero element (``zero_divisor``), a BatchNorm in training mode
 (``training_mode``), a padded Conv after a BatchNorm (``padded_conv``), a MaxPool between a
 layer and a BatchNorm with a scale that is not positive (``maxpool_negative_scale``), a reshape
-that regroups the channels across dimensions of unknown size (``channels_regrouped``). Only the
-main graph is rewritten (not If / Loop bodies).
+that regroups the channels across dimensions of unknown size (``channels_regrouped``), a mean
+or max over the channel axis (``pools_over_channels``), channels that reach the layer on
+another axis than its input features (``wrong_channel_axis``). Only the main graph is
+rewritten (not If / Loop bodies).
 
 The code
 --------
@@ -113,8 +140,10 @@ class FoldBatchNorm(FusionPass):
     float64; folding is computed in float64 and cast back. Graph outputs keep their names.
 
     Outcomes: each fold is a ``batchnorm_folded`` that counts one per BatchNormalization
-    folded, or one for a hand-written per-channel affine chain with no BatchNormalization in
-    it; a chain of scalar constants only is an ``affine_folded``. Each candidate left alone
+    folded, or one for a BatchNorm written by hand (a per-channel scale with the mean
+    subtracted or a shift added after it: the package docstring, "What is counted as a
+    BatchNorm"); any other chain of constants (a scalar, a per-channel layer scale) is an
+    ``affine_folded``. Each candidate left alone
     (every BatchNormalization still in the graph, and every constant Mul / Add / Sub / Div
     after a linear layer that could not be folded) is a ``batchnorm`` refusal with a code of
     the "BatchNorm and affine folding" section of :class:`~fusion.base.Code` or a shared one.

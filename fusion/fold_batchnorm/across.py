@@ -2,9 +2,11 @@
 
 A map ``s * x + t`` (``s``, ``t`` broadcast against ``x``) moves across an op ``f`` when
 ``f(s * x + t) = s' * f(x) + t'``: Transpose, Reshape, Flatten, Squeeze, Unsqueeze and Identity
-move elements, so ``s'``, ``t'`` are ``s``, ``t`` moved the same way; MaxPool commutes with a
-map that is the same over its window, for a positive scale (checked by the callers, who know
-the scale). See the package docstring (:mod:`fusion.fold_batchnorm`).
+move elements, so ``s'``, ``t'`` are ``s``, ``t`` moved the same way; a mean over axes along
+which the map is constant (GlobalAveragePool, ReduceMean) commutes with it,
+``mean(s * x + t) = s * mean(x) + t``; MaxPool, GlobalMaxPool and ReduceMax commute with a map
+that is the same over their window (or reduced axes), for a positive scale (checked by the
+callers, who know the scale). See the package docstring (:mod:`fusion.fold_batchnorm`).
 """
 
 from __future__ import annotations
@@ -14,13 +16,18 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import KnownShapes, label, num_consumers, same_dim, shape_text
+from fusion._ir import KnownShapes, label, num_consumers, reduce_axes, same_dim, shape_text
 from fusion.base import CannotFuse, Code
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
-#: Ops that a per-channel affine map moves across: data movement, and MaxPool for positive
-#: scales.
-ACROSS = ("Transpose", "Identity", "MaxPool", *RESHAPES)
+#: Ops that take the max over a window or over axes: a map moves across them only with a
+#: positive scale (max(s * x + t) = s * max(x) + t needs s > 0).
+MAXES = ("MaxPool", "GlobalMaxPool", "ReduceMax")
+#: Ops that reduce whole axes (mean or max), each as (axes, keepdims) by :func:`reduction`.
+REDUCTIONS = ("GlobalAveragePool", "ReduceMean", "GlobalMaxPool", "ReduceMax")
+#: Ops that a per-channel affine map moves across: data movement, means over the axes along
+#: which it is constant, and the maxes of :data:`MAXES` for positive scales.
+ACROSS = ("Transpose", "Identity", "MaxPool", *REDUCTIONS, *RESHAPES)
 
 
 def _squeeze_constant_axes(array: np.ndarray) -> np.ndarray:
@@ -84,11 +91,14 @@ def move(node: ir.Node, coeff: np.ndarray, shapes: KnownShapes, forward: bool) -
 
     Raises:
         CannotFuse: the map does not move across ``node`` as a per-element map:
-            ``not_per_channel`` (it varies over a MaxPool window), ``shape_mismatch`` (it does
-            not fit the shapes around a reshape), ``channels_regrouped`` (a reshape regroups it
-            across dimensions of unknown size).
+            ``not_per_channel`` (it varies over a MaxPool window), ``pools_over_channels`` (it
+            varies along an axis that a mean or max reduces), ``shape_mismatch`` (it does not
+            fit the shapes around a reshape), ``channels_regrouped`` (a reshape regroups it
+            across dimensions of unknown size), ``unknown_shape`` (a reduction's axes).
     """
     op = node.op_type
+    if op in REDUCTIONS:
+        return _move_across_reduction(node, coeff, shapes, forward)
     if op == "MaxPool":
         if any(n != 1 for n in coeff.shape[2:]):
             raise CannotFuse(
@@ -120,13 +130,94 @@ def move(node: ir.Node, coeff: np.ndarray, shapes: KnownShapes, forward: bool) -
     return moved
 
 
+def reduction(node: ir.Node, rank: int) -> tuple[tuple[int, ...], bool]:
+    """``(axes, keepdims)`` of ``node`` (one of :data:`REDUCTIONS`) on a rank-``rank`` input:
+    the axes it reduces, each in ``[0, rank)``, sorted, and whether it keeps them as size 1.
+
+    GlobalAveragePool / GlobalMaxPool reduce axes 2 and up and keep them (ONNX spec); ReduceMean
+    / ReduceMax reduce their ``axes`` (an attribute before opset 18, an input from 18; none:
+    all axes) with ``keepdims`` (default 1).
+
+    Raises:
+        CannotFuse: ``unknown_shape``, the axes are not constant (or ``noop_with_empty_axes``
+            makes the node reduce nothing).
+    """
+    if node.op_type.startswith("Global"):
+        return tuple(range(2, rank)), True
+    axes = reduce_axes(node, rank)
+    if axes is None:
+        raise CannotFuse(
+            Code.UNKNOWN_SHAPE,
+            f"the axes of {node.op_type} '{label(node)}' are not constant: cannot tell whether "
+            "it reduces the channels",
+        )
+    return tuple(sorted({a % rank for a in axes})), bool(node.attributes.get_int("keepdims", 1))
+
+
+def _move_across_reduction(
+    node: ir.Node, coeff: np.ndarray, shapes: KnownShapes, forward: bool
+) -> np.ndarray:
+    """Carry ``coeff`` across a mean or max over whole axes (see :func:`move`).
+
+    Forward, the map must be constant along the reduced axes (``mean(s * x + t)`` is
+    ``s * mean(x) + t`` only there), which are then dropped unless kept; back, they come back
+    as size 1, and a map on the output must not vary along a kept one (it would broadcast the
+    output up: no map of the reduction).
+
+    Raises:
+        CannotFuse: ``pools_over_channels``, the map varies along a reduced axis (forward);
+            ``broadcast_changes_shape``, along a kept one (back); ``unknown_shape``, the axes
+            are unknown.
+    """
+    rank = coeff.ndim if forward else _input_rank(node, coeff.ndim, shapes)
+    axes, keepdims = reduction(node, rank)
+    on_coeff = forward or keepdims  # the reduced axes are axes of coeff
+    varying = [a for a in axes if coeff.shape[a] != 1] if on_coeff else []
+    if not forward and varying:  # a constant on the output, broadcast up along a kept axis
+        raise CannotFuse(
+            Code.BROADCAST_CHANGES_SHAPE,
+            f"a constant of shape {coeff.shape} varies along axis {varying[0]}, which "
+            f"{node.op_type} '{label(node)}' reduced to size 1: broadcasting grows the output",
+        )
+    if not forward:
+        return coeff if keepdims else np.expand_dims(coeff, axes)
+    if varying:
+        raise CannotFuse(
+            Code.POOLS_OVER_CHANNELS,
+            f"{node.op_type} '{label(node)}' reduces axis {varying[0]}, along which the map "
+            "varies (its channels): the reduction of s * x + t is no map of the reduction of x",
+        )
+    return coeff if keepdims else np.squeeze(coeff, axis=axes)
+
+
+def _input_rank(node: ir.Node, out_rank: int, shapes: KnownShapes) -> int:
+    """The input rank of the reduction ``node`` whose output has rank ``out_rank``.
+
+    Raises:
+        CannotFuse: ``unknown_shape``, neither the input shape nor the axes are known.
+    """
+    shape = shapes(node.inputs[0])
+    if shape is not None:
+        return len(shape)
+    if node.op_type.startswith("Global") or node.attributes.get_int("keepdims", 1):
+        return out_rank
+    written = reduce_axes(node, None)  # as written; None when it reduces every axis
+    if written is None:
+        raise CannotFuse(
+            Code.UNKNOWN_SHAPE,
+            f"the input rank of {node.op_type} '{label(node)}' is unknown: cannot tell where "
+            "its reduced axes were",
+        )
+    return out_rank + len(written)
+
+
 def rank_after(node: ir.Node, rank: int, shapes: KnownShapes) -> int:
     """The output rank of ``node`` (one of :data:`ACROSS`) reading a value of rank ``rank``.
 
     Raises:
         CannotFuse: a map cannot be carried across ``node``: ``maxpool_indices_used``,
             ``perm_mismatch`` (a Transpose perm that does not fit), ``unknown_shape`` (the input
-            or output shape of a reshape).
+            or output shape of a reshape, or the axes of a reduction).
     """
     op = node.op_type
     if op == "MaxPool" and any(out is not None and num_consumers(out) for out in node.outputs[1:]):
@@ -149,4 +240,7 @@ def rank_after(node: ir.Node, rank: int, shapes: KnownShapes) -> int:
                 "is unknown: cannot tell where the channels go",
             )
         return len(dst)
+    if op in REDUCTIONS:
+        axes, keepdims = reduction(node, rank)
+        return rank if keepdims else rank - len(axes)
     return rank

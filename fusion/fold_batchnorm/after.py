@@ -30,7 +30,7 @@ from fusion._ir import (
     value_reader,
 )
 from fusion.base import CannotFuse, Code
-from fusion.fold_batchnorm.across import ACROSS, move, rank_after
+from fusion.fold_batchnorm.across import ACROSS, MAXES, move, rank_after
 from fusion.fold_batchnorm.algebra import (
     AFFINE,
     LINEAR,
@@ -66,7 +66,8 @@ class _Walk:
         chain: the nodes folded, in order.
         across: the ops of ``ACROSS`` passed.
         moved_across: the ops of ``across`` before the last node folded.
-        pools: ``[MaxPool, combined scale of the nodes folded after it]`` per MaxPool passed.
+        pools: ``[op, combined scale of the nodes folded after it]`` per max (MaxPool,
+            GlobalMaxPool, ReduceMax) passed.
     """
 
     layer: Layer
@@ -136,7 +137,7 @@ def _take(walk: _Walk, node: ir.Node, value: ir.Value, shapes: KnownShapes) -> b
             return False
         walk.rank = rank_after(node, walk.rank, shapes)
         walk.across.append(node)
-        if node.op_type == "MaxPool":
+        if node.op_type in MAXES:
             walk.pools.append([node, np.ones(walk.layer.channels)])
         return True
     found = step(node, value, walk.rank)
@@ -162,7 +163,7 @@ def _check_pools(pools: list[list], a: np.ndarray) -> None:
             k = int(np.argmin(pool[1]))
             raise CannotFuse(
                 Code.MAXPOOL_NEGATIVE_SCALE,
-                f"it comes after MaxPool '{label(pool[0])}', and max-pool commutes with a "
+                f"it comes after {pool[0].op_type} '{label(pool[0])}', and a max commutes with a "
                 "per-channel scale only when it is positive: folding it would scale channel "
                 f"{k} by {pool[1][k]:.4g}",
             )
@@ -171,22 +172,40 @@ def _check_pools(pools: list[list], a: np.ndarray) -> None:
 def _kind(chain: list[ir.Node]) -> tuple[str, int] | None:
     """``(kind, count)`` of a fold of ``chain``, or None when it is no fold worth making.
 
-    A BatchNorm, or one written by hand (per-channel constants), is a ``batchnorm_folded``
-    that counts its BatchNorms (at least 1). A chain of scalar constants (e.g. attention's
-    ``1/sqrt(d)`` after a projection) folds the same way but is no BatchNorm: it is an
-    ``affine_folded``, so that the BatchNorm count stays honest. Bias Adds alone are nothing.
+    A chain with BatchNormalization nodes is a ``batchnorm_folded`` that counts them. A chain
+    without is a ``batchnorm_folded`` of 1 when it is a BatchNorm written by hand
+    (:func:`_hand_written_batchnorm`), else an ``affine_folded`` of 1: a scalar (attention's
+    ``1/sqrt(d)``) or a per-channel "layer scale" (ConvNeXt's ``gamma * x``), so that the
+    BatchNorm count stays honest. Bias Adds alone are nothing.
     """
     batchnorms = sum(n.op_type == "BatchNormalization" for n in chain)
     if not batchnorms and not any(n.op_type in ("Mul", "Div") for n in chain):
         return None
-    per_channel_consts = any(
-        c is not None and c.size > 1
-        for n in chain
-        if n.op_type in ("Mul", "Div", "Sub")  # the scale and the mean, not a bias Add
-        for c in map(const_array, n.inputs)
-    )
-    kind = "batchnorm_folded" if batchnorms or per_channel_consts else "affine_folded"
-    return kind, max(batchnorms, 1)
+    if batchnorms:
+        return "batchnorm_folded", batchnorms
+    return ("batchnorm_folded" if _hand_written_batchnorm(chain) else "affine_folded"), 1
+
+
+def _hand_written_batchnorm(chain: list[ir.Node]) -> bool:
+    """Whether a chain of constant Add / Sub / Mul / Div is a BatchNorm written by hand.
+
+    It is when it scales per channel (a Mul or Div by a constant of more than one element) and
+    also shifts per channel the way a BatchNorm does: it subtracts a per-channel constant (the
+    running mean, ``(x - mean) / sqrt(var + eps)``, anywhere in the chain), or adds or
+    subtracts one after the scale (beta: ``x * scale + shift``, torchvision's
+    FrozenBatchNorm2d). A per-channel scale alone, or after the layer's own bias Add, is a
+    layer scale (ConvNeXt's and PoolFormer's ``gamma * x``, CaiT's LayerScale), not a
+    BatchNorm.
+    """
+    scaled = shifted = False
+    for node in chain:
+        if not any(c is not None and c.size > 1 for c in map(const_array, node.inputs)):
+            continue
+        if node.op_type in ("Mul", "Div"):
+            scaled = True
+        elif node.op_type == "Sub" or (node.op_type == "Add" and scaled):
+            shifted = True
+    return scaled and shifted
 
 
 def on_layer_output(

@@ -17,99 +17,153 @@ from fusion._ir import (
     KnownShapes,
     const_array,
     label,
-    num_consumers,
     remove_nodes,
     replace_output,
     set_input,
-    value_reader,
 )
 from fusion.base import CannotFuse, Code
-from fusion.fold_batchnorm.across import ACROSS, move, rank_after
+from fusion.fold_batchnorm.across import ACROSS, MAXES, move, rank_after
 from fusion.fold_batchnorm.after import add_to_matmul_bias
 from fusion.fold_batchnorm.algebra import as_layer, batchnorm_affine, check_channels, constant
 
 
 def fold_into_next(graph: ir.Graph, bn: ir.Node, shapes: KnownShapes) -> str:
-    """Fold the BatchNormalization ``bn`` into the Conv / Gemm / MatMul after it and remove it.
+    """Fold the BatchNormalization ``bn`` into the Conv / Gemm / MatMul layers after it and
+    remove it.
+
+    Every reader of its output (through the ops of ``ACROSS``, which may branch: a pooled
+    tensor read by two heads) must end at such a layer that can absorb the map; each of them
+    does.
 
     Returns:
         What it became, for the report.
 
     Raises:
-        CannotFuse: it cannot be folded into the layer after it; nothing is changed. Codes:
-            ``no_linear_layer`` (no such layer), ``shared_output`` (a value on the way is read
-            elsewhere too), ``padded_conv``, ``gemm_trans_a``, ``maxpool_negative_scale``,
-            ``unknown_shape``, ``no_channel_axis``, ``wrong_channel_axis``,
-            ``channel_mismatch``, and those of :func:`~fusion.fold_batchnorm.algebra.as_layer`,
+        CannotFuse: it cannot be folded into the layers after it; nothing is changed. Codes:
+            ``no_linear_layer`` (no such layer), ``shared_output`` (a value on the way is also
+            read by something else, or is a graph output), ``padded_conv``, ``gemm_trans_a``,
+            ``maxpool_negative_scale``, ``pools_over_channels``, ``unknown_shape``,
+            ``no_channel_axis``, ``wrong_channel_axis``, ``channel_mismatch``, and those of
+            :func:`~fusion.fold_batchnorm.algebra.as_layer`,
             :func:`~fusion.fold_batchnorm.algebra.batchnorm_affine` and of the moves across.
     """
-    across, following = _path_to_layer(bn)
-    s, t = _carry_to_layer(bn, across, following, shapes)
-    name = label(following)  # before the fold, which may rename its output
-    _fold_before(graph, following, s, t, shapes)
+    s, t = batchnorm_affine(bn)
+    check_channels(bn, s.size, shapes)
+    paths: list[tuple[list[ir.Node], ir.Node]] = []
+    _follow(bn.outputs[0], [], paths)
+    # Every layer's new parameters first: a refusal at any of them changes nothing.
+    updates = [
+        (layer, _plan(bn, (s, t), across, layer, shapes, len(paths))) for across, layer in paths
+    ]
+    names = [label(layer) for _, layer in paths]  # before the fold, which may rename outputs
+    for layer, (weight, bias) in updates:
+        _write(graph, layer, weight, bias)
     replace_output(graph, bn.outputs[0], bn.inputs[0])
     remove_nodes(graph, [bn])
-    moved = f" across {', '.join(n.op_type for n in across)}" if across else ""
-    return f"folded into the following {following.op_type} '{name}'{moved}"
+    where = [
+        f"{layer.op_type} '{name}'"
+        + (f" across {', '.join(n.op_type for n in ops)}" if ops else "")
+        for (ops, layer), name in zip(paths, names, strict=True)
+    ]
+    return f"folded into the following {'; '.join(where)}"
 
 
-def _path_to_layer(bn: ir.Node) -> tuple[list[ir.Node], ir.Node]:
-    """``(across, layer)``: the ops of ``ACROSS`` from ``bn``'s output to the Conv / Gemm /
-    MatMul that reads it as its data input, every value on the way read by that path only.
+def _plan(
+    bn: ir.Node,
+    st: tuple[np.ndarray, np.ndarray],
+    across: list[ir.Node],
+    layer: ir.Node,
+    shapes: KnownShapes,
+    layers: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The new parameters of ``layer`` (:func:`_absorb`) for ``bn``'s map ``st`` carried across
+    ``across``; where there are several ``layers``, a refusal names the one that refused."""
+    try:
+        return _absorb(layer, *_carry_to_layer(bn, st, across, layer, shapes), shapes)
+    except CannotFuse as refusal:
+        if layers == 1:
+            raise
+        where = f"one of the {layers} layers it reaches, {layer.op_type} '{label(layer)}'"
+        raise CannotFuse(refusal.code, f"{where}: {refusal.detail}") from None
+
+
+def _follow(value: ir.Value, across: list[ir.Node], paths: list) -> None:
+    """Append to ``paths`` an ``(across, layer)`` per reader of ``value``: the ops of ``ACROSS``
+    from ``value`` to a Conv / Gemm / MatMul that reads it as its data input. ``across`` holds
+    the ops from the BatchNorm to ``value``.
 
     Raises:
-        CannotFuse: there is no such layer (the detail says what is there instead):
-            ``shared_output`` or ``no_linear_layer``.
+        CannotFuse: a reader on the way is none of those (the detail says what is there
+            instead): ``no_linear_layer``, or ``shared_output`` where ``value`` has other
+            readers too or is also a graph output.
     """
-    across, value = [], bn.outputs[0]
-    while True:
-        where = "its output" if not across else f"the output of {across[-1].op_type} after it"
-        consumer = value_reader(value)
-        if consumer is None:
-            if value.is_graph_output():
-                raise CannotFuse(Code.NO_LINEAR_LAYER, f"{where} is a graph output")
-            raise CannotFuse(Code.SHARED_OUTPUT, f"{where} has {num_consumers(value)} consumers")
-        if consumer.op_type in ACROSS and consumer.domain == "" and consumer.inputs[0] is value:
-            across.append(consumer)
-            value = consumer.outputs[0]
-            continue
-        if consumer.op_type not in ("Conv", "Gemm", "MatMul"):
-            through = f" (through {', '.join(n.op_type for n in across)})" if across else ""
+    where = "its output" if not across else f"the output of {across[-1].op_type} after it"
+    readers = [u for u in value.uses() if u.node.op_type not in ("Shape", "Size")]
+    if value.is_graph_output():
+        code = Code.SHARED_OUTPUT if readers else Code.NO_LINEAR_LAYER
+        raise CannotFuse(code, f"{where} is {'also ' if readers else ''}a graph output")
+    if not readers:
+        raise CannotFuse(Code.NO_LINEAR_LAYER, f"{where} is read by no layer")
+    for node, index in readers:
+        try:
+            _follow_reader(node, index, value, across, paths)
+        except CannotFuse as refusal:
+            if len(readers) == 1:
+                raise
             raise CannotFuse(
-                Code.NO_LINEAR_LAYER,
-                f"its output goes to {consumer.op_type}{through}, not to an unpadded Conv, Gemm "
-                "or MatMul",
-            )
-        if consumer.inputs[0] is not value:
-            raise CannotFuse(
-                Code.NO_LINEAR_LAYER, f"{where} is not the data input of {consumer.op_type}"
-            )
-        return across, consumer
+                Code.SHARED_OUTPUT,
+                f"{where} has {len(readers)} consumers, and {node.op_type} '{label(node)}' "
+                f"cannot absorb it: {refusal.detail}",
+            ) from None
+
+
+def _follow_reader(
+    node: ir.Node, index: int, value: ir.Value, across: list[ir.Node], paths: list
+) -> None:
+    """One step of :func:`_follow`: ``node`` reads ``value`` as its input ``index``."""
+    if node.op_type in ACROSS and node.domain == "" and index == 0:
+        _follow(node.outputs[0], [*across, node], paths)
+        return
+    through = f" (through {', '.join(n.op_type for n in across)})" if across else ""
+    if node.op_type not in ("Conv", "Gemm", "MatMul") or node.domain != "":
+        raise CannotFuse(
+            Code.NO_LINEAR_LAYER,
+            f"its output goes to {node.op_type}{through}, not to an unpadded Conv, Gemm or MatMul",
+        )
+    if index != 0:
+        raise CannotFuse(
+            Code.NO_LINEAR_LAYER,
+            f"its output{through} is not the data input of {node.op_type} '{label(node)}'",
+        )
+    paths.append((across, node))
 
 
 def _carry_to_layer(
-    bn: ir.Node, across: list[ir.Node], node: ir.Node, shapes: KnownShapes
+    bn: ir.Node,
+    st: tuple[np.ndarray, np.ndarray],
+    across: list[ir.Node],
+    node: ir.Node,
+    shapes: KnownShapes,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """``bn``'s ``(s, t)`` carried across ``across`` to the input of ``node``, as float64
-    vectors over its input channels (axis 1 of a Conv or Gemm input, the last axis of a MatMul
-    input).
+    """``bn``'s map ``st``, ``(s, t)`` over its channels, carried across ``across`` to the input
+    of ``node``, as float64 vectors over its input channels (axis 1 of a Conv or Gemm input,
+    the last axis of a MatMul input).
 
     Raises:
         CannotFuse: the map does not reach ``node`` as a per-input-channel map.
     """
-    s, t = batchnorm_affine(bn)
-    check_channels(bn, s.size, shapes)
-    pool = next((op for op in across if op.op_type == "MaxPool"), None)
+    s, _ = st
+    pool = next((op for op in across if op.op_type in MAXES), None)
     if pool is not None and np.any(s <= 0):
         k = int(np.argmin(s))
         raise CannotFuse(
             Code.MAXPOOL_NEGATIVE_SCALE,
-            f"MaxPool '{label(pool)}' lies between it and the {node.op_type}, and max-pool "
+            f"{pool.op_type} '{label(pool)}' lies between it and the {node.op_type}, and a max "
             "commutes with BatchNorm only when every scale gamma / sqrt(var + eps) is positive: "
             f"channel {k} has scale {s[k]:.4g}",
         )
     rank = _input_rank(bn, across, node, shapes)
-    coeffs = [x.reshape((1, s.size) + (1,) * (rank - 2)) for x in (s, t)]
+    coeffs = [x.reshape((1, s.size) + (1,) * (rank - 2)) for x in st]
     for op in across:
         rank = rank_after(op, rank, shapes)
         coeffs = [move(op, c, shapes, forward=True) for c in coeffs]
@@ -168,25 +222,27 @@ def _check_reads_map(node: ir.Node) -> None:
         )
 
 
-def _fold_before(
-    graph: ir.Graph, node: ir.Node, s: np.ndarray, t: np.ndarray, shapes: KnownShapes
-) -> None:
-    """Fold ``x -> s * x + t`` into ``node``, the Conv / Gemm / MatMul that reads ``x`` as input 0.
+def _absorb(
+    node: ir.Node, s: np.ndarray, t: np.ndarray, shapes: KnownShapes
+) -> tuple[np.ndarray, np.ndarray]:
+    """The new ``(weight, bias)`` of ``node``, the Conv / Gemm / MatMul that reads ``x`` as
+    input 0, for it to read ``s * x + t`` instead; nothing is changed (see :func:`_write`).
 
     Args:
-        s, t: float64 vectors over the input channels of ``node`` (or of size 1). The new
-            weight and bias are computed in float64 and cast to the weight's dtype.
+        s, t: float64 vectors over the input channels of ``node`` (or of size 1).
+
+    Returns:
+        Both float64: the weight in its layout; the Conv or Gemm bias input (for a Gemm, with
+        ``alpha`` and ``beta`` applied: the new ``C`` for ``beta = 1``), or for a MatMul the
+        vector to add to its output.
 
     Raises:
         CannotFuse: ``node`` cannot absorb a map applied to its input (``padded_conv``,
-            ``gemm_trans_a``, ``channel_mismatch``, the codes of ``as_layer``); nothing is
-            changed.
+            ``gemm_trans_a``, ``channel_mismatch``, the codes of ``as_layer``).
     """
     _check_reads_map(node)
     op = node.op_type
-    layer = as_layer(node, shapes)
-    w = layer.weight.astype(np.float64)
-    dtype, hint = layer.weight.dtype, node.inputs[1].name
+    w = as_layer(node, shapes).weight.astype(np.float64)
     bias = constant(node, 2, "bias")
     bias64 = 0.0 if bias is None else bias.astype(np.float64)
     transposed = op == "Gemm" and node.attributes.get_int("transB", 0)
@@ -205,19 +261,26 @@ def _fold_before(
         )
     if op == "Conv":
         new_w, shift = _conv_input_map(w, s, t, group)
-        set_input(graph, node, 2, (shift + bias64).astype(dtype), f"{hint}_bnfold_bias")
-    else:
-        new_w, shift = w * s[:, None], t @ w
-        if transposed:
-            new_w = new_w.T
+        return new_w, shift + bias64
+    new_w, shift = w * s[:, None], t @ w
+    new_w = new_w.T if transposed else new_w
     if op == "Gemm":
         alpha = node.attributes.get_float("alpha", 1.0)
-        new_c = alpha * shift + node.attributes.get_float("beta", 1.0) * bias64
-        node.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
-        set_input(graph, node, 2, np.asarray(new_c).astype(dtype), f"{hint}_bnfold_bias")
-    elif op == "MatMul":
-        add_to_matmul_bias(graph, node, shift, dtype)
-    set_input(graph, node, 1, new_w.astype(dtype), f"{hint}_bnfold")
+        return new_w, np.asarray(alpha * shift + node.attributes.get_float("beta", 1.0) * bias64)
+    return new_w, shift
+
+
+def _write(graph: ir.Graph, node: ir.Node, weight: np.ndarray, bias: np.ndarray) -> None:
+    """Give ``node`` the parameters of :func:`_absorb`, cast to its weight's dtype (a Gemm's
+    ``beta`` becomes 1; a MatMul's bias goes into the Add after it, or a new one)."""
+    dtype, hint = const_array(node.inputs[1]).dtype, node.inputs[1].name
+    if node.op_type == "MatMul":
+        add_to_matmul_bias(graph, node, bias, dtype)
+    else:
+        if node.op_type == "Gemm":
+            node.attributes["beta"] = ir.AttrFloat32("beta", 1.0)
+        set_input(graph, node, 2, bias.astype(dtype), f"{hint}_bnfold_bias")
+    set_input(graph, node, 1, weight.astype(dtype), f"{hint}_bnfold")
 
 
 def _conv_input_map(

@@ -766,24 +766,32 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
 
 
 class ScaledLinear(torch.nn.Module):
-    """Linear then a constant scaling: per channel (a BatchNorm written by hand) or scalar."""
+    """Linear then a constant scaling: scalar, per channel (a layer scale, ConvNeXt's
+    ``gamma * x``), or per channel and then a per-channel shift (a BatchNorm written by hand,
+    FrozenBatchNorm's ``x * scale + shift``)."""
 
-    def __init__(self, per_channel: bool):
+    def __init__(self, per_channel: bool, shift: bool = False):
         super().__init__()
         self.linear = torch.nn.Linear(8, 6)
         scale = torch.rand(6) + 0.5 if per_channel else torch.tensor(0.125)
         self.register_buffer("scale", scale)
+        self.register_buffer("shift", torch.rand(6) - 0.5 if shift else None)
 
     def forward(self, x):
-        return self.linear(x) * self.scale
+        y = self.linear(x) * self.scale
+        return y if self.shift is None else y + self.shift
 
 
 @pytest.mark.parametrize("shape", [(3, 8), (2, 3, 8)])  # Gemm; MatMul + bias Add
-@pytest.mark.parametrize(("per_channel", "kind"), [(True, "batchnorm_folded"),
-                                                   (False, "affine_folded")])  # fmt: skip
-def test_scalar_scaling_is_folded_but_not_counted_as_batchnorm(per_channel, kind, shape):
+@pytest.mark.parametrize(
+    ("per_channel", "shift", "kind"),
+    [(False, False, "affine_folded"), (True, False, "affine_folded"),
+     (True, True, "batchnorm_folded")],
+    ids=["scalar", "layer_scale", "frozen_batchnorm"],
+)  # fmt: skip
+def test_scaling_counts_as_batchnorm_only_with_a_shift(per_channel, shift, kind, shape):
     torch.manual_seed(0)
-    module = ScaledLinear(per_channel).eval()
+    module = ScaledLinear(per_channel, shift).eval()
     x = torch.randn(*shape)
     model = export_module(module, [x], input_names=["x"], exporter="dynamo").model
     report, modified = _fold(model)

@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from graphs import assert_close, make_model, ops, run
+from norm_graphs import Graph
 from onnx import TensorProto
 
 from fusion.base import Code, FusionReport
@@ -72,12 +73,19 @@ def _convtranspose_bn(rng):
     return nodes, (1, 4, 3, 3), inits, ["ConvTranspose"], "c"
 
 
-def _gemm_bn(trans_b: int):
+def _gemm_bn(trans_b: int, c_shape: tuple[int, ...] | None = (6,)):
+    """``Gemm(alpha=0.5, beta=2)`` then BatchNorm: the fold must scale ``alpha * A @ B`` and
+    ``beta * C`` alike (``c_shape`` None: no C at all, where beta multiplies nothing)."""
+
     def build(rng):
         w = _normal(rng, 5, 6)
-        inits = {"w": w.T.copy() if trans_b else w, "bias": _normal(rng, 6), **_stats(rng, "bn", 6)}
-        attrs = {"alpha": 0.7, "beta": 1.3, "transB": trans_b}
-        nodes = [("Gemm", ["x", "w", "bias"], ["g"], attrs), _bn("g", "y")]
+        inits = {"w": w.T.copy() if trans_b else w, **_stats(rng, "bn", 6)}
+        inputs = ["x", "w"]
+        if c_shape is not None:
+            inits["bias"] = _normal(rng, *c_shape)
+            inputs.append("bias")
+        attrs = {"alpha": 0.5, "beta": 2.0, "transB": trans_b}
+        nodes = [("Gemm", inputs, ["g"], attrs), _bn("g", "y")]
         return nodes, (3, 5), inits, ["Gemm"], "g"
 
     return build
@@ -184,6 +192,57 @@ def _matmul_scalar_mul(rng):
     return nodes, (2, 3, 8), inits, ["MatMul", "Add"], "mm"
 
 
+def _conv_pool_bn(pool: str):
+    """Conv -> global mean pooling -> BatchNorm1d: the map moves back across the mean."""
+
+    def build(rng):
+        inits = {"w": _normal(rng, 4, 3, 3, 3), "b": _normal(rng, 4), **_stats(rng, "bn", 4)}
+        if pool == "GlobalAveragePool":
+            nodes = [("GlobalAveragePool", ["c"], ["p"], {}), ("Flatten", ["p"], ["f"], {})]
+        else:
+            nodes = [("ReduceMean", ["c"], ["f"], {"axes": [2, 3], "keepdims": 0})]
+        nodes = [("Conv", ["x", "w", "b"], ["c"], {}), *nodes, _bn("f", "y")]
+        return nodes, (2, 3, 6, 6), inits, [n[0] for n in nodes[:-1]], "c"
+
+    return build
+
+
+def _scaled_chain(*steps: tuple[str, tuple[int, ...]]):
+    """Conv (bias input) then constant ops ``(op, constant shape)``: a layer scale
+    (``("Mul", (1, 4, 1, 1))``), a FrozenBatchNorm (Mul then Add), a BatchNorm by hand..."""
+
+    def build(rng):
+        inits = {"w": _normal(rng, 4, 3, 3, 3), "b": _normal(rng, 4)}
+        nodes, value = [("Conv", ["x", "w", "b"], ["c"], {})], "c"
+        for i, (op, shape) in enumerate(steps):
+            inits[f"k{i}"] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+            if op == "BatchNormalization":
+                inits |= _stats(rng, "bn", 4)
+                nodes.append(_bn(value, f"v{i}"))
+            else:
+                nodes.append((op, [value, f"k{i}"], [f"v{i}"], {}))
+            value = f"v{i}"
+        nodes.append(("Identity", [value], ["y"], {}))
+        return nodes, (2, 3, 6, 6), inits, ["Conv", "Identity"], "c"
+
+    return build
+
+
+def _matmul_layer_scale(rng):
+    """ConvNeXt's block end: ``gamma * pwconv2(x)``, a Linear (MatMul + bias Add) then a
+    per-channel Mul."""
+    inits = {"w": _normal(rng, 5, 6), "b": _normal(rng, 6)}
+    inits["gamma"] = rng.uniform(-1, 1, 6).astype(np.float32)
+    nodes = [
+        ("MatMul", ["x", "w"], ["mm"], {}),
+        ("Add", ["mm", "b"], ["lin"], {}),
+        ("Mul", ["gamma", "lin"], ["y"], {}),
+    ]
+    return nodes, (2, 3, 5), inits, ["MatMul", "Add"], "mm"
+
+
+C1 = (1, 4, 1, 1)  # a per-channel constant on a Conv output
+
 # name -> (builder, counts)
 FOLDS: dict[str, tuple[Callable, dict]] = {
     "conv_bn": (_conv_bn, {"batchnorm_folded": 1}),
@@ -191,6 +250,10 @@ FOLDS: dict[str, tuple[Callable, dict]] = {
     "convtranspose_bn": (_convtranspose_bn, {"batchnorm_folded": 1}),
     "gemm_transB0_bn": (_gemm_bn(0), {"batchnorm_folded": 1}),
     "gemm_transB1_bn": (_gemm_bn(1), {"batchnorm_folded": 1}),
+    "gemm_transB0_noC_bn": (_gemm_bn(0, None), {"batchnorm_folded": 1}),
+    "gemm_transB1_noC_bn": (_gemm_bn(1, None), {"batchnorm_folded": 1}),
+    "gemm_transB1_rowC_bn": (_gemm_bn(1, (1, 6)), {"batchnorm_folded": 1}),
+    "gemm_transB0_scalarC_bn": (_gemm_bn(0, ()), {"batchnorm_folded": 1}),
     "matmul_bn": (_matmul_bn, {"batchnorm_folded": 1}),
     "matmul_transpose_bn_transpose": (_matmul_transpose_bn, {"batchnorm_folded": 1}),
     "matmul_reshape_bn_reshape": (_matmul_reshape_bn, {"batchnorm_folded": 1}),
@@ -204,6 +267,18 @@ FOLDS: dict[str, tuple[Callable, dict]] = {
         {"batchnorm_folded": 1},
     ),
     "matmul_scalar_mul": (_matmul_scalar_mul, {"affine_folded": 1}),
+    "conv_gap_flatten_bn": (_conv_pool_bn("GlobalAveragePool"), {"batchnorm_folded": 1}),
+    "conv_reducemean_bn": (_conv_pool_bn("ReduceMean"), {"batchnorm_folded": 1}),
+    # Counting: a per-channel scale alone is a layer scale, not a BatchNorm.
+    "conv_layer_scale": (_scaled_chain(("Mul", C1)), {"affine_folded": 1}),
+    "conv_bias_add_layer_scale": (_scaled_chain(("Add", C1), ("Mul", C1)), {"affine_folded": 1}),
+    "matmul_layer_scale": (_matmul_layer_scale, {"affine_folded": 1}),
+    "conv_frozen_bn": (_scaled_chain(("Mul", C1), ("Add", C1)), {"batchnorm_folded": 1}),
+    "conv_centered_scaled": (_scaled_chain(("Sub", C1), ("Div", C1)), {"batchnorm_folded": 1}),
+    "conv_layer_scale_bn": (
+        _scaled_chain(("Mul", C1), ("BatchNormalization", ())),
+        {"batchnorm_folded": 1},
+    ),
 }
 
 
@@ -335,6 +410,19 @@ def _bn_gemm_trans_a(rng):
     return nodes, (4, 3), inits, "n"
 
 
+def _mean_over_channels_then_per_channel_mul(rng):
+    """``conv(x).mean(1, keepdim=True) * c`` with ``c`` (1, C, 1, 1): the Mul broadcasts the
+    mean back up to C channels, which is no per-channel map of the conv output."""
+    inits = {"w": _normal(rng, 4, 3, 3, 3), "k": rng.uniform(0.5, 1.5, (1, 4, 1, 1))}
+    nodes = [
+        ("Conv", ["x", "w"], ["c"], {}),
+        ("ReduceMean", ["c"], ["m"], {"axes": [1], "keepdims": 1}),
+        ("Mul", ["m", "k"], ["y"], {}),
+    ]
+    inits["k"] = inits["k"].astype(np.float32)
+    return nodes, (2, 3, 6, 6), inits, "y"
+
+
 # name -> (builder, code)
 REFUSALS: dict[str, tuple[Callable, Code]] = {
     "training_mode": (_training_mode, Code.TRAINING_MODE),
@@ -349,6 +437,10 @@ REFUSALS: dict[str, tuple[Callable, Code]] = {
     "zero_divisor": (_zero_divisor, Code.ZERO_DIVISOR),
     "constant_over_layer": (_constant_over_layer, Code.NOT_AFFINE),
     "bn_then_gemm_trans_a": (_bn_gemm_trans_a, Code.GEMM_TRANS_A),
+    "mean_over_channels_then_per_channel_mul": (
+        _mean_over_channels_then_per_channel_mul,
+        Code.BROADCAST_CHANGES_SHAPE,
+    ),
 }
 
 
@@ -379,3 +471,197 @@ def test_refusal_names_the_channel_and_both_layers(rng):
     (refusal,) = _fold(_build(nodes, shape, inits))[0].refused
     assert refusal.detail.startswith("input 'x' is a graph input")
     assert "; and it cannot fold into the layer after it: the Conv after it pads" in refusal.detail
+
+
+# ---- BatchNorm into the head: residual Add -> BN -> global pooling -> classifier(s) ----
+
+HEAD_INPUT = (2, 4, 5, 5)
+
+
+def _tail(rng, opset: int, positive: bool = False) -> Graph:
+    """A ResNet's last block output: ``conv(x) + x``, then a BatchNorm (randomized)."""
+    g = Graph(opset)
+    g.const("wc", _normal(rng, 4, 4, 1, 1))
+    g.const("bc", _normal(rng, 4))
+    g.node("Conv", ["x", "wc", "bc"], "c")
+    g.node("Add", ["c", "x"], "r")
+    g.nodes.append(_bn("r", "n"))
+    g.constants |= _stats(rng, "bn", 4, positive)
+    return g
+
+
+def _pool(g: Graph, how: str) -> str:
+    """Global pooling of the BatchNorm output ``n`` to ``(N, C)`` (or what ``how`` says)."""
+    if how == "reducemean_keepdims0":
+        return g.reduce("ReduceMean", "n", "p", [2, 3], keepdims=0)
+    if how == "reducemean_keepdims1_flatten":
+        return g.node("Flatten", [g.reduce("ReduceMean", "n", "m", [2, 3])], "p")
+    if how == "reducemean_negative_axes_squeeze":
+        g.reduce("ReduceMean", "n", "m", [-1, -2])
+        return g.node("Squeeze", ["m", g.const("sq", np.array([2, 3]))], "p")
+    if how == "globalaveragepool_flatten":
+        return g.node("Flatten", [g.node("GlobalAveragePool", ["n"], "m")], "p")
+    if how == "globalaveragepool_reshape":
+        shape = g.const("shape", np.array([0, -1]))
+        return g.node("Reshape", [g.node("GlobalAveragePool", ["n"], "m"), shape], "p")
+    if how == "globalmaxpool_flatten":
+        return g.node("Flatten", [g.node("GlobalMaxPool", ["n"], "m")], "p")
+    assert how == "reducemax_keepdims0"
+    return g.reduce("ReduceMax", "n", "p", [2, 3], keepdims=0)
+
+
+def _head(g: Graph, rng, how: str, x: str, out: str) -> list[str]:
+    """A classifier from 4 features to 3 reading ``x``; returns its op types."""
+    if how == "gemm_transB1":  # nn.Linear, with alpha and beta not 1
+        g.const(f"{out}_w", _normal(rng, 3, 4))
+        g.const(f"{out}_b", _normal(rng, 3))
+        attrs = {"transB": 1, "alpha": 0.5, "beta": 2.0}
+        g.node("Gemm", [x, f"{out}_w", f"{out}_b"], out, **attrs)
+        return ["Gemm"]
+    if how == "gemm_transB0_noC":
+        g.node("Gemm", [x, g.const(f"{out}_w", _normal(rng, 4, 3))], out, alpha=0.5)
+        return ["Gemm"]
+    assert how == "matmul_add"
+    g.node("MatMul", [x, g.const(f"{out}_w", _normal(rng, 4, 3))], f"{out}_mm")
+    g.node("Add", [f"{out}_mm", g.const(f"{out}_b", _normal(rng, 3))], out)
+    return ["MatMul", "Add"]
+
+
+POOL_OPS = {
+    "reducemean_keepdims0": ["ReduceMean"],
+    "reducemean_keepdims1_flatten": ["ReduceMean", "Flatten"],
+    "reducemean_negative_axes_squeeze": ["ReduceMean", "Squeeze"],
+    "globalaveragepool_flatten": ["GlobalAveragePool", "Flatten"],
+    "globalaveragepool_reshape": ["GlobalAveragePool", "Reshape"],
+    "globalmaxpool_flatten": ["GlobalMaxPool", "Flatten"],
+    "reducemax_keepdims0": ["ReduceMax"],
+}
+HEAD_CASES = [
+    (pool, head)
+    for pool in POOL_OPS
+    for head in ("gemm_transB1", "gemm_transB0_noC", "matmul_add")
+    if head == "gemm_transB1" or pool in ("reducemean_keepdims0", "globalaveragepool_flatten")
+]
+
+
+def _fold_and_compare(rng, model: ir.Model) -> FusionReport:
+    """Fold ``model``; its outputs must be those of the unfolded model; a second run is a no-op."""
+    feeds = {"x": _normal(rng, *HEAD_INPUT)}
+    before = run(model, feeds)
+    report, modified = _fold(model)
+    assert modified, report.refused
+    assert_close(run(model, feeds), before)
+    proto = _proto(model)
+    assert _fold(model)[1] is False and _proto(model) == proto
+    return report
+
+
+@pytest.mark.parametrize("opset", [13, 18])  # ReduceMean axes: an attribute, an input
+@pytest.mark.parametrize(("pool", "head"), HEAD_CASES)
+def test_folds_into_head_across_global_pooling(pool, head, opset, rng):
+    g = _tail(rng, opset, positive=pool in ("globalmaxpool_flatten", "reducemax_keepdims0"))
+    head_ops = _head(g, rng, head, _pool(g, pool), "y")
+    model = g.model({"x": (F, HEAD_INPUT)}, {"y": (F, None)})
+
+    report = _fold_and_compare(rng, model)
+
+    assert dict(report.counts) == {"batchnorm_folded": 1} and report.refused == []
+    (fold,) = report.fused
+    layer = f"{head_ops[0]} '{'y_mm' if head == 'matmul_add' else 'y'}'"
+    assert (fold.node, fold.became) == (
+        "n",
+        f"folded into the following {layer} across {', '.join(POOL_OPS[pool])}",
+    )
+    assert ops(model) == ["Conv", "Add", *POOL_OPS[pool], *head_ops]
+
+
+@pytest.mark.parametrize("pool", ["reducemean_keepdims0", "globalaveragepool_flatten"])
+def test_folds_into_two_heads(pool, rng):
+    """Two classifiers read the pooled features: the BatchNorm folds into both."""
+    g = _tail(rng, 18)
+    pooled = _pool(g, pool)
+    ops_left = _head(g, rng, "gemm_transB1", pooled, "y") + _head(g, rng, "matmul_add", pooled, "z")
+    model = g.model({"x": (F, HEAD_INPUT)}, {"y": (F, None), "z": (F, None)})
+
+    report = _fold_and_compare(rng, model)
+
+    assert dict(report.counts) == {"batchnorm_folded": 1} and report.refused == []
+    across = ", ".join(POOL_OPS[pool])
+    assert report.fused[0].became == (
+        f"folded into the following Gemm 'y' across {across}; MatMul 'z_mm' across {across}"
+    )
+    assert ops(model) == ["Conv", "Add", *POOL_OPS[pool], *ops_left]
+
+
+def _pooled_also_output(rng, g: Graph) -> dict:
+    _head(g, rng, "gemm_transB1", _pool(g, "reducemean_keepdims0"), "y")
+    return {"y": (F, None), "p": (F, None)}
+
+
+def _pooled_also_relu(rng, g: Graph) -> dict:
+    _head(g, rng, "gemm_transB1", _pool(g, "globalaveragepool_flatten"), "y")
+    g.node("Relu", ["p"], "z")
+    return {"y": (F, None), "z": (F, None)}
+
+
+def _mean_over_channels(rng, g: Graph) -> dict:
+    """``x.mean(1)``: (N, H, W), then a MatMul over W."""
+    g.reduce("ReduceMean", "n", "p", [1], keepdims=0)
+    g.node("MatMul", ["p", g.const("w", _normal(rng, 5, 3))], "y")
+    return {"y": (F, None)}
+
+
+def _mean_over_one_spatial_axis(rng, g: Graph) -> dict:
+    """``x.mean(2)``: (N, C, W), then a MatMul over W: the channels are not its features."""
+    g.reduce("ReduceMean", "n", "p", [2], keepdims=0)
+    g.node("MatMul", ["p", g.const("w", _normal(rng, 5, 3))], "y")
+    return {"y": (F, None)}
+
+
+def _max_negative_scale(rng, g: Graph) -> dict:
+    g.constants["bn_scale"][2] = -0.5
+    _head(g, rng, "gemm_transB1", _pool(g, "globalmaxpool_flatten"), "y")
+    return {"y": (F, None)}
+
+
+def _second_head_padded(rng, g: Graph) -> dict:
+    """Two heads on the pooled (N, C, 1, 1): a 1x1 Conv, and a padded 3x3 Conv."""
+    g.node("GlobalAveragePool", ["n"], "p")
+    g.node("Conv", ["p", g.const("w1", _normal(rng, 3, 4, 1, 1))], "y")
+    g.node("Conv", ["p", g.const("w3", _normal(rng, 3, 4, 3, 3))], "z", pads=[1, 1, 1, 1])
+    return {"y": (F, None), "z": (F, None)}
+
+
+# name -> (builder, code, a fragment of the detail)
+HEAD_REFUSALS = {
+    "pooled_also_graph_output": (_pooled_also_output, Code.SHARED_OUTPUT, "also a graph output"),
+    "pooled_also_read_by_relu": (_pooled_also_relu, Code.SHARED_OUTPUT, "Relu 'z' cannot absorb"),
+    "mean_over_channels": (_mean_over_channels, Code.POOLS_OVER_CHANNELS, "reduces axis 1"),
+    "mean_over_one_spatial_axis": (
+        _mean_over_one_spatial_axis,
+        Code.WRONG_CHANNEL_AXIS,
+        "along axis 1",
+    ),
+    "globalmaxpool_negative_scale": (
+        _max_negative_scale,
+        Code.MAXPOOL_NEGATIVE_SCALE,
+        "channel 2 has scale",
+    ),
+    "second_head_padded": (_second_head_padded, Code.PADDED_CONV, "2 layers it reaches, Conv 'z'"),
+}
+
+
+@pytest.mark.parametrize("name", list(HEAD_REFUSALS))
+def test_refuses_head_fold(name, rng):
+    builder, code, fragment = HEAD_REFUSALS[name]
+    g = _tail(rng, 18, positive=True)
+    outputs = builder(rng, g)
+    model = g.model({"x": (F, HEAD_INPUT)}, outputs)
+    proto = _proto(model)
+
+    report, modified = _fold(model)
+
+    assert not modified and report.fused == []
+    assert [(r.node, r.code) for r in report.refused] == [("n", code)], report.refused
+    assert fragment in report.refused[0].detail, report.refused[0].detail
+    assert _proto(model) == proto
