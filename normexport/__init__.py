@@ -47,6 +47,8 @@ def optimize(
     model_class: str | None = None,
     model_kwargs: str | Mapping[str, Any] | None = None,
     exporter: str = "auto",
+    precision: str = "fp32",
+    keep_io_types: bool = False,
 ) -> Report:
     """Export (or take) a model, optimize it, check parity, time it, write it: the main
     command as a function. Each keyword mirrors the CLI flag of the same name.
@@ -68,6 +70,9 @@ def optimize(
         budget_s: seconds of timed runs to aim for (``--budget``; None: the CLI's default).
         trust_pickle, model_class: as ``--trust-pickle``, ``--model-class``.
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (``--precision``; bf16 is refused).
+        keep_io_types: with ``precision="fp16"``, float32 inputs and outputs
+            (``--keep-io-types``).
 
     Returns:
         The :class:`normexport.report.Report`; ``report.to_dict()`` is the CLI's JSON and

@@ -42,6 +42,9 @@ class Options:
         autotune: time the exact alternative forms of the optimized model (and the ORT
             session settings they need; where attention was fused, also the model without
             it) on ``provider`` and keep the fastest.
+        precision: ``fp32`` (the model as optimized), ``fp16`` (converted to float16 after
+            optimizing, norms kept safe: see :mod:`normexport.precision`) or ``bf16`` (refused).
+        keep_io_types: with ``fp16``, keep the model's inputs and outputs float32.
         module: an in-memory ``torch.nn.Module`` to export instead of loading ``model``
             (Python API only; it is run in eval mode).
     """
@@ -64,6 +67,8 @@ class Options:
     exporter: str = "auto"
     budget_s: float = 10.0
     autotune: bool = False
+    precision: str = "fp32"
+    keep_io_types: bool = False
     module: Any = None
 
 
@@ -129,6 +134,18 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
     p.add_argument(
         "--explain", action="store_true", help="also list every candidate and what became of it"
+    )
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "fp16", "bf16"],
+        default=_default("precision"),
+        help="write the model in this precision (fp16: norms keep float32 statistics; see "
+        "README, Half precision)",
+    )
+    p.add_argument(
+        "--keep-io-types",
+        action="store_true",
+        help="with --precision fp16: keep float32 model inputs and outputs",
     )
 
 

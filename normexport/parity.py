@@ -25,6 +25,11 @@ exact answer, the raw export is as far, and an optimized model that is no furthe
 export's own rounding noise did nothing wrong. A wrong fold is orders of magnitude beyond that
 noise, so it still fails. Without a raw model the rule is the tolerance alone.
 
+A half-precision model (``--precision fp16``) is judged by another rule, since the raw export
+is float32 and its noise says nothing of float16 rounding: an output fails where it has NaN or
+Inf where the oracle is finite, or where its relative L2 error exceeds ``max_rel_l2``
+(:data:`FP16_MAX_REL_L2`) and its max abs error exceeds ``atol`` (outputs near zero).
+
 "Close enough" (``atol + rtol * max|ref|``, no NaN/Inf where the reference is finite) is
 :func:`closeness`, the one definition for the verdict and for every other comparison (autotune's
 candidates, the tests).
@@ -48,6 +53,11 @@ DEFAULT_RTOL = 1e-3
 #: is also beyond the tolerance) before it fails: float32 rounding in another order moves
 #: results by a small multiple of the export's own error; a wrong rewrite by orders of magnitude.
 NOISE_FACTOR = 4.0
+#: Relative L2 error per output allowed to a float16 model: float16 keeps 11 significant bits
+#: (unit roundoff 2**-11, about 4.9e-4); rounding every weight and activation, through a
+#: network of a few dozen layers, leaves errors of a few times 1e-3; a lost eps, a clamped
+#: weight or an overflow leaves errors of order 1.
+FP16_MAX_REL_L2 = 1e-2
 
 
 @dataclasses.dataclass
@@ -88,6 +98,7 @@ class ParityResult:
             ``"pytorch_float32"``, ``"onnx_float64"``, ``"onnx"`` (default: ``reference``).
         noise_factor: see :data:`NOISE_FACTOR` (None: no raw model, tolerance only).
         notes: why the oracle is not float64, where it is not.
+        max_rel_l2: the half-precision rule's bound on relative L2 error (None: float32 rule).
     """
 
     passed: bool
@@ -98,6 +109,7 @@ class ParityResult:
     oracle: str | None = None
     noise_factor: float | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
+    max_rel_l2: float | None = None
 
     def worst(self) -> dict[str, OutputError]:
         """Per output, the entry with the largest max abs error over all input sets."""
@@ -140,6 +152,7 @@ class ParityResult:
             "atol": self.atol,
             "rtol": self.rtol,
             "noise_factor": self.noise_factor,
+            "max_rel_l2": self.max_rel_l2,
             "probes": list(self.probes),
             "outputs": {k: dataclasses.asdict(v) for k, v in self.worst().items()},
             "sets": {p: [dataclasses.asdict(e) for e in errs] for p, errs in self.probes.items()},
@@ -246,10 +259,12 @@ def compare(
     raw: np.ndarray | None = None,
     pytorch: np.ndarray | None = None,
     noise_factor: float = NOISE_FACTOR,
+    max_rel_l2: float | None = None,
 ) -> OutputError:
     """Compare one output ``got`` with the oracle ``ref`` (same shape; any float dtype) and
     judge it (see the module docstring); ``raw`` and ``pytorch`` are the raw model's and
-    PyTorch float32's outputs, where there are.
+    PyTorch float32's outputs, where there are. With ``max_rel_l2`` the half-precision rule
+    judges instead (see the module docstring).
 
     Raises:
         ValueError: the shapes differ.
@@ -261,9 +276,12 @@ def compare(
     except ValueError as err:
         raise ValueError(f"output {name!r}: {err}") from None
     within = Closeness(max_abs, max_ref, mismatch, atol + rtol * max_ref).within
-    passed = within or (
-        mismatch == 0 and raw_err is not None and max_abs <= noise_factor * raw_err[0]
-    )
+    if max_rel_l2 is not None:
+        passed = mismatch == 0 and (rel_l2 <= max_rel_l2 or max_abs <= atol)
+    else:
+        passed = within or (
+            mismatch == 0 and raw_err is not None and max_abs <= noise_factor * raw_err[0]
+        )
     return OutputError(
         name,
         max_abs,
@@ -295,6 +313,7 @@ def check_parity(
     oracle_kind: str | None = None,
     notes: Sequence[str] = (),
     noise_factor: float = NOISE_FACTOR,
+    max_rel_l2: float | None = None,
 ) -> ParityResult:
     """Run the models on every input set and compare each output with the oracle.
 
@@ -311,10 +330,12 @@ def check_parity(
         oracle_kind: what ``reference`` is, e.g. ``"pytorch_float64"``.
         notes: why the oracle is what it is, for the report.
         noise_factor: see :data:`NOISE_FACTOR`.
+        max_rel_l2: judge by the half-precision rule with this bound (None: float32 rule).
 
     Raises:
         ValueError: the models return different numbers of outputs or shapes.
     """
+    rule = {"noise_factor": noise_factor, "max_rel_l2": max_rel_l2}
     probes = {}
     for set_name, feeds in sets.items():
         got, ref = list(candidate(feeds)), list(reference(feeds))
@@ -322,7 +343,7 @@ def check_parity(
         if any(len(o) != len(got) for o in (ref, *others)):
             raise ValueError(f"{len(got)} outputs vs {len(ref)} from the reference")
         probes[set_name] = [
-            compare(n, g, r, atol, rtol, raw=w, pytorch=t, noise_factor=noise_factor)
+            compare(n, g, r, atol, rtol, raw=w, pytorch=t, **rule)
             for n, g, r, w, t in zip(output_names, got, ref, *others, strict=True)
         ]
     passed = all(e.passed for errors in probes.values() for e in errors)
@@ -333,6 +354,7 @@ def check_parity(
         rtol,
         probes,
         oracle_kind,
-        noise_factor if raw is not None else None,
+        noise_factor if raw is not None and max_rel_l2 is None else None,
         list(notes),
+        max_rel_l2,
     )

@@ -19,6 +19,8 @@ from fusion._ir import opset_version
 from normexport import autotune, explain, files, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport import oracle as oracle_mod
+from normexport import parity as parity_mod
+from normexport import precision as precision_mod
 from normexport.arguments import Options
 from normexport.eager import Eager
 from normexport.errors import InputFileError, UsageError, one_line
@@ -94,6 +96,7 @@ class _Job:
     fusions: fusion.FusionReport | None = None
     checker: Checker | None = None
     tuned: autotune.AutotuneResult | None = None
+    precision: precision_mod.PrecisionReport | None = None
     written: list[Path] = dataclasses.field(default_factory=list)
 
     @property
@@ -106,13 +109,15 @@ def run(opts: Options) -> Report:
     """Run the main job and return the report (see README, "The report").
 
     Stages: plan the outputs, :func:`prepare` (load, example inputs, export), take the
-    reference, optimize and check, autotune (on request), publish, parity, latency (on
-    request). Works from files: an ONNX input is read lazily (its external data stays on disk
-    until a pass needs it), the raw export and every intermediate model live in a scratch folder
+    reference, optimize and check, autotune (on request), convert to half precision (on
+    request, :mod:`normexport.precision`), publish, parity, latency (on request). Works from
+    files: an ONNX input is read lazily (its external data stays on disk until a pass needs
+    it), the raw export and every intermediate model live in a scratch folder
     beside the output, the checker and every ONNX Runtime session open files by path, and the
     output is written with its own external data file (``OUT.onnx.data``) when the input had one
     or the model is large (:func:`normexport.files.wants_external_data`); no model is ever one
-    protobuf in memory. The optimized model is written even when parity fails;
+    protobuf in memory (the float16 converter alone takes one, and refuses models over 2 GiB).
+    The optimized model is written even when parity fails;
     ``report.parity.passed`` says whether it did.
 
     Raises:
@@ -127,6 +132,8 @@ def run(opts: Options) -> Report:
         _optimize(job, work)
         if opts.autotune:
             _autotune(job)
+        if opts.precision == "fp16":
+            _half(job, work)
         _publish(job)
         parity = _parity(job, work)
         latency = _latency(job) if opts.benchmark else None
@@ -163,6 +170,8 @@ def _start(opts, output, writes, provider, prepared: Prepared) -> _Job:
     sets = inputs_mod.input_sets(
         _by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
     )
+    if opts.precision == "fp16":
+        sets |= precision_mod.overflow_set(sets["example"])
     return _Job(
         opts,
         output,
@@ -204,6 +213,23 @@ def _optimize(job: _Job, work: Path) -> None:
     job.checker = _check_output(job.staged, *job.input_checker)
 
 
+def _half(job: _Job, work: Path) -> None:
+    """Convert the staged model to float16 (:func:`normexport.precision.to_float16`), the norms
+    the fusions refused kept in float32, and put it in the staged model's place, checked."""
+    half = work / "half" / job.staged.name
+    half.parent.mkdir()
+    job.precision = precision_mod.to_float16(
+        job.staged,
+        half,
+        provider=job.provider,
+        keep_io_types=job.opts.keep_io_types,
+        refused=job.fusions.refused,
+        external_data=job.external,
+    )
+    _move_onto(half, job.staged)
+    job.checker = _check_output(job.staged, *job.input_checker)
+
+
 def _publish(job: _Job) -> None:
     """Move the staged model onto the output; from here on it is read from its file."""
     job.raw = None
@@ -232,6 +258,7 @@ def _report(job: _Job, parity: ParityResult, latency: Latency | None) -> Report:
         notes=list(job.loaded.notes),
         latency=latency,
         autotune=job.tuned,
+        precision=job.precision,
         versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
     )
 
@@ -385,11 +412,17 @@ def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:
     kept.parent.mkdir()
     files.save_model(chosen, kept, external_data=external)
     fusion.check(kept, full_check=False)
+    _move_onto(kept, staged)
+
+
+def _move_onto(source: Path, staged: Path) -> None:
+    """Move the model at ``source`` (and its external data file, named after it) onto
+    ``staged``: both have the same file name, so the data file's name in the model holds."""
     for path in (staged, files.data_path(staged)):
         path.unlink(missing_ok=True)
-    os.replace(kept, staged)
-    if files.data_path(kept).exists():
-        os.replace(files.data_path(kept), files.data_path(staged))
+    os.replace(source, staged)
+    if files.data_path(source).exists():
+        os.replace(files.data_path(source), files.data_path(staged))
 
 
 def _parity(job: _Job, work: Path) -> ParityResult:
@@ -412,7 +445,7 @@ def _parity(job: _Job, work: Path) -> ParityResult:
     )
 
     def candidate(feeds):
-        return runtime.run(opt_session, feeds)
+        return runtime.run(opt_session, precision_mod.cast_feeds(opt_session, feeds))
 
     def raw(feeds):
         return runtime.run(raw_session, feeds)
@@ -423,6 +456,7 @@ def _parity(job: _Job, work: Path) -> ParityResult:
         output_names=[o.name for o in opt_session.get_outputs()],
         atol=job.opts.atol,
         rtol=job.opts.rtol,
+        max_rel_l2=parity_mod.FP16_MAX_REL_L2 if job.precision else None,
         **_references(job, raw, work),
     )
 
@@ -496,9 +530,10 @@ def _latency(job: _Job) -> Latency:
     opt_session = runtime.make_session(
         job.output, provider, spinning=False, disabled_optimizers=job.disabled, threads=threads
     )
+    opt_feeds = precision_mod.cast_feeds(opt_session, feeds)
     timed = {
         "ort_raw": lambda: runtime.run(raw_session, feeds),
-        "ort_optimized": lambda: runtime.run(opt_session, feeds),
+        "ort_optimized": lambda: runtime.run(opt_session, opt_feeds),
     }
     if job.loaded.module is not None:
         eager = Eager(job.loaded.module)
@@ -551,6 +586,9 @@ def check_options(opts: Options) -> None:
     for flag, value in (("--atol", opts.atol), ("--rtol", opts.rtol)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
+    precision_mod.check_precision(opts.precision)
+    if opts.keep_io_types and opts.precision == "fp32":
+        raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
     if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
         raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")
     # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load

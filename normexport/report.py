@@ -23,6 +23,7 @@ from normexport.parity import OutputError, ParityResult
 
 if TYPE_CHECKING:
     from normexport.autotune import AutotuneResult
+    from normexport.precision import PrecisionReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +173,8 @@ class Report:
         latency: the timings, or None without benchmarking.
         autotune: what ``--autotune`` measured and kept, or None.
         versions: library versions.
+        precision: what ``--precision fp16`` did (:class:`normexport.precision.PrecisionReport`),
+            or None for a float32 model.
     """
 
     model: str
@@ -193,6 +196,7 @@ class Report:
     latency: Latency | None
     autotune: AutotuneResult | None
     versions: Versions
+    precision: PrecisionReport | None = None
 
     @property
     def passed(self) -> bool:
@@ -229,6 +233,7 @@ class Report:
             "latency_conditions": latency.conditions() if latency else None,
             "autotune": self.autotune.to_dict() if self.autotune else None,
             "versions": dataclasses.asdict(self.versions),
+            "precision": self.precision.to_dict() if self.precision else None,
         }
 
 
@@ -270,7 +275,9 @@ def _parity_table(parity: ParityResult) -> Table:
     oracle = parity.oracle or parity.reference
     raw = "input file" if parity.reference == "onnx" else "raw export"
     rule = f"atol {parity.atol:g}, rtol {parity.rtol:g}"
-    if parity.noise_factor is not None:
+    if parity.max_rel_l2 is not None:
+        rule = f"rel L2 <= {parity.max_rel_l2:g} or max abs err <= atol {parity.atol:g}"
+    elif parity.noise_factor is not None:
         rule += f", noise factor {parity.noise_factor:g} x {raw}"
     table = Table(
         title=f"Parity: error vs {oracle} ({rule}; inputs: {', '.join(parity.probes)})",
@@ -397,10 +404,34 @@ def _render_autotune(tuned: AutotuneResult, console: Console) -> None:
         )
 
 
+def _render_precision(precision: PrecisionReport, console: Console) -> None:
+    """The half-precision conversion: converter, norms with float32 statistics, what stayed
+    float32 and why."""
+    io = "float32" if precision.keep_io_types else "float16"
+    console.print(
+        f"precision [bold]{precision.precision}[/] by {precision.converter} (inputs/outputs "
+        f"{io}); {len(precision.stash_float32)} fused norm(s) compute statistics in float32"
+    )
+    if precision.float32_op_types:
+        console.print(
+            "no float16 kernel on this provider, kept float32: "
+            + ", ".join(precision.float32_op_types)
+        )
+    if precision.kept_float32:
+        table = Table(title="Kept in float32", title_justify="left")
+        for col in ("node", "op", "reason", "detail"):
+            table.add_column(col, overflow="fold")
+        for k in precision.kept_float32:
+            table.add_row(k.node, k.op, k.reason, k.detail)
+        console.print(table)
+
+
 def render(report: Report, console: Console) -> None:
     """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
     _render_header(report, console)
     _render_fusions(report.fusions, report.norm_ops, console)
+    if report.precision:
+        _render_precision(report.precision, console)
     _render_parity(report.parity, console)
     console.print(f"provider: [bold]{report.provider}[/]")
     if report.provider_note:

@@ -1,0 +1,506 @@
+"""Half precision (``--precision fp16``): convert the optimized model to float16 with the norms
+kept safe.
+
+The bulk of the work is ONNX Runtime's own converter,
+``onnxruntime.transformers.float16.convert_float_to_float16``. It is chosen over
+onnxconverter-common's converter (which it is derived from) because it ships inside the
+onnxruntime package normexport already depends on (no new dependency), it is maintained with the
+ONNX Runtime ops it must understand (the com.microsoft norms, GroupNorm, Resize's float inputs),
+and it takes a node block list and an op block list, casting around blocked nodes. What
+normexport adds on top:
+
+- **fused norms** (LayerNormalization, RMSNormalization, SimplifiedLayerNormalization) take
+  float16 input and compute their statistics in float32: ``stash_type=1`` is written on each
+  (ONNX spec, LayerNormalization: "stash_type: type of Mean and InvStdDev"; it is the default,
+  set explicitly so that no later tool reads it otherwise). ONNX Runtime's
+  SkipLayerNormalization / SkipSimplifiedLayerNormalization have no such attribute; its CPU
+  provider computes their statistics in float32 for float16 input (asked of ONNX Runtime in
+  ``tests/normexport/test_precision.py``, inputs of magnitude 1e3 stay finite and exact to
+  float16 rounding).
+- **norms left decomposed** (a fusion refused them) are kept in float32, with casts around
+  them: a hand-written norm in float16 squares its input, and ``x**2`` overflows float16 above
+  ``|x| = 256``.
+- **constants that float16 cannot hold** (a BatchNorm folded with a tiny running variance
+  gives a huge scale; the fold computes in float64 and stores float32): every node with a
+  float initializer that overflows float16 (``|v| > 65504``) or flushes to zero (nonzero,
+  ``|v| < 2**-25``) stays in float32, where the converter would silently clamp it.
+- **ops without a float16 kernel** on the provider stay float32: the converted model is loaded
+  in an ONNX Runtime session, and each op type it reports NOT_IMPLEMENTED for is blocked, until
+  it loads.
+
+The converter works on one ``onnx.ModelProto``: models whose tensors pass protobuf's 2 GiB
+limit are refused (:class:`normexport.errors.UsageError`) rather than held in one protobuf.
+
+bfloat16 is refused: ONNX Runtime's CPU provider has no bfloat16 kernel for MatMul, Conv, Gemm,
+Add or the norms (its session fails with NOT_IMPLEMENTED, see the tests), so a bfloat16 model
+could not be checked for parity here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import numpy_helper
+
+from normexport import files, runtime
+from normexport.errors import UsageError
+
+#: ``--precision`` values; ``fp32`` is the model as optimized.
+PRECISIONS = ("fp32", "fp16", "bf16")
+#: The largest finite float16.
+FP16_MAX = 65504.0
+#: Nonzero magnitudes below this round to zero in float16 (half the smallest subnormal, 2**-24).
+FP16_FLUSH = 2.0**-25
+#: Norm ops that compute their statistics in ``stash_type`` (1: float32).
+STASH_NORMS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
+#: ONNX Runtime's residual norms (no ``stash_type``; float32 statistics on its CPU provider).
+SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+#: Fusion families whose refused candidates stay decomposed in the model.
+DECOMPOSED_FAMILIES = ("layernorm", "rmsnorm", "instancenorm")
+#: Ops a decomposed norm's statistics pass through (where the walk up from its division stops).
+_REDUCE = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
+#: How many nodes up from the anchor a decomposed norm may span.
+_NORM_DEPTH = 12
+#: Protobuf's limit on one serialized message.
+PROTO_LIMIT = 2**31
+_NOT_IMPLEMENTED = re.compile(r"Could not find an implementation for (\w+)\(")
+BF16_REFUSAL = (
+    "--precision bf16: ONNX Runtime's CPU provider has no bfloat16 kernels for MatMul, Conv, "
+    "Gemm, Add or the normalization ops, so the model could neither run nor be checked for "
+    "parity here; use --precision fp16"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptFloat32:
+    """A node left in float32 in the half-precision model, and why.
+
+    Attributes:
+        node: its name in the written model.
+        op: its op type.
+        reason: ``decomposed_norm`` (a norm the fusions refused: float16 would square its
+            input), ``fp16_overflow`` / ``fp16_underflow`` (an initializer float16 cannot hold),
+            ``no_fp16_kernel`` (the provider has no float16 kernel for the op type).
+        detail: one sentence for people.
+    """
+
+    node: str
+    op: str
+    reason: str
+    detail: str
+
+
+@dataclasses.dataclass
+class PrecisionReport:
+    """What the half-precision stage did.
+
+    Attributes:
+        precision: ``fp16``.
+        converter: the converter and version that did the bulk.
+        keep_io_types: the model's inputs and outputs stayed float32.
+        stash_float32: names of the fused norms that compute statistics in float32.
+        kept_float32: the nodes left in float32 (:class:`KeptFloat32`).
+        float32_op_types: op types left in float32 everywhere (no float16 kernel on the
+            provider).
+    """
+
+    precision: str
+    converter: str
+    keep_io_types: bool
+    stash_float32: list[str]
+    kept_float32: list[KeptFloat32]
+    float32_op_types: list[str]
+
+    def to_dict(self) -> dict:
+        """JSON form (``docs/report.md``, ``precision``)."""
+        return dataclasses.asdict(self)
+
+
+def check_precision(precision: str) -> None:
+    """Refuse a ``--precision`` this build cannot deliver.
+
+    Raises:
+        UsageError: an unknown value, or ``bf16`` (see :data:`BF16_REFUSAL`).
+    """
+    if precision not in PRECISIONS:
+        raise UsageError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    if precision == "bf16":
+        raise UsageError(BF16_REFUSAL)
+
+
+def _tensor_bytes(path: Path) -> int:
+    """The bytes a model file and its external data files hold (without loading them)."""
+    total = path.stat().st_size
+    proto = onnx.load(path, load_external_data=False)
+    locations = {
+        entry.value
+        for tensor in proto.graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
+    return total + sum((path.parent / loc).stat().st_size for loc in locations)
+
+
+def load_for_conversion(path: Path) -> onnx.ModelProto:
+    """The model at ``path`` as one protobuf, its external data read in.
+
+    Raises:
+        UsageError: the model's tensors pass protobuf's 2 GiB limit.
+    """
+    size = _tensor_bytes(path)
+    if size >= PROTO_LIMIT:
+        raise UsageError(
+            f"--precision fp16: the optimized model holds {size / 2**30:.1f} GiB; ONNX Runtime's "
+            "float16 converter needs it as one protobuf, which is limited to 2 GiB: convert "
+            "the written model with a tool that streams external data"
+        )
+    return onnx.load(path, load_external_data=True)
+
+
+def decomposed_norm_nodes(graph: onnx.GraphProto, anchor: str) -> list[str]:
+    """The nodes of a norm left decomposed, from its anchor (the division a norm fusion
+    refused) up to the input its first reduction reads: the centring, the square, the
+    reductions, eps and the root.
+
+    Returns:
+        Node names in graph order ([] where ``anchor`` is no node or no reduction is above it).
+    """
+    producer = {out: n for n in graph.node for out in n.output}
+    start = next((n for n in graph.node if n.name == anchor), None)
+    if start is None:
+        return []
+    above, frontier = {start.name: start}, [start]
+    for _ in range(_NORM_DEPTH):
+        frontier = [producer[i] for n in frontier for i in n.input if i in producer]
+        frontier = [n for n in frontier if n.name not in above]
+        above.update((n.name, n) for n in frontier)
+    reductions = [n for n in above.values() if n.op_type in _REDUCE]
+    if not reductions:
+        return []
+    inside = {name for r in reductions for name in _between(r.input[0], start, above)}
+    read = {i for n in graph.node if n.name in inside for i in n.input}
+    for node in graph.node:  # its eps and exponents: Constant nodes only it reads
+        readers = {m.name for m in graph.node if set(node.output) & set(m.input)}
+        if node.op_type == "Constant" and set(node.output) & read and readers <= inside:
+            inside.add(node.name)
+    return [n.name for n in graph.node if n.name in inside]
+
+
+def _between(source: str, end: onnx.NodeProto, nodes: Mapping[str, onnx.NodeProto]) -> set[str]:
+    """Names of the nodes in ``nodes`` (ancestors of ``end``, and ``end``) that read value
+    ``source``, directly or through each other: the nodes on a path from it to ``end``."""
+    reached, values, changed = set(), {source}, True
+    while changed:
+        changed = False
+        for name, node in nodes.items():
+            if name not in reached and values.intersection(node.input):
+                reached.add(name)
+                values.update(node.output)
+                changed = True
+    return reached
+
+
+def unsafe_constants(graph: onnx.GraphProto) -> list[KeptFloat32]:
+    """The nodes that read a float initializer float16 cannot hold: a value above
+    :data:`FP16_MAX` in magnitude (overflow) or a nonzero one below :data:`FP16_FLUSH` (flushed
+    to zero). Each such node stays float32 (the converter would clamp the value)."""
+    bad: dict[str, str] = {}
+    for tensor in graph.initializer:
+        if tensor.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
+            continue
+        mag = np.abs(numpy_helper.to_array(tensor).astype(np.float64))
+        if mag.size and mag.max() > FP16_MAX:
+            bad[tensor.name] = f"fp16_overflow:max |value| {mag.max():.3g} > {FP16_MAX:g}"
+        elif np.any((mag > 0) & (mag < FP16_FLUSH)):
+            low = mag[mag > 0].min()
+            bad[tensor.name] = f"fp16_underflow:nonzero |value| {low:.3g} flushes to 0 in float16"
+    kept = []
+    for node in graph.node:
+        for name in (i for i in node.input if i in bad):
+            reason, detail = bad[name].split(":", 1)
+            kept.append(
+                KeptFloat32(node.name, node.op_type, reason, f"initializer {name}: {detail}")
+            )
+            break
+    return kept
+
+
+def decomposed_norms(graph: onnx.GraphProto, refused: Iterable) -> list[KeptFloat32]:
+    """The nodes of every norm a fusion refused (``refused``: :class:`fusion.Refused`-like,
+    with ``kind``, ``node``, ``code``), to be kept in float32."""
+    ops = {n.name: n.op_type for n in graph.node}
+    kept: dict[str, KeptFloat32] = {}
+    for r in refused:
+        if r.kind not in DECOMPOSED_FAMILIES:
+            continue
+        detail = (
+            f"part of the {r.kind} at {r.node!r} left decomposed ({r.code}): in float16 it "
+            "would square its input, which overflows above |x| = 256"
+        )
+        for name in decomposed_norm_nodes(graph, r.node):
+            kept.setdefault(name, KeptFloat32(name, ops[name], "decomposed_norm", detail))
+    return list(kept.values())
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    """Give every unnamed node a unique name (the converter's block list goes by name)."""
+    taken = {n.name for n in graph.node}
+    for i, node in enumerate(graph.node):
+        if not node.name:
+            node.name = next(
+                f"{node.op_type}_fp16_{i}_{j}"
+                for j in range(len(taken) + 1)
+                if f"{node.op_type}_fp16_{i}_{j}" not in taken
+            )
+            taken.add(node.name)
+
+
+def _converted(
+    proto: onnx.ModelProto, keep_io_types: bool, nodes: Sequence[str], op_types: Sequence[str]
+) -> onnx.ModelProto:
+    """A float16 copy of ``proto`` by ONNX Runtime's converter: ``nodes`` and ``op_types``
+    (on top of the converter's default op block list) stay float32 with casts around them;
+    every fused norm computes its statistics in float32 (``stash_type=1``)."""
+    from onnxruntime.transformers import float16
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(proto)
+    converted = float16.convert_float_to_float16(
+        copy,
+        keep_io_types=keep_io_types,
+        op_block_list=[*float16.DEFAULT_OP_BLOCK_LIST, *op_types],
+        node_block_list=list(nodes),
+    )
+    _drop_repeated_casts(converted.graph)
+    _skip_round_trips(converted.graph, set(nodes))
+    _exact_constants(converted.graph, proto.graph)
+    _sort(converted.graph)
+    for node in converted.graph.node:
+        if node.op_type in STASH_NORMS:
+            kept = [a for a in node.attribute if a.name != "stash_type"]
+            del node.attribute[:]
+            node.attribute.extend([*kept, onnx.helper.make_attribute("stash_type", 1)])
+    return converted
+
+
+def _drop_repeated_casts(graph: onnx.GraphProto) -> None:
+    """Remove the converter's repeated casts: where two float32-kept nodes read the same float16
+    value, it inserts one Cast for each, with the same output name (an invalid graph).
+
+    Raises:
+        ValueError: two nodes that are not the same Cast write one value.
+    """
+    seen: dict[str, onnx.NodeProto] = {}
+    keep = []
+    for node in graph.node:
+        first = seen.get(node.output[0]) if node.output else None
+        if first is None:
+            seen.update((out, node) for out in node.output)
+            keep.append(node)
+        elif node.op_type != "Cast" or (first.input, first.attribute) != (
+            node.input,
+            node.attribute,
+        ):
+            raise ValueError(f"the converter wrote value {node.output[0]!r} twice")
+    del graph.node[:]
+    graph.node.extend(keep)
+
+
+def _skip_round_trips(graph: onnx.GraphProto, kept: set[str]) -> None:
+    """Between two float32-kept nodes the converter casts to float16 and back (``x**2`` of a
+    decomposed norm would overflow there): each such Cast(float32) of a Cast(float16) of a kept
+    node's output is bypassed, its readers reading the float32 value, and casts left unread
+    are removed."""
+    producer = {out: n for n in graph.node for out in n.output}
+
+    def cast_to(node, to):
+        return node is not None and node.op_type == "Cast" and node.attribute[0].i == to
+
+    alias = {}
+    for node in graph.node:
+        first = producer.get(node.input[0]) if node.input else None
+        if (
+            cast_to(node, onnx.TensorProto.FLOAT)
+            and cast_to(first, onnx.TensorProto.FLOAT16)
+            and getattr(producer.get(first.input[0]), "name", None) in kept
+        ):
+            alias[node.output[0]] = first.input[0]
+    for node in graph.node:
+        node.input[:] = [alias.get(i, i) for i in node.input]
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in graph.node for i in n.input} | outputs
+        dead = [n for n in graph.node if n.op_type == "Cast" and n.output[0] not in read]
+        if not dead:
+            return
+        for node in dead:
+            graph.node.remove(node)
+
+
+def _exact_constants(graph: onnx.GraphProto, original: onnx.GraphProto) -> None:
+    """Where a float32-kept node reads an initializer through Cast(float32) of its float16
+    copy (an eps rounded to float16: 1e-5 becomes 1.0014e-5), it reads the original float32
+    tensor instead; float16 initializers no node reads any more are removed."""
+    source = {t.name: t for t in original.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    inits = {t.name for t in graph.initializer}
+    exact = []
+    for node in graph.node:
+        if (
+            node.op_type == "Cast"
+            and node.attribute[0].i == onnx.TensorProto.FLOAT
+            and node.input[0] in inits
+            and node.input[0] in source
+        ):
+            tensor = onnx.TensorProto()
+            tensor.CopyFrom(source[node.input[0]])
+            tensor.name = node.output[0]
+            exact.append((node, tensor))
+    for node, tensor in exact:
+        graph.node.remove(node)
+        graph.initializer.append(tensor)
+    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    unread = [t for t in graph.initializer if t.name not in read]
+    for tensor in unread:
+        graph.initializer.remove(tensor)
+
+
+def _sort(graph: onnx.GraphProto) -> None:
+    """Order the nodes so that each comes after the producers of its inputs (the converter
+    appends its casts at the end); stable otherwise."""
+    producer = {out: i for i, n in enumerate(graph.node) for out in n.output}
+    nodes, placed, order = list(graph.node), set(), []
+    for i in range(len(nodes)):
+        stack = [i]
+        while stack:
+            j = stack[-1]
+            waiting = [
+                producer[x] for x in nodes[j].input if x in producer and producer[x] not in placed
+            ]
+            if waiting:
+                stack.append(waiting[0])
+                continue
+            stack.pop()
+            if j not in placed:
+                placed.add(j)
+                order.append(nodes[j])
+    del graph.node[:]
+    graph.node.extend(order)
+
+
+def _missing_kernel(path: Path, provider: str) -> str | None:
+    """The op type ONNX Runtime reports no kernel for when loading ``path`` on ``provider``
+    (NOT_IMPLEMENTED), or None when the model loads.
+
+    Raises:
+        Exception: ONNX Runtime's own error, for any other failure to load.
+    """
+    try:
+        runtime.make_session(path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False)
+    except runtime.ProviderUnavailable:
+        raise
+    except Exception as err:  # ORT's own error types
+        found = _NOT_IMPLEMENTED.search(str(err))
+        if found is None:
+            raise
+        return found.group(1)
+    return None
+
+
+def to_float16(
+    src: Path,
+    dst: Path,
+    *,
+    provider: str,
+    keep_io_types: bool,
+    refused: Iterable = (),
+    external_data: bool,
+) -> PrecisionReport:
+    """Write a float16 copy of the model at ``src`` to ``dst`` (see the module docstring).
+
+    Args:
+        src: the optimized float32 model (its external data beside it).
+        dst: where to write the float16 model (``dst`` + ``.data`` with ``external_data``).
+        provider: ``cpu`` or ``cuda``: whose float16 kernels are asked for.
+        keep_io_types: keep float32 graph inputs and outputs (casts inside).
+        refused: the fusions' refusals (:class:`fusion.Refused`): the norms left decomposed.
+        external_data: write the tensors to ``dst`` + ``.data``.
+
+    Raises:
+        UsageError: the model passes protobuf's 2 GiB limit.
+        RuntimeError: ONNX Runtime reports a missing kernel again for an op already kept in
+            float32 (a bug).
+    """
+    from onnxruntime import __version__ as ort_version
+
+    proto = load_for_conversion(src)
+    _name_nodes(proto.graph)
+    kept = decomposed_norms(proto.graph, refused)
+    kept += [k for k in unsafe_constants(proto.graph) if k.node not in {c.node for c in kept}]
+    op_types: list[str] = []
+    while True:
+        converted = _converted(proto, keep_io_types, [k.node for k in kept], op_types)
+        for path in (dst, files.data_path(dst)):
+            path.unlink(missing_ok=True)
+        files.save_model(ir.serde.deserialize_model(converted), dst, external_data=external_data)
+        missing = _missing_kernel(dst, provider)
+        if missing is None:
+            break
+        if missing in op_types:
+            raise RuntimeError(f"no {missing} kernel on {provider} although it stayed float32")
+        op_types.append(missing)
+    blocked = {k.node for k in kept}
+    stash = [
+        n.name
+        for n in converted.graph.node
+        if n.op_type in (*STASH_NORMS, *SKIP_NORMS)
+        and n.name not in blocked
+        and n.op_type not in op_types
+    ]
+    return PrecisionReport(
+        "fp16",
+        f"onnxruntime.transformers.float16 {ort_version}",
+        keep_io_types,
+        stash,
+        kept,
+        op_types,
+    )
+
+
+def cast_feeds(session, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with each float array cast to the float type ``session`` declares for it
+    (float16 inputs of a converted model without ``--keep-io-types``)."""
+    types = {i.name: i.type for i in session.get_inputs()}
+    out = {}
+    for name, array in feeds.items():
+        if types.get(name) == "tensor(float16)" and array.dtype != np.float16:
+            array = array.astype(np.float16)
+        out[name] = array
+    return out
+
+
+#: The overflow probe's input set name.
+OVERFLOW_PROBE = "overflow_outliers"
+
+
+def overflow_set(example: Mapping[str, np.ndarray], seed: int = 2) -> dict[str, dict]:
+    """The overflow probe, ``{OVERFLOW_PROBE: feeds}``: each float input standard normal, with
+    one feature in eight on the last axis an outlier of magnitude about 1e3 (transformer hidden
+    states carry such outliers): squared, as a hand-written norm squares them, they pass float16's
+    65504. Integer inputs as in ``example``; {} where there is no float input."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, array in example.items():
+        if np.issubdtype(array.dtype, np.floating):
+            out = rng.standard_normal(array.shape)
+            if out.ndim:
+                out[..., ::8] *= 1e3
+            array = out.astype(array.dtype)
+        feeds[name] = array
+    changed = any(feeds[k] is not example[k] for k in feeds)
+    return {OVERFLOW_PROBE: feeds} if changed else {}

@@ -1,0 +1,316 @@
+"""Half precision (normexport.precision): graphs built node by node, converted, run on ONNX
+Runtime's CPU provider with its graph optimizations off; one CLI run on a PyTorch model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto
+from onnx.reference import ReferenceEvaluator
+from onnxruntime.transformers import float16
+from torch import nn
+
+import fusion
+from normexport import cli, files, parity, precision
+from normexport.errors import UsageError
+from tests.graphs import make_model
+
+F, H = TensorProto.FLOAT, TensorProto.FLOAT16
+D = 16
+
+
+def _session(path_or_proto) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    source = path_or_proto
+    if isinstance(path_or_proto, onnx.ModelProto):
+        source = path_or_proto.SerializeToString()
+    return ort.InferenceSession(
+        str(source) if not isinstance(source, bytes) else source,
+        options,
+        providers=["CPUExecutionProvider"],
+    )
+
+
+def _layernorm64(x, w, b, eps, outside=False):
+    x = x.astype(np.float64)
+    d = x - x.mean(-1, keepdims=True)
+    var = (d * d).mean(-1, keepdims=True)
+    den = np.sqrt(var) + eps if outside else np.sqrt(var + eps)
+    return d / den * w + b
+
+
+def _rel_l2(got, want) -> float:
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+def _eps_outside_layernorm(rng) -> tuple[ir.Model, dict]:
+    """x * 3 -> (x - mean) / (sqrt(var) + eps) * w + b: a look-alike the fusion refuses."""
+    params = {
+        "k": np.array(3.0, np.float32),
+        "eps": np.array(1e-5, np.float32),
+        "w": rng.standard_normal(D).astype(np.float32),
+        "b": rng.standard_normal(D).astype(np.float32),
+        "axes": np.array([-1], np.int64),
+    }
+    nodes = [
+        ("Mul", ["x", "k"], ["xs"], {"name": "scale"}),
+        ("ReduceMean", ["xs", "axes"], ["m"], {"name": "mean"}),
+        ("Sub", ["xs", "m"], ["d"], {"name": "centre"}),
+        ("Mul", ["d", "d"], ["d2"], {"name": "square"}),
+        ("ReduceMean", ["d2", "axes"], ["v"], {"name": "var"}),
+        ("Sqrt", ["v"], ["sd"], {"name": "root"}),
+        ("Add", ["sd", "eps"], ["den"], {"name": "plus_eps"}),
+        ("Div", ["d", "den"], ["n"], {"name": "divide"}),
+        ("Mul", ["n", "w"], ["nw"], {"name": "times_w"}),
+        ("Add", ["nw", "b"], ["y"], {"name": "plus_b"}),
+    ]
+    model = make_model(nodes, {"x": (F, [2, 3, D])}, {"y": (F, [2, 3, D])}, params)
+    return model, params
+
+
+def _convert(model: ir.Model, tmp_path, refused=(), keep_io_types=True):
+    src, dst = tmp_path / "f32.onnx", tmp_path / "f16.onnx"
+    files.save_model(model, src, external_data=False)
+    found = precision.to_float16(
+        src,
+        dst,
+        provider="cpu",
+        keep_io_types=keep_io_types,
+        refused=refused,
+        external_data=False,
+    )
+    return found, dst
+
+
+def _outlier_input(rng, shape=(2, 3, D)) -> np.ndarray:
+    return precision.overflow_set({"x": np.zeros(shape, np.float32)}, seed=3)[
+        precision.OVERFLOW_PROBE
+    ]["x"]
+
+
+def test_refused_norm_stays_float32_and_finite(tmp_path):
+    rng = np.random.default_rng(0)
+    model, p = _eps_outside_layernorm(rng)
+    report = fusion.optimize(model)
+    assert [(r.kind, r.code) for r in report.refused] == [("layernorm", "eps_outside_sqrt")]
+    found, dst = _convert(model, tmp_path, report.refused)
+    kept = {k.node for k in found.kept_float32}
+    assert kept == {"mean", "centre", "square", "var", "root", "plus_eps", "divide"}
+    assert {k.reason for k in found.kept_float32} == {"decomposed_norm"}
+    graph = onnx.load(dst).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    for node in graph.node:  # no float16 round trip between two kept nodes
+        if node.name in kept - {"mean", "centre"}:
+            for name in node.input:
+                src = producer.get(name)
+                assert src is None or src.op_type != "Cast" or src.name in kept, node.name
+    x = _outlier_input(rng) * 3  # the model multiplies by 3: |x| up to ~1e4
+    got = _session(dst).run(None, {"x": x})[0]
+    want = _layernorm64(x * 3.0, p["w"], p["b"], 1e-5, outside=True)
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_block_list_alone_rounds_through_float16(tmp_path):
+    """Why the round trips are skipped: the converter's own casts between kept nodes send x**2
+    through float16, which overflows. ONNX Runtime's CPU provider drops such Cast pairs itself,
+    so the graphs run on onnx.reference, which casts as written (as a float16 device would)."""
+    rng = np.random.default_rng(0)
+    model, p = _eps_outside_layernorm(rng)
+    report = fusion.optimize(model)
+    proto = ir.serde.serialize_model(model)
+    nodes = precision.decomposed_norm_nodes(proto.graph, report.refused[0].node)
+    generic = float16.convert_float_to_float16(proto, keep_io_types=True, node_block_list=nodes)
+    precision._drop_repeated_casts(generic.graph)
+    precision._sort(generic.graph)
+    _, ours = _convert(model, tmp_path, report.refused)
+    x = _outlier_input(rng) * 3
+    want = _layernorm64(x * 3.0, p["w"], p["b"], 1e-5, outside=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        bad = ReferenceEvaluator(generic).run(None, {"x": x})[0]
+        good = ReferenceEvaluator(onnx.load(ours)).run(None, {"x": x})[0]
+    # var = mean(inf) = inf: the rows with an outlier become the bias alone
+    assert _rel_l2(bad, want) > 0.1 and _rel_l2(good, want) < 1e-2
+
+
+@pytest.mark.parametrize("opset", [17, 23])
+def test_fused_norm_computes_statistics_in_float32(tmp_path, opset):
+    rng = np.random.default_rng(1)
+    w, b = rng.standard_normal(D).astype(np.float32), rng.standard_normal(D).astype(np.float32)
+    op, args = (
+        ("LayerNormalization", ["x", "w", "b"]) if opset == 17 else ("RMSNormalization", ["x", "w"])
+    )
+    inits = {"w": w, "b": b} if len(args) == 3 else {"w": w}
+    model = make_model(
+        [(op, args, ["y"], {"name": "norm", "epsilon": 1e-5, "stash_type": 0})],
+        {"x": (F, [2, 3, D])},
+        {"y": (F, [2, 3, D])},
+        inits,
+        opset=opset,
+    )
+    found, dst = _convert(model, tmp_path, keep_io_types=False)
+    assert found.stash_float32 == ["norm"] and found.kept_float32 == []
+    node = onnx.load(dst).graph.node[0]
+    assert node.op_type == op and {a.name: a.i for a in node.attribute}["stash_type"] == 1
+    assert onnx.load(dst).graph.input[0].type.tensor_type.elem_type == H
+    x = _outlier_input(rng)
+    got = _session(dst).run(None, {"x": x.astype(np.float16)})[0]
+    x16 = x.astype(np.float16).astype(np.float64)
+    if opset == 17:
+        want = _layernorm64(x16, w, b, 1e-5)
+    else:
+        want = x16 / np.sqrt((x16 * x16).mean(-1, keepdims=True) + 1e-5) * w
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+@pytest.mark.parametrize("op", ["SkipLayerNormalization", "SkipSimplifiedLayerNormalization"])
+def test_ort_cpu_skip_norms_keep_float16_inputs_finite(op):
+    """Asked of ONNX Runtime: its CPU Skip*LayerNormalization on float16 inputs whose squares
+    pass 65504 stays finite and exact to float16 rounding (statistics in float32)."""
+    rng = np.random.default_rng(2)
+    w, b = rng.standard_normal(D).astype(np.float16), rng.standard_normal(D).astype(np.float16)
+    args = ["x", "s", "w", "b"] if op == "SkipLayerNormalization" else ["x", "s", "w"]
+    inits = {"w": w, "b": b} if len(args) == 4 else {"w": w}
+    model = make_model(
+        [(op, args, ["y"], {"domain": "com.microsoft", "epsilon": 1e-5})],
+        {"x": (H, [2, D]), "s": (H, [2, D])},
+        {"y": (H, [2, D])},
+        inits,
+    )
+    x = (rng.standard_normal((2, D)) * 1e3).astype(np.float16)
+    s = rng.standard_normal((2, D)).astype(np.float16)
+    got = _session(ir.serde.serialize_model(model)).run(None, {"x": x, "s": s})[0]
+    h = x.astype(np.float64) + s
+    if len(args) == 4:
+        want = _layernorm64(h, w, b, 1e-5)
+    else:
+        want = h / np.sqrt((h * h).mean(-1, keepdims=True) + 1e-5) * w
+    assert np.isfinite(got).all()
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-3
+
+
+@pytest.mark.parametrize(
+    "value, reason", [(2e5, "fp16_overflow"), (1e-9, "fp16_underflow"), (3.0, None)]
+)
+def test_constants_float16_cannot_hold_stay_float32(tmp_path, value, reason):
+    """A folded BatchNorm with a tiny running variance gives a huge scale: that layer stays
+    float32, where the generic converter clamps it to 65504."""
+    rng = np.random.default_rng(3)
+    weight = rng.standard_normal((D, 4)).astype(np.float32)
+    weight[0, 0] = value
+    model = make_model(
+        [("MatMul", ["x", "w"], ["y"], {"name": "folded"})],
+        {"x": (F, [2, D])},
+        {"y": (F, [2, 4])},
+        {"w": weight},
+    )
+    found, dst = _convert(model, tmp_path)
+    assert [(k.node, k.reason) for k in found.kept_float32] == (
+        [("folded", reason)] if reason else []
+    )
+    x = (rng.standard_normal((2, D)) * 1e-3).astype(np.float32)  # the scale meets small inputs
+    got = _session(dst).run(None, {"x": x})[0]
+    want = x.astype(np.float64) @ weight
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    if reason == "fp16_overflow":
+        generic = float16.convert_float_to_float16(
+            ir.serde.serialize_model(model), keep_io_types=True
+        )
+        clamped = _session(generic).run(None, {"x": x})[0]
+        assert np.linalg.norm(clamped - want) / np.linalg.norm(want) > 0.1
+
+
+def test_half_precision_parity_rule():
+    ref = np.linspace(-1, 1, 100)
+    close = parity.compare("y", ref * (1 + 5e-3), ref, 1e-4, 1e-3, max_rel_l2=1e-2)
+    far = parity.compare("y", ref * (1 + 5e-2), ref, 1e-4, 1e-3, max_rel_l2=1e-2)
+    nan = parity.compare("y", np.where(ref > 0.9, np.nan, ref), ref, 1e-4, 1e-3, max_rel_l2=1)
+    assert close.passed and not far.passed and not nan.passed
+    # the float32 rule would fail the first: 5e-3 * 1 > 1e-4 + 1e-3 * 1
+    assert not parity.compare("y", ref * (1 + 5e-3), ref, 1e-4, 1e-3).passed
+
+
+def test_overflow_probe_has_outliers_and_keeps_integers():
+    example = {"x": np.zeros((2, 32), np.float32), "ids": np.arange(4, dtype=np.int64)}
+    feeds = precision.overflow_set(example)[precision.OVERFLOW_PROBE]
+    assert feeds["ids"] is example["ids"] and feeds["x"].dtype == np.float32
+    assert np.abs(feeds["x"][:, ::8]).max() > 256 > np.abs(feeds["x"][:, 1::8]).max()
+    assert precision.overflow_set({"ids": example["ids"]}) == {}
+
+
+def test_bf16_and_stray_keep_io_types_are_refused(tmp_path, capsys):
+    with pytest.raises(UsageError, match="no bfloat16 kernels"):
+        precision.check_precision("bf16")
+    model = make_model([("Relu", ["x"], ["y"], {})], {"x": (F, [2, 4])}, {"y": (F, [2, 4])})
+    path = tmp_path / "m.onnx"
+    files.save_model(model, path, external_data=False)
+    assert cli.main([str(path), "--precision", "bf16", "--no-benchmark"]) == 2
+    assert "bfloat16" in capsys.readouterr().err
+    assert cli.main([str(path), "--keep-io-types", "--no-benchmark"]) == 2
+    assert "--precision fp16" in capsys.readouterr().err
+
+
+class HandNorms(nn.Module):
+    """Linear -> hand-written LayerNorm (fused) -> x100 -> a look-alike LayerNorm with eps
+    outside the root (refused, kept float32) -> Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = nn.Linear(32, 64), nn.Linear(64, 8)
+        self.w1, self.b1 = nn.Parameter(torch.randn(64)), nn.Parameter(torch.randn(64))
+        self.w2, self.b2 = nn.Parameter(torch.randn(64)), nn.Parameter(torch.randn(64))
+
+    def forward(self, x):
+        h = self.a(x)
+        d = h - h.mean(-1, keepdim=True)
+        h = d / torch.sqrt((d * d).mean(-1, keepdim=True) + 1e-5) * self.w1 + self.b1
+        h = h * 100
+        d = h - h.mean(-1, keepdim=True)
+        h = d / (torch.sqrt((d * d).mean(-1, keepdim=True)) + 1e-5) * self.w2 + self.b2
+        return self.c(h)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep", [False, True])
+def test_cli_fp16_passes_parity_on_the_overflow_probe(tmp_path, capsys, keep):
+    torch.manual_seed(0)
+    path = tmp_path / "m.pt"
+    torch.save(HandNorms().eval(), path)
+    out, report = tmp_path / "m.fp16.onnx", tmp_path / "r.json"
+    argv = [
+        path,
+        "--trust-pickle",
+        "--input-shape",
+        "2,5,32",
+        "--precision",
+        "fp16",
+        "--no-benchmark",
+        "-o",
+        out,
+        "--report",
+        report,
+        "--provider",
+        "cpu",
+    ]
+    code = cli.main([str(a) for a in argv + (["--keep-io-types"] if keep else [])])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    data = json.loads(report.read_text())
+    assert data["fusions"]["layernorm_fused"] == 1 and "Kept in float32" in text
+    assert data["precision"]["precision"] == "fp16" and data["precision"]["keep_io_types"] is keep
+    assert len(data["precision"]["stash_float32"]) == 1
+    assert {k["reason"] for k in data["precision"]["kept_float32"]} == {"decomposed_norm"}
+    assert data["parity"]["max_rel_l2"] == parity.FP16_MAX_REL_L2
+    probe = data["parity"]["sets"][precision.OVERFLOW_PROBE][0]
+    assert probe["passed"] and probe["nonfinite_mismatch"] == 0
+    io = onnx.load(out).graph.input[0].type.tensor_type.elem_type
+    assert io == (F if keep else H)
