@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 
 from fusion import registry
+from fusion._ir import KnownShapes
 from fusion.base import (
     TARGETS,
     CannotFuse,
@@ -50,6 +51,7 @@ __all__ = [
     "Code",
     "Fused",
     "FusionPass",
+    "FillShapes",
     "FusionReport",
     "Kind",
     "NodeFusionPass",
@@ -70,8 +72,10 @@ def optimize(
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
     Runs, as one :class:`onnx_ir.passes.PassManager`: exact clean-up (constant folding, CSE,
-    dead nodes), then each pass of :data:`fusion.registry.PASSES` that is enabled for
-    ``target`` and the options (FoldBatchNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention,
+    dead nodes), :class:`FillShapes` (ONNX shape inference for the values that carry no shape,
+    as the TorchScript exporter leaves them), then each pass of :data:`fusion.registry.PASSES`
+    that is enabled for ``target`` and the options (FoldBatchNorm, FuseInstanceNorm,
+    FuseGroupNorm, FuseChannelsFirstLayerNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention,
     FuseSkip), then clean-up again. The model's opset is never raised: an op is only emitted
     where the model's opset (or, for ``target="ort"``, ONNX Runtime) has it.
 
@@ -101,10 +105,35 @@ def optimize(
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
     passes = [p(target) for p in PASSES if p.enabled(target, options)]
-    ir.passes.PassManager([Cleanup(), *passes, Cleanup()])(model)
+    ir.passes.PassManager([Cleanup(), FillShapes(), *passes, Cleanup()])(model)
     for fusion_pass in passes:
         report.extend(fusion_pass.outcomes)
     return report
+
+
+class FillShapes(ir.passes.InPlacePass):
+    """Give each main-graph node output that carries no shape (or no element type) the one
+    ONNX shape inference finds (:class:`fusion._ir.KnownShapes`: onnx_ir's
+    ``ShapeInferencePass`` on a clone, initializers over 1 KB left out of the protobuf, so
+    external data and the 2 GiB limit do not matter).
+
+    A shape or type the model already carries is never replaced (the dynamo exporter's symbolic
+    dimensions say more than inference's), and where inference fails or finds nothing the value
+    stays as it is: the passes then refuse what needs a shape, as before. The matchers need
+    ranks and channel counts; the TorchScript exporter writes none for intermediate values.
+    """
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        shapes = KnownShapes(model)
+        modified = False
+        for value in (v for node in model.graph for v in node.outputs):
+            if value.shape is None and (shape := shapes(value)) is not None:
+                value.shape = shape.copy()
+                modified = True
+            if value.dtype is None and (dtype := shapes.dtype(value)) is not None:
+                value.dtype = dtype
+                modified = True
+        return ir.passes.PassResult(model, modified=modified)
 
 
 def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> None:

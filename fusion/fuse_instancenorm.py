@@ -33,7 +33,7 @@ from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.norm_match import NormMatch
 
 
-def _per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarray | None:
+def per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarray | None:
     """``array`` as a float32 (C,) vector when broadcasting it against (N, C, *spatial) varies
     along axis 1 at most; None otherwise."""
     if array is None or array.ndim > rank or array.dtype != np.float32:
@@ -47,13 +47,15 @@ def _per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarr
     return np.ascontiguousarray(np.broadcast_to(full.reshape(-1), (channels,)))
 
 
-def _absorb(match: NormMatch, op_type: str, rank: int, channels: int) -> np.ndarray | None:
+def absorb_per_channel(
+    match: NormMatch, op_type: str, rank: int, channels: int
+) -> np.ndarray | None:
     """Extend ``match`` over ``op_type(output, c)`` with ``c`` per channel; return ``c`` as a
     (C,) vector, or None (``match`` unchanged)."""
     node = sole_consumer(match.output)
     if node is None or node.op_type != op_type or node.domain != "":
         return None
-    vector = _per_channel(const_array(other_input(node, match.output)), rank, channels)
+    vector = per_channel(const_array(other_input(node, match.output)), rank, channels)
     if vector is not None:
         match.nodes.append(node)
         match.output = node.outputs[0]
@@ -89,10 +91,10 @@ class FuseInstanceNorm(NodeFusionPass):
         channels = match.x.shape[1]
         if not isinstance(channels, int):
             return None
-        scale = _absorb(match, "Mul", rank, channels)
+        scale = absorb_per_channel(match, "Mul", rank, channels)
         if scale is None:
             return None
-        bias = _absorb(match, "Add", rank, channels)
+        bias = absorb_per_channel(match, "Add", rank, channels)
         match.weight = (None, scale)
         match.bias = (None, bias if bias is not None else np.zeros(channels, np.float32))
         return match
