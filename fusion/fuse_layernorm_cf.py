@@ -139,7 +139,7 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
             return None
         if not all(_over_channels(r, rank) for r in [core.reduce, *(c[1] for c in centers)]):
             return None
-        if core.eps is None or core.eps.dtype != FLOAT.numpy() or x.dtype != FLOAT:
+        if core.eps is None or core.eps.dtype != FLOAT.numpy():
             return None
         if not (math.isfinite(core.factor) and core.factor > 0):
             return None
