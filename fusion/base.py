@@ -144,7 +144,7 @@ class Code(enum.StrEnum):
     #: its function body, measured slower than the form the graph has): that form is kept.
     NO_ORT_KERNEL = "no_ort_kernel"
     #: The exact rewrite was measured slower than the form the graph has on the provider
-    #: (``benchmarks/forms.py``): that form is kept.
+    #: (``benchmarks/forms.py --set conv``): that form is kept.
     SLOWER_MEASURED = "slower_measured"
 
     # Skip (residual Add + norm).

@@ -12,9 +12,10 @@ The exporters write ``nn.GroupNorm`` as ``Reshape -> InstanceNormalization -> Re
 Add``: an InstanceNormalization (onnx/docs/Operators.md#InstanceNormalization) of the (N, G, D)
 view, with scale ones(G) and B zeros(G), normalizes each (n, g) over D, which is the statistic
 above. The one ONNX op for the whole is ``GroupNormalization`` (opset 21 semantics: scale and
-bias per channel; the opset-18 per-group form is deprecated). ONNX Runtime has no kernel for it:
-it expands the function op into its body (some thirty nodes), which was measured slower than the
-exported form on the CPU provider (``benchmarks/forms.py``, group ``groupnorm``). So:
+bias per channel; the opset-18 per-group form is deprecated). ONNX Runtime 1.31 has no CPU kernel
+for it (its CUDA provider was not measured): it expands the function op into its body (some
+thirty nodes), which was measured slower than the exported form on the CPU provider
+(``benchmarks/forms.py --set conv``, group ``groupnorm``). So:
 
 - the exported form is recognized and kept, recorded as a ``groupnorm`` refusal with code
   ``no_ort_kernel`` (``explain`` and the report list every GroupNorm);
@@ -22,7 +23,14 @@ exported form on the CPU provider (``benchmarks/forms.py``, group ``groupnorm``)
   reshaped tensor, in any spelling :class:`~fusion.fuse_layernorm.FuseLayerNorm` accepts) has its
   normalization replaced by that same ``InstanceNormalization`` (scale ``1/sqrt(f)`` and epsilon
   ``eps/f`` for a variance scaled by ``f``, as there), which makes it the exported form: counted
-  as ``groupnorm_fused``. The Reshapes and the per-channel Mul / Add stay.
+  as ``groupnorm_fused``. The Reshapes and the per-channel Mul / Add stay;
+- for ``target="ort"``, a ``GroupNormalization`` of opset 21 or later (the dynamo exporter writes
+  one for ``nn.GroupNorm`` from opset 21) on a float32 input with constant scale and bias becomes
+  the exported form, ``Reshape(0, G, -1) -> InstanceNormalization(ones, zeros, epsilon) ->
+  Reshape(Shape(x)) -> Mul(scale) -> Add(bias)``, scale and bias as (C, 1, ...): the function
+  body of GroupNormalization-21 (onnx/defs/nn/defs.cc) with the same statistics, for float32
+  input in float32 as its ``stash_type=1`` asks. Counted as ``groupnorm_fused`` too.
+  ``target="onnx"`` keeps the standard op (other runtimes may have a kernel for it).
 
 Before and after (hand-written)::
 
@@ -45,7 +53,18 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, const_array, producer, rank_of, same_dim, sole_consumer
+from fusion._ir import (
+    add_initializer,
+    const_array,
+    label,
+    opset_version,
+    producer,
+    rank_of,
+    remove_nodes,
+    replace_output,
+    same_dim,
+    sole_consumer,
+)
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.norm_match import NormMatch
@@ -53,7 +72,8 @@ from fusion.norm_match import NormMatch
 KEPT = (
     "GroupNorm ({groups} groups of {channels} channels) kept as Reshape -> "
     "InstanceNormalization -> Reshape: GroupNormalization-21 has no ONNX Runtime CPU kernel "
-    "(ORT expands it into its function body, measured slower: benchmarks/results/forms_cpu.json)"
+    "(ORT expands it into its function body, measured slower: "
+    "benchmarks/results/forms_conv_cpu.json)"
 )
 
 
@@ -119,14 +139,18 @@ class FuseGroupNorm(NodeFusionPass):
         super().__init__(target)
         self._layernorm = FuseLayerNorm(target)  # its matcher; its outcomes are not kept
 
-    def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
+    def match(self, model: ir.Model, node: ir.Node) -> NormMatch | ir.Node | None:
         """A hand-written GroupNorm's normalization ending at ``node`` (the division), as a
-        match over the (N, G, ...) view; None for anything else.
+        match over the (N, G, ...) view; ``node`` itself when it is a GroupNormalization-21 to
+        expand; None for anything else.
 
         Raises:
             CannotFuse: ``no_ort_kernel``: ``node`` is the InstanceNormalization of an exported
-                GroupNorm, which is kept.
+                GroupNorm, which is kept; ``not_constant``: a GroupNormalization-21 whose scale
+                or bias is not a constant.
         """
+        if node.op_type == "GroupNormalization" and node.domain == "":
+            return self._standard(model, node)
         if node.op_type == "InstanceNormalization" and node.domain == "":
             found = grouping(node.inputs[0], node.outputs[0])
             if found is not None:
@@ -144,9 +168,35 @@ class FuseGroupNorm(NodeFusionPass):
             return None
         return match if grouping(match.x, match.output) is not None else None
 
-    def rewrite(self, model: ir.Model, match: NormMatch) -> str:
+    def _standard(self, model: ir.Model, node: ir.Node) -> ir.Node | None:
+        """``node`` (a GroupNormalization) when it is to be expanded: ``target="ort"``, opset
+        21 or later, a float32 input of known rank >= 3 and channel count divisible into the
+        groups; None otherwise.
+
+        Raises:
+            CannotFuse: ``not_constant``: its scale or bias is not a constant.
+        """
+        x = node.inputs[0]
+        if self.target != "ort" or opset_version(model) < 21 or x.dtype != ir.DataType.FLOAT:
+            return None
+        rank, groups = rank_of(x), node.attributes.get_int("num_groups", 0)
+        channels = x.shape[1] if rank is not None and rank >= 3 else None
+        if not isinstance(channels, int) or groups < 1 or channels % groups:
+            return None
+        if any(const_array(v) is None for v in node.inputs[1:3]):
+            raise CannotFuse(
+                Code.NOT_CONSTANT,
+                "GroupNormalization's scale or bias is not a constant: kept (ONNX Runtime "
+                "expands it into its function body)",
+            )
+        return node
+
+    def rewrite(self, model: ir.Model, match: NormMatch | ir.Node) -> str:
         """Put an InstanceNormalization (unit scale over ``sqrt(factor)``, zero B) in place of
-        the normalization; the Reshapes and the affine part stay."""
+        the normalization, the Reshapes and the affine part staying; or expand a
+        GroupNormalization-21 into the exported form."""
+        if isinstance(match, ir.Node):
+            return _expand(model.graph, match)
         graph = model.graph
         hint = match.nodes[-1].name or "groupnorm"
         groups = match.x.shape[1]
@@ -163,3 +213,38 @@ class FuseGroupNorm(NodeFusionPass):
         )
         match.replace(graph, fused)
         return "InstanceNormalization (nn.GroupNorm's exported form)"
+
+
+def _expand(graph: ir.Graph, node: ir.Node) -> str:
+    """Replace GroupNormalization-21 ``node`` by Reshape -> InstanceNormalization -> Reshape ->
+    Mul -> Add (see the module docstring)."""
+    x, hint = node.inputs[0], label(node)
+    groups, rank = node.attributes.get_int("num_groups"), len(x.shape)
+    per_channel = (x.shape[1],) + (1,) * (rank - 2)
+    scale, bias = (const_array(v).reshape(per_channel) for v in node.inputs[1:3])
+
+    def const(name: str, array: np.ndarray) -> ir.Value:
+        return add_initializer(graph, f"{hint}_{name}", array)
+
+    view = ir.node("Reshape", [x, const("groups", np.array([0, groups, -1], np.int64))])
+    ones, zeros = np.ones(groups, np.float32), np.zeros(groups, np.float32)
+    epsilon = node.attributes.get_float("epsilon", 1e-5)
+    normed = ir.node(
+        "InstanceNormalization",
+        [view.outputs[0], const("ones", ones), const("zeros", zeros)],
+        {"epsilon": epsilon},
+        name=f"{hint}_InstanceNormalization",
+    )
+    shape = ir.node("Shape", [x])
+    back = ir.node("Reshape", [normed.outputs[0], shape.outputs[0]])
+    scaled = ir.node("Mul", [back.outputs[0], const("scale", scale.astype(np.float32))])
+    shifted = ir.node("Add", [scaled.outputs[0], const("bias", bias.astype(np.float32))])
+    new = [view, normed, shape, back, scaled, shifted]
+    for n in new:
+        n.outputs[0].type = x.type
+    shape.outputs[0].type = ir.TensorType(ir.DataType.INT64)
+    shifted.outputs[0].shape = x.shape.copy()
+    graph.insert_before(node, new)
+    replace_output(graph, node.outputs[0], shifted.outputs[0])
+    remove_nodes(graph, [node])
+    return "Reshape -> InstanceNormalization -> Reshape -> Mul -> Add"

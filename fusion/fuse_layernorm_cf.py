@@ -21,7 +21,7 @@ output of the inverse Transpose (a channels-last tensor moved channels-first), t
 Transpose cancels against it; where the only reader of ``y`` is a Transpose to channels-last,
 the second cancels against that one.
 
-Speed decides (``benchmarks/forms.py``, group ``channels_first_layernorm``, CPU provider): with
+Speed decides (``benchmarks/forms.py --set conv``, group ``channels_first_layernorm``, CPU): with
 no Transpose cancelled, the rewrite was measured faster than the decomposed form at batch 1 on
 every shape tried, and slower at batch 8 (ONNX Runtime's ReduceMean over the channel axis gets
 relatively cheaper with the batch; the two Transposes do not). So it is fused where a Transpose
@@ -53,7 +53,7 @@ from fusion.norm_match import FLOAT, NormMatch, centered, match_mean_square, par
 SLOWER = (
     "channels-first LayerNorm over axis 1 of a {shape} input: Transpose -> LayerNormalization "
     "-> Transpose is exact, but was measured slower than the decomposed form on the CPU "
-    "provider at a batch other than 1 (benchmarks/results/forms_cpu.json): kept"
+    "provider at a batch other than 1 (benchmarks/results/forms_conv_cpu.json): kept"
 )
 
 

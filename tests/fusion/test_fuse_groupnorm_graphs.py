@@ -122,3 +122,41 @@ def test_statistics_over_the_groups_are_refused(rng):
     assert ops(model) == raw and not any(report.counts.values())
     assert report.codes() == ["slower_measured", "axes_not_trailing"]
     assert report.codes("groupnorm") == []
+
+
+def standard_groupnorm(rng, *, opset=21, constant=True):
+    """GroupNormalization-21 (per-channel scale and bias), as the dynamo exporter writes
+    nn.GroupNorm from opset 21."""
+    g = Graph(opset)
+    scale = (1 + 0.5 * rng.standard_normal(SHAPE[1])).astype(np.float32)
+    bias = rng.standard_normal(SHAPE[1]).astype(np.float32)
+    names = [g.const("scale", scale), g.const("bias", bias)]
+    inputs = {"x": (F, SHAPE)}
+    if not constant:
+        names[1] = "bias_in"
+        inputs["bias_in"] = (F, (SHAPE[1],))
+    g.node("GroupNormalization", ["x", *names], "y", num_groups=GROUPS, epsilon=1e-3)
+    return g.model(inputs, {"y": (F, SHAPE)})
+
+
+def test_groupnormalization_21_becomes_the_exported_form(rng):
+    model = standard_groupnorm(rng)
+    report = fuse_and_compare(model, FuseGroupNorm(), rng)
+    assert report.counts["groupnorm_fused"] == 1
+    assert ops(model) == ["Reshape", "InstanceNormalization", "Shape", "Reshape", "Mul", "Add"]
+    (norm,) = (n for n in model.graph if n.op_type == "InstanceNormalization")
+    assert norm.attributes.get_float("epsilon") == pytest.approx(1e-3)
+    # run again within optimize: the exported form is then recognized and kept
+    again = fusion.optimize(model)
+    assert not any(again.counts.values()) and again.codes() == ["no_ort_kernel"]
+
+
+def test_groupnormalization_21_stays_for_the_onnx_target(rng):
+    model = standard_groupnorm(rng)
+    assert not FuseGroupNorm("onnx")(model).modified
+    assert ops(model) == ["GroupNormalization"]
+
+
+def test_groupnormalization_with_a_bias_input_is_kept(rng):
+    model = standard_groupnorm(rng, constant=False)
+    assert_refused(model, FuseGroupNorm(), Code.NOT_CONSTANT)
