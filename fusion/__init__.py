@@ -156,7 +156,8 @@ class FillShapes(ir.passes.InPlacePass):
 
 class DropShapes(ir.passes.InPlacePass):
     """Take the shapes and types that ``fill`` (a :class:`FillShapes` that has run) put on off
-    the values that no node made since reads or writes.
+    the values that no node made since reads or writes and that are no graph output (a rewrite
+    that made one an output, e.g. a Conv that absorbed the BatchNorm after it, keeps its type).
 
     Args:
         fill: the FillShapes pass run before the fusion passes.
@@ -169,6 +170,8 @@ class DropShapes(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         for value, shape, type_ in self.fill.filled:
             nodes = [value.producer(), *(use.node for use in value.uses())]
+            if value.is_graph_output():  # made one by a rewrite: an output needs its type
+                continue
             if all(node in self.fill.nodes for node in nodes if node is not None):
                 value.shape, value.type = shape, type_
         return ir.passes.PassResult(model, modified=False)
