@@ -15,6 +15,10 @@ and makes the whole subgraph one node. The normalization is matched by FuseLayer
 matcher, so every form it accepts is accepted here (a scaled variance ``factor * var`` gives
 ``scale = gamma / sqrt(factor)`` and ``epsilon = eps / factor``, as there).
 
+The channel count is read from the shape of ``x``: :func:`fusion.optimize` runs ONNX shape
+inference for the values that carry none (:class:`fusion.FillShapes`; the TorchScript exporter
+writes no shapes for intermediate values) before the passes.
+
 What is not exactly an InstanceNorm is left to FuseLayerNorm, which fuses or refuses it: a norm
 over other axes than 2 and on, a half-precision round trip (InstanceNormalization computes in the
 input type, the fused LayerNormalization in float32), a weight that is not per channel.

@@ -23,11 +23,14 @@ the second cancels against that one.
 
 Speed decides (``benchmarks/forms.py --set conv``, group ``channels_first_layernorm``, CPU): with
 no Transpose cancelled, the rewrite was measured faster than the decomposed form at batch 1 on
-every shape tried, and slower at batch 8 (ONNX Runtime's ReduceMean over the channel axis gets
-relatively cheaper with the batch; the two Transposes do not). So it is fused where a Transpose
-cancels or where the batch is a static 1, and otherwise recognized and kept with the code
-``slower_measured``. Candidates that are not exactly this function (a mean over other axes, a
-float16 norm, eps outside the square root, a weight that is not per channel, ...) are left to
+every shape tried, but at batches 2 and 8 slower on some shapes and only as fast or a little
+faster on others (ONNX Runtime's ReduceMean over the channel axis costs much less per sample
+from batch 2 on; the two Transposes do not). With a Transpose cancelled it was faster at every
+shape. So it is fused where a Transpose cancels or where the batch is a static 1, and otherwise
+recognized and kept with the code ``slower_measured`` (a symbolic batch included). A weight or
+bias that is not per channel stays a separate Mul / Add after the fused norm. Candidates that
+are not exactly this function (a mean over other axes, a norm not in float32, eps outside the
+square root, a shared intermediate value, ...) are left to
 :class:`~fusion.fuse_layernorm.FuseLayerNorm`, which refuses them with their reason.
 """
 
