@@ -101,3 +101,17 @@ def test_eps_outside_sqrt_is_left_to_layernorm(rng):
     report = fusion.optimize(model)
     assert ops(model) == raw and not any(report.counts.values())
     assert report.codes() == ["eps_outside_sqrt"]
+
+
+@pytest.mark.parametrize(("target", "fused"), [("ort", True), ("onnx", False)])
+def test_opset_below_17(rng, target, fused):
+    """ONNX Runtime has LayerNormalization at every opset; standard ONNX from 17."""
+    g = Graph(opset=15)
+    normed = layernorm(g, "x", axes=(1,), eps=1e-6)
+    model = g.model({"x": (F, (1, C, 4, 5))}, {normed: (F, (1, C, 4, 5))})
+    fusion_pass = FuseChannelsFirstLayerNorm(target)
+    if fused:
+        fuse_and_compare(model, fusion_pass, rng)
+        assert ops(model) == ["Transpose", "LayerNormalization", "Transpose"]
+    else:
+        assert_refused(model, fusion_pass, Code.OPSET_TOO_LOW)
