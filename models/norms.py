@@ -563,8 +563,6 @@ BF16_ROUND_TRIP = {
     "rtol": 2e-2,
 }
 AXES = "normalizes the trailing axes only"
-GN_KEPT = "no ONNX Runtime CPU kernel"
-CONV_IN = (2, 3, 5, 6)  # the input of a Conv2d(3, 4, 3, padding=1) before a norm
 
 GALLERY: list[Entry] = [
     # LayerNorm
@@ -684,19 +682,20 @@ GALLERY: list[Entry] = [
         "batchnorm", "bn_not_per_channel", lambda: NotPerChannel(), "not per-channel", (2, 3, 8, 8)
     ),
     # InstanceNorm / GroupNorm (and the channels-first LayerNorm); modules at the end of the
-    # file. After a Conv, so that the TorchScript export has no shapes to match with.
+    # file. After a Conv (input (2, 3, 5, 6)), so that the TorchScript export has no shapes to
+    # match with.
     Entry(
         "in_cnn_layernorm",
         "instancenorm",
         lambda: _seq(nn.Conv2d(3, 4, 3, padding=1), CnnLayerNorm(4)),
-        CONV_IN,
+        (2, 3, 5, 6),
         FUSED,
     ),
     Entry(
         "in_cnn_layernorm_eps1e-8",
         "instancenorm",
         lambda: _seq(nn.Conv2d(3, 4, 3, padding=1), CnnLayerNorm(4, eps=1e-8)),
-        CONV_IN,
+        (2, 3, 5, 6),
         FUSED,
     ),
     Entry("in_cnn_layernorm_unbiased", "instancenorm", lambda: CnnLayerNorm(4, True), NCHW, FUSED),
@@ -714,7 +713,7 @@ GALLERY: list[Entry] = [
         "groupnorm",
         "gn_module",
         lambda: _random_affine(nn.GroupNorm(2, 4)),
-        GN_KEPT,
+        "no ONNX Runtime CPU kernel",
         NCHW,
         opsets=(17, 18, 20),
     ),
@@ -722,7 +721,7 @@ GALLERY: list[Entry] = [
         "groupnorm",
         "gn_module_no_affine",
         lambda: nn.GroupNorm(2, 4, affine=False),
-        GN_KEPT,
+        "no ONNX Runtime CPU kernel",
         NCHW,
         opsets=(17, 18, 20),
     ),
@@ -741,7 +740,7 @@ GALLERY: list[Entry] = [
         "gn_hand_5d_eps1e-8",
         "groupnorm",
         lambda: _seq(nn.Conv2d(3, 4, 3, padding=1), HandGroupNorm(4, 2, eps=1e-8, split=True)),
-        CONV_IN,
+        (2, 3, 5, 6),
         FUSED,
     ),
     _refused(
