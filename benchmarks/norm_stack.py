@@ -19,9 +19,16 @@ and within 1.2x of ``nn_opset23``. Each target also gets its ceiling: the other 
 over ``relu_stack``'s, the most that any norm form could gain; a target above it is reported as
 out of reach (ORT_ENABLE_ALL fuses the ``layernorm`` spelling into LayerNormalization itself).
 
-    python benchmarks/norm_stack.py [--provider auto] [--budget 30] [--out benchmarks/results]
+``--set conv`` runs the conv-net stacks instead (issue 13): ``h = h + norm(h)`` on
+(8, 64, 56, 56) and (1, 256, 14, 14) with the hand-written per-channel "CNN LayerNorm"
+(``instancenorm``), GroupNorm with 32 groups (``groupnorm``) and ConvNeXt's channels-first
+LayerNorm (``layernorm_cf``) of :mod:`models.norms`, beside the same stack with
+``nn.InstanceNorm2d`` / ``nn.GroupNorm`` (``nn_module``) and with ReLU (``relu_stack``). Targets:
+normexport within 1.3x of ``relu_stack``, and not slower than ``ort_raw``.
 
-Writes ``norm_stack_<provider>.json`` and ``.png``.
+    python benchmarks/norm_stack.py [--provider auto] [--budget 30] [--set conv] [--out DIR]
+
+Writes ``norm_stack_<provider>.json`` and ``.png`` (``norm_stack_conv_<provider>``).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import torch
 from rich.console import Console
 from torch import nn
 
+from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
 from normexport import bench, report, runtime, variants
 from normexport.export import export_module
 from normexport.files import save_figure, save_model
@@ -82,7 +90,16 @@ class HandRMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
 
-class NormStack(nn.Module):
+class _Stack(nn.Module):
+    """``h = h + norm(h)`` for each module of ``self.norms``."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for norm in self.norms:
+            h = h + norm(h)
+        return h
+
+
+class NormStack(_Stack):
     """``blocks`` residual blocks ``h = h + norm(h)``.
 
     Args:
@@ -106,10 +123,48 @@ class NormStack(nn.Module):
         self.norms = nn.ModuleList(norms)
         self.eval()
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        for norm in self.norms:
-            h = h + norm(h)
-        return h
+
+#: The conv-net stacks (--set conv): their kinds, shapes and targets (description, variant,
+#: least value of that variant's time over normexport's).
+CONV_KINDS = ("instancenorm", "groupnorm", "layernorm_cf")
+CONV_SHAPES = ((8, 64, 56, 56), (1, 256, 14, 14))
+CONV_TARGETS = (
+    ("normexport within 1.3x of the same stack with ReLU for each norm", "relu_stack", 1 / 1.3),
+    ("normexport not slower than ORT_ENABLE_ALL on the raw export", "ort_raw", 1.0),
+)
+
+
+def _conv_norm(kind: str, form: str, channels: int) -> nn.Module:
+    """One norm of a conv stack: hand-written, its nn module with the same parameters, or ReLU."""
+    if form == "relu":
+        return nn.ReLU()
+    hand = {
+        "instancenorm": lambda: CnnLayerNorm(channels),
+        "groupnorm": lambda: HandGroupNorm(channels, 32),
+        "layernorm_cf": lambda: ChannelsFirstLayerNorm(channels),
+    }[kind]()
+    if form == "hand":
+        return hand
+    if kind == "instancenorm":
+        module = nn.InstanceNorm2d(channels, affine=True)
+        weight, bias = hand.gamma, hand.beta
+    else:
+        module = nn.GroupNorm(32, channels)
+        weight, bias = hand.weight, hand.bias
+    module.weight.data.copy_(weight.data.reshape(-1))
+    module.bias.data.copy_(bias.data.reshape(-1))
+    return module
+
+
+class ConvNormStack(_Stack):
+    """``blocks`` residual blocks ``h = h + norm(h)`` over (N, C, H, W) (see :func:`_conv_norm`
+    for ``kind`` and ``form``)."""
+
+    def __init__(self, kind: str, form: str, channels: int, blocks: int = 8):
+        super().__init__()
+        torch.manual_seed(0)
+        self.norms = nn.ModuleList(_conv_norm(kind, form, channels) for _ in range(blocks))
+        self.eval()
 
 
 def _as_nn(hand: nn.Module, hidden: int) -> nn.Module:
@@ -156,16 +211,21 @@ def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> dict:
     }
     opts = bench.BenchOptions(provider=provider, io_binding=provider == "cuda", budget_s=budget_s)
     result = bench.bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
-    point = result["points"][0]
+    result["targets"] = _targets(result["points"][0], TARGETS)
+    return result
+
+
+def _targets(point: dict, targets: tuple) -> list[dict]:
+    """Each target of ``targets`` with the paired ratio, its ceiling and whether it is met."""
     ratios, ms = point["ratio_to_normexport"], point["latency_ms"]
-    result["targets"] = []
-    for text, key, bound in TARGETS:
+    out = []
+    for text, key, bound in targets:
         r = ratios.get(key)
         # what a norm as cheap as one elementwise op would reach against that variant: a
         # target above it is out of reach for any exact rewrite
         floor_ms = ms.get("relu_stack", {}).get("median_ms")
         ceiling = ms[key]["median_ms"] / floor_ms if key in ms and floor_ms else None
-        result["targets"].append(
+        out.append(
             {
                 "target": text,
                 "versus": key,
@@ -176,6 +236,40 @@ def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> dict:
                 "reachable": ceiling is not None and ceiling >= bound,
             }
         )
+    return out
+
+
+def run_conv_kind(
+    kind: str, shape: tuple[int, ...], provider: str, blocks: int, budget_s: float
+) -> dict:
+    """Bench one conv stack kind at ``shape`` (raw export and normexport, the ``nn_module``
+    and ``relu_stack`` stacks, eager) with its :data:`CONV_TARGETS`."""
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    hand = ConvNormStack(kind, "hand", shape[1], blocks)
+    with tempfile.TemporaryDirectory(prefix="norm-stack-") as tmp:
+        folder = Path(tmp)
+        raw = _export(hand, x, None, folder / "raw.onnx")
+        forms = {"relu_stack": "ReLU in place of each norm: the elementwise floor"}
+        if kind != "layernorm_cf":
+            forms["nn_module"] = "nn.InstanceNorm2d / nn.GroupNorm in place of each norm"
+        extra = {
+            name: variants.Variant.extra(
+                name,
+                _export(
+                    ConvNormStack(kind, name.split("_")[0], shape[1], blocks),
+                    x,
+                    None,
+                    folder / f"{name}.onnx",
+                ),
+                f"the stack with {text}, dynamo export, ORT_ENABLE_ALL",
+            )
+            for name, text in forms.items()
+        }
+        opts = bench.BenchOptions(
+            provider=provider, budget_s=budget_s, only=("ort_raw", "normexport")
+        )
+        result = bench.bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
+    result["targets"] = _targets(result["points"][0], CONV_TARGETS)
     return result
 
 
@@ -185,32 +279,50 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--blocks", type=int, default=8)
     p.add_argument("--budget", type=float, default=30.0, help="timing seconds per stack kind")
+    p.add_argument("--set", choices=["transformer", "conv"], default="transformer")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     console = Console(highlight=False, width=150)
     provider, note = runtime.resolve_provider(args.provider)
     if note:
         console.print(note)
+    if args.set == "conv":
+        runs = [
+            (f"{kind} {'x'.join(map(str, shape))}", shape, kind)
+            for kind in CONV_KINDS
+            for shape in CONV_SHAPES
+        ]
+    else:
+        runs = [(kind, SHAPE, kind) for kind in KINDS]
     results = {}
-    for kind in KINDS:
-        result = run_kind(kind, provider, args.blocks, args.budget)
-        results[kind] = {"model": f"norm_stack[{kind}] x{args.blocks}, input {SHAPE}"} | result
-        bench.render(results[kind], console)
-        for t in result["targets"]:
-            r = t["ratio_other_over_normexport"]
-            verdict = "MET" if t["met"] else "NOT MET"
-            if not t["met"] and not t["reachable"]:
-                verdict += (
-                    f" (out of reach: with each norm as cheap as one elementwise op the stack "
-                    f"would be {t['floor_ceiling']:.2f}x faster than {t['versus']})"
-                )
-            console.print(f"{kind}: {t['target']}: {bench.fmt_ratio(r)} -> {verdict}")
-    name = f"norm_stack_{provider}"
-    out = {"shape": list(SHAPE), "blocks": args.blocks, "provider_note": note} | results
-    report.write_json(out, args.out / f"{name}.json")
+    for key, shape, kind in runs:
+        if args.set == "conv":
+            result = run_conv_kind(kind, shape, provider, args.blocks, args.budget)
+        else:
+            result = run_kind(kind, provider, args.blocks, args.budget)
+        results[key] = {"model": f"norm_stack[{kind}] x{args.blocks}, input {shape}"} | result
+        bench.render(results[key], console)
+        _verdicts(key, result["targets"], console)
+    name = f"norm_stack_{provider}" if args.set == "transformer" else f"norm_stack_conv_{provider}"
+    shapes = [list(SHAPE)] if args.set == "transformer" else [list(s) for s in CONV_SHAPES]
+    out = {"shape": shapes[0] if len(shapes) == 1 else shapes, "blocks": args.blocks}
+    report.write_json(out | {"provider_note": note} | results, args.out / f"{name}.json")
     _chart(results, args.out / f"{name}.png")
     console.print(f"wrote {args.out / name}.json and .png")
     return 0
+
+
+def _verdicts(key: str, targets: list[dict], console: Console) -> None:
+    """Print each target's ratio and verdict."""
+    for t in targets:
+        r = t["ratio_other_over_normexport"]
+        verdict = "MET" if t["met"] else "NOT MET"
+        if not t["met"] and not t["reachable"]:
+            verdict += (
+                f" (out of reach: with each norm as cheap as one elementwise op the stack "
+                f"would be {t['floor_ceiling']:.2f}x faster than {t['versus']})"
+            )
+        console.print(f"{key}: {t['target']}: {bench.fmt_ratio(r)} -> {verdict}")
 
 
 def _chart(results: dict, path: Path) -> None:

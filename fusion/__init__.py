@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 
 from fusion import registry
+from fusion._ir import KnownShapes
 from fusion.base import (
     TARGETS,
     CannotFuse,
@@ -50,6 +51,8 @@ __all__ = [
     "Code",
     "Fused",
     "FusionPass",
+    "DropShapes",
+    "FillShapes",
     "FusionReport",
     "Kind",
     "NodeFusionPass",
@@ -70,9 +73,12 @@ def optimize(
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
     Runs, as one :class:`onnx_ir.passes.PassManager`: exact clean-up (constant folding, CSE,
-    dead nodes), then each pass of :data:`fusion.registry.PASSES` that is enabled for
-    ``target`` and the options (FoldBatchNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention,
-    FuseSkip), then clean-up again. The model's opset is never raised: an op is only emitted
+    dead nodes), :class:`FillShapes` (ONNX shape inference for the values that carry no shape,
+    as the TorchScript exporter leaves them; :class:`DropShapes` takes them off again after the
+    passes), then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
+    and the options (FoldBatchNorm, FuseInstanceNorm, FuseGroupNorm, FuseChannelsFirstLayerNorm,
+    FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip), then clean-up again. The model's
+    opset is never raised: an op is only emitted
     where the model's opset (or, for ``target="ort"``, ONNX Runtime) has it.
 
     Args:
@@ -101,10 +107,74 @@ def optimize(
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
     passes = [p(target) for p in PASSES if p.enabled(target, options)]
-    ir.passes.PassManager([Cleanup(), *passes, Cleanup()])(model)
+    fill = FillShapes()
+    ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup()])(model)
     for fusion_pass in passes:
         report.extend(fusion_pass.outcomes)
     return report
+
+
+class FillShapes(ir.passes.InPlacePass):
+    """Give each main-graph node output that carries no shape (or no element type) the one
+    ONNX shape inference finds (:class:`fusion._ir.KnownShapes`: onnx_ir's
+    ``ShapeInferencePass`` on a clone, initializers over 1 KB left out of the protobuf, so
+    external data and the 2 GiB limit do not matter). The matchers need ranks and channel
+    counts; the TorchScript exporter writes none for intermediate values.
+
+    A shape or type the model already carries is never replaced (the dynamo exporter's symbolic
+    dimensions say more than inference's), and where inference fails or finds nothing the value
+    stays as it is: the passes then refuse what needs a shape, as before. The shapes are
+    scaffolding for the passes: :class:`DropShapes` (run after them) takes them off again,
+    except where a node a pass made reads or writes the value, so that the other values and the
+    clean-up after the passes are as they would be without them.
+
+    Attributes:
+        filled: ``(value, its shape, its type)`` before, for each value given something.
+        nodes: the main graph's nodes when it ran.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.filled: list[tuple[ir.Value, ir.Shape | None, ir.TypeProtocol | None]] = []
+        self.nodes: set[ir.Node] = set()
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        shapes = KnownShapes(model)
+        self.nodes = set(model.graph)
+        self.filled = []
+        for value in (v for node in model.graph for v in node.outputs):
+            shape = shapes(value) if value.shape is None else None
+            dtype = shapes.dtype(value) if value.dtype is None else None
+            if shape is not None or dtype is not None:
+                self.filled.append((value, value.shape, value.type))
+            if shape is not None:
+                value.shape = shape.copy()
+            if dtype is not None:
+                value.dtype = dtype
+        return ir.passes.PassResult(model, modified=bool(self.filled))
+
+
+class DropShapes(ir.passes.InPlacePass):
+    """Take the shapes and types that ``fill`` (a :class:`FillShapes` that has run) put on off
+    the values that no node made since reads or writes and that are no graph output (a rewrite
+    that made one an output, e.g. a Conv that absorbed the BatchNorm after it, keeps its type).
+
+    Args:
+        fill: the FillShapes pass run before the fusion passes.
+    """
+
+    def __init__(self, fill: FillShapes):
+        super().__init__()
+        self.fill = fill
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        for value, shape, type_ in self.fill.filled:
+            nodes = [value.producer(), *(use.node for use in value.uses())]
+            if value.is_graph_output():  # made one by a rewrite: an output needs its type
+                continue
+            if all(node in self.fill.nodes for node in nodes if node is not None):
+                value.shape, value.type = shape, type_
+        return ir.passes.PassResult(model, modified=False)
 
 
 def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> None:

@@ -143,6 +143,14 @@ class Code(enum.StrEnum):
     #: The Gemm after a BatchNorm has ``transA=1``.
     GEMM_TRANS_A = "gemm_trans_a"
 
+    # InstanceNorm / GroupNorm / channels-first LayerNorm.
+    #: The fused op has no ONNX Runtime kernel on the provider measured (ORT expands it into
+    #: its function body, measured slower than the form the graph has): that form is kept.
+    NO_ORT_KERNEL = "no_ort_kernel"
+    #: The exact rewrite was measured slower than the form the graph has on the provider
+    #: (``benchmarks/forms.py --set conv``): that form is kept.
+    SLOWER_MEASURED = "slower_measured"
+
     # Skip (residual Add + norm).
     #: A Cast between the residual Add and the norm (the Skip op would add in another type).
     CAST_BETWEEN = "cast_between"

@@ -15,6 +15,10 @@ and makes the whole subgraph one node. The normalization is matched by FuseLayer
 matcher, so every form it accepts is accepted here (a scaled variance ``factor * var`` gives
 ``scale = gamma / sqrt(factor)`` and ``epsilon = eps / factor``, as there).
 
+The channel count is read from the shape of ``x``: :func:`fusion.optimize` runs ONNX shape
+inference for the values that carry none (:class:`fusion.FillShapes`; the TorchScript exporter
+writes no shapes for intermediate values) before the passes.
+
 What is not exactly an InstanceNorm is left to FuseLayerNorm, which fuses or refuses it: a norm
 over other axes than 2 and on, a half-precision round trip (InstanceNormalization computes in the
 input type, the fused LayerNormalization in float32), a weight that is not per channel.
@@ -33,7 +37,7 @@ from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.norm_match import NormMatch
 
 
-def _per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarray | None:
+def per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarray | None:
     """``array`` as a float32 (C,) vector when broadcasting it against (N, C, *spatial) varies
     along axis 1 at most; None otherwise."""
     if array is None or array.ndim > rank or array.dtype != np.float32:
@@ -47,13 +51,15 @@ def _per_channel(array: np.ndarray | None, rank: int, channels: int) -> np.ndarr
     return np.ascontiguousarray(np.broadcast_to(full.reshape(-1), (channels,)))
 
 
-def _absorb(match: NormMatch, op_type: str, rank: int, channels: int) -> np.ndarray | None:
+def absorb_per_channel(
+    match: NormMatch, op_type: str, rank: int, channels: int
+) -> np.ndarray | None:
     """Extend ``match`` over ``op_type(output, c)`` with ``c`` per channel; return ``c`` as a
     (C,) vector, or None (``match`` unchanged)."""
     node = sole_consumer(match.output)
     if node is None or node.op_type != op_type or node.domain != "":
         return None
-    vector = _per_channel(const_array(other_input(node, match.output)), rank, channels)
+    vector = per_channel(const_array(other_input(node, match.output)), rank, channels)
     if vector is not None:
         match.nodes.append(node)
         match.output = node.outputs[0]
@@ -89,10 +95,10 @@ class FuseInstanceNorm(NodeFusionPass):
         channels = match.x.shape[1]
         if not isinstance(channels, int):
             return None
-        scale = _absorb(match, "Mul", rank, channels)
+        scale = absorb_per_channel(match, "Mul", rank, channels)
         if scale is None:
             return None
-        bias = _absorb(match, "Add", rank, channels)
+        bias = absorb_per_channel(match, "Add", rank, channels)
         match.weight = (None, scale)
         match.bias = (None, bias if bias is not None else np.zeros(channels, np.float32))
         return match

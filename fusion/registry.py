@@ -11,14 +11,25 @@ from collections.abc import Mapping
 from fusion.base import Kind, Op
 from fusion.fold_batchnorm import FoldBatchNorm
 from fusion.fuse_attention import FuseAttention
+from fusion.fuse_groupnorm import FuseGroupNorm
 from fusion.fuse_instancenorm import FuseInstanceNorm
 from fusion.fuse_layernorm import FuseLayerNorm
+from fusion.fuse_layernorm_cf import FuseChannelsFirstLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.fuse_skip import FuseSkip
 
 #: The fusion passes in the order optimize() runs them. FuseSkip is last: it fuses the norms
 #: the passes before it produce.
-PASSES = (FoldBatchNorm, FuseInstanceNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip)
+PASSES = (
+    FoldBatchNorm,
+    FuseInstanceNorm,
+    FuseGroupNorm,
+    FuseChannelsFirstLayerNorm,
+    FuseLayerNorm,
+    FuseRMSNorm,
+    FuseAttention,
+    FuseSkip,
+)
 
 #: Every kind of rewrite, in report order.
 KINDS: tuple[Kind, ...] = tuple(kind for p in PASSES for kind in p.kinds)
@@ -26,8 +37,19 @@ KINDS: tuple[Kind, ...] = tuple(kind for p in PASSES for kind in p.kinds)
 #: The report's count keys (every report carries each, zero or not).
 FUSION_KINDS: tuple[str, ...] = tuple(kind.name for kind in KINDS)
 
-#: The normalization ops, each with its family: what ``fusion.norm_ops`` counts.
-NORM_OPS: Mapping[Op, str] = {op: kind.family for kind in KINDS if kind.norm for op in kind.ops}
+
+#: The normalization ops, each with its family: what ``fusion.norm_ops`` counts. An op that
+#: two families leave belongs to the first (InstanceNormalization: ``instancenorm``, also
+#: ``groupnorm``'s between its Reshapes).
+def _norm_ops() -> dict[Op, str]:
+    ops: dict[Op, str] = {}
+    for kind in KINDS:
+        for op in kind.ops if kind.norm else ():
+            ops.setdefault(op, kind.family)
+    return ops
+
+
+NORM_OPS: Mapping[Op, str] = _norm_ops()
 
 #: The norm ops the fusion passes emit (BatchNormalization is folded away, never emitted).
 FUSED_NORM_OPS: tuple[Op, ...] = tuple(op for op in NORM_OPS if op.op_type != "BatchNormalization")

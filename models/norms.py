@@ -78,6 +78,10 @@ DECOMPOSED = {
     "layernorm": frozenset({"ReduceMean", "Sub", "Pow", "Mul", "Add", "Sqrt", "Reciprocal", "Div"}),
     "rmsnorm": frozenset({"ReduceMean", "Pow", "Mul", "Add", "Sqrt", "Reciprocal", "Div"}),
     "batchnorm": frozenset({"BatchNormalization", "Sub", "Mul", "Sqrt", "Div"}),
+    "instancenorm": frozenset({"ReduceMean", "Sub", "Pow", "Mul", "Add", "Sqrt", "Div"}),
+    # a GroupNorm keeps its Reshapes and its per-channel Mul / Add (nn.GroupNorm's form)
+    "groupnorm": frozenset({"ReduceMean", "Sub", "Pow", "Sqrt", "Reciprocal", "Div"}),
+    "layernorm_cf": frozenset({"ReduceMean", "Sub", "Pow", "Mul", "Add", "Sqrt", "Div"}),
 }
 
 #: The opsets each exporter is asked for (the dynamo exporter cannot write opsets below 18).
@@ -763,6 +767,91 @@ GALLERY: list[Entry] = [
         "reduces axis 1, along which the map varies",
         RESNET_TAIL,
     ),
+    # InstanceNorm / GroupNorm (and the channels-first LayerNorm); modules at the end of the
+    # file. After a Conv (input (2, 3, 5, 6)), so that the TorchScript export has no shapes to
+    # match with.
+    Entry(
+        "in_cnn_layernorm",
+        "instancenorm",
+        lambda: _seq(nn.Conv2d(3, 4, 3, padding=1), CnnLayerNorm(4)),
+        (2, 3, 5, 6),
+        FUSED,
+    ),
+    Entry(
+        "in_cnn_layernorm_eps1e-8",
+        "instancenorm",
+        lambda: _seq(nn.Conv2d(3, 4, 3, padding=1), CnnLayerNorm(4, eps=1e-8)),
+        (2, 3, 5, 6),
+        FUSED,
+    ),
+    Entry("in_cnn_layernorm_unbiased", "instancenorm", lambda: CnnLayerNorm(4, True), NCHW, FUSED),
+    # Look-alikes: a weight over H, W is a LayerNorm weight; eps outside the square root.
+    _ln("in_spatial_gamma", lambda: CnnLayerNorm(4, gamma=(1, 1, 3, 5)), NCHW),
+    _refused(
+        "layernorm",
+        "in_eps_outside_sqrt",
+        lambda: CnnLayerNorm(4, eps_outside=True),
+        "eps outside the square root",
+        NCHW,
+    ),
+    # nn.GroupNorm: the dynamo exporter writes GroupNormalization itself from opset 21.
+    _refused(
+        "groupnorm",
+        "gn_module",
+        lambda: _random_affine(nn.GroupNorm(2, 4)),
+        "no ONNX Runtime CPU kernel",
+        NCHW,
+        opsets=(17, 18, 20),
+    ),
+    _refused(
+        "groupnorm",
+        "gn_module_no_affine",
+        lambda: nn.GroupNorm(2, 4, affine=False),
+        "no ONNX Runtime CPU kernel",
+        NCHW,
+        opsets=(17, 18, 20),
+    ),
+    # ... which ONNX Runtime expands into its function body: made the exported form again.
+    Entry(
+        "gn_module_opset23",
+        "groupnorm",
+        lambda: _random_affine(nn.GroupNorm(2, 4)),
+        NCHW,
+        FUSED,
+        exporters=("dynamo",),
+        opsets=(23,),
+    ),
+    Entry("gn_hand", "groupnorm", lambda: HandGroupNorm(4, 2), NCHW, FUSED),
+    Entry(
+        "gn_hand_5d_eps1e-8",
+        "groupnorm",
+        lambda: _seq(nn.Conv2d(3, 4, 3, padding=1), HandGroupNorm(4, 2, eps=1e-8, split=True)),
+        (2, 3, 5, 6),
+        FUSED,
+    ),
+    _refused(
+        "layernorm",
+        "gn_eps_outside_sqrt",
+        lambda: HandGroupNorm(4, 2, eps_outside=True),
+        "eps outside the square root",
+        NCHW,
+    ),
+    # Channels-first LayerNorm (ConvNeXt): fused at batch 1, kept (measured slower) above.
+    Entry("ln_cf_convnext", "layernorm_cf", lambda: ChannelsFirstLayerNorm(4), (1, 4, 3, 5), FUSED),
+    Entry(
+        "ln_cf_convnext_1d",
+        "layernorm_cf",
+        lambda: _seq(nn.Conv1d(3, 4, 3), ChannelsFirstLayerNorm(4)),
+        (1, 3, 9),
+        FUSED,
+    ),
+    _refused(
+        "layernorm_cf",
+        "ln_cf_convnext_batch2",
+        lambda: ChannelsFirstLayerNorm(4),
+        "measured slower",
+        NCHW,
+    ),
 ]
 
 
@@ -770,3 +859,94 @@ def torch_outputs(module: nn.Module, feeds: dict[str, np.ndarray]) -> list[np.nd
     """``module`` run eagerly on ``feeds["x"]``, in its own precision: the parity reference."""
     with torch.no_grad():
         return [module(torch.from_numpy(feeds["x"])).numpy()]
+
+
+# ---- InstanceNorm / GroupNorm / channels-first LayerNorm modules (GALLERY's last section) ----
+
+
+def _random_affine(module: nn.Module, seed: int = 0) -> nn.Module:
+    """``module`` with a seeded random weight (1 + 0.5 N(0, 1)) and bias (0.5 N(0, 1))."""
+    generator = _generator(seed)
+    with torch.no_grad():
+        module.weight.copy_(1.0 + 0.5 * torch.randn(module.weight.shape, generator=generator))
+        module.bias.copy_(0.5 * torch.randn(module.bias.shape, generator=generator))
+    return module
+
+
+class CnnLayerNorm(nn.Module):
+    """The tutorials' per-channel "CNN LayerNorm": mean and variance over H, W, then gamma and
+    beta of shape (1, C, 1, 1) (an InstanceNormalization).
+
+    Args:
+        channels: C.
+        unbiased: the variance from ``x.var()`` (divides by H W - 1): still exact.
+        gamma: the weight's and bias's shape (``(1, 1, H, W)`` makes a LayerNorm weight).
+        eps_outside: ``(x - m) / (sqrt(var) + eps)``, a look-alike.
+    """
+
+    def __init__(self, channels, unbiased=False, *, eps=1e-5, gamma=None, eps_outside=False):
+        super().__init__()
+        generator = _generator(1)
+        shape = gamma or (1, channels, 1, 1)
+        self.gamma = nn.Parameter(1.0 + 0.5 * torch.randn(shape, generator=generator))
+        self.beta = nn.Parameter(0.5 * torch.randn(shape, generator=generator))
+        self.eps, self.unbiased, self.eps_outside = eps, unbiased, eps_outside
+
+    def forward(self, x):
+        mu = x.mean((2, 3), keepdim=True)
+        if self.unbiased:
+            var = x.var((2, 3), keepdim=True)
+        else:
+            var = ((x - mu) ** 2).mean((2, 3), keepdim=True)
+        if self.eps_outside:
+            x = (x - mu) / (torch.sqrt(var) + self.eps)
+        else:
+            x = (x - mu) / torch.sqrt(var + self.eps)
+        return self.gamma * x + self.beta
+
+
+class HandGroupNorm(nn.Module):
+    """GroupNorm written out: ``x.reshape(N, G, -1)`` (or ``(N, G, C/G, H, W)`` with
+    ``split``), mean and biased variance within each group, reshape back, per-channel weight
+    and bias (Wu and He 2018); ``eps_outside`` writes the look-alike ``sqrt(var) + eps``."""
+
+    def __init__(self, channels, groups, *, eps=1e-5, split=False, eps_outside=False):
+        super().__init__()
+        generator = _generator(2)
+        self.weight = nn.Parameter(1.0 + 0.5 * torch.randn(channels, generator=generator))
+        self.bias = nn.Parameter(0.5 * torch.randn(channels, generator=generator))
+        self.groups, self.eps, self.split, self.eps_outside = groups, eps, split, eps_outside
+
+    def forward(self, x):
+        n, c = x.shape[:2]
+        if self.split:
+            y, dims = x.reshape(n, self.groups, c // self.groups, *x.shape[2:]), (2, 3, 4)
+        else:
+            y, dims = x.reshape(n, self.groups, -1), (-1,)
+        mu = y.mean(dims, keepdim=True)
+        var = ((y - mu) ** 2).mean(dims, keepdim=True)
+        if self.eps_outside:
+            y = (y - mu) / (torch.sqrt(var) + self.eps)
+        else:
+            y = (y - mu) / torch.sqrt(var + self.eps)
+        y = y.reshape(x.shape)
+        return y * self.weight[None, :, None, None] + self.bias[None, :, None, None]
+
+
+class ChannelsFirstLayerNorm(nn.Module):
+    """ConvNeXt's original ``LayerNorm(data_format="channels_first")`` (Liu et al. 2022), on
+    (N, C, H, W) or (N, C, L)."""
+
+    def __init__(self, channels, eps=1e-6):
+        super().__init__()
+        generator = _generator(3)
+        self.weight = nn.Parameter(1.0 + 0.5 * torch.randn(channels, generator=generator))
+        self.bias = nn.Parameter(0.5 * torch.randn(channels, generator=generator))
+        self.eps = eps
+
+    def forward(self, x):
+        u = x.mean(1, keepdim=True)
+        s = (x - u).pow(2).mean(1, keepdim=True)
+        x = (x - u) / torch.sqrt(s + self.eps)
+        index = (slice(None),) + (None,) * (x.dim() - 2)
+        return self.weight[index] * x + self.bias[index]

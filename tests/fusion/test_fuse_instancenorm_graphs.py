@@ -5,11 +5,14 @@ FuseLayerNorm."""
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 from graphs import assert_close, make_model, ops, run
+from norm_graphs import Graph, layernorm
 from onnx import TensorProto
 
 import fusion
+from fusion.fuse_instancenorm import FuseInstanceNorm
 
 F = TensorProto.FLOAT
 SHAPE = (2, 4, 5, 6)
@@ -97,3 +100,53 @@ def test_norm_over_one_spatial_axis_is_not_an_instancenorm(rng):
     assert after == ["LayerNormalization", "Mul"]
     assert report.codes("layernorm") == ["axis_not_normalized"]
     assert_close(run(model, feeds), want)
+
+
+def _after_relu_without_shapes(rng):
+    """The CNN LayerNorm of ``Relu(x)``, every intermediate value without shape or type, as the
+    TorchScript exporter writes a norm after a layer."""
+    model = cnn_layernorm(rng)
+    graph = model.graph
+    relu = ir.node("Relu", [graph.inputs[0]])
+    graph.insert_before(graph[0], relu)
+    for node in list(graph)[1:]:
+        for i, value in enumerate(node.inputs):
+            if value is graph.inputs[0]:
+                node.replace_input_with(i, relu.outputs[0])
+    for node in graph:
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.shape, value.type = None, None
+    return model
+
+
+def test_shapes_are_inferred_before_matching(rng):
+    """FuseInstanceNorm alone cannot place the channel axis of a value with no shape; optimize()
+    runs shape inference first (FillShapes) and fuses it."""
+    alone = _after_relu_without_shapes(rng)
+    assert not FuseInstanceNorm()(alone).modified
+    model = _after_relu_without_shapes(np.random.default_rng(0))
+    feeds = {"x": rng.standard_normal(SHAPE).astype(np.float32)}
+    want = run(model, feeds)
+    report, after = _optimized(model)
+    assert after == ["Relu", "InstanceNormalization"] and report.counts["instancenorm_fused"] == 1
+    assert_close(run(model, feeds), want)
+
+
+def test_fill_shapes_keeps_the_shapes_a_model_has(rng):
+    model = cnn_layernorm(rng)
+    before = {v.name: v.shape for node in model.graph for v in node.outputs}
+    assert not fusion.FillShapes()(model).modified
+    assert {v.name: v.shape for node in model.graph for v in node.outputs} == before
+
+
+def test_eps_outside_sqrt_is_refused(rng):
+    """A look-alike: ``(x - mu) / (sqrt(var) + eps) * gamma`` is no InstanceNorm, no LayerNorm."""
+    g = Graph()
+    normed = layernorm(g, "x", axes=(2, 3), eps_outside=True)
+    gamma = g.const("gamma", rng.uniform(0.5, 2.0, (1, 4, 1, 1)).astype(np.float32))
+    g.node("Mul", [normed, gamma], "y")
+    model = g.model({"x": (F, SHAPE)}, {"y": (F, SHAPE)})
+    raw = ops(model)
+    report, after = _optimized(model)
+    assert after == raw and report.codes() == ["eps_outside_sqrt"]

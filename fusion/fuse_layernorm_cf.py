@@ -1,0 +1,193 @@
+"""Fuse a channels-first LayerNorm written by hand into Transpose -> LayerNormalization ->
+Transpose, where that was measured faster.
+
+ConvNeXt's original (Liu et al. 2022, ``LayerNorm(data_format="channels_first")``) normalizes a
+feature map ``x`` of shape (N, C, *spatial) over its channel axis, with a weight and bias per
+channel::
+
+    u = x.mean(1, keepdim=True); s = (x - u).pow(2).mean(1, keepdim=True)
+    y = w[:, None, None] * (x - u) / torch.sqrt(s + eps) + b[:, None, None]
+
+ONNX ``LayerNormalization`` (opset 17, onnx/docs/Operators.md#LayerNormalization) normalizes
+trailing axes only, so the exact rewrite moves the channels last and back::
+
+    Transpose(perm=(0, 2, ..., r-1, 1)) -> LayerNormalization(axis=-1, Scale=w, B=b, epsilon=eps)
+        -> Transpose(perm=(0, r-1, 1, ..., r-2))
+
+the same statistics over the same C numbers of each position, the same eps, the weight and bias
+on the same channels. A variance scaled by ``f > 0`` gives ``epsilon = eps / f`` and ``Scale =
+w / sqrt(f)``, as in :class:`~fusion.fuse_layernorm.FuseLayerNorm`. Where ``x`` is itself the
+output of the inverse Transpose (a channels-last tensor moved channels-first), the first
+Transpose cancels against it; where the only reader of ``y`` is a Transpose to channels-last,
+the second cancels against that one.
+
+Speed decides (``benchmarks/forms.py --set conv``, group ``channels_first_layernorm``, CPU): with
+no Transpose cancelled, the rewrite was measured faster than the decomposed form at batch 1 on
+every shape tried, but at batches 2 and 8 slower on some shapes and only as fast or a little
+faster on others (ONNX Runtime's ReduceMean over the channel axis costs much less per sample
+from batch 2 on; the two Transposes do not). With a Transpose cancelled it was faster at every
+shape. So it is fused where a Transpose cancels or where the batch is a static 1, and otherwise
+recognized and kept with the code ``slower_measured`` (a symbolic batch included). A weight or
+bias that is not per channel stays a separate Mul / Add after the fused norm. Candidates that
+are not exactly this function (a mean over other axes, a norm not in float32, eps outside the
+square root, a shared intermediate value, ...) are left to
+:class:`~fusion.fuse_layernorm.FuseLayerNorm`, which refuses them with their reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx_ir as ir
+
+from fusion._ir import (
+    as_division,
+    escaping_value,
+    label,
+    producer,
+    rank_of,
+    reduce_axes,
+    shape_text,
+)
+from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion.fuse_instancenorm import absorb_per_channel
+from fusion.norm_match import FLOAT, NormMatch, centered, match_mean_square, param_value
+
+SLOWER = (
+    "channels-first LayerNorm over axis 1 of a {shape} input: Transpose -> LayerNormalization "
+    "-> Transpose is exact, but was measured slower than the decomposed form on the CPU "
+    "provider at a batch other than 1 (benchmarks/results/forms_conv_cpu.json): kept"
+)
+
+
+def _perms(rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(to_last, to_first)``: the permutations that move axis 1 last, and back."""
+    return (0, *range(2, rank), 1), (0, rank - 1, *range(1, rank - 1))
+
+
+def _over_channels(reduce: ir.Node, rank: int) -> bool:
+    """Whether ``reduce`` is a keepdims mean over axis 1 only."""
+    axes = reduce_axes(reduce, rank)
+    return (
+        axes is not None
+        and {a % rank for a in axes} == {1}
+        and reduce.attributes.get_int("keepdims", 1) == 1
+    )
+
+
+def _transpose(value: ir.Value, perm: tuple[int, ...]) -> ir.Node | None:
+    """The Transpose with ``perm`` that produces ``value``, or None."""
+    node = producer(value, "Transpose")
+    return node if node is not None and node.attributes.get_ints("perm") == perm else None
+
+
+def _reader_transpose(value: ir.Value, perm: tuple[int, ...]) -> ir.Node | None:
+    """The Transpose with ``perm`` that is the only reader of ``value``, or None."""
+    uses = list(value.uses())
+    if value.is_graph_output() or len(uses) != 1:
+        return None
+    node = uses[0].node
+    ok = node.op_type == "Transpose" and node.domain == ""
+    return node if ok and node.attributes.get_ints("perm") == perm else None
+
+
+class FuseChannelsFirstLayerNorm(NodeFusionPass):
+    """Replace a hand-written LayerNorm over axis 1 of a (N, C, ...) input by Transpose ->
+    LayerNormalization -> Transpose where measured faster (see the module docstring); counted
+    as ``layernorm_cf_fused``, kept as a ``layernorm_cf`` refusal (``slower_measured``)
+    elsewhere. Runs before :class:`~fusion.fuse_layernorm.FuseLayerNorm`.
+    """
+
+    kinds = (Kind("layernorm_cf_fused", "layernorm_cf", (Op("LayerNormalization"),)),)
+    needs_opset = {"onnx": 17}
+
+    def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
+        """The channels-first LayerNorm ending at ``node`` (the division) with its per-channel
+        weight and bias; None for anything else (FuseLayerNorm's to fuse or refuse).
+
+        Raises:
+            CannotFuse: ``slower_measured``: the rewrite would not be faster (see the module
+                docstring).
+        """
+        match = self._normalization(node)
+        if match is None:
+            return None
+        rank, channels = len(match.x.shape), match.x.shape[1]
+        weight = absorb_per_channel(match, "Mul", rank, channels)
+        bias = absorb_per_channel(match, "Add", rank, channels)
+        match.weight = (None, weight) if weight is not None else None
+        match.bias = (None, bias) if bias is not None else None
+        to_last, to_first = _perms(rank)
+        cancels = _transpose(match.x, to_first) or _reader_transpose(match.output, to_last)
+        if cancels is None and match.x.shape[0] != 1:
+            raise CannotFuse(Code.SLOWER_MEASURED, SLOWER.format(shape=shape_text(match.x.shape)))
+        return match
+
+    def _normalization(self, node: ir.Node) -> NormMatch | None:
+        """``(x - mean_1(x)) / sqrt(f * mean_1((x - mean_1(x))^2) + eps)`` ending at ``node``,
+        float32, ``x`` of known rank >= 3 and channel count, nothing read outside; or None."""
+        division = as_division(node)
+        core = match_mean_square(division[1]) if division is not None else None
+        found = centered(core.value) if core is not None else None
+        if found is None:
+            return None
+        x = found[0]
+        centers = [found]
+        if division[0] is not core.value:
+            centers.append(centered(division[0]))
+            if centers[-1] is None or centers[-1][0] is not x:
+                return None
+        rank = rank_of(x)
+        if rank is None or rank < 3 or not isinstance(x.shape[1], int) or core.restores:
+            return None
+        if not all(_over_channels(r, rank) for r in [core.reduce, *(c[1] for c in centers)]):
+            return None
+        if core.eps is None or core.eps.dtype != FLOAT.numpy():
+            return None
+        if not (math.isfinite(core.factor) and core.factor > 0):
+            return None
+        centering = [n for c in centers for n in c[1:]]
+        nodes = [*centering, *core.nodes, *division[2], node]
+        if escaping_value(nodes[len(centering) :], node.outputs[0]) is not None:
+            return None
+        dims = (x.shape[1],)
+        return NormMatch(x, 1, dims, float(core.eps), core.factor, nodes, node.outputs[0])
+
+    def rewrite(self, model: ir.Model, match: NormMatch) -> str:
+        """Insert the LayerNormalization and the Transposes that do not cancel, move the
+        readers over, drop the old nodes; return what the norm became."""
+        graph = model.graph
+        hint = label(match.nodes[-1])
+        x, rank = match.x, len(match.x.shape)
+        to_last, to_first = _perms(rank)
+        last_shape = ir.Shape([x.shape.dims[p] for p in to_last])
+        before = _transpose(x, to_first)
+        if before is not None:  # x is a channels-last tensor moved channels-first: take that
+            match.nodes.insert(0, before)
+            source = before.inputs[0]
+        else:
+            moved = ir.node("Transpose", [x], {"perm": to_last}, name=f"{hint}_to_last")
+            moved.outputs[0].type, moved.outputs[0].shape = x.type, last_shape
+            graph.insert_before(match.nodes[-1], moved)
+            source = moved.outputs[0]
+        inputs = [source, match.scale(graph, hint)]
+        if match.bias is not None:
+            inputs.append(param_value(graph, None, match.bias[1], f"{hint}_bias"))
+        norm = ir.node(
+            "LayerNormalization",
+            inputs,
+            {"axis": -1, "epsilon": match.epsilon, "stash_type": 1},
+            name=f"{hint}_LayerNormalization",
+        )
+        after = _reader_transpose(match.output, to_last)
+        if after is not None:  # its only reader moves it channels-last: the norm's output is that
+            match.nodes.append(after)
+            match.output = after.outputs[0]
+            match.replace(graph, norm)
+        else:
+            graph.insert_before(match.nodes[-1], norm)
+            back = ir.node("Transpose", [norm.outputs[0]], {"perm": to_first}, name=f"{hint}_back")
+            match.replace(graph, back)
+        norm.outputs[0].type, norm.outputs[0].shape = x.type, last_shape
+        steps = ["Transpose"] * (before is None) + ["LayerNormalization"]
+        return " -> ".join(steps + ["Transpose"] * (after is None))
