@@ -4,9 +4,9 @@ Each demo model is saved as ``make demo`` saves it (:func:`models.demo.save_mode
 the pipeline runs on it once as it is and once per break of :mod:`models.broken`
 (``scale`` at 1.01, ``eps_dropped``, ``layernorm_as_rmsnorm``, ``bn_wrong_variance``; a break
 the model has nothing for is ``n/a``). A verdict that passes any applicable break is wrong.
-Then the ``scale`` break is tried at each factor of :data:`FACTORS`, smallest first, up to the
-first one the verdict catches: the smallest single-channel weight scaling it catches (the
-closer to the export's own noise, the sharper the verdict).
+Then the ``scale`` break is tried at the factors of :data:`FACTORS` (by bisection) for the
+smallest single-channel weight scaling the verdict catches (the closer to the export's own
+noise, the sharper the verdict).
 
 Per model, the JSON has the oracle, every break's verdict and worst error against the oracle
 (``inf``: NaN or Inf where the oracle is finite), the smallest scaling caught, and the
@@ -91,11 +91,21 @@ def measure(name: str, folder: Path) -> dict:
         "breaks": {kind: _broken(opts, kind) for kind in broken.BREAKS},
         "smallest_scale_caught": None,
     }
-    for factor in FACTORS:
-        if _broken(opts, "scale", factor).get("caught"):
-            result["smallest_scale_caught"] = factor
-            break
+    result["smallest_scale_caught"] = _smallest_caught(opts)
     return result
+
+
+def _smallest_caught(opts: Options) -> float | None:
+    """The smallest factor of :data:`FACTORS` whose ``scale`` break the verdict catches, by
+    bisection (a larger scaling is further from the oracle); None where none is caught."""
+    low, high = 0, len(FACTORS)  # FACTORS[high] is caught (high == len: none known to be)
+    while low < high:
+        middle = (low + high) // 2
+        if _broken(opts, "scale", FACTORS[middle]).get("caught"):
+            high = middle
+        else:
+            low = middle + 1
+    return FACTORS[high] if high < len(FACTORS) else None
 
 
 def _cell(entry: dict) -> str:
@@ -130,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             folder = Path(scratch) / name
             folder.mkdir()
             results[name] = measure(name, folder)
+            print(json.dumps(results[name]), flush=True)
     print_table(results)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "verdict.json"
