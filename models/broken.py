@@ -55,7 +55,8 @@ def broken(kind: str, factor: float = 1.01) -> Iterator[None]:
     Raises:
         ValueError: an unknown ``kind``.
         NothingToBreak: from the pipeline's call of ``fusion.optimize``, where the optimized
-            model has nothing ``kind`` applies to.
+            model has nothing ``kind`` applies to (no linear layer, no fused norm, no
+            LayerNormalization, no folded BatchNorm).
     """
     if kind not in BREAKS:
         raise ValueError(f"unknown break {kind!r}; choose from {', '.join(BREAKS)}")
@@ -63,8 +64,7 @@ def broken(kind: str, factor: float = 1.01) -> Iterator[None]:
         if kind in ("bn_wrong_variance", "eps_dropped"):
             wrong = (lambda var, eps: var) if kind == "eps_dropped" else _std_for_var
             stack.enter_context(_batchnorm_algebra(wrong))
-        if kind != "bn_wrong_variance":
-            stack.enter_context(mock.patch.object(fusion, "optimize", _after(kind, factor)))
+        stack.enter_context(mock.patch.object(fusion, "optimize", _after(kind, factor)))
         yield
 
 
@@ -82,6 +82,9 @@ def _after(kind: str, factor: float) -> Callable:
             _scale_one_channel(model, factor)
         elif kind == "layernorm_as_rmsnorm":
             _layernorm_to_rmsnorm(model)
+        elif kind == "bn_wrong_variance":
+            if not report.counts["batchnorm_folded"]:
+                raise NothingToBreak("no BatchNorm folded")
         elif not _drop_eps(model) and not report.counts["batchnorm_folded"]:
             raise NothingToBreak("no fused norm and no folded BatchNorm: no epsilon to drop")
         return report
