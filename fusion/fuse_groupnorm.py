@@ -66,6 +66,7 @@ from fusion._ir import (
     sole_consumer,
 )
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion.fuse_instancenorm import spatial_layernorm
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.norm_match import NormMatch
 
@@ -157,16 +158,9 @@ class FuseGroupNorm(NodeFusionPass):
                 detail = KEPT.format(groups=found[0], channels=found[1])
                 raise CannotFuse(Code.NO_ORT_KERNEL, detail)
             return None
-        try:
-            match = self._layernorm.match(model, node)
-        except CannotFuse:  # FuseLayerNorm's to report
-            return None
-        if match is None or match.weight is not None or match.bias is not None:
-            return None
-        rank = rank_of(match.x)
-        if rank is None or match.k != rank - 2 or match.dtype != ir.DataType.FLOAT:
-            return None
-        return match if grouping(match.x, match.output) is not None else None
+        match = spatial_layernorm(self._layernorm, model, node)
+        found = match is not None and grouping(match.x, match.output) is not None
+        return match if found else None
 
     def _standard(self, model: ir.Model, node: ir.Node) -> ir.Node | None:
         """``node`` (a GroupNormalization) when it is to be expanded: ``target="ort"``, opset

@@ -66,6 +66,22 @@ def absorb_per_channel(
     return vector
 
 
+def spatial_layernorm(layernorm: FuseLayerNorm, model: ir.Model, node: ir.Node) -> NormMatch | None:
+    """``layernorm``'s match at ``node`` where it normalizes axes 2.. of a float32 input of
+    rank 3 or more with no weight or bias of its own (an InstanceNorm's or a GroupNorm's
+    statistics); None for anything else, a refusal included (FuseLayerNorm reports those)."""
+    try:
+        match = layernorm.match(model, node)
+    except CannotFuse:
+        return None
+    if match is None or match.weight is not None or match.bias is not None:
+        return None
+    rank = rank_of(match.x)
+    if rank is None or rank < 3 or match.k != rank - 2 or match.dtype != ir.DataType.FLOAT:
+        return None
+    return match
+
+
 class FuseInstanceNorm(NodeFusionPass):
     """Replace each hand-written per-channel "CNN LayerNorm" by one ``InstanceNormalization``
     (see the module docstring for the math). Runs before :class:`FuseLayerNorm`.
@@ -83,15 +99,10 @@ class FuseInstanceNorm(NodeFusionPass):
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
         """A LayerNorm over axes 2.. of a float32 (N, C, ...) input with no weight of its own,
         followed by a per-channel Mul (and optionally Add); None for anything else."""
-        try:
-            match = self._layernorm.match(model, node)
-        except CannotFuse:  # FuseLayerNorm's to report
-            return None
-        if match is None or match.weight is not None or match.bias is not None:
+        match = spatial_layernorm(self._layernorm, model, node)
+        if match is None:
             return None
         rank = rank_of(match.x)
-        if rank is None or rank < 3 or match.k != rank - 2 or match.dtype != ir.DataType.FLOAT:
-            return None
         channels = match.x.shape[1]
         if not isinstance(channels, int):
             return None
