@@ -114,7 +114,7 @@ def _smallest_caught(opts: Options) -> float | None:
 def _cell(entry: dict) -> str:
     if not entry["applies"]:
         return "n/a"
-    return f"{'caught' if entry['caught'] else 'MISSED'} ({entry['max_abs_err']:.2g})"
+    return f"{'caught' if entry['caught'] else 'not caught'} ({entry['max_abs_err']:.2g})"
 
 
 def print_table(results: dict[str, dict]) -> None:
