@@ -39,7 +39,9 @@ Spellings accepted (as the dynamo and TorchScript exporters write them after
                  ReduceSum(x) divided by N or times 1/N (x.sum(-1, keepdim=True) / d); the
                  variance may center x a second time, over the same axes spelled differently
                  (the dynamo export of x.var() does: axes [2] where the mean has [-1])
-    divide       Div(d, den) | Mul(d, Reciprocal(den)) | Mul(d, Div(1, den))
+    divide       Div(n, den) | Mul(n, Reciprocal(den)) | Mul(n, Div(1, den)), where the
+                 numerator n is d, or Mul(w, d) with w a constant (the tutorials' order
+                 w * (x - m) / sqrt(var + eps): w is the scale, and only a bias follows)
     den          Sqrt(Add(var, eps)), eps a one-element float32 constant (either Add order),
                  or Sqrt(var) with no eps at all (epsilon 0, below)
     after        [Cast] [Mul by constant w] [Add of constant b]
@@ -115,8 +117,10 @@ from fusion.norm_match import (
     no_eps_note,
     normalized_dims,
     param_value,
+    weight_first,
 )
 
+WRONG_NUMERATOR = "divides a tensor other than x - mean(x) by the standard deviation"
 EPS_OUTSIDE = (
     "eps outside the square root: (x - mean) / (sqrt(var) + eps) is not a LayerNormalization, "
     "which adds eps to the variance"
@@ -156,14 +160,14 @@ class FuseLayerNorm(NormFusionPass):
         found = centered(core.value) if core is not None else None
         if found is None:
             return None  # not a norm, or an RMSNorm (FuseRMSNorm's business)
+        weighted = weight_first(numerator) if centered(numerator) is None else None
+        if weighted is not None:
+            numerator = weighted[0]
         centers = [found]
         if numerator is not core.value:
             again = centered(numerator)
             if again is None or again.x is not found.x:
-                raise CannotFuse(
-                    Code.WRONG_NUMERATOR,
-                    "divides a tensor other than x - mean(x) by the standard deviation",
-                )
+                raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
             centers.append(again)
         x = found.x
         rank = rank_of(x, core.value, node.outputs[0])
@@ -172,19 +176,19 @@ class FuseLayerNorm(NormFusionPass):
         for center in centers:
             center.check(k, rank, dims)
         centering = list(dict.fromkeys(n for c in centers for n in c.nodes))
-        nodes = [*centering, *core.nodes, *inverse, node]
         # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays
         # for its other readers: the fused node computes the same value from x itself.
-        shared = self.check_shared(nodes[len(centering) :], node.outputs[0], "LayerNorm")
+        rest = [*([weighted[1]] if weighted else []), *core.nodes, *inverse, node]
+        shared = self.check_shared(rest, node.outputs[0], "LayerNorm")
+        nodes = [*centering, *rest]
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
         match.shared = shared
-        match.absorb_casts()
-        match.absorb_affine(
-            self,
-            rank,
-            (("Mul", "weight"), ("Add", "bias")),
-            "LayerNormalization",
-        )
+        if weighted is not None:
+            match.take_weight(weighted, rank)
+        else:
+            match.absorb_casts()
+        ops = (("Mul", "weight"), ("Add", "bias"))[weighted is not None :]
+        match.absorb_affine(self, rank, ops, "LayerNormalization")
         return match
 
     def rewrite(self, model: ir.Model, match: NormMatch) -> str:

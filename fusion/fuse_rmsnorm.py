@@ -24,7 +24,8 @@ It is LayerNorm without the centering. Two ops compute it in one node:
 Spellings accepted (the LLaMA / HF ``LlamaRMSNorm`` forms as both exporters write them)::
 
     square       Pow(x, 2) | Mul(x, x)
-    divide       Div(x, den) | Mul(x, Reciprocal(den)) | Mul(x, Div(1, den))
+    divide       Div(n, den) | Mul(n, Reciprocal(den)) | Mul(n, Div(1, den)), the numerator
+                 n being x, or Mul(w, x) with w a constant (the weight first: w is the scale)
     den          Sqrt(Add(f * ReduceMean(square), eps)), eps a one-element float32 constant;
                  ReduceSum(square) times or divided by constants for f * ReduceMean (N, the
                  number of elements summed, read from the shape, goes into f); or no Add at
@@ -83,6 +84,7 @@ from fusion.norm_match import (
     match_mean_square,
     no_eps_note,
     normalized_dims,
+    weight_first,
 )
 
 EPS_OUTSIDE = (
@@ -147,18 +149,22 @@ class FuseRMSNorm(NormFusionPass):
         if core is None or centered(core.value) is not None:
             return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)
         x = core.value
-        if numerator is not x:
+        weighted = weight_first(numerator) if numerator is not x else None
+        if (weighted[0] if weighted is not None else numerator) is not x:
             raise CannotFuse(
                 Code.WRONG_NUMERATOR,
                 "divides a tensor other than the one whose mean square is taken",
             )
         rank = rank_of(x, node.outputs[0])
         k = check_core(core, x, rank)
-        nodes = [*core.nodes, *inverse, node]
+        nodes = [*([weighted[1]] if weighted else []), *core.nodes, *inverse, node]
         shared = self.check_shared(nodes, node.outputs[0], "RMSNorm")
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
         match.shared = shared
+        if weighted is not None:
+            match.take_weight(weighted, rank)
+            return match
         match.absorb_casts()
         match.absorb_affine(self, rank, (("Mul", "weight"),), "fused RMSNorm")
         return match

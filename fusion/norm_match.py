@@ -480,6 +480,20 @@ def absorb_const(
     return node, operand, array
 
 
+def weight_first(numerator: ir.Value) -> tuple[ir.Value, ir.Node, ir.Value, np.ndarray] | None:
+    """``(v, mul, w, array)`` when ``numerator = Mul(w, v)`` (either operand order) with ``w`` a
+    float32 constant and ``v`` not one: the weight applied before the division, in the
+    tutorials' order ``g * (x - m) / sqrt(var + eps)``; ``w * v / s = (v / s) * w``."""
+    mul = producer(numerator, "Mul")
+    if mul is None or len(mul.inputs) != 2:
+        return None
+    for value, weight in (mul.inputs, mul.inputs[::-1]):
+        array = const_array(weight)
+        if array is not None and array.dtype == FLOAT.numpy() and const_array(value) is None:
+            return value, mul, weight, array
+    return None
+
+
 @dataclasses.dataclass
 class NormMatch:
     """A matched LayerNorm or RMSNorm: what the fused node needs, and the nodes it replaces.
@@ -526,6 +540,24 @@ class NormMatch:
             array = np.ones([d if d is not None else 1 for d in self.dims], self.dtype.numpy())
         scaled = array.astype(np.float64) / math.sqrt(self.factor)
         return add_initializer(graph, f"{hint}_scale", scaled.astype(array.dtype))
+
+    def take_weight(self, found: tuple, rank: int | None) -> None:
+        """Take the weight of :func:`weight_first` (``found``), applied before the division
+        (the caller lists its Mul among :attr:`nodes`).
+
+        Raises:
+            CannotFuse: ``axis_not_normalized``: it varies along an axis that is not normalized
+                (it cannot become the Scale, and it multiplies before the fused op would).
+        """
+        _, _, operand, array = found
+        param = affine_param(array, self.k, rank, self.dims)
+        if param is None:
+            raise CannotFuse(
+                Code.AXIS_NOT_NORMALIZED,
+                f"the weight of shape {list(array.shape)} multiplies before the division and "
+                "varies along an axis that is not normalized: no Scale of the fused op",
+            )
+        self.weight = (operand, param)
 
     def absorb_casts(self) -> None:
         """Extend over a no-op Cast to float32 after the norm, or a half-precision round trip.

@@ -255,6 +255,16 @@ class SumLayerNorm(_Norm):
         return self.affine(d / torch.sqrt(v + self.eps))
 
 
+class WeightFirstLayerNorm(_Norm):
+    """The tutorials' order: ``w * (x - m) / sqrt(var + eps) + b``, the weight multiplied into
+    the numerator before the division (the same function: ``w d / s = (d / s) w``)."""
+
+    def forward(self, x):
+        m = x.mean(self.dims, keepdim=True)
+        v = x.var(self.dims, unbiased=False, keepdim=True)
+        return self.weight * (x - m) / torch.sqrt(v + self.eps) + self.bias
+
+
 class NoEpsLayerNorm(_Norm):
     """``(x - m) / sqrt(var) * w + b``: no eps. What ``torch.onnx.export``'s own optimizer leaves
     of the tutorials' LayerNorm with eps 1e-8 (it removes an ``Add`` of 1e-8 as if it were 0).
@@ -337,6 +347,13 @@ class SumRMSNorm(_RMS):
     def forward(self, x):
         ms = (x * x).sum(-1, keepdim=True) / x.shape[-1]
         return x / torch.sqrt(ms if self.eps is None else ms + self.eps) * self.weight
+
+
+class WeightFirstRMSNorm(_RMS):
+    """``g * x / sqrt(mean(x ** 2) + eps)``: the weight multiplied before the division."""
+
+    def forward(self, x):
+        return self.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class EpsOutsideRMSNorm(_RMS):
@@ -646,6 +663,7 @@ GALLERY: list[Entry] = [
     # export is wrong, not the fusion. normexport's own export keeps the eps
     # (ln_var_div_eps1e-8).
     _ln("ln_no_eps", lambda: NoEpsLayerNorm()),
+    _ln("ln_weight_first_eps1e-8", lambda: WeightFirstLayerNorm(eps=1e-8)),
     # Held to 1e-8: the dynamo export's own float32 eps moves it 2e-9 on the 1e-4 probe; a
     # LayerNormalization computing it in float32 is 2e-7 off.
     _refused(
@@ -672,6 +690,7 @@ GALLERY: list[Entry] = [
     _rms("rms_llama_bf16", lambda: LlamaRMSNorm(), opsets=(17, 18, 20), **BF16_ROUND_TRIP),
     _rms("rms_sum_div", lambda: SumRMSNorm()),
     _rms("rms_sum_no_eps", lambda: SumRMSNorm(eps=None)),
+    _rms("rms_weight_first", lambda: WeightFirstRMSNorm()),
     _refused("rmsnorm", "rms_eps_outside_sqrt", lambda: EpsOutsideRMSNorm(), "not an RMSNorm"),
     _refused("rmsnorm", "rms_f_normalize", lambda: ScaledNormalize(), "F.normalize"),
     _refused("rmsnorm", "rms_middle_axis", lambda: MiddleAxisRMSNorm(), AXES),

@@ -348,3 +348,32 @@ def test_explain_says_the_norm_has_no_eps(rng):
     explain.render(findings, "no eps", console)
     text = console.export_text()
     assert "epsilon 0" in text and "note: a LayerNorm with no eps" in text
+
+
+# The tutorials' order: g * (x - m) / sqrt(var + eps) + b, the weight before the division.
+
+
+def _weight_first(g: Graph, w: np.ndarray) -> str:
+    d = g.node("Sub", ["x", g.reduce("ReduceMean", "x", "m", (-1,))], "d")
+    v = g.reduce("ReduceMean", g.node("Mul", [d, d], "sq"), "v", (-1,))
+    den = g.node("Sqrt", [g.node("Add", [v, g.const("eps", np.float32(1e-8))], "ve")], "den")
+    weighted = g.node("Mul", [g.const("w", w), d], "weighted")
+    return g.node("Div", [weighted, den], "normed")
+
+
+def test_weight_before_the_division_is_the_scale(rng):
+    g = Graph()
+    normed = _weight_first(g, (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+    b = g.const("b", rng.standard_normal(H).astype(np.float32))
+    model = _model(g, g.node("Add", [normed, b], "y"))
+    fuse_and_compare(model, FuseLayerNorm("onnx"), rng)
+    node = _the_node(model)
+    np.testing.assert_array_equal(node.inputs[1].const_value.numpy(), g.constants["w"])
+    np.testing.assert_array_equal(node.inputs[2].const_value.numpy(), g.constants["b"])
+
+
+def test_weight_before_the_division_along_another_axis_is_refused(rng):
+    g = Graph()
+    w = (1 + 0.5 * rng.standard_normal((SHAPE[1], 1))).astype(np.float32)
+    model = _model(g, _weight_first(g, w))
+    assert_refused(model, FuseLayerNorm("onnx"), Code.AXIS_NOT_NORMALIZED)

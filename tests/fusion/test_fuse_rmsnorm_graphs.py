@@ -172,3 +172,16 @@ def test_rmsnorms_sharing_their_mean_square_are_all_fused(rng):
     report = fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
     assert report.counts["rmsnorm_fused"] == 2 and not report.refused
     assert ops(model) == ["RMSNormalization", "RMSNormalization"]
+
+
+def test_weight_before_the_division_is_the_scale(rng):
+    """``w * x / sqrt(mean(x^2) + eps)``: the weight multiplies before the division."""
+    g = Graph(23)
+    ms = g.reduce("ReduceMean", g.node("Mul", ["x", "x"], "sq"), "ms", (-1,))
+    den = g.node("Sqrt", [g.node("Add", [ms, g.const("eps", np.float32(1e-6))], "a")], "den")
+    w = g.const("w", (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+    y = g.node("Div", [g.node("Mul", [w, "x"], "wx"), den], "y")
+    model = g.model(IO, {y: (FLOAT, SHAPE)})
+    fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
+    (node,) = model.graph
+    np.testing.assert_array_equal(node.inputs[1].const_value.numpy(), g.constants["w"])
