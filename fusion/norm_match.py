@@ -679,6 +679,7 @@ class NormFusionPass(NodeFusionPass):
     _fusing: set[ir.Node] | None = None
 
     def apply(self, model: ir.Model) -> bool:
+        """Plan (:meth:`_plan`), then fuse as :meth:`NodeFusionPass.apply` does."""
         self._fusing = self._plan(model)
         try:
             return super().apply(model)
