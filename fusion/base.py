@@ -93,6 +93,9 @@ class Code(enum.StrEnum):
     FACTOR_NOT_POSITIVE = "factor_not_positive"
     #: The variance is reshaped to a shape other than its keepdims shape, or to one not known.
     VARIANCE_RESHAPED = "variance_reshaped"
+    #: ``x - sum(x) / c`` with ``c`` not the number of elements summed (or a scaled mean):
+    #: not x minus its mean.
+    WRONG_MEAN_DIVISOR = "wrong_mean_divisor"
 
     # BatchNorm and affine folding.
     #: No Conv / ConvTranspose / Gemm / MatMul before it (or after it) to fold into.

@@ -32,14 +32,33 @@ Spellings accepted (as the dynamo and TorchScript exporters write them after
     square       Pow(d, 2) | Mul(d, d)
     var          ReduceMean(square) with keepdims=1, or keepdims=0 and then Reshape [Expand] back
                  to the keepdims shape (the dynamo export of x.var()); times or divided by
-                 one-element constants (the factor f)
-    center       d = Sub(x, ReduceMean(x)); the variance may center x a second time, over the
-                 same axes spelled differently (the dynamo export of x.var() does: axes [2]
-                 where the mean has [-1])
-    divide       Div(d, den) | Mul(d, Reciprocal(den)) | Mul(d, Div(1, den))
-    den          Sqrt(Add(var, eps)), eps a one-element float32 constant (either Add order)
+                 one-element constants (the factor f); or ReduceSum(square) times or divided
+                 by constants (f is then N times their product: sum / N is the variance,
+                 sum / (N - 1) the unbiased one)
+    center       d = Sub(x, mean) [Cast to the type of x, a no-op]; mean = ReduceMean(x), or
+                 ReduceSum(x) divided by N or times 1/N (x.sum(-1, keepdim=True) / d); the
+                 variance may center x a second time, over the same axes spelled differently
+                 (the dynamo export of x.var() does: axes [2] where the mean has [-1])
+    divide       Div(n, den) | Mul(n, Reciprocal(den)) | Mul(n, Div(1, den)), where the
+                 numerator n is d, or Mul(w, d) with w a constant (the tutorials' order
+                 w * (x - m) / sqrt(var + eps): w is the scale, and only a bias follows)
+    den          Sqrt(Add(var, eps)), eps a one-element float32 constant (either Add order),
+                 or Sqrt(var) with no eps at all (epsilon 0, below)
     after        [Cast] [Mul by constant w] [Add of constant b]
                  (either operand order; w and b may vary along the normalized axes only)
+
+N, the number of elements a ReduceSum adds up, is read from the shape of ``x``. A mean whose sum
+is divided by anything else (``sum / (N - 1)``, a wrong constant) is refused: ``x`` minus it is
+not ``x`` minus its mean. Constants count as ``1 / N`` within a few float32 roundings
+(:data:`fusion.norm_match.EXACT`).
+
+No eps. ``torch.onnx.export``'s own optimizer (on by default) removes an ``Add`` of 1e-8 as if
+it were 0 (DESIGN.md), so files from the field hold ``(x - m) / sqrt(var)``. That is
+LayerNormalization with ``epsilon=0``, the file's own function (both give NaN on a constant
+row, where the variance is 0), and it is fused so; the report gets a note that says what
+happened and the fix (export from the PyTorch file through normexport, or with
+``optimize=False``), and what the rewrite became says ``epsilon 0``. An eps of 0 written
+as a constant gets the same note.
 
 Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. A float16
 or bfloat16 round trip, ``Cast(x, float32)``, the norm, ``Cast`` back to the type of ``x``,
@@ -64,7 +83,9 @@ to 12 models); :func:`fusion.check` checks it as an ONNX Runtime op.
 
 ``x - mean(x)`` may be read elsewhere (two norms of one input, whose centering CSE has made one
 value): the fused node computes it from ``x`` again, and the ReduceMean and Sub stay for their
-other readers (they go when the other norm is fused too).
+other readers (they go when the other norm is fused too). Other intermediate values (the square,
+the variance of two norms that differ in eps only) may be shared among norms that are all
+fused (:class:`fusion.norm_match.NormFusionPass`); read by anything else, they block the fusion.
 
 Left intact, with the reason in the report: for ``target="onnx"``, a model whose opset has no
 LayerNormalization (below 17); means over axes that are not the trailing axes of ``x``, or over
@@ -83,26 +104,30 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, escaping_value, label, rank_of
-from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion._ir import as_division, label, rank_of
+from fusion.base import CannotFuse, Code, Kind, Op
 from fusion.norm_match import (
+    NO_EPS,
+    NormFusionPass,
     NormMatch,
     centered,
     check_core,
     match_eps_outside_sqrt,
     match_mean_square,
+    no_eps_note,
     normalized_dims,
     param_value,
-    reduced_trailing,
+    weight_first,
 )
 
+WRONG_NUMERATOR = "divides a tensor other than x - mean(x) by the standard deviation"
 EPS_OUTSIDE = (
     "eps outside the square root: (x - mean) / (sqrt(var) + eps) is not a LayerNormalization, "
     "which adds eps to the variance"
 )
 
 
-class FuseLayerNorm(NodeFusionPass):
+class FuseLayerNorm(NormFusionPass):
     """Replace each hand-written LayerNorm in the main graph by one ``LayerNormalization``.
 
     Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
@@ -121,8 +146,8 @@ class FuseLayerNorm(NodeFusionPass):
             was absorbed; ``k`` trailing axes), or None when ``node`` ends no LayerNorm.
 
         Raises:
-            CannotFuse: ``eps_outside_sqrt``, ``wrong_numerator``, ``different_axes``,
-                ``shared_output``, or a code of :func:`fusion.norm_match.check_core`.
+            CannotFuse: ``eps_outside_sqrt``, ``wrong_numerator``, ``shared_output``, a code of
+                :func:`fusion.norm_match.check_core` or :meth:`fusion.norm_match.Centering.check`.
         """
         division = as_division(node)
         if division is None:
@@ -135,40 +160,35 @@ class FuseLayerNorm(NodeFusionPass):
         found = centered(core.value) if core is not None else None
         if found is None:
             return None  # not a norm, or an RMSNorm (FuseRMSNorm's business)
-        x = found[0]
+        weighted = weight_first(numerator) if centered(numerator) is None else None
+        if weighted is not None:
+            numerator = weighted[0]
         centers = [found]
         if numerator is not core.value:
             again = centered(numerator)
-            if again is None or again[0] is not x:
-                raise CannotFuse(
-                    Code.WRONG_NUMERATOR,
-                    "divides a tensor other than x - mean(x) by the standard deviation",
-                )
+            if again is None or again.x is not found.x:
+                raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
             centers.append(again)
+        x = found.x
         rank = rank_of(x, core.value, node.outputs[0])
         k = check_core(core, x, rank)
-        if any(reduced_trailing(c[1], rank) != k for c in centers):
-            raise CannotFuse(
-                Code.DIFFERENT_AXES, "the mean and the variance reduce over different axes"
-            )
-        centering = [n for c in centers for n in c[1:]]
-        nodes = [*centering, *core.nodes, *inverse, node]
+        dims = normalized_dims(k, x, core.value, node.outputs[0])
+        for center in centers:
+            center.check(k, rank, dims)
+        centering = list(dict.fromkeys(n for c in centers for n in c.nodes))
         # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays
         # for its other readers: the fused node computes the same value from x itself.
-        escaping = escaping_value(nodes[len(centering) :], node.outputs[0])
-        if escaping is not None:
-            raise CannotFuse(
-                Code.SHARED_OUTPUT, f"{escaping.name} is also read outside the LayerNorm subgraph"
-            )
-        dims = normalized_dims(k, x, core.value, node.outputs[0])
+        rest = [*([weighted[1]] if weighted else []), *core.nodes, *inverse, node]
+        shared = self.check_shared(rest, node.outputs[0], "LayerNorm")
+        nodes = [*centering, *rest]
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
-        match.absorb_casts()
-        match.absorb_affine(
-            self,
-            rank,
-            (("Mul", "weight"), ("Add", "bias")),
-            "LayerNormalization",
-        )
+        match.shared = shared
+        if weighted is not None:
+            match.take_weight(weighted, rank)
+        else:
+            match.absorb_casts()
+        ops = (("Mul", "weight"), ("Add", "bias"))[weighted is not None :]
+        match.absorb_affine(self, rank, ops, "LayerNormalization")
         return match
 
     def rewrite(self, model: ir.Model, match: NormMatch) -> str:
@@ -185,4 +205,7 @@ class FuseLayerNorm(NodeFusionPass):
             name=f"{hint}_LayerNormalization",
         )
         match.replace(graph, fused)
+        if match.epsilon == 0:
+            self.outcomes.note(no_eps_note("LayerNorm", "a constant row"))
+            return f"LayerNormalization ({NO_EPS})"
         return "LayerNormalization"

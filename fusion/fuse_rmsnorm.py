@@ -24,12 +24,17 @@ It is LayerNorm without the centering. Two ops compute it in one node:
 Spellings accepted (the LLaMA / HF ``LlamaRMSNorm`` forms as both exporters write them)::
 
     square       Pow(x, 2) | Mul(x, x)
-    divide       Div(x, den) | Mul(x, Reciprocal(den)) | Mul(x, Div(1, den))
-    den          Sqrt(Add(f * ReduceMean(square), eps)), eps a one-element float32 constant
+    divide       Div(n, den) | Mul(n, Reciprocal(den)) | Mul(n, Div(1, den)), the numerator
+                 n being x, or Mul(w, x) with w a constant (the weight first: w is the scale)
+    den          Sqrt(Add(f * ReduceMean(square), eps)), eps a one-element float32 constant;
+                 ReduceSum(square) times or divided by constants for f * ReduceMean (N, the
+                 number of elements summed, read from the shape, goes into f); or no Add at
+                 all (epsilon 0, which the report notes as for LayerNorm)
     after        [Cast] [Mul by constant w (either operand order)]
 
 A constant factor ``f`` on the mean square moves into the op exactly, as for LayerNorm:
-``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.norm_match`).
+``epsilon = eps / f``, ``Scale = w / sqrt(f)`` (:mod:`fusion.norm_match`). So the sum of squares
+over any positive constant is fused, ``sum / N`` as the textbook RMSNorm.
 
 Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. The HF
 round trip ``Cast(x16, float32) ... Cast(back)`` with the weight applied after the cast back in
@@ -67,15 +72,19 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, escaping_value, label, opset_version, producer, rank_of
-from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion._ir import as_division, label, opset_version, producer, rank_of
+from fusion.base import CannotFuse, Code, Kind, Op
 from fusion.norm_match import (
+    NO_EPS,
+    NormFusionPass,
     NormMatch,
     centered,
     check_core,
     match_eps_outside_sqrt,
     match_mean_square,
+    no_eps_note,
     normalized_dims,
+    weight_first,
 )
 
 EPS_OUTSIDE = (
@@ -98,7 +107,7 @@ def _clamped_l2_norm(den: ir.Value) -> bool:
     return clamp is not None and any(producer(v, "ReduceL2") is not None for v in clamp.inputs)
 
 
-class FuseRMSNorm(NodeFusionPass):
+class FuseRMSNorm(NormFusionPass):
     """Replace each hand-written RMSNorm in the main graph by one fused node.
 
     Opset 23 and up: ``RMSNormalization``. Below 23: ORT's ``SimplifiedLayerNormalization``
@@ -140,21 +149,22 @@ class FuseRMSNorm(NodeFusionPass):
         if core is None or centered(core.value) is not None:
             return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)
         x = core.value
-        if numerator is not x:
+        weighted = weight_first(numerator) if numerator is not x else None
+        if (weighted[0] if weighted is not None else numerator) is not x:
             raise CannotFuse(
                 Code.WRONG_NUMERATOR,
                 "divides a tensor other than the one whose mean square is taken",
             )
         rank = rank_of(x, node.outputs[0])
         k = check_core(core, x, rank)
-        nodes = [*core.nodes, *inverse, node]
-        escaping = escaping_value(nodes, node.outputs[0])
-        if escaping is not None:
-            raise CannotFuse(
-                Code.SHARED_OUTPUT, f"{escaping.name} is also read outside the RMSNorm subgraph"
-            )
+        nodes = [*([weighted[1]] if weighted else []), *core.nodes, *inverse, node]
+        shared = self.check_shared(nodes, node.outputs[0], "RMSNorm")
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
+        match.shared = shared
+        if weighted is not None:
+            match.take_weight(weighted, rank)
+            return match
         match.absorb_casts()
         match.absorb_affine(self, rank, (("Mul", "weight"),), "fused RMSNorm")
         return match
@@ -176,4 +186,7 @@ class FuseRMSNorm(NodeFusionPass):
             name=f"{label(anchor)}_{op_type}",
         )
         match.replace(graph, fused)
+        if match.epsilon == 0:
+            self.outcomes.note(no_eps_note("RMSNorm", "a row of zeros"))
+            return f"{op_type} ({NO_EPS})"
         return op_type

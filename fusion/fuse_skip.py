@@ -48,6 +48,12 @@ float32 and float16):
 * a float16 norm with ``stash_type=0`` (statistics in float16) is refused: the Skip kernels
   compute them in float32.
 
+A Cast between the ``Add`` and the norm is looked through when it casts to the type the sum
+already has (a no-op). One that changes the type (``Add`` in float16, ``Cast`` to float32, a
+float32 norm: ONNX Runtime's ``skip_layer_norm_*_with_cast`` models) is refused: the ``Add``
+rounds its sum to float16 before the Cast widens it, while a Skip op adds in the norm's type
+(or, in float16, in float32 without rounding the sum), so moving the Cast changes the result.
+
 Everything else with an ``Add`` feeding a norm is left alone and reported with the reason. An
 ``Add`` of a constant of rank < 2 is a bias, not a residual, and is no candidate at all.
 
@@ -117,10 +123,33 @@ def _is_residual(node: ir.Node | None) -> bool:
     )
 
 
-_CAST_BETWEEN = (
-    "a Cast lies between the residual Add and the norm: the Skip op would add in the norm's "
-    "type, and the sum would round differently from the Add in its own type"
-)
+def _residual_before(norm: ir.Node, shapes: KnownShapes) -> tuple[ir.Node | None, ir.Node | None]:
+    """``(add, cast)``: the node that makes the norm's input, looking through a Cast to the type
+    it already has (``cast``, a no-op; None when there is no Cast).
+
+    Raises:
+        CannotFuse: ``cast_between``: a Cast that changes the type lies between a residual Add
+            (:func:`_is_residual`) and the norm. Moving it is not exact: the Add rounds its sum
+            to its own type before the Cast widens (or narrows) it, while the Skip op adds in
+            the norm's type (the float16 kernels add in float32 and never round the sum).
+    """
+    value = norm.inputs[0]
+    node = value.producer() if value is not None else None
+    if node is None or node.op_type != "Cast" or node.domain != "":
+        return node, None
+    before = node.inputs[0].producer() if node.inputs[0] is not None else None
+    if not _is_residual(before):
+        return None, None
+    source, to = shapes.dtype(node.inputs[0]), ir.DataType(node.attributes.get_int("to"))
+    if source == to:
+        return before, node
+    name = source.name if source is not None else "a type not recorded"
+    raise CannotFuse(
+        Code.CAST_BETWEEN,
+        f"a Cast from {name} to {to.name} lies between the residual Add and the norm: the Add "
+        f"rounds its sum to {name} before the Cast, and the Skip op would add in the norm's type "
+        "without that rounding (moving the Cast changes how the sum rounds)",
+    )
 
 
 def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.Value]:
@@ -260,17 +289,10 @@ class FuseSkip(FusionPass):
         version = model.opset_imports.get(MS_DOMAIN, 1)
         modified = False
         for norm in [n for n in graph if n.domain == "" and n.op_type in SKIP_OPS]:
-            add = norm.inputs[0].producer() if norm.inputs[0] is not None else None
-            if add is not None and add.op_type == "Cast" and add.domain == "":
-                before = add.inputs[0].producer() if add.inputs[0] is not None else None
-                if _is_residual(before):
-                    self.refused(norm, CannotFuse(Code.CAST_BETWEEN, _CAST_BETWEEN))
-                continue
-            if add is None or add.op_type != "Add" or add.domain != "":
-                continue
-            if any(v is None or _is_bias(v) for v in add.inputs):
-                continue
             try:
+                add, cast = _residual_before(norm, shapes)
+                if not _is_residual(add):
+                    continue
                 _check_norm(norm, shapes)
                 data, skip = _order(*add.inputs, shapes)
                 if version != 1:
@@ -282,6 +304,9 @@ class FuseSkip(FusionPass):
             except CannotFuse as refusal:
                 self.refused(norm, refusal)
                 continue
+            if cast is not None:  # a no-op: its readers read the sum itself
+                replace_output(graph, cast.outputs[0], cast.inputs[0])
+                graph.remove(cast, safe=True)
             became = self._fuse(graph, add, norm, data, skip)
             model.opset_imports[MS_DOMAIN] = 1
             self.fused(norm, became)

@@ -32,6 +32,7 @@ from fusion._ir import (
     add_initializer,
     const_array,
     escaping_value,
+    label,
     other_input,
     producer,
     reduce_axes,
@@ -40,9 +41,17 @@ from fusion._ir import (
     scalar_const,
     sole_consumer,
 )
-from fusion.base import CannotFuse, Code, FusionPass
+from fusion.base import CannotFuse, Code, FusionPass, FusionReport, NodeFusionPass
 
 FLOAT = ir.DataType.FLOAT
+
+#: The reductions a mean may be written with: ``ReduceMean``, or ``ReduceSum`` times a constant.
+REDUCTIONS = ("ReduceMean", "ReduceSum")
+
+#: How far from 1 a product of float32 constants may be and still count as 1: a few float32
+#: roundings (``1/d`` rounded to float32 is within ``2^-24`` of it, relatively). A wrong divisor
+#: such as ``d - 1`` is ``1/d`` off, far more for any realistic ``d``.
+EXACT = 2.0**-21
 
 #: Types whose round trip through float32 around a norm becomes one fused op on them.
 HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -70,20 +79,62 @@ def scalar_factor(value: ir.Value | None) -> float | None:
     return float(array.reshape(()))
 
 
+def _scalar_step(node: ir.Node) -> tuple[ir.Value, float] | None:
+    """``(v, c)`` when ``node`` is ``v * c`` (``Mul``, either operand order) or ``v / (1/c)``
+    (``Div``) with ``c`` a one-element constant (:func:`scalar_factor`); None otherwise."""
+    if node.domain != "" or len(node.inputs) != 2:
+        return None
+    if node.op_type == "Mul":
+        for value, constant in (node.inputs, node.inputs[::-1]):
+            if (c := scalar_factor(constant)) is not None:
+                return value, c
+    if node.op_type == "Div" and (c := scalar_factor(node.inputs[1])) is not None:
+        return node.inputs[0], 1.0 / c if c else math.inf
+    return None
+
+
+def _is_one(factor: float) -> bool:
+    """Whether ``factor`` is 1 up to a few float32 roundings (see :data:`EXACT`)."""
+    return abs(factor - 1.0) <= EXACT
+
+
+def _count(reduce: ir.Node, dims: tuple[int | None, ...]) -> int:
+    """How many elements a ReduceSum over the normalized ``dims`` adds up (1 for a ReduceMean,
+    which divides by that number itself).
+
+    Raises:
+        CannotFuse: ``unknown_shape``: a ReduceSum over axes whose sizes are not known.
+    """
+    if reduce.op_type != "ReduceSum":
+        return 1
+    if None in dims:
+        raise CannotFuse(
+            Code.UNKNOWN_SHAPE,
+            f"ReduceSum '{reduce.name}' is divided by a constant, and the number of elements it "
+            "sums is not known from the shape: cannot check that the quotient is a mean",
+        )
+    return math.prod(dims)
+
+
 @dataclasses.dataclass
 class MeanSquare:
     """``den = Sqrt(Add(f * ReduceMean(square(v)), eps))``: the core LayerNorm and RMSNorm share.
 
+    The mean may be written as a sum, ``ReduceSum(square(v))`` times a constant (``f`` then
+    holds the constant, and :func:`check_core` multiplies it by the number of elements summed),
+    and eps may be absent (``Sqrt`` of the scaled mean square itself: epsilon 0).
+
     Attributes:
         value: ``v``, the tensor whose mean square is taken.
-        reduce: the ReduceMean node (its axes and keepdims are the norm's).
+        reduce: the ReduceMean or ReduceSum node (its axes and keepdims are the norm's).
         eps: the eps constant as a 0-d array of its own dtype (the dtype the norm computes in),
-            or None when it is not a one-element constant (the caller refuses).
+            or None when it is not a one-element constant (the caller refuses) or absent.
         factor: ``f``, the product of the constants the mean is multiplied (or divided) by.
         restores: Reshape / Expand nodes between the mean and the Add, in graph order (they
             must put back the reduced axes that ``keepdims=0`` dropped; see :func:`check_core`).
         nodes: every node from the square to the Sqrt.
         eps_constant: whether eps is a constant (of any size).
+        no_eps: whether there is no eps at all (no Add before the Sqrt).
     """
 
     value: ir.Value
@@ -93,18 +144,20 @@ class MeanSquare:
     restores: list[ir.Node]
     nodes: list[ir.Node]
     eps_constant: bool = False
+    no_eps: bool = False
 
 
 def _scaled_mean_square(value: ir.Value) -> MeanSquare | None:
-    """Walk up from ``value = f * ReduceMean(square(v))`` through scalar Mul / Div and
-    Reshape / Expand; None when ``value`` is not of that form. ``eps`` is left unset."""
+    """Walk up from ``value = f * ReduceMean(square(v))`` (or ``f * ReduceSum(square(v))``)
+    through scalar Mul / Div and Reshape / Expand; None when ``value`` is not of that form.
+    ``eps`` is left unset."""
     chain: list[ir.Node] = []
     factor = 1.0
     while True:
         node = value.producer() if value is not None else None
         if node is None or node.domain != "":
             return None
-        if node.op_type == "ReduceMean":
+        if node.op_type in REDUCTIONS:
             square = _square_of(node.inputs[0])
             if square is None:
                 return None
@@ -112,30 +165,30 @@ def _scaled_mean_square(value: ir.Value) -> MeanSquare | None:
             return MeanSquare(square[0], node, None, factor, restores, [square[1], node, *chain])
         if node.op_type in ("Reshape", "Expand"):
             value = node.inputs[0]
-        elif node.op_type == "Mul" and len(node.inputs) == 2:
-            c = scalar_factor(node.inputs[1])
-            value = node.inputs[0]
-            if c is None:
-                c, value = scalar_factor(node.inputs[0]), node.inputs[1]
-            if c is None:
-                return None
+        elif (step := _scalar_step(node)) is not None:
+            value, c = step
             factor *= c
-        elif node.op_type == "Div" and (c := scalar_factor(node.inputs[1])) is not None:
-            value = node.inputs[0]
-            factor = factor / c if c else math.inf
         else:
             return None
         chain.insert(0, node)
 
 
 def match_mean_square(den: ir.Value) -> MeanSquare | None:
-    """Match ``den = Sqrt(Add(f * ReduceMean(square(v)), eps))`` (see :class:`MeanSquare`).
+    """Match ``den = Sqrt(Add(f * ReduceMean(square(v)), eps))``, or ``Sqrt(f * ReduceMean(
+    square(v)))`` with no eps (see :class:`MeanSquare`).
 
     Returns:
         The match, or None when ``den`` is not of that form (no norm candidate at all).
     """
     sqrt = producer(den, "Sqrt")
-    add = producer(sqrt.inputs[0], "Add") if sqrt is not None else None
+    if sqrt is None:
+        return None
+    found = _scaled_mean_square(sqrt.inputs[0])
+    if found is not None:
+        found.no_eps = True
+        found.nodes.append(sqrt)
+        return found
+    add = producer(sqrt.inputs[0], "Add")
     if add is None:
         return None
     first, second = add.inputs
@@ -164,13 +217,72 @@ def match_eps_outside_sqrt(den: ir.Value) -> ir.Value | None:
     return None
 
 
-def centered(value: ir.Value) -> tuple[ir.Value, ir.Node, ir.Node] | None:
-    """``(x, mean, sub)`` when ``value = Sub(x, ReduceMean(x))``."""
+@dataclasses.dataclass
+class Centering:
+    """``x - f * Reduce(x)``: ``x`` minus its mean, written with ``ReduceMean`` (``f = 1``) or
+    as a sum times a constant (``x.sum(-1, keepdim=True) / d``: ``ReduceSum``, ``f = 1/d``).
+
+    Attributes:
+        x: the input.
+        reduce: the ReduceMean or ReduceSum node.
+        factor: ``f``, the product of the constants the reduction is multiplied (or divided) by.
+        nodes: the reduction, the scalar Mul / Div nodes, the Sub, and a no-op Cast after it.
+    """
+
+    x: ir.Value
+    reduce: ir.Node
+    factor: float
+    nodes: list[ir.Node]
+
+    def check(self, k: int, rank: int | None, dims: tuple[int | None, ...]) -> None:
+        """Check that the mean is over the ``k`` normalized axes (of sizes ``dims``) and is the
+        mean: a ReduceMean, or a ReduceSum divided by exactly the number of elements it sums.
+
+        Raises:
+            CannotFuse: ``different_axes``, ``wrong_mean_divisor``, or a code of
+                :func:`reduced_trailing` and :func:`_count`.
+        """
+        if reduced_trailing(self.reduce, rank) != k:
+            raise CannotFuse(
+                Code.DIFFERENT_AXES, "the mean and the variance reduce over different axes"
+            )
+        count = _count(self.reduce, dims)
+        if not _is_one(self.factor * count):
+            divisor = f"{1 / self.factor:.7g}" if self.factor else "0"
+            raise CannotFuse(
+                Code.WRONG_MEAN_DIVISOR,
+                f"{self.reduce.op_type} '{self.reduce.name}' over {count} element(s) is divided "
+                f"by {divisor}: x minus that is not x minus its mean (the mean divides the sum "
+                f"by {count})",
+            )
+
+
+def centered(value: ir.Value) -> Centering | None:
+    """The centering when ``value = Sub(x, f * Reduce(x))`` (see :class:`Centering`), maybe
+    followed by a Cast to the type of ``x`` (a no-op, kept by old files whose intermediate
+    types are not recorded); None otherwise."""
+    cast = producer(value, "Cast")
+    if cast is not None:
+        value = cast.inputs[0]
     sub = producer(value, "Sub")
-    mean = producer(sub.inputs[1], "ReduceMean") if sub is not None else None
-    if mean is None or mean.inputs[0] is not sub.inputs[0]:
+    if sub is None:
         return None
-    return sub.inputs[0], mean, sub
+    x, mean = sub.inputs
+    chain: list[ir.Node] = []
+    factor = 1.0
+    while (node := mean.producer() if mean is not None else None) is not None:
+        if (step := _scalar_step(node)) is None:
+            break
+        mean, c = step
+        factor *= c
+        chain.insert(0, node)
+    if node is None or node.op_type not in REDUCTIONS or node.domain != "":
+        return None
+    if node.inputs[0] is not x:
+        return None
+    if cast is not None and (x.dtype is None or cast.attributes.get_int("to") != x.dtype):
+        return None
+    return Centering(x, node, factor, [node, *chain, sub, *([cast] if cast is not None else [])])
 
 
 def trailing_axes(axes: tuple[int, ...], rank: int | None) -> int | None:
@@ -256,14 +368,37 @@ def _check_restored(core: MeanSquare, x: ir.Value, k: int) -> None:
         )
 
 
+def _absent_eps(core: MeanSquare, x: ir.Value) -> np.ndarray:
+    """eps 0 in the type the norm computes in (that of ``x``, or of the mean square).
+
+    Raises:
+        CannotFuse: ``unsupported_dtype``: the type is not recorded.
+    """
+    values = (x, core.value, core.reduce.outputs[0])
+    dtype = next((v.dtype for v in values if v.dtype is not None), None)
+    if dtype is None:
+        raise CannotFuse(
+            Code.UNSUPPORTED_DTYPE,
+            "the norm has no eps and its type is not recorded: cannot tell that it is float32",
+        )
+    return np.zeros((), dtype.numpy())
+
+
 def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
     """The checks LayerNorm and RMSNorm share; return ``k``, the number of normalized axes.
 
+    Completes ``core``: ``eps`` becomes 0 where there is none, and a mean square written as a
+    sum gets the number of elements summed into ``factor`` (a factor within a few float32
+    roundings of 1 becomes exactly 1).
+
     Raises:
         CannotFuse: ``not_constant`` / ``eps_not_scalar`` (eps is not a one-element
-            constant), the codes of :func:`reduced_trailing` and :func:`_check_restored`,
-            ``factor_not_positive``, ``unsupported_dtype`` (the norm is not in float32).
+            constant), the codes of :func:`reduced_trailing`, :func:`_check_restored` and
+            :func:`_count`, ``factor_not_positive``, ``unsupported_dtype`` (the norm is not in
+            float32).
     """
+    if core.no_eps:
+        core.eps = _absent_eps(core, x)
     if core.eps is None and not core.eps_constant:
         raise CannotFuse(Code.NOT_CONSTANT, "eps is not a constant: it cannot become an attribute")
     if core.eps is None:
@@ -272,6 +407,9 @@ def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
         )
     k = reduced_trailing(core.reduce, rank, restored=bool(core.restores))
     _check_restored(core, x, k)
+    core.factor *= _count(core.reduce, normalized_dims(k, x, core.value))
+    if _is_one(core.factor):
+        core.factor = 1.0
     if not (math.isfinite(core.factor) and core.factor > 0):
         raise CannotFuse(
             Code.FACTOR_NOT_POSITIVE,
@@ -342,6 +480,20 @@ def absorb_const(
     return node, operand, array
 
 
+def weight_first(numerator: ir.Value) -> tuple[ir.Value, ir.Node, ir.Value, np.ndarray] | None:
+    """``(v, mul, w, array)`` when ``numerator = Mul(w, v)`` (either operand order) with ``w`` a
+    float32 constant and ``v`` not one: the weight applied before the division, in the
+    tutorials' order ``g * (x - m) / sqrt(var + eps)``; ``w * v / s = (v / s) * w``."""
+    mul = producer(numerator, "Mul")
+    if mul is None or len(mul.inputs) != 2:
+        return None
+    for value, weight in (mul.inputs, mul.inputs[::-1]):
+        array = const_array(weight)
+        if array is not None and array.dtype == FLOAT.numpy() and const_array(value) is None:
+            return value, mul, weight, array
+    return None
+
+
 @dataclasses.dataclass
 class NormMatch:
     """A matched LayerNorm or RMSNorm: what the fused node needs, and the nodes it replaces.
@@ -357,6 +509,8 @@ class NormMatch:
         dtype: the type of ``x``, ``Scale`` and ``B``: float32, or float16 / bfloat16 when a
             round trip through float32 was absorbed.
         weight, bias: the absorbed constants, ``(value, array over the normalized axes)``.
+        shared: intermediate values that other norms of the same pass read too (see
+            :class:`NormFusionPass`).
     """
 
     x: ir.Value
@@ -369,6 +523,7 @@ class NormMatch:
     dtype: ir.DataType = FLOAT
     weight: tuple[ir.Value, np.ndarray] | None = None
     bias: tuple[ir.Value, np.ndarray] | None = None
+    shared: list[ir.Value] = dataclasses.field(default_factory=list)
 
     @property
     def epsilon(self) -> float:
@@ -385,6 +540,24 @@ class NormMatch:
             array = np.ones([d if d is not None else 1 for d in self.dims], self.dtype.numpy())
         scaled = array.astype(np.float64) / math.sqrt(self.factor)
         return add_initializer(graph, f"{hint}_scale", scaled.astype(array.dtype))
+
+    def take_weight(self, found: tuple, rank: int | None) -> None:
+        """Take the weight of :func:`weight_first` (``found``), applied before the division
+        (the caller lists its Mul among :attr:`nodes`).
+
+        Raises:
+            CannotFuse: ``axis_not_normalized``: it varies along an axis that is not normalized
+                (it cannot become the Scale, and it multiplies before the fused op would).
+        """
+        _, _, operand, array = found
+        param = affine_param(array, self.k, rank, self.dims)
+        if param is None:
+            raise CannotFuse(
+                Code.AXIS_NOT_NORMALIZED,
+                f"the weight of shape {list(array.shape)} multiplies before the division and "
+                "varies along an axis that is not normalized: no Scale of the fused op",
+            )
+        self.weight = (operand, param)
 
     def absorb_casts(self) -> None:
         """Extend over a no-op Cast to float32 after the norm, or a half-precision round trip.
@@ -469,3 +642,95 @@ class NormMatch:
                     dead.discard(n)
                     changed = True
         remove_nodes(graph, [n for n in self.nodes if n in dead])
+
+
+#: What a rewrite with epsilon 0 became says this after the op's name (the note says more).
+NO_EPS = "epsilon 0: the file's norm has no eps (or eps 0), see the note"
+
+
+def no_eps_note(norm: str, row: str) -> str:
+    """The report's note for a ``norm`` (``"LayerNorm"``, ``"RMSNorm"``) fused with epsilon 0,
+    which gives NaN on ``row`` (a constant row, a row of zeros): why, and the fix."""
+    return (
+        f"a {norm} with no eps (or eps 0) was fused with epsilon=0, which keeps the file's "
+        f"function: it gives NaN on {row}. torch.onnx.export's own optimizer (on by default) "
+        "removes an eps of 1e-8 or less as if it were 0; export from the PyTorch file through "
+        "normexport, or with torch.onnx.export(..., optimize=False)"
+    )
+
+
+def _outside_readers(value: ir.Value, inside: set[ir.Node]) -> bool:
+    """Whether ``value`` is a graph output or read by a node not in ``inside``."""
+    return value.is_graph_output() or any(use.node not in inside for use in value.uses())
+
+
+class NormFusionPass(NodeFusionPass):
+    """A :class:`~fusion.base.NodeFusionPass` whose norms may share intermediate values.
+
+    Two norms of one input with different eps (or an RMSNorm and a scaled copy) compute the
+    same ``x - mean(x)``, square and variance; common-subexpression elimination makes them one
+    value. Each fused node computes its norm from ``x`` again, so a shared value blocks nothing
+    when every reader of it belongs to a norm that is fused too: it goes once the last of them
+    is. :meth:`apply` first matches every candidate without rewriting (a plan), drops until
+    nothing changes those that share a value with a node no kept candidate covers, then runs
+    the base pass, whose :meth:`match` calls :meth:`check_shared`.
+    """
+
+    _fusing: set[ir.Node] | None = None
+
+    def apply(self, model: ir.Model) -> bool:
+        """Plan (:meth:`_plan`), then fuse as :meth:`NodeFusionPass.apply` does."""
+        self._fusing = self._plan(model)
+        try:
+            return super().apply(model)
+        finally:
+            self._fusing = None
+
+    def _plan(self, model: ir.Model) -> set[ir.Node]:
+        """The nodes of the candidates that can all be fused together (see the class)."""
+        outcomes, self.outcomes, self._fusing = self.outcomes, FusionReport(), None
+        matches = []
+        try:
+            for node in list(model.graph):
+                try:
+                    found = self.match(model, node)
+                except CannotFuse:
+                    continue
+                if found is not None:
+                    matches.append(found)
+        finally:
+            self.outcomes = outcomes
+        while True:
+            covered = {n for m in matches for n in m.nodes}
+            kept = [m for m in matches if not any(_outside_readers(v, covered) for v in m.shared)]
+            if len(kept) == len(matches):
+                return covered
+            matches = kept
+
+    def check_shared(self, nodes: list[ir.Node], keep: ir.Value, what: str) -> list[ir.Value]:
+        """The outputs of ``nodes`` other than ``keep`` that are read outside them.
+
+        While planning every such value is allowed (and returned, for :attr:`NormMatch.shared`);
+        then only those whose readers all belong to planned norms.
+
+        Raises:
+            CannotFuse: ``shared_output``: a value is a graph output or read by a node that no
+                norm being fused covers.
+        """
+        inside = set(nodes)
+        shared = [
+            v for n in nodes for v in n.outputs if v is not keep and _outside_readers(v, inside)
+        ]
+        if self._fusing is None:
+            return shared
+        for value in shared:
+            if _outside_readers(value, self._fusing | inside):
+                others = (u.node for u in value.uses() if u.node not in self._fusing | inside)
+                reader = next(others, None)
+                where = f"by '{label(reader)}'" if reader is not None else "as a graph output"
+                raise CannotFuse(
+                    Code.SHARED_OUTPUT,
+                    f"{value.name} is also read outside the {what} subgraph ({where}), not only "
+                    "by other norms being fused",
+                )
+        return shared

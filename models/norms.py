@@ -238,6 +238,47 @@ class MiddleAxisLayerNorm(nn.Module):
         return d / torch.sqrt(d.pow(2).mean(1, keepdim=True) + 1e-5)
 
 
+class SumLayerNorm(_Norm):
+    """The loop-free tutorial form with sums: ``m = x.sum(dims) / n``, ``v = (d ** 2).sum(dims)
+    / n`` (``n`` the number of normalized elements); ``mul`` multiplies by ``1 / n`` instead.
+    ``mean_divisor`` replaces the mean's ``n`` (a look-alike when it is not ``n``)."""
+
+    def __init__(self, *args, mul: bool = False, mean_divisor: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.mul = mul
+        self.mean_divisor = mean_divisor
+
+    def _over(self, total: torch.Tensor, n: int) -> torch.Tensor:
+        return total * (1.0 / n) if self.mul else total / n
+
+    def forward(self, x):
+        n = math.prod(x.shape[len(x.shape) - len(self.dims) :])
+        m = self._over(x.sum(self.dims, keepdim=True), self.mean_divisor or n)
+        d = x - m
+        v = self._over((d**2).sum(self.dims, keepdim=True), n)
+        return self.affine(d / torch.sqrt(v + self.eps))
+
+
+class WeightFirstLayerNorm(_Norm):
+    """The tutorials' order: ``w * (x - m) / sqrt(var + eps) + b``, the weight multiplied into
+    the numerator before the division (the same function: ``w d / s = (d / s) w``)."""
+
+    def forward(self, x):
+        m = x.mean(self.dims, keepdim=True)
+        v = x.var(self.dims, unbiased=False, keepdim=True)
+        return self.weight * (x - m) / torch.sqrt(v + self.eps) + self.bias
+
+
+class NoEpsLayerNorm(_Norm):
+    """``(x - m) / sqrt(var) * w + b``: no eps. What ``torch.onnx.export``'s own optimizer leaves
+    of the tutorials' LayerNorm with eps 1e-8 (it removes an ``Add`` of 1e-8 as if it were 0).
+    LayerNormalization with epsilon 0 is this function: NaN on a constant row, as here."""
+
+    def forward(self, x):
+        d = x - x.mean(self.dims, keepdim=True)
+        return self.affine(d / torch.sqrt(d.pow(2).mean(self.dims, keepdim=True)))
+
+
 class _RMS(nn.Module):
     """A weight over the last axis, seeded random (1 + 0.5 N(0, 1)), and eps."""
 
@@ -301,6 +342,22 @@ class BareRMSNorm(nn.Module):
 
     def forward(self, x):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class SumRMSNorm(_RMS):
+    """``x / sqrt((x * x).sum(-1) / d + eps) * g``, the mean square written as a sum over ``d``;
+    ``eps=None`` leaves out eps (what ``torch.onnx.export``'s optimizer makes of 1e-8)."""
+
+    def forward(self, x):
+        ms = (x * x).sum(-1, keepdim=True) / x.shape[-1]
+        return x / torch.sqrt(ms if self.eps is None else ms + self.eps) * self.weight
+
+
+class WeightFirstRMSNorm(_RMS):
+    """``g * x / sqrt(mean(x ** 2) + eps)``: the weight multiplied before the division."""
+
+    def forward(self, x):
+        return self.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
 class EpsOutsideRMSNorm(_RMS):
@@ -658,6 +715,25 @@ GALLERY: list[Entry] = [
         "eps outside the square root",
     ),
     _refused("layernorm", "ln_middle_axis", lambda: MiddleAxisLayerNorm(), AXES),
+    _ln("ln_sum_div", lambda: SumLayerNorm()),
+    _ln("ln_sum_mul_two_axes", lambda: SumLayerNorm(BTC[1:], mul=True)),
+    _refused(
+        "layernorm",
+        "ln_sum_mean_over_d_minus_1",
+        lambda: SumLayerNorm(mean_divisor=HIDDEN - 1),
+        "is not x minus its mean",
+    ),
+    # A tutorial LayerNorm with eps 1e-8 exported by torch.onnx.export with its optimizer on
+    # (the default) is this graph: the optimizer removes the Add of 1e-8. Fused with epsilon 0
+    # and a note. Its parity is held against this module, the function the file computes (NaN
+    # on the constant and zero probes on both sides, which parity does not compare). Against
+    # the eps-1e-8 module it was exported from, the file fails before and after fusion alike:
+    # NaN where PyTorch gives 0 on the constant and zero probes, and on the 1e-4-scale probe
+    # (variance about 1e-8, as large as the lost eps) an error as large as the output: the
+    # export is wrong, not the fusion. normexport's own export keeps the eps
+    # (ln_var_div_eps1e-8).
+    _ln("ln_no_eps", lambda: NoEpsLayerNorm()),
+    _ln("ln_weight_first_eps1e-8", lambda: WeightFirstLayerNorm(eps=1e-8)),
     # Held to 1e-8: the dynamo export's own float32 eps moves it 2e-9 on the 1e-4 probe; a
     # LayerNormalization computing it in float32 is 2e-7 off.
     _refused(
@@ -682,6 +758,9 @@ GALLERY: list[Entry] = [
     _rms("rms_gemma_fp16", lambda: GemmaRMSNorm(), **FP16_REGION),
     # ONNX Runtime's CPU provider has no bfloat16 RMSNormalization (opset 23) kernel.
     _rms("rms_llama_bf16", lambda: LlamaRMSNorm(), opsets=(17, 18, 20), **BF16_ROUND_TRIP),
+    _rms("rms_sum_div", lambda: SumRMSNorm()),
+    _rms("rms_sum_no_eps", lambda: SumRMSNorm(eps=None)),
+    _rms("rms_weight_first", lambda: WeightFirstRMSNorm()),
     _refused("rmsnorm", "rms_eps_outside_sqrt", lambda: EpsOutsideRMSNorm(), "not an RMSNorm"),
     _refused("rmsnorm", "rms_f_normalize", lambda: ScaledNormalize(), "F.normalize"),
     _refused("rmsnorm", "rms_middle_axis", lambda: MiddleAxisRMSNorm(), AXES),

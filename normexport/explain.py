@@ -22,10 +22,12 @@ class Finding:
     """One normalization-like subgraph.
 
     Attributes:
-        kind: ``batchnorm``, ``layernorm``, ``rmsnorm`` or ``skip``.
-        node: the anchor node's name in the model as given.
-        outcome: ``"already fused"``, ``"fused"`` or ``"left alone"``.
-        detail: the op it is or became, or the reason it was left alone.
+        kind: ``batchnorm``, ``layernorm``, ``rmsnorm`` or ``skip`` (``note`` for a note).
+        node: the anchor node's name in the model as given (empty for a note).
+        outcome: ``"already fused"``, ``"fused"``, ``"left alone"``, or ``"note"``: something
+            the user should know about the model that is no one subgraph's outcome (e.g. a norm
+            fused with epsilon 0 because the file has no eps: :attr:`fusion.FusionReport.notes`).
+        detail: the op it is or became, the reason it was left alone, or the note.
     """
 
     kind: str
@@ -62,13 +64,15 @@ def from_report(
     fused: Iterable[fusion.Fused],
     refused: Iterable[fusion.Refused],
     already: Iterable[AlreadyFused] = (),
+    notes: Iterable[str] = (),
 ) -> list[Finding]:
-    """Findings from a fusion report's outcomes (:class:`fusion.FusionReport`, or a
+    """Findings from a fusion report's outcomes and notes (:class:`fusion.FusionReport`, or a
     :class:`normexport.report.Fusions`) and :func:`already_fused` of the model before the
     passes."""
     findings = [Finding(a.kind, a.node, "already fused", a.op) for a in already]
     findings += [Finding(f.kind.split("_")[0], f.node, "fused", f.became) for f in fused]
     findings += [Finding(r.kind, r.node, "left alone", r.detail) for r in refused]
+    findings += [Finding("note", "", "note", text) for text in notes]
     return findings
 
 
@@ -84,21 +88,25 @@ def explain(model: ir.Model, target: str = "ort") -> list[Finding]:
     """
     already = already_fused(model)
     outcomes = fusion.optimize(model, target=target)
-    return from_report(outcomes.fused, outcomes.refused, already)
+    return from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
 
 
 def render(findings: list[Finding], title: str, console: Console) -> None:
-    """Print ``findings`` as one table, with a count per outcome below it."""
+    """Print ``findings`` as one table, with a count per outcome and the notes below it."""
     table = Table(title=title, title_justify="left")
     for col in ("kind", "node", "outcome", "what it is / became, or why not"):
         table.add_column(col, overflow="fold")
     style = {"fused": "green", "already fused": "cyan", "left alone": "yellow"}
-    for f in findings:
+    subgraphs = [f for f in findings if f.outcome in style]
+    for f in subgraphs:
         table.add_row(f.kind, f.node, f"[{style[f.outcome]}]{f.outcome}[/]", f.detail)
     console.print(table)
-    if not findings:
+    if not subgraphs:
         console.print("no normalization-like subgraph found")
     for outcome in style:
-        n = sum(f.outcome == outcome for f in findings)
+        n = sum(f.outcome == outcome for f in subgraphs)
         if n:
             console.print(f"{outcome}: {n}")
+    for f in findings:
+        if f.outcome == "note":
+            console.print(f"[yellow]note[/]: {f.detail}")

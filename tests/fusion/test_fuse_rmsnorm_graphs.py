@@ -106,3 +106,82 @@ def test_f_normalize_is_refused(clamp):
     y = g.node("Mul", [normed, g.const("sqrt_d", np.float32(np.sqrt(H)))], "y")
     model = g.model(IO, {y: (FLOAT, SHAPE)})
     assert_refused(model, FuseRMSNorm("ort"), Code.F_NORMALIZE)
+
+
+def _written_rmsnorm(g: Graph, rng, *, total=None, eps: float | None = 1e-6) -> str:
+    """``w * x / sqrt(ms + eps)``, the mean square ``ReduceMean(x * x)`` or, with ``total =
+    (op, c)``, ``ReduceSum(x * x)`` then ``Div`` / ``Mul`` by ``c``; ``eps=None``: no Add."""
+    sq = g.node("Mul", ["x", "x"], "sq")
+    if total is None:
+        ms = g.reduce("ReduceMean", sq, "ms", (-1,))
+    else:
+        op, c = total
+        s = g.node("ReduceSum", [sq, g.const("ms_axes", np.array([-1], np.int64))], "ms_sum")
+        ms = g.node(op, [s, g.const("c", np.float32(c))], "ms")
+    if eps is not None:
+        ms = g.node("Add", [ms, g.const("eps", np.float32(eps))], "ms_eps")
+    den = g.node("Sqrt", [ms], "den")
+    w = g.const("w", (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+    return g.node("Mul", [g.node("Div", ["x", den], "normed"), w], "y")
+
+
+@pytest.mark.parametrize("total", [("Div", H), ("Mul", 1 / H)], ids=["div", "mul"])
+def test_sum_of_squares_over_d_is_fused(rng, total):
+    g = Graph(23)
+    model = g.model(IO, {_written_rmsnorm(g, rng, total=total): (FLOAT, SHAPE)})
+    report = fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
+    assert report.counts["rmsnorm_fused"] == 1 and not report.refused
+    (node,) = model.graph
+    assert node.attributes.get_float("epsilon") == np.float32(1e-6)
+    np.testing.assert_array_equal(node.inputs[1].const_value.numpy(), g.constants["w"])
+
+
+def test_sum_of_squares_over_another_constant_is_a_scaled_mean_square(rng):
+    """``sum(x^2) / c`` is ``H / c`` times the mean square: exact with epsilon ``eps c / H``
+    and scale ``w sqrt(c / H)``."""
+    g = Graph(23)
+    model = g.model(IO, {_written_rmsnorm(g, rng, total=("Div", H - 1)): (FLOAT, SHAPE)})
+    fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
+    (node,) = model.graph
+    assert node.attributes.get_float("epsilon") == pytest.approx(1e-6 * (H - 1) / H, rel=1e-6)
+
+
+def test_rmsnorm_with_no_eps_is_fused_with_epsilon_0(rng):
+    g = Graph(23)
+    model = g.model(IO, {_written_rmsnorm(g, rng, eps=None): (FLOAT, SHAPE)})
+    report = fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
+    (node,) = model.graph
+    assert node.attributes.get_float("epsilon") == 0.0
+    (note,) = report.notes
+    assert "NaN on a row of zeros" in note
+    assert "epsilon 0" in report.fused[0].became
+
+
+def test_rmsnorms_sharing_their_mean_square_are_all_fused(rng):
+    """Two RMSNorms of one x with eps 1e-6 and 1e-5 read one square and one mean square."""
+    g = Graph(23)
+    ms = g.reduce("ReduceMean", g.node("Mul", ["x", "x"], "sq"), "ms", (-1,))
+    outputs = {}
+    for k, eps in enumerate((1e-6, 1e-5)):
+        den = g.node(
+            "Sqrt", [g.node("Add", [ms, g.const(f"eps{k}", np.float32(eps))], f"a{k}")], f"s{k}"
+        )
+        w = g.const(f"w{k}", (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+        outputs[g.node("Mul", [g.node("Div", ["x", den], f"n{k}"), w], f"y{k}")] = (FLOAT, SHAPE)
+    model = g.model(IO, outputs)
+    report = fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
+    assert report.counts["rmsnorm_fused"] == 2 and not report.refused
+    assert ops(model) == ["RMSNormalization", "RMSNormalization"]
+
+
+def test_weight_before_the_division_is_the_scale(rng):
+    """``w * x / sqrt(mean(x^2) + eps)``: the weight multiplies before the division."""
+    g = Graph(23)
+    ms = g.reduce("ReduceMean", g.node("Mul", ["x", "x"], "sq"), "ms", (-1,))
+    den = g.node("Sqrt", [g.node("Add", [ms, g.const("eps", np.float32(1e-6))], "a")], "den")
+    w = g.const("w", (1 + 0.5 * rng.standard_normal(H)).astype(np.float32))
+    y = g.node("Div", [g.node("Mul", [w, "x"], "wx"), den], "y")
+    model = g.model(IO, {y: (FLOAT, SHAPE)})
+    fuse_and_compare(model, FuseRMSNorm("onnx"), rng)
+    (node,) = model.graph
+    np.testing.assert_array_equal(node.inputs[1].const_value.numpy(), g.constants["w"])

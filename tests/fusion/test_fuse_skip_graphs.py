@@ -111,3 +111,19 @@ def test_other_com_microsoft_version_is_refused(rng):
     model = _residual_norm(rng, "LayerNormalization")
     model.opset_imports[MS_DOMAIN] = 2
     assert_refused(model, FuseSkip("ort"), Code.MS_OPSET_VERSION)
+
+
+def test_cast_between_residual_and_norm_says_how_the_sum_rounds(rng):
+    model = _residual_norm(rng, "LayerNormalization", dtype=TensorProto.FLOAT16, cast=True)
+    (refusal,) = assert_refused(model, FuseSkip("ort"), Code.CAST_BETWEEN).refused
+    assert "from FLOAT16 to FLOAT" in refusal.detail
+    assert "rounds its sum to FLOAT16" in refusal.detail
+
+
+@pytest.mark.parametrize("sum_read", [False, True], ids=["sum_unread", "sum_read"])
+def test_no_op_cast_between_residual_and_norm_is_fused(rng, sum_read):
+    """A Cast to float32 of a float32 sum changes nothing: the Add and the norm become one op."""
+    model = _residual_norm(rng, "LayerNormalization", cast=True, sum_read=sum_read)
+    report = fuse_and_compare(model, FuseSkip("ort"), rng, rtol=1e-4)
+    assert report.counts["skip_fused"] == 1 and not report.refused
+    assert ops(model) == ["SkipLayerNormalization"]

@@ -71,7 +71,7 @@ ACCEPTED_UNFUSED = {
             "skip_layer_norm_format2_graph_output_with_cast.onnx",
             "skip_layer_norm_input_output_with_cast_check.onnx",
         ],
-        "a Cast lies between the residual Add and the norm",
+        "lies between the residual Add and the norm: the Add rounds its sum to FLOAT16",
     ),
     # Add in float16, LayerNormalization with a float32 scale and float32 output (ORT's mixed-type
     # form): the Skip op takes one type for all of them, so it needs Casts that round differently.
@@ -87,6 +87,10 @@ ACCEPTED_FUSED = {
     # ReduceMean with no axes reduces all axes: ORT's pattern wants the last axis; a
     # LayerNormalization with axis=-3 normalizes all three axes, the same function.
     "layer_norm_sub_dup.onnx": "LayerNormalization",
+    # x - mean(x) goes through a Cast to float32 of a float32 value (a no-op) before the square.
+    # ORT's inference build leaves the pattern alone (its training build fuses it); the fused
+    # node computes the same function.
+    "layer_norm_with_cast.onnx": "LayerNormalization",
     # ORT leaves the float16 round trip alone on its CPU provider, for its kernels' sake (the
     # CUDA variant of its test fuses). Cast to float32, RMS-normalize, Cast back, then the
     # float16 weight: SimplifiedLayerNormalization on the float16 input computes just that.
