@@ -51,7 +51,14 @@ from fusion._ir import (
 )
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.fuse_instancenorm import absorb_per_channel
-from fusion.norm_match import FLOAT, NormMatch, centered, match_mean_square, param_value
+from fusion.norm_match import (
+    FLOAT,
+    Centering,
+    NormMatch,
+    centered,
+    match_mean_square,
+    param_value,
+)
 
 SLOWER = (
     "channels-first LayerNorm over axis 1 of a {shape} input: Transpose -> LayerNormalization "
@@ -73,6 +80,11 @@ def _over_channels(reduce: ir.Node, rank: int) -> bool:
         and {a % rank for a in axes} == {1}
         and reduce.attributes.get_int("keepdims", 1) == 1
     )
+
+
+def _is_mean(center: Centering | None) -> bool:
+    """Whether ``center`` subtracts a ReduceMean itself (not a scaled sum)."""
+    return center is not None and center.reduce.op_type == "ReduceMean" and center.factor == 1.0
 
 
 def _transpose(value: ir.Value, perm: tuple[int, ...]) -> ir.Node | None:
@@ -128,25 +140,24 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
         float32, ``x`` of known rank >= 3 and channel count, nothing read outside; or None."""
         division = as_division(node)
         core = match_mean_square(division[1]) if division is not None else None
-        found = centered(core.value) if core is not None else None
-        if found is None:
+        if core is None or core.reduce.op_type != "ReduceMean":  # sums: not in this form
             return None
-        x = found[0]
-        centers = [found]
+        centers = [centered(core.value)]
         if division[0] is not core.value:
             centers.append(centered(division[0]))
-            if centers[-1] is None or centers[-1][0] is not x:
-                return None
+        if not all(_is_mean(c) for c in centers) or centers[-1].x is not centers[0].x:
+            return None
+        x = centers[0].x
         rank = rank_of(x)
         if rank is None or rank < 3 or not isinstance(x.shape[1], int) or core.restores:
             return None
-        if not all(_over_channels(r, rank) for r in [core.reduce, *(c[1] for c in centers)]):
+        if not all(_over_channels(r, rank) for r in [core.reduce, *(c.reduce for c in centers)]):
             return None
         if core.eps is None or core.eps.dtype != FLOAT.numpy():
             return None
         if not (math.isfinite(core.factor) and core.factor > 0):
             return None
-        centering = [n for c in centers for n in c[1:]]
+        centering = [n for c in centers for n in c.nodes]
         nodes = [*centering, *core.nodes, *division[2], node]
         if escaping_value(nodes[len(centering) :], node.outputs[0]) is not None:
             return None

@@ -75,8 +75,12 @@ def fused_op(family: str, opset: int) -> str:
 
 #: Ops of each family's decomposed form: none may remain once the norm is fused or folded.
 DECOMPOSED = {
-    "layernorm": frozenset({"ReduceMean", "Sub", "Pow", "Mul", "Add", "Sqrt", "Reciprocal", "Div"}),
-    "rmsnorm": frozenset({"ReduceMean", "Pow", "Mul", "Add", "Sqrt", "Reciprocal", "Div"}),
+    "layernorm": frozenset(
+        {"ReduceMean", "ReduceSum", "Sub", "Pow", "Mul", "Add", "Sqrt", "Reciprocal", "Div"}
+    ),
+    "rmsnorm": frozenset(
+        {"ReduceMean", "ReduceSum", "Pow", "Mul", "Add", "Sqrt", "Reciprocal", "Div"}
+    ),
     "batchnorm": frozenset({"BatchNormalization", "Sub", "Mul", "Sqrt", "Div"}),
     "instancenorm": frozenset({"ReduceMean", "Sub", "Pow", "Mul", "Add", "Sqrt", "Div"}),
     # a GroupNorm keeps its Reshapes and its per-channel Mul / Add (nn.GroupNorm's form)

@@ -70,7 +70,8 @@ def from_report(
     :class:`normexport.report.Fusions`) and :func:`already_fused` of the model before the
     passes."""
     findings = [Finding(a.kind, a.node, "already fused", a.op) for a in already]
-    findings += [Finding(f.kind.split("_")[0], f.node, "fused", f.became) for f in fused]
+    family = {kind.name: kind.family for kind in fusion.registry.KINDS}
+    findings += [Finding(family[f.kind], f.node, "fused", f.became) for f in fused]
     findings += [Finding(r.kind, r.node, "left alone", r.detail) for r in refused]
     findings += [Finding("note", "", "note", text) for text in notes]
     return findings
