@@ -159,9 +159,10 @@ def _layernorm_to_rmsnorm(model: ir.Model) -> None:
     rms = ir.node("SimplifiedLayerNormalization", [x, scale], attributes=attrs)
     new = [rms, ir.node("Add", [rms.outputs[0], bias[0]])] if bias and bias[0] else [rms]
     model.graph.insert_before(ln, new)
-    out = new[-1].outputs[0]
-    ir.convenience.replace_all_uses_with(ln.outputs[0], out)
-    if ln.outputs[0] in model.graph.outputs:
-        model.graph.outputs[model.graph.outputs.index(ln.outputs[0])] = out
-        out.name, ln.outputs[0].name = ln.outputs[0].name, "unused"
+    old, out = ln.outputs[0], new[-1].outputs[0]
+    if old.is_graph_output():  # the new value takes its place and its name first
+        model.graph.outputs[model.graph.outputs.index(old)] = out
+        name, old.name = old.name, f"{old.name}_replaced"
+        out.name, out.type, out.shape = name, old.type, old.shape
+    ir.convenience.replace_all_uses_with(old, out)
     model.graph.remove(ln, safe=True)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from models.broken import broken
+from models.norms import GALLERY
 from normexport import pipeline
 from normexport.load import quiet_torch
 
@@ -147,6 +148,26 @@ def test_broken_optimizer_fails(name, tmp_path):
     assert parity["oracle"] == "pytorch_float64"
     if name == "eps_dropped":
         assert any(f["probe"] == "constant" and f["nonfinite_mismatch"] for f in parity["failures"])
+
+
+#: Gallery entries (models/norms.py) each break is run on: a hand-written LayerNorm, LLaMA's
+#: RMSNorm, BatchNorm before a Conv (the exporters leave it to normexport).
+GALLERY_BROKEN = {
+    "scale": "bn_before_unpadded_conv",
+    "eps_dropped": "rms_llama",
+    "layernorm_as_rmsnorm": "ln_var_div_eps1e-8",
+    "bn_wrong_variance": "bn_before_unpadded_conv",
+}
+
+
+@pytest.mark.parametrize("name", list(GALLERY_BROKEN))
+def test_broken_optimizer_fails_on_the_gallery(name, tmp_path):
+    entry = next(e for e in GALLERY if e.name == GALLERY_BROKEN[name])
+    shape = ",".join(map(str, entry.shape))
+    assert _run(tmp_path, entry.build(), shape)["parity"]["passed"]
+    with broken(name):
+        parity = _run(tmp_path, entry.build(), shape)["parity"]
+    assert not parity["passed"], parity["outputs"]
 
 
 def _export(tmp_path, model: nn.Module, shape: str) -> Path:
