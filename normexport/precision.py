@@ -73,6 +73,9 @@ SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 DECOMPOSED_FAMILIES = ("layernorm", "rmsnorm", "instancenorm")
 #: Ops a decomposed norm's statistics pass through (where the walk up from its division stops).
 _REDUCE = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
+#: Ops between a norm's input and its reduction: the square (``Pow(x, 2)``, ``Mul(x, x)``) and
+#: an upcast; a norm's nodes start at the value they come from.
+_TO_REDUCE = ("Pow", "Mul", "Cast")
 #: How many nodes up from the anchor a decomposed norm may span.
 _NORM_DEPTH = 12
 #: Protobuf's limit on one serialized message.
@@ -191,13 +194,32 @@ def decomposed_norm_nodes(graph: onnx.GraphProto, anchor: str) -> list[str]:
     reductions = [n for n in above.values() if n.op_type in _REDUCE]
     if not reductions:
         return []
-    inside = {name for r in reductions for name in _between(r.input[0], start, above)}
+    sources = {_reduced_value(r.input[0], producer, above) for r in reductions}
+    inside = {name for v in sources for name in _between(v, start, above)}
     read = {i for n in graph.node if n.name in inside for i in n.input}
     for node in graph.node:  # its eps and exponents: Constant nodes only it reads
         readers = {m.name for m in graph.node if set(node.output) & set(m.input)}
         if node.op_type == "Constant" and set(node.output) & read and readers <= inside:
             inside.add(node.name)
     return [n.name for n in graph.node if n.name in inside]
+
+
+def _reduced_value(
+    value: str, producer: Mapping[str, onnx.NodeProto], nodes: Mapping[str, onnx.NodeProto]
+) -> str:
+    """The value a reduction's input is computed from by a square or a cast (``x`` of
+    ``ReduceMean(Pow(Cast(x), 2))``, an RMSNorm's), walking up through :data:`_TO_REDUCE` nodes
+    of ``nodes``; a Mul only where it squares (both inputs one value)."""
+    node = producer.get(value)
+    while (
+        node is not None
+        and node.name in nodes
+        and node.op_type in _TO_REDUCE
+        and (node.op_type != "Mul" or node.input[0] == node.input[1])
+    ):
+        value = node.input[0]
+        node = producer.get(value)
+    return value
 
 
 def _between(source: str, end: onnx.NodeProto, nodes: Mapping[str, onnx.NodeProto]) -> set[str]:

@@ -76,6 +76,27 @@ def _eps_outside_layernorm(rng) -> tuple[ir.Model, dict]:
     return model, params
 
 
+def _eps_outside_rmsnorm(rng) -> tuple[ir.Model, dict]:
+    """x / (sqrt(mean(x**2)) + eps) * w: an RMSNorm look-alike the fusion refuses, whose square
+    comes before its reduction."""
+    params = {
+        "two": np.array(2.0, np.float32),
+        "eps": np.array(1e-6, np.float32),
+        "w": rng.standard_normal(D).astype(np.float32),
+        "axes": np.array([-1], np.int64),
+    }
+    nodes = [
+        ("Pow", ["x", "two"], ["x2"], {"name": "square"}),
+        ("ReduceMean", ["x2", "axes"], ["ms"], {"name": "mean_square"}),
+        ("Sqrt", ["ms"], ["rms"], {"name": "root"}),
+        ("Add", ["rms", "eps"], ["den"], {"name": "plus_eps"}),
+        ("Div", ["x", "den"], ["n"], {"name": "divide"}),
+        ("Mul", ["n", "w"], ["y"], {"name": "times_w"}),
+    ]
+    model = make_model(nodes, {"x": (F, [2, 3, D])}, {"y": (F, [2, 3, D])}, params)
+    return model, params
+
+
 def _convert(model: ir.Model, tmp_path, refused=(), keep_io_types=True):
     src, dst = tmp_path / "f32.onnx", tmp_path / "f16.onnx"
     files.save_model(model, src, external_data=False)
@@ -139,6 +160,25 @@ def test_block_list_alone_rounds_through_float16(tmp_path):
         good = ReferenceEvaluator(onnx.load(ours)).run(None, {"x": x})[0]
     # var = mean(inf) = inf: the rows with an outlier become the bias alone
     assert _rel_l2(bad, want) > 0.1 and _rel_l2(good, want) < 1e-2
+
+
+def test_refused_rmsnorm_keeps_its_square_float32(tmp_path):
+    """The square of an RMSNorm look-alike comes before its reduction: it stays float32 too.
+    Run on onnx.reference, which computes float16 in float16 (ONNX Runtime's CPU provider
+    computes Pow in float32 whatever the graph says)."""
+    rng = np.random.default_rng(4)
+    model, p = _eps_outside_rmsnorm(rng)
+    report = fusion.optimize(model)
+    assert [(r.kind, r.code) for r in report.refused] == [("rmsnorm", "eps_outside_sqrt")]
+    found, dst = _convert(model, tmp_path, report.refused)
+    kept = {k.node for k in found.kept_float32}
+    assert kept == {"square", "mean_square", "root", "plus_eps", "divide"}
+    x = _outlier_input(rng)
+    x64 = x.astype(np.float64)
+    want = x64 / (np.sqrt((x64 * x64).mean(-1, keepdims=True)) + 1e-6) * p["w"]
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = ReferenceEvaluator(onnx.load(dst)).run(None, {"x": x})[0]
+    assert np.isfinite(got).all() and _rel_l2(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("opset", [17, 23])
