@@ -31,7 +31,8 @@ test-fast: install lint
 	$(PY) -m pytest -q -m "not slow"
 
 # The other optimizers that benchmarks/compare_fusers.py runs beside normexport (onnxslim,
-# onnxsim: the `bench` extra); only `make bench` installs them, `make test` needs neither.
+# onnxsim) and the float16 converter benchmarks/precision.py compares with
+# (onnxconverter-common): the `bench` extra; only `make bench` installs them.
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -q -e '.[bench]'
 	touch $@
@@ -42,6 +43,7 @@ bench: install $(VENV)/.bench-installed
 	$(PY) benchmarks/norm_stack.py
 	$(PY) benchmarks/demo_models.py
 	$(PY) benchmarks/compare_fusers.py
+	$(PY) benchmarks/precision.py
 
 lint: install
 	$(VENV)/bin/ruff check .

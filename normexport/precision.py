@@ -21,9 +21,13 @@ normexport adds on top:
   them: a hand-written norm in float16 squares its input, and ``x**2`` overflows float16 above
   ``|x| = 256``.
 - **constants that float16 cannot hold** (a BatchNorm folded with a tiny running variance
-  gives a huge scale; the fold computes in float64 and stores float32): every node with a
-  float initializer that overflows float16 (``|v| > 65504``) or flushes to zero (nonzero,
-  ``|v| < 2**-25``) stays in float32, where the converter would silently clamp it.
+  gives a huge scale, a huge one a tiny scale; the fold computes in float64 and stores
+  float32): every node with a float initializer that overflows float16 (``|v| > 65504``), or
+  whose float16 copy loses more than float16's own rounding (relative L2 error of the cast
+  above :data:`FP16_LOSS`: its values are mostly subnormal or flush to zero), stays in float32,
+  where the converter would silently clamp it. A few tiny values among normal ones (trained
+  weights have them) are no loss: in any product ``w @ x`` their flush moves the result by
+  ``||dw|| ||x||``, less than the rounding of the other values, ``2**-11 ||w|| ||x||``.
 - **ops without a float16 kernel** on the provider stay float32: the converted model is loaded
   in an ONNX Runtime session, and each op type it reports NOT_IMPLEMENTED for is blocked, until
   it loads.
@@ -57,6 +61,10 @@ PRECISIONS = ("fp32", "fp16", "bf16")
 FP16_MAX = 65504.0
 #: Nonzero magnitudes below this round to zero in float16 (half the smallest subnormal, 2**-24).
 FP16_FLUSH = 2.0**-25
+#: The largest relative L2 error of an initializer's float16 copy that is float16's own
+#: rounding: twice its unit roundoff 2**-11 (IEEE 754 binary16, 11 significant bits); more
+#: means subnormals or flushes lost precision.
+FP16_LOSS = 2.0**-10
 #: Norm ops that compute their statistics in ``stash_type`` (1: float32).
 STASH_NORMS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
 #: ONNX Runtime's residual norms (no ``stash_type``; float32 statistics on its CPU provider).
@@ -65,6 +73,9 @@ SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 DECOMPOSED_FAMILIES = ("layernorm", "rmsnorm", "instancenorm")
 #: Ops a decomposed norm's statistics pass through (where the walk up from its division stops).
 _REDUCE = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
+#: Ops between a norm's input and its reduction: the square (``Pow(x, 2)``, ``Mul(x, x)``) and
+#: an upcast; a norm's nodes start at the value they come from.
+_TO_REDUCE = ("Pow", "Mul", "Cast")
 #: How many nodes up from the anchor a decomposed norm may span.
 _NORM_DEPTH = 12
 #: Protobuf's limit on one serialized message.
@@ -134,7 +145,7 @@ def check_precision(precision: str) -> None:
         raise UsageError(BF16_REFUSAL)
 
 
-def _tensor_bytes(path: Path) -> int:
+def model_bytes(path: Path) -> int:
     """The bytes a model file and its external data files hold (without loading them)."""
     total = path.stat().st_size
     proto = onnx.load(path, load_external_data=False)
@@ -153,7 +164,7 @@ def load_for_conversion(path: Path) -> onnx.ModelProto:
     Raises:
         UsageError: the model's tensors pass protobuf's 2 GiB limit.
     """
-    size = _tensor_bytes(path)
+    size = model_bytes(path)
     if size >= PROTO_LIMIT:
         raise UsageError(
             f"--precision fp16: the optimized model holds {size / 2**30:.1f} GiB; ONNX Runtime's "
@@ -183,13 +194,32 @@ def decomposed_norm_nodes(graph: onnx.GraphProto, anchor: str) -> list[str]:
     reductions = [n for n in above.values() if n.op_type in _REDUCE]
     if not reductions:
         return []
-    inside = {name for r in reductions for name in _between(r.input[0], start, above)}
+    sources = {_reduced_value(r.input[0], producer, above) for r in reductions}
+    inside = {name for v in sources for name in _between(v, start, above)}
     read = {i for n in graph.node if n.name in inside for i in n.input}
     for node in graph.node:  # its eps and exponents: Constant nodes only it reads
         readers = {m.name for m in graph.node if set(node.output) & set(m.input)}
         if node.op_type == "Constant" and set(node.output) & read and readers <= inside:
             inside.add(node.name)
     return [n.name for n in graph.node if n.name in inside]
+
+
+def _reduced_value(
+    value: str, producer: Mapping[str, onnx.NodeProto], nodes: Mapping[str, onnx.NodeProto]
+) -> str:
+    """The value a reduction's input is computed from by a square or a cast (``x`` of
+    ``ReduceMean(Pow(Cast(x), 2))``, an RMSNorm's), walking up through :data:`_TO_REDUCE` nodes
+    of ``nodes``; a Mul only where it squares (both inputs one value)."""
+    node = producer.get(value)
+    while (
+        node is not None
+        and node.name in nodes
+        and node.op_type in _TO_REDUCE
+        and (node.op_type != "Mul" or node.input[0] == node.input[1])
+    ):
+        value = node.input[0]
+        node = producer.get(value)
+    return value
 
 
 def _between(source: str, end: onnx.NodeProto, nodes: Mapping[str, onnx.NodeProto]) -> set[str]:
@@ -208,18 +238,23 @@ def _between(source: str, end: onnx.NodeProto, nodes: Mapping[str, onnx.NodeProt
 
 def unsafe_constants(graph: onnx.GraphProto) -> list[KeptFloat32]:
     """The nodes that read a float initializer float16 cannot hold: a value above
-    :data:`FP16_MAX` in magnitude (overflow) or a nonzero one below :data:`FP16_FLUSH` (flushed
-    to zero). Each such node stays float32 (the converter would clamp the value)."""
+    :data:`FP16_MAX` in magnitude (overflow), or a float16 copy whose relative L2 error passes
+    :data:`FP16_LOSS` (values subnormal or flushed to zero: underflow). Each such node stays
+    float32 (the converter would clamp the values)."""
     bad: dict[str, str] = {}
     for tensor in graph.initializer:
         if tensor.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
             continue
-        mag = np.abs(numpy_helper.to_array(tensor).astype(np.float64))
+        value = numpy_helper.to_array(tensor).astype(np.float64)
+        mag = np.abs(value)
         if mag.size and mag.max() > FP16_MAX:
             bad[tensor.name] = f"fp16_overflow:max |value| {mag.max():.3g} > {FP16_MAX:g}"
-        elif np.any((mag > 0) & (mag < FP16_FLUSH)):
-            low = mag[mag > 0].min()
-            bad[tensor.name] = f"fp16_underflow:nonzero |value| {low:.3g} flushes to 0 in float16"
+        elif (loss := _float16_loss(value)) > FP16_LOSS:
+            flushed = int(np.count_nonzero((mag > 0) & (mag < FP16_FLUSH)))
+            bad[tensor.name] = (
+                f"fp16_underflow:its float16 copy is {loss:.2g} off (relative L2), "
+                f"{flushed} of {mag.size} values flush to 0"
+            )
     kept = []
     for node in graph.node:
         for name in (i for i in node.input if i in bad):
@@ -229,6 +264,16 @@ def unsafe_constants(graph: onnx.GraphProto) -> list[KeptFloat32]:
             )
             break
     return kept
+
+
+def _float16_loss(value: np.ndarray) -> float:
+    """Relative L2 error of ``value`` (float64) stored as float16, for values float16 can hold
+    (0 for a zero tensor)."""
+    norm = np.linalg.norm(value)
+    if norm == 0:
+        return 0.0
+    with np.errstate(over="ignore"):
+        return float(np.linalg.norm(value.astype(np.float16).astype(np.float64) - value) / norm)
 
 
 def decomposed_norms(graph: onnx.GraphProto, refused: Iterable) -> list[KeptFloat32]:

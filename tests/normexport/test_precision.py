@@ -76,6 +76,27 @@ def _eps_outside_layernorm(rng) -> tuple[ir.Model, dict]:
     return model, params
 
 
+def _eps_outside_rmsnorm(rng) -> tuple[ir.Model, dict]:
+    """x / (sqrt(mean(x**2)) + eps) * w: an RMSNorm look-alike the fusion refuses, whose square
+    comes before its reduction."""
+    params = {
+        "two": np.array(2.0, np.float32),
+        "eps": np.array(1e-6, np.float32),
+        "w": rng.standard_normal(D).astype(np.float32),
+        "axes": np.array([-1], np.int64),
+    }
+    nodes = [
+        ("Pow", ["x", "two"], ["x2"], {"name": "square"}),
+        ("ReduceMean", ["x2", "axes"], ["ms"], {"name": "mean_square"}),
+        ("Sqrt", ["ms"], ["rms"], {"name": "root"}),
+        ("Add", ["rms", "eps"], ["den"], {"name": "plus_eps"}),
+        ("Div", ["x", "den"], ["n"], {"name": "divide"}),
+        ("Mul", ["n", "w"], ["y"], {"name": "times_w"}),
+    ]
+    model = make_model(nodes, {"x": (F, [2, 3, D])}, {"y": (F, [2, 3, D])}, params)
+    return model, params
+
+
 def _convert(model: ir.Model, tmp_path, refused=(), keep_io_types=True):
     src, dst = tmp_path / "f32.onnx", tmp_path / "f16.onnx"
     files.save_model(model, src, external_data=False)
@@ -141,6 +162,25 @@ def test_block_list_alone_rounds_through_float16(tmp_path):
     assert _rel_l2(bad, want) > 0.1 and _rel_l2(good, want) < 1e-2
 
 
+def test_refused_rmsnorm_keeps_its_square_float32(tmp_path):
+    """The square of an RMSNorm look-alike comes before its reduction: it stays float32 too.
+    Run on onnx.reference, which computes float16 in float16 (ONNX Runtime's CPU provider
+    computes Pow in float32 whatever the graph says)."""
+    rng = np.random.default_rng(4)
+    model, p = _eps_outside_rmsnorm(rng)
+    report = fusion.optimize(model)
+    assert [(r.kind, r.code) for r in report.refused] == [("rmsnorm", "eps_outside_sqrt")]
+    found, dst = _convert(model, tmp_path, report.refused)
+    kept = {k.node for k in found.kept_float32}
+    assert kept == {"square", "mean_square", "root", "plus_eps", "divide"}
+    x = _outlier_input(rng)
+    x64 = x.astype(np.float64)
+    want = x64 / (np.sqrt((x64 * x64).mean(-1, keepdims=True)) + 1e-6) * p["w"]
+    with np.errstate(over="ignore", invalid="ignore"):
+        got = ReferenceEvaluator(onnx.load(dst)).run(None, {"x": x})[0]
+    assert np.isfinite(got).all() and _rel_l2(got, want) < 1e-2
+
+
 @pytest.mark.parametrize("opset", [17, 23])
 def test_fused_norm_computes_statistics_in_float32(tmp_path, opset):
     rng = np.random.default_rng(1)
@@ -199,14 +239,25 @@ def test_ort_cpu_skip_norms_keep_float16_inputs_finite(op):
 
 
 @pytest.mark.parametrize(
-    "value, reason", [(2e5, "fp16_overflow"), (1e-9, "fp16_underflow"), (3.0, None)]
+    "value, whole, x_scale, reason",
+    [
+        (2e5, False, 1e-3, "fp16_overflow"),  # the huge scale meets small inputs
+        (1e-7, True, 1e3, "fp16_underflow"),  # the tiny scale meets large ones
+        (1e-9, False, 1.0, None),
+        (3.0, False, 1.0, None),
+    ],
 )
-def test_constants_float16_cannot_hold_stay_float32(tmp_path, value, reason):
-    """A folded BatchNorm with a tiny running variance gives a huge scale: that layer stays
-    float32, where the generic converter clamps it to 65504."""
+def test_constants_float16_cannot_hold_stay_float32(tmp_path, value, whole, x_scale, reason):
+    """A folded BatchNorm with a tiny running variance gives a huge scale, a huge variance a
+    tiny one: that layer stays float32, where the generic converter clamps the values (to
+    65504, or up to float16's smallest subnormal). One tiny value among normal ones (trained
+    weights have them) is no loss: its flush moves ``x @ w`` less than float16's rounding."""
     rng = np.random.default_rng(3)
     weight = rng.standard_normal((D, 4)).astype(np.float32)
-    weight[0, 0] = value
+    if whole:
+        weight *= np.float32(value)
+    else:
+        weight[0, 0] = value
     model = make_model(
         [("MatMul", ["x", "w"], ["y"], {"name": "folded"})],
         {"x": (F, [2, D])},
@@ -217,16 +268,17 @@ def test_constants_float16_cannot_hold_stay_float32(tmp_path, value, reason):
     assert [(k.node, k.reason) for k in found.kept_float32] == (
         [("folded", reason)] if reason else []
     )
-    x = (rng.standard_normal((2, D)) * 1e-3).astype(np.float32)  # the scale meets small inputs
+    x = (rng.standard_normal((2, D)) * x_scale).astype(np.float32)
     got = _session(dst).run(None, {"x": x})[0]
     want = x.astype(np.float64) @ weight
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
-    if reason == "fp16_overflow":
+    if reason is not None:
         generic = float16.convert_float_to_float16(
             ir.serde.serialize_model(model), keep_io_types=True
         )
-        clamped = _session(generic).run(None, {"x": x})[0]
-        assert np.linalg.norm(clamped - want) / np.linalg.norm(want) > 0.1
+        with np.errstate(over="ignore", invalid="ignore"):
+            clamped = _session(generic).run(None, {"x": x})[0].astype(np.float64)
+        assert not np.isfinite(clamped).all() or _rel_l2(clamped, want) > 0.1
 
 
 def test_half_precision_parity_rule():
