@@ -28,7 +28,9 @@ noise, so it still fails. Without a raw model the rule is the tolerance alone.
 A half-precision model (``--precision fp16``) is judged by another rule, since the raw export
 is float32 and its noise says nothing of float16 rounding: an output fails where it has NaN or
 Inf where the oracle is finite, or where its relative L2 error exceeds ``max_rel_l2``
-(:data:`FP16_MAX_REL_L2`) and its max abs error exceeds ``atol`` (outputs near zero).
+(:data:`FP16_MAX_REL_L2`) plus the raw float32 model's own relative L2 error (where float32
+itself is far from the oracle, as ``nn.RMSNorm``'s dtype-dependent eps on tiny inputs, float16
+is not blamed for it) and its max abs error exceeds ``atol`` (outputs near zero).
 
 "Close enough" (``atol + rtol * max|ref|``, no NaN/Inf where the reference is finite) is
 :func:`closeness`, the one definition for the verdict and for every other comparison (autotune's
@@ -277,7 +279,8 @@ def compare(
         raise ValueError(f"output {name!r}: {err}") from None
     within = Closeness(max_abs, max_ref, mismatch, atol + rtol * max_ref).within
     if max_rel_l2 is not None:
-        passed = mismatch == 0 and (rel_l2 <= max_rel_l2 or max_abs <= atol)
+        allowed = max_rel_l2 + (raw_err[1] if raw_err is not None else 0.0)
+        passed = mismatch == 0 and (rel_l2 <= allowed or max_abs <= atol)
     else:
         passed = within or (
             mismatch == 0 and raw_err is not None and max_abs <= noise_factor * raw_err[0]

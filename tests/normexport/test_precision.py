@@ -289,6 +289,10 @@ def test_half_precision_parity_rule():
     assert close.passed and not far.passed and not nan.passed
     # the float32 rule would fail the first: 5e-3 * 1 > 1e-4 + 1e-3 * 1
     assert not parity.compare("y", ref * (1 + 5e-3), ref, 1e-4, 1e-3).passed
+    # where the float32 raw model is itself 4e-2 from the oracle, float16 is not blamed for it
+    raw = ref * (1 + 4e-2)
+    assert parity.compare("y", ref * (1 + 5e-2), ref, 1e-4, 1e-3, raw=raw, max_rel_l2=1e-2).passed
+    assert not parity.compare("y", ref * 1.06, ref, 1e-4, 1e-3, raw=raw, max_rel_l2=1e-2).passed
 
 
 def test_overflow_probe_has_outliers_and_keeps_integers():
