@@ -283,6 +283,19 @@ class NoEpsLayerNorm(_Norm):
         return self.affine(d / torch.sqrt(d.pow(2).mean(self.dims, keepdim=True)))
 
 
+class TwoLayerNormsOfOneInput(nn.Module):
+    """Two tutorial LayerNorms of the same ``x`` with different eps, concatenated (issue 13
+    item 6): common-subexpression elimination merges their ``x - mean`` and square, values
+    shared only among norms that are all fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = VarLayerNorm(eps=1e-5), VarLayerNorm(eps=1e-3, seed=1)
+
+    def forward(self, x):
+        return torch.cat([self.first(x), self.second(x)], -1)
+
+
 class _RMS(nn.Module):
     """A weight over the last axis, seeded random (1 + 0.5 N(0, 1)), and eps."""
 
@@ -602,6 +615,7 @@ class Entry:
         exporters: the exporters that can export it, each at its :data:`OPSETS`.
         opsets: when set, only these opsets apply.
         atol, rtol: parity with PyTorch: ``max |y - r| <= atol + rtol * max |r|``.
+        norms: how many norms the module holds (each must become the fused op).
     """
 
     name: str
@@ -616,6 +630,7 @@ class Entry:
     opsets: tuple[int, ...] | None = None
     atol: float = 1e-4
     rtol: float = 1e-3
+    norms: int = 1
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -737,6 +752,7 @@ GALLERY: list[Entry] = [
     # export is wrong, not the fusion. normexport's own export keeps the eps
     # (ln_var_div_eps1e-8).
     _ln("ln_no_eps", lambda: NoEpsLayerNorm()),
+    _ln("ln_two_of_one_input", lambda: TwoLayerNormsOfOneInput(), norms=2),
     _ln("ln_weight_first_eps1e-8", lambda: WeightFirstLayerNorm(eps=1e-8)),
     # Held to 1e-8: the dynamo export's own float32 eps moves it 2e-9 on the 1e-4 probe; a
     # LayerNormalization computing it in float32 is 2e-7 off.
