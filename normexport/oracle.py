@@ -242,12 +242,8 @@ def _widen_initializer(value: ir.Value) -> None:
         value.dtype = ir.DataType.DOUBLE
 
 
-#: Integer attributes that name a data type, and the float32 -> float64 value they take.
-_TYPE_ATTRIBUTES = {
-    "to": {ir.DataType.FLOAT: ir.DataType.DOUBLE},
-    "dtype": {ir.DataType.FLOAT: ir.DataType.DOUBLE},
-    "stash_type": {ir.DataType.FLOAT: ir.DataType.DOUBLE},
-}
+#: Integer attributes that name a data type (float32 ones become float64).
+_TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type"})
 
 
 #: Ops that compute their statistics in ``stash_type`` (float32 when it is not given).
@@ -263,10 +259,8 @@ def _widen_node(node: ir.Node) -> None:
         if attr.type == ir.AttributeType.TENSOR and attr.value.dtype == ir.DataType.FLOAT:
             wide = ir.tensor(attr.value.numpy().astype(np.float64))
             node.attributes[name] = ir.AttrTensor(name, wide)
-        elif attr.type == ir.AttributeType.INT and name in _TYPE_ATTRIBUTES:
-            wide = _TYPE_ATTRIBUTES[name].get(ir.DataType(attr.value)) if attr.value else None
-            if wide is not None:
-                node.attributes[name] = ir.AttrInt64(name, wide)
+        elif name in _TYPE_ATTRIBUTES and attr.value == ir.DataType.FLOAT:
+            node.attributes[name] = ir.AttrInt64(name, ir.DataType.DOUBLE)
     for value in node.outputs:
         if not value.is_graph_output():
             value.type, value.shape = None, None

@@ -40,8 +40,6 @@ from normexport.report import (
 
 __all__ = ["Options", "Prepared", "Report", "default_output", "prepare", "run"]
 
-#: ONNX Runtime's graph optimizations off: the model runs as written (parity verdicts).
-
 
 def default_output(model_path: Path) -> Path:
     """``dir/name.pt`` -> ``dir/name.opt.onnx``: the last suffix is replaced, so
@@ -497,10 +495,10 @@ def _references(job: _Job, raw, work: Path) -> dict:
 def _pytorch_oracle(job: _Job, raw, work: Path) -> oracle_mod.Oracle:
     """The PyTorch model in float64; where that cannot run, the raw export in float64; where
     neither can, None (PyTorch float32 is the reference), with every reason in the notes."""
-    found = oracle_mod.pytorch_float64(job.loaded, job.sets["example"], job.feed_names)
+    example = job.sets["example"]
+    found = oracle_mod.pytorch_float64(job.loaded, example, job.feed_names)
     if found.run is not None:
         return found
-    example = job.sets["example"]
     export = oracle_mod.onnx_float64(job.raw_path, raw, example, work, "the raw export")
     notes = [*found.notes, *export.notes]
     if export.run is None:

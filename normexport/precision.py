@@ -325,7 +325,6 @@ def _converted(
     _drop_repeated_casts(converted.graph)
     _skip_round_trips(converted.graph, set(nodes))
     _exact_constants(converted.graph, proto.graph)
-    _sort(converted.graph)
     for node in converted.graph.node:
         if node.op_type in STASH_NORMS:
             kept = [a for a in node.attribute if a.name != "stash_type"]
@@ -415,29 +414,6 @@ def _exact_constants(graph: onnx.GraphProto, original: onnx.GraphProto) -> None:
         graph.initializer.remove(tensor)
 
 
-def _sort(graph: onnx.GraphProto) -> None:
-    """Order the nodes so that each comes after the producers of its inputs (the converter
-    appends its casts at the end); stable otherwise."""
-    producer = {out: i for i, n in enumerate(graph.node) for out in n.output}
-    nodes, placed, order = list(graph.node), set(), []
-    for i in range(len(nodes)):
-        stack = [i]
-        while stack:
-            j = stack[-1]
-            waiting = [
-                producer[x] for x in nodes[j].input if x in producer and producer[x] not in placed
-            ]
-            if waiting:
-                stack.append(waiting[0])
-                continue
-            stack.pop()
-            if j not in placed:
-                placed.add(j)
-                order.append(nodes[j])
-    del graph.node[:]
-    graph.node.extend(order)
-
-
 def _missing_kernel(path: Path, provider: str) -> str | None:
     """The op type ONNX Runtime reports no kernel for when loading ``path`` on ``provider``
     (NOT_IMPLEMENTED), or None when the model loads.
@@ -492,7 +468,9 @@ def to_float16(
         converted = _converted(proto, keep_io_types, [k.node for k in kept], op_types)
         for path in (dst, files.data_path(dst)):
             path.unlink(missing_ok=True)
-        files.save_model(ir.serde.deserialize_model(converted), dst, external_data=external_data)
+        model = ir.serde.deserialize_model(converted)
+        model.graph.sort()  # the converter appends its casts at the end
+        files.save_model(model, dst, external_data=external_data)
         missing = _missing_kernel(dst, provider)
         if missing is None:
             break

@@ -151,7 +151,9 @@ def test_block_list_alone_rounds_through_float16(tmp_path):
     nodes = precision.decomposed_norm_nodes(proto.graph, report.refused[0].node)
     generic = float16.convert_float_to_float16(proto, keep_io_types=True, node_block_list=nodes)
     precision._drop_repeated_casts(generic.graph)
-    precision._sort(generic.graph)
+    generic = ir.serde.deserialize_model(generic)
+    generic.graph.sort()  # the converter appends its casts at the end
+    generic = ir.serde.serialize_model(generic)
     _, ours = _convert(model, tmp_path, report.refused)
     x = _outlier_input(rng) * 3
     want = _layernorm64(x * 3.0, p["w"], p["b"], 1e-5, outside=True)
