@@ -455,6 +455,7 @@ def _parity(job: _Job, work: Path) -> ParityResult:
         atol=job.opts.atol,
         rtol=job.opts.rtol,
         max_rel_l2=parity_mod.FP16_MAX_REL_L2 if job.precision else None,
+        round_inputs=precision_mod.rounded_feeds if job.precision else None,
         **_references(job, raw, work),
     )
 

@@ -527,3 +527,18 @@ def overflow_set(example: Mapping[str, np.ndarray], seed: int = 2) -> dict[str, 
         feeds[name] = array
     changed = any(feeds[k] is not example[k] for k in feeds)
     return {OVERFLOW_PROBE: feeds} if changed else {}
+
+
+def rounded_feeds(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``feeds`` with every float array rounded to float16 and back to its own dtype (the
+    half-precision parity rule's input rounding, :func:`normexport.parity.compare`); other
+    arrays as they are. Values beyond float16's range become Inf, as the model's own float16
+    inputs would.
+    """
+    out = {}
+    for name, array in feeds.items():
+        if np.issubdtype(array.dtype, np.floating):
+            with np.errstate(over="ignore"):
+                array = array.astype(np.float16).astype(array.dtype)
+        out[name] = array
+    return out

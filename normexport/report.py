@@ -274,24 +274,34 @@ def _parity_table(parity: ParityResult) -> Table:
     """Errors against the oracle, per output and input set, with the verdict."""
     oracle = parity.oracle or parity.reference
     raw = "input file" if parity.reference == "onnx" else "raw export"
+    half = parity.max_rel_l2 is not None
     rule = f"atol {parity.atol:g}, rtol {parity.rtol:g}"
-    if parity.max_rel_l2 is not None:
-        rule = f"rel L2 <= {parity.max_rel_l2:g} or max abs err <= atol {parity.atol:g}"
+    if half:
+        rule = (
+            f"rel L2 <= {parity.max_rel_l2:g} + {raw}'s + {_err(parity.noise_factor)} x input "
+            f"rounding's, or max abs err <= atol {parity.atol:g}"
+        )
     elif parity.noise_factor is not None:
         rule += f", noise factor {parity.noise_factor:g} x {raw}"
+    kind = "rel L2 error" if half else "max abs error"
     table = Table(
-        title=f"Parity: error vs {oracle} ({rule}; inputs: {', '.join(parity.probes)})",
+        title=f"Parity: {kind} vs {oracle} ({rule}; inputs: {', '.join(parity.probes)})",
         title_justify="left",
     )
-    cols = ("output", "input set", "optimized", raw, "pytorch f32", "max |oracle|", "")
+    third = "input rounding" if half else "pytorch f32"
+    cols = ("output", "input set", "optimized", raw, third, "max |oracle|", "")
     for col in cols:
         table.add_column(col, justify="left" if col in ("output", "input set") else "right")
     for probe, e in _parity_rows(parity):
         verdict = "[green]pass[/]" if e.passed else "[red]FAIL[/]"
         if e.weak:
             verdict += " [yellow](weak)[/]"
-        errors = (e.max_abs_err, e.raw_max_abs_err, e.pytorch_max_abs_err, e.max_abs_ref)
-        table.add_row(e.output, probe, *map(_err, errors), verdict)
+        errors = (
+            (e.rel_l2_err, e.raw_rel_l2_err, e.rounding_rel_l2_err)
+            if half
+            else (e.max_abs_err, e.raw_max_abs_err, e.pytorch_max_abs_err)
+        )
+        table.add_row(e.output, probe, *map(_err, (*errors, e.max_abs_ref)), verdict)
     return table
 
 
@@ -308,10 +318,11 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
         where = (
             "[bold]every input set[/]: parity says little about it" if every else ", ".join(probes)
         )
-        console.print(
-            f"[yellow]weak check[/]: output {name!r}'s reference is constant (within atol) on "
-            + where
-        )
+        why = "reference is constant (within atol)"
+        if parity.max_rel_l2 is not None:
+            why += ", or the half-precision allowance reaches 1,"
+
+        console.print(f"[yellow]weak check[/]: output {name!r}'s {why} on " + where)
     for probe, f in parity.failures()[:10]:
         console.print(
             f"[red]diverges[/]: output {f.output!r} on input set {probe!r}: max abs err "

@@ -297,6 +297,49 @@ def test_half_precision_parity_rule():
     assert not parity.compare("y", ref * 1.06, ref, 1e-4, 1e-3, raw=raw, max_rel_l2=1e-2).passed
 
 
+def test_input_rounding_allowance_scales_with_the_functions_sensitivity():
+    # a sigmoid far in its tail: rounding x to float16 moves sigmoid(x) by |x| * 2**-11 in
+    # relative terms, so a float16 model's relative error there is large and not a bug
+    x = -np.linspace(20, 24, 64).reshape(1, 64)
+
+    def oracle(feeds):
+        return [1 / (1 + np.exp(-feeds["x"].astype(np.float64)))]
+
+    def model(scale):  # float16 logits, 2 rounding steps more, and a wrong scale
+        return lambda feeds: [
+            oracle({"x": (feeds["x"].astype(np.float16) * np.float16(1 + 2 * 2**-11)) * scale})[0]
+        ]
+
+    def judge(scale, round_inputs):
+        return parity.check_parity(
+            model(scale),
+            oracle,
+            {"tail": {"x": x}},
+            ["y"],
+            reference_kind="onnx",
+            atol=0.0,
+            max_rel_l2=1e-2,
+            round_inputs=round_inputs,
+        )
+
+    rounding = parity.compare(
+        "y", oracle(precision.rounded_feeds({"x": x}))[0], oracle({"x": x})[0], 0, 0
+    )
+    assert rounding.rel_l2_err > 2e-3  # the oracle itself moves when x is rounded
+    assert not judge(1.0, None).passed  # relative error ~2e-2 > 1e-2: a false alarm
+    sure = judge(1.0, precision.rounded_feeds)
+    entry = sure.probes["tail"][0]
+    assert sure.passed and entry.rounding_rel_l2_err == pytest.approx(rounding.rel_l2_err)
+    assert not judge(1.1, precision.rounded_feeds).passed  # logits 10% off: O(1) relative
+
+
+def test_rounded_feeds_round_floats_only():
+    feeds = {"x": np.array([1 + 2**-12, 1e5], np.float32), "ids": np.arange(3)}
+    out = precision.rounded_feeds(feeds)
+    assert out["x"].dtype == np.float32 and out["x"][0] == 1 and np.isinf(out["x"][1])
+    assert out["ids"] is feeds["ids"]
+
+
 def test_overflow_probe_has_outliers_and_keeps_integers():
     example = {"x": np.zeros((2, 32), np.float32), "ids": np.arange(4, dtype=np.int64)}
     feeds = precision.overflow_set(example)[precision.OVERFLOW_PROBE]
