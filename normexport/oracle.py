@@ -147,8 +147,9 @@ def _on_reference(model: ir.Model, needed: int, check, what: str, ort_error: str
         return Oracle(None, "", [f"{why}, and it is too large for onnx.reference ({size})"])
     from onnx.reference import ReferenceEvaluator  # imported on demand: it is only a fallback
 
+    ir.external_data.load_to_model(model)  # onnx.reference reads no external data
     proto = ir.serde.serialize_model(model)
-    evaluator = ReferenceEvaluator(proto, new_ops=[_reference_batchnorm()])
+    evaluator = ReferenceEvaluator(proto, new_ops=_reference_ops())
     outputs = [v.name for v in model.graph.outputs]
 
     def run(feeds):
@@ -185,14 +186,25 @@ def _checked(run: Run, as_written: Run, example, what: str, engine: str) -> Orac
 SELF_CHECK = (1e-3, 1e-2)
 
 
-def _reference_batchnorm() -> type:
-    """An inference-mode ``BatchNormalization`` for ``onnx.reference``.
+def _reference_ops() -> list[type]:
+    """Kernels for ``onnx.reference`` in place of its own where onnx 1.23's are wrong: see
+    :func:`_reference_fixes` and :func:`_reference_norms`."""
+    return [*_reference_fixes(), *_reference_norms()]
 
-    onnx 1.23's opset-9 kernel takes a ``momentum`` attribute for training mode and normalizes
-    with the batch's statistics; exporters (Paddle's among them) write ``momentum`` in
-    inference models. A node with one output is in inference mode at every opset (ONNX spec,
-    BatchNormalization-9, -14, -15): ``y = scale * (x - mean) / sqrt(var + epsilon) + B`` per
-    channel (axis 1).
+
+def _reference_fixes() -> list[type]:
+    """Kernels for ``onnx.reference`` in place of its own where onnx 1.23's are wrong.
+
+    - ``BatchNormalization`` in inference mode: the opset-9 kernel takes a ``momentum``
+      attribute for training mode and normalizes with the batch's statistics; exporters
+      (Paddle's among them) write ``momentum`` in inference models. A node with one output is
+      in inference mode at every opset (ONNX spec, BatchNormalization-9, -14, -15):
+      ``y = scale * (x - mean) / sqrt(var + epsilon) + B`` per channel (axis 1).
+    - ``GatherElements``: its kernel gathers with ``np.choose``, which takes at most 64
+      choices; along a longer axis it fails or, for 2-D data, gathers the wrong elements (a
+      BERT export's token-type buffer, 512 long). ONNX spec, GatherElements-13:
+      ``out[i][j] = data[index[i][j]][j]`` for axis 0, shaped as ``indices``; ``indices`` may
+      be shorter than ``data`` on any axis.
     """
     from onnx.reference.op_run import OpRun
 
@@ -206,7 +218,53 @@ def _reference_batchnorm() -> type:
             y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + epsilon)
             return ((y * scale.reshape(shape) + bias.reshape(shape)).astype(x.dtype),)
 
-    return BatchNormalization
+    class GatherElements(OpRun):
+        op_domain = ""
+
+        def _run(self, data, indices, axis=0):
+            axis %= data.ndim
+            window = tuple(
+                slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape)
+            )
+            indices = np.where(indices < 0, indices + data.shape[axis], indices)
+            return (np.take_along_axis(data[window], indices, axis=axis),)
+
+    return [BatchNormalization, GatherElements]
+
+
+def _reference_norms() -> list[type]:
+    """``LayerNormalization`` and ``RMSNormalization`` for ``onnx.reference``: onnx 1.23's
+    kernels refuse ``stash_type`` 11 (float64), which the widened graph sets. ONNX spec,
+    LayerNormalization-17 and RMSNormalization-23: statistics over the axes from ``axis`` on,
+    in ``stash_type``; ``y = (x - mean) / sqrt(var + epsilon) * scale + B`` and
+    ``y = x / sqrt(mean(x**2) + epsilon) * scale``.
+    """
+    from onnx.reference.op_run import OpRun
+
+    class LayerNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, scale, bias=None, axis=-1, epsilon=1e-5, stash_type=1):
+            h, axes = _stashed(x, stash_type), tuple(range(axis % x.ndim, x.ndim))
+            mean = h.mean(axis=axes, keepdims=True)
+            inv = 1 / np.sqrt(np.square(h - mean).mean(axis=axes, keepdims=True) + epsilon)
+            y = (h - mean) * inv * scale + (0 if bias is None else bias)
+            return (y.astype(x.dtype), mean, inv)
+
+    class RMSNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, scale, axis=-1, epsilon=1e-5, stash_type=1):
+            h, axes = _stashed(x, stash_type), tuple(range(axis % x.ndim, x.ndim))
+            inv = 1 / np.sqrt(np.square(h).mean(axis=axes, keepdims=True) + epsilon)
+            return ((h * inv * scale).astype(x.dtype),)
+
+    return [LayerNormalization, RMSNormalization]
+
+
+def _stashed(x: np.ndarray, stash_type: int) -> np.ndarray:
+    """``x`` in a norm's ``stash_type`` (ONNX TensorProto code: 1 float32, 11 float64)."""
+    return x.astype(np.float64 if stash_type == ir.DataType.DOUBLE else np.float32)
 
 
 def _widen(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

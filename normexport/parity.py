@@ -128,6 +128,13 @@ class ParityResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     max_rel_l2: float | None = None
 
+    def add(self, other: ParityResult) -> None:
+        """Take in another verdict's input sets (a probe run on other models, e.g. cut ones):
+        its entries, its verdict and its notes."""
+        self.probes.update(other.probes)
+        self.passed = self.passed and other.passed
+        self.notes.extend(other.notes)
+
     def worst(self) -> dict[str, OutputError]:
         """Per output, the entry with the largest max abs error over all input sets."""
         worst: dict[str, OutputError] = {}
@@ -365,15 +372,10 @@ def check_parity(
         ValueError: the models return different numbers of outputs or shapes.
     """
     rule = {"noise_factor": noise_factor, "max_rel_l2": max_rel_l2}
+    rounded = _on_rounded(reference, round_inputs) if round_inputs is not None else None
     probes = {}
     for set_name, feeds in sets.items():
-        got, ref = list(candidate(feeds)), list(reference(feeds))
-        rounded = (lambda f: reference(round_inputs(f))) if round_inputs is not None else None
-        others = [
-            list(m(feeds)) if m is not None else [None] * len(got) for m in (raw, pytorch, rounded)
-        ]
-        if any(len(o) != len(got) for o in (ref, *others)):
-            raise ValueError(f"{len(got)} outputs vs {len(ref)} from the reference")
+        got, ref, *others = _outputs(feeds, candidate, reference, raw, pytorch, rounded)
         probes[set_name] = [
             compare(n, g, r, atol, rtol, raw=w, pytorch=t, rounded=h, **rule)
             for n, g, r, w, t, h in zip(output_names, got, ref, *others, strict=True)
@@ -390,3 +392,29 @@ def check_parity(
         list(notes),
         max_rel_l2,
     )
+
+
+def _on_rounded(reference: Model, round_inputs) -> Callable:
+    """``reference`` on the feeds rounded by ``round_inputs``; None where rounding changes no
+    feed (integer inputs only)."""
+
+    def run(feeds):
+        rounded = round_inputs(feeds)
+        return None if all(rounded[k] is feeds[k] for k in feeds) else reference(rounded)
+
+    return run
+
+
+def _outputs(feeds, candidate: Model, reference: Model, *others) -> list[list]:
+    """Each model's outputs on ``feeds``, the candidate's first; ``[None, ...]`` for a model
+    that is None or returns None.
+
+    Raises:
+        ValueError: the models return different numbers of outputs.
+    """
+    got, ref = list(candidate(feeds)), list(reference(feeds))
+    rest = [m(feeds) if m is not None else None for m in others]
+    rest = [list(r) if r is not None else [None] * len(got) for r in rest]
+    if any(len(o) != len(got) for o in (ref, *rest)):
+        raise ValueError(f"{len(got)} outputs vs {len(ref)} from the reference")
+    return [got, ref, *rest]

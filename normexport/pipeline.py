@@ -16,7 +16,7 @@ import torch
 
 import fusion
 from fusion._ir import opset_version
-from normexport import autotune, explain, files, runtime, variants
+from normexport import autotune, explain, files, hidden_probe, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport import oracle as oracle_mod
 from normexport import parity as parity_mod
@@ -134,6 +134,8 @@ def run(opts: Options) -> Report:
             _half(job, work)
         _publish(job)
         parity = _parity(job, work)
+        if opts.precision == "fp16" and precision_mod.OVERFLOW_PROBE not in job.sets:
+            _hidden_probe(job, parity, work)
         latency = _latency(job) if opts.benchmark else None
     return _report(job, parity, latency)
 
@@ -458,6 +460,22 @@ def _parity(job: _Job, work: Path) -> ParityResult:
         round_inputs=precision_mod.rounded_feeds if job.precision else None,
         **_references(job, raw, work),
     )
+
+
+def _hidden_probe(job: _Job, parity: ParityResult, work: Path) -> None:
+    """Add the hidden-state overflow probe (:mod:`normexport.hidden_probe`) to ``parity``, for a
+    model without float inputs, where it has embedding lookups."""
+    found = hidden_probe.check(
+        job.raw_path,
+        job.output,
+        job.sets["example"],
+        work / "hidden_probe",
+        provider=job.provider,
+        atol=job.opts.atol,
+        rtol=job.opts.rtol,
+    )
+    if found is not None:
+        parity.add(found)
 
 
 def _references(job: _Job, raw, work: Path) -> dict:

@@ -176,14 +176,17 @@ def load_for_conversion(path: Path) -> onnx.ModelProto:
 
 def decomposed_norm_nodes(graph: onnx.GraphProto, anchor: str) -> list[str]:
     """The nodes of a norm left decomposed, from its anchor (the division a norm fusion
-    refused) up to the input its first reduction reads: the centring, the square, the
-    reductions, eps and the root.
+    refused, found by its name or, for a node the exporter left unnamed, by its first output's:
+    :func:`fusion._ir.label`) up to the input its first reduction reads: the
+    centring, the square, the reductions, eps and the root.
 
     Returns:
         Node names in graph order ([] where ``anchor`` is no node or no reduction is above it).
     """
     producer = {out: n for n in graph.node for out in n.output}
-    start = next((n for n in graph.node if n.name == anchor), None)
+    start = next((n for n in graph.node if n.name == anchor), None) or next(
+        (n for n in graph.node if n.output and n.output[0] == anchor), None
+    )
     if start is None:
         return []
     above, frontier = {start.name: start}, [start]
@@ -511,6 +514,23 @@ def cast_feeds(session, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray
 OVERFLOW_PROBE = "overflow_outliers"
 
 
+#: One feature in this many on the last axis of an overflow probe's input is an outlier.
+OUTLIER_STRIDE = 8
+#: The outliers' magnitude: squared, as a hand-written norm squares them, they pass float16's
+#: largest finite value 65504 (256**2 = 65536).
+OUTLIER_SCALE = 1e3
+
+
+def with_outliers(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal float64 values of ``shape``, one feature in :data:`OUTLIER_STRIDE` on
+    the last axis times :data:`OUTLIER_SCALE` (transformer hidden states carry such outliers;
+    Dettmers et al. 2022, "LLM.int8()")."""
+    out = rng.standard_normal(shape)
+    if out.ndim:
+        out[..., ::OUTLIER_STRIDE] *= OUTLIER_SCALE
+    return out
+
+
 def overflow_set(example: Mapping[str, np.ndarray], seed: int = 2) -> dict[str, dict]:
     """The overflow probe, ``{OVERFLOW_PROBE: feeds}``: each float input standard normal, with
     one feature in eight on the last axis an outlier of magnitude about 1e3 (transformer hidden
@@ -520,10 +540,7 @@ def overflow_set(example: Mapping[str, np.ndarray], seed: int = 2) -> dict[str, 
     feeds = {}
     for name, array in example.items():
         if np.issubdtype(array.dtype, np.floating):
-            out = rng.standard_normal(array.shape)
-            if out.ndim:
-                out[..., ::8] *= 1e3
-            array = out.astype(array.dtype)
+            array = with_outliers(rng, array.shape).astype(array.dtype)
         feeds[name] = array
     changed = any(feeds[k] is not example[k] for k in feeds)
     return {OVERFLOW_PROBE: feeds} if changed else {}

@@ -6,6 +6,7 @@ an exact numpy computation in float64, and with the graph as written in float32.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from normexport import oracle, runtime
+from normexport import files, oracle, runtime
 from tests.graphs import make_model
 
 F = TensorProto.FLOAT
@@ -108,6 +109,67 @@ def test_float64_falls_back_to_onnx_reference(rng, tmp_path, momentum):
     assert "Conv" in found.notes[0] and "onnx.reference" in found.notes[1]
     (y,) = found.run({"x": x})
     assert np.abs(y - _conv_bn_exact(x, weights)).max() < 1e-10
+
+
+def test_onnx_reference_gathers_along_an_axis_over_64_long(rng, tmp_path):
+    """A BERT export's token types: GatherElements of a (1, 300) buffer by (1, 200) indices,
+    after an Erf (no float64 Erf in ONNX Runtime's CPU provider: onnx.reference runs it), with
+    the tensors in external data as torch writes them (the int64 ones are not widened, and
+    stay there)."""
+    weights = {
+        "buffer": rng.standard_normal((1, 300)).astype(np.float32),
+        "ids": rng.integers(0, 300, (1, 200)).astype(np.int64),
+    }
+    nodes = [
+        ("Erf", ["x"], ["e"], {}),
+        ("GatherElements", ["buffer", "ids"], ["g"], {"axis": 1}),
+        ("Add", ["e", "g"], ["y"], {}),
+    ]
+    model = make_model(nodes, {"x": (F, [1, 200])}, {"y": (F, [1, 200])}, weights)
+    path = tmp_path / "given" / "m.onnx"
+    path.parent.mkdir()
+    files.save_model(model, path, external_data=True)
+    session = runtime.make_session(path, "cpu", optimization_level=runtime.AS_WRITTEN)
+    (tmp_path / "work").mkdir()
+    x = rng.standard_normal((1, 200)).astype(np.float32)
+    found = oracle.onnx_float64(
+        path, lambda f: runtime.run(session, f), {"x": x}, tmp_path / "work", "the input graph"
+    )
+    assert found.kind == "onnx_float64" and "onnx.reference" in found.notes[1], found.notes
+    (y,) = found.run({"x": x})
+    erf = np.vectorize(math.erf)(x.astype(np.float64))
+    exact = erf + weights["buffer"].astype(np.float64)[0, weights["ids"]]
+    # onnx.reference's Erf is good to ~1e-8; a wrong gather is O(1) off
+    assert np.abs(y - exact).max() < 1e-6
+
+
+@pytest.mark.parametrize("norm", ["LayerNormalization", "RMSNormalization"])
+def test_onnx_reference_norms_compute_in_float64(rng, tmp_path, norm):
+    """A 1x1 Conv (no float64 Conv in ONNX Runtime's CPU provider: onnx.reference runs the
+    graph) then a norm over the last axis, on inputs of 1e3: float64 statistics (stash_type
+    11), where float32's would be ~1e-4 off."""
+    weights = {
+        "w": rng.standard_normal((6, 3, 1, 1)).astype(np.float32),
+        "scale": rng.uniform(0.5, 1.5, 4).astype(np.float32),
+        "bias": rng.standard_normal(4).astype(np.float32),
+    }
+    inputs = ["h", "scale", "bias"] if norm == "LayerNormalization" else ["h", "scale"]
+    nodes = [
+        ("Conv", ["x", "w"], ["h"], {}),
+        (norm, inputs, ["y"], {"epsilon": 1e-5, "axis": -1}),
+    ]
+    shapes = {"x": (F, [2, 3, 4, 4])}, {"y": (F, [2, 6, 4, 4])}
+    model = make_model(nodes, *shapes, weights, opset=23)
+    x = (rng.standard_normal((2, 3, 4, 4)) * 1e3 + 5e3).astype(np.float32)
+    found = _oracle(model, tmp_path, {"x": x})
+    assert found.kind == "onnx_float64" and "onnx.reference" in found.notes[1], found.notes
+    (y,) = found.run({"x": x})
+    h = np.einsum("nchw,oc->nohw", x.astype(np.float64), weights["w"][:, :, 0, 0])
+    if norm == "LayerNormalization":
+        h = h - h.mean(-1, keepdims=True)
+    exact = h / np.sqrt(np.square(h).mean(-1, keepdims=True) + 1e-5) * weights["scale"]
+    exact += weights["bias"] if norm == "LayerNormalization" else 0
+    assert np.abs(y - exact).max() < 1e-10
 
 
 def test_float_only_inputs_are_cast_back(rng, tmp_path):

@@ -1,0 +1,189 @@
+"""The overflow probe for models whose inputs are token ids: hidden states fed at the embedding.
+
+The half-precision overflow probe (:func:`normexport.precision.overflow_set`) scales a model's
+float inputs; a language model has none, and no choice of token ids drives its hidden states
+into the hundreds (they are rows of the embedding table). So the probe goes one step in: each
+*embedding lookup* (a ``Gather`` of a float initializer, the table, by a graph input of integer
+ids) is cut off, its output becomes a graph input, and that input is fed hidden states with
+outliers, as transformer hidden states carry them (the first norm after the embedding squares
+them). The same cut is made in the half-precision model and in the raw model, whose float64
+copy is the probe's oracle (:func:`normexport.oracle.onnx_float64`), so both compute the same
+function of the hidden states. Value names survive normexport's passes and the float16
+converter, so the lookups found in the raw model name the cut in both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from normexport import files, runtime
+from normexport import oracle as oracle_mod
+from normexport import parity as parity_mod
+from normexport.parity import ParityResult
+from normexport.precision import OVERFLOW_PROBE, cast_feeds, rounded_feeds, with_outliers
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    """One embedding lookup of a model.
+
+    Attributes:
+        value: the lookup's output value (a graph input of the cut model).
+        indices: the graph input of token ids it reads.
+        row_shape: the table's shape past its first axis (a row: ``(hidden,)``).
+        dtype: the table's numpy dtype.
+    """
+
+    value: str
+    indices: str
+    row_shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def embedding_lookups(model: ir.Model) -> list[Lookup]:
+    """Every ``Gather`` (axis 0) of a float initializer of rank 2 or more by an integer graph
+    input, in graph order."""
+    found = []
+    for node in model.graph:
+        if node.op_type != "Gather" or node.domain not in ("", "ai.onnx"):
+            continue
+        table, ids = node.inputs[0], node.inputs[1]
+        axis = node.attributes.get_int("axis", 0)
+        if (
+            axis == 0
+            and table is not None
+            and table.const_value is not None
+            and table.dtype is not None
+            and table.dtype.is_floating_point()
+            and len(table.const_value.shape) >= 2
+            and ids is not None
+            and ids.is_graph_input()
+            and ids.dtype is not None
+            and ids.dtype.is_integer()
+        ):
+            row = tuple(int(d) for d in table.const_value.shape[1:])
+            found.append(Lookup(node.outputs[0].name, ids.name, row, table.dtype.numpy()))
+    return found
+
+
+def cut(src: Path, dst: Path, values: Sequence[str]) -> None:
+    """Write a copy of the model at ``src`` to ``dst`` (external data beside it) in which each
+    of ``values`` is a graph input instead of the output of the node computing it; nodes and
+    graph inputs, nodes and initializers no longer read are removed.
+
+    Raises:
+        ValueError: a value is not computed by any node of the model.
+    """
+    model = ir.load(src)
+    producers = {out.name: node for node in model.graph for out in node.outputs}
+    for name in values:
+        node = producers.get(name)
+        if node is None:
+            raise ValueError(f"{src}: no node computes value {name!r}")
+        out = next(o for o in node.outputs if o.name == name)
+        fed = ir.Value(name=name, type=out.type, shape=out.shape)
+        out.replace_all_uses_with(fed, replace_graph_outputs=True)
+        model.graph.inputs.append(fed)
+    _drop_unread(model)
+    files.save_model(model, dst, external_data=True)
+
+
+def _drop_unread(model: ir.Model) -> None:
+    """Remove the nodes and initializers nothing reads (onnx-ir's dead code elimination), then
+    the graph inputs no node reads."""
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    outputs = {id(v) for v in model.graph.outputs}
+    model.graph.inputs[:] = [v for v in model.graph.inputs if v.uses() or id(v) in outputs]
+
+
+def hidden_states(
+    lookups: Sequence[Lookup], example: Mapping[str, np.ndarray], seed: int = 2
+) -> dict[str, np.ndarray]:
+    """Feeds for the cut model: each lookup's output of shape ``ids.shape + row_shape`` in the
+    table's dtype, standard normal with outliers (:func:`normexport.precision.with_outliers`);
+    every other input of ``example`` as it is (the cut
+    model's sessions take the ones they read).
+
+    Raises:
+        KeyError: ``example`` has no feed for a lookup's ids.
+    """
+    rng = np.random.default_rng(seed)
+    feeds = dict(example)
+    for lookup in lookups:
+        state = with_outliers(rng, example[lookup.indices].shape + lookup.row_shape)
+        feeds[lookup.value] = state.astype(lookup.dtype)
+    return feeds
+
+
+def check(
+    raw_path: Path,
+    half_path: Path,
+    example: Mapping[str, np.ndarray],
+    work: Path,
+    *,
+    provider: str,
+    atol: float,
+    rtol: float,
+) -> ParityResult | None:
+    """The half-precision model at ``half_path`` on the hidden-state overflow probe (input set
+    :data:`normexport.precision.OVERFLOW_PROBE`), against the raw model at ``raw_path`` cut the
+    same way, in float64 (where no float64 copy passes its self-check: the cut raw model as
+    written, and the notes say why); None where the raw model has no embedding lookup.
+
+    Args:
+        raw_path, half_path: the raw model (the raw export, or the input file) and the
+            half-precision model, their external data beside them.
+        example: the example feeds (token ids and the other inputs).
+        work: a scratch folder (created) for the cut models and the oracle.
+        provider: runs the cut models (``cpu`` or ``cuda``).
+        atol, rtol: the user's tolerances.
+    """
+    lookups = embedding_lookups(ir.load(raw_path))
+    if not lookups:
+        return None
+    work.mkdir(exist_ok=True)
+    values = [lookup.value for lookup in lookups]
+    cut(raw_path, work / "raw_cut.onnx", values)
+    cut(half_path, work / "half_cut.onnx", values)
+    (raw, _), (half, names) = (_runner(work / f"{m}_cut.onnx", provider) for m in ("raw", "half"))
+    read = {v.name for v in ir.load(work / "raw_cut.onnx").graph.inputs}
+    feeds = {k: v for k, v in hidden_states(lookups, example).items() if k in read}
+    where = ", ".join(repr(v) for v in values)
+    what = f"the raw model cut at its embedding lookups ({where})"
+    found = oracle_mod.onnx_float64(work / "raw_cut.onnx", raw, feeds, work, what)
+    notes = [f"{OVERFLOW_PROBE}: hidden states with outliers fed at {where}, against {what}"]
+    return parity_mod.check_parity(
+        half,
+        found.run or raw,
+        {OVERFLOW_PROBE: feeds},
+        names,
+        reference_kind="onnx",
+        atol=atol,
+        rtol=rtol,
+        raw=raw if found.run else None,
+        oracle_kind=found.kind or "onnx",
+        notes=[*notes, *found.notes],
+        max_rel_l2=parity_mod.FP16_MAX_REL_L2,
+        round_inputs=rounded_feeds,
+    )
+
+
+def _runner(path: Path, provider: str) -> tuple[Callable, list[str]]:
+    """A function running the model at ``path`` as written (ONNX Runtime, optimizations off) on
+    the feeds it reads, each float cast to the type it declares; its output names."""
+    session = runtime.make_session(
+        path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False
+    )
+    wanted = {i.name for i in session.get_inputs()}
+
+    def run(feeds):
+        read = {k: v for k, v in feeds.items() if k in wanted}
+        return runtime.run(session, cast_feeds(session, read))
+
+    return run, [o.name for o in session.get_outputs()]
