@@ -17,8 +17,10 @@ model before normexport's passes goes through each converter, with its defaults:
 ``float32`` (the model before any converter) is there for size and latency. Each model runs on
 ONNX Runtime's CPU provider (its graph optimizations on, as deployed; intra-op threads fixed by
 ``--threads``) on a random input set and on the overflow probe
-(:func:`normexport.precision.overflow_set`: one feature in eight about 1e3; models with integer
-inputs only have none). Measured per model and input set: NaN / Inf count of the outputs, the
+(:func:`normexport.precision.overflow_set`: one feature in eight about 1e3; for models with
+integer inputs only, hidden states with such outliers fed at the embedding lookup, every model
+cut there as :mod:`normexport.hidden_probe` cuts it, against the float32 model cut there in
+float64). Measured per model and input set: NaN / Inf count of the outputs, the
 worst relative L2 error of an output against the float64 oracle (the float32 model with every
 tensor in float64, :func:`normexport.oracle.onnx_float64`), the model's size (bytes, external
 data included) and its CPU latency (median of interleaved runs,
@@ -52,7 +54,6 @@ import onnx
 import onnx_ir as ir
 import torch
 from onnx.reference import ReferenceEvaluator
-from onnx.reference.op_run import OpRun
 from rich.console import Console
 from rich.table import Table
 
@@ -60,7 +61,7 @@ import fusion
 import models
 from models.demo import save_model_file
 from models.norms import GALLERY
-from normexport import bench, files, oracle, parity, precision, report, runtime
+from normexport import bench, files, hidden_probe, oracle, parity, precision, report, runtime
 from normexport.arguments import options_from_args
 from normexport.cli import build_parser
 from normexport.errors import one_line
@@ -163,48 +164,6 @@ def _errors(outs: list[np.ndarray], ref: list[np.ndarray]) -> dict:
     return {"nonfinite": nonfinite, "rel_l2": max(rel)}
 
 
-def _stash_norm(x, scale, bias, axis, epsilon, stash_type, centred):
-    """LayerNormalization (``centred``) / RMSNormalization as the ONNX spec's function bodies
-    define them: statistics in ``stash_type`` (1: float32), the result cast back to ``x``'s
-    type. onnx 1.23's reference implementations compute in ``x``'s own type instead."""
-    wide = x.astype(np.float32 if stash_type == 1 else np.float64)
-    axes = tuple(range(axis % x.ndim, x.ndim))
-    if centred:
-        wide = wide - wide.mean(axis=axes, keepdims=True)
-    y = wide / np.sqrt((wide * wide).mean(axis=axes, keepdims=True) + epsilon)
-    y = y.astype(x.dtype) * scale
-    return (y + bias if bias is not None else y).astype(x.dtype)
-
-
-class _LayerNormalization(OpRun):
-    op_domain = ""
-
-    def _run(self, x, scale, bias=None, axis=-1, epsilon=1e-5, stash_type=1):
-        return (_stash_norm(x, scale, bias, axis, epsilon, stash_type, centred=True),)
-
-
-class _RMSNormalization(OpRun):
-    op_domain = ""
-
-    def _run(self, x, scale, axis=-1, epsilon=1e-5, stash_type=1):
-        return (_stash_norm(x, scale, None, axis, epsilon, stash_type, centred=False),)
-
-
-class SimplifiedLayerNormalization(OpRun):
-    """ONNX Runtime's RMSNorm (com.microsoft docs, ``SimplifiedLayerNormalization``)."""
-
-    op_domain = ""
-
-    def _run(self, x, scale, axis=-1, epsilon=1e-5, stash_type=1):
-        return (_stash_norm(x, scale, None, axis, epsilon, stash_type, centred=False),)
-
-
-_LayerNormalization.__name__ = "LayerNormalization"
-_RMSNormalization.__name__ = "RMSNormalization"
-#: onnx.reference ops that honour ``stash_type`` (see :func:`_stash_norm`).
-STASH_OPS = [_LayerNormalization, _RMSNormalization, SimplifiedLayerNormalization]
-
-
 def _reference_run(path: Path, feeds: dict) -> list[np.ndarray]:
     """``path`` on ``onnx.reference`` (float16 computed in float16, norms' statistics in their
     ``stash_type``), feeds cast like ORT's."""
@@ -215,7 +174,7 @@ def _reference_run(path: Path, feeds: dict) -> list[np.ndarray]:
         for k, v in feeds.items()
     }
     with np.errstate(all="ignore"):
-        return ReferenceEvaluator(model, new_ops=STASH_OPS).run(None, feeds)
+        return ReferenceEvaluator(model, new_ops=oracle.reference_ops()).run(None, feeds)
 
 
 def measure(
@@ -260,16 +219,16 @@ def _oracle_outputs(raw: Path, sets: dict, work: Path, loaded=None) -> dict:
     """The float64 oracle's outputs on every input set: the PyTorch model in float64 where
     there is one (``loaded``), else the float32 ONNX model with its tensors in float64 (as
     ``normexport`` chooses its oracle, :mod:`normexport.oracle`)."""
-    found = None
+    found, example = None, next(iter(sets.values()))
     if loaded is not None and loaded.module is not None:
-        found = oracle.pytorch_float64(loaded, sets["random"], list(sets["random"]))
+        found = oracle.pytorch_float64(loaded, example, list(example))
     if found is None or found.run is None:
         session = runtime.make_session(raw, "cpu", optimization_level=runtime.AS_WRITTEN)
 
         def as_written(feeds):
             return runtime.run(session, feeds)
 
-        found = oracle.onnx_float64(raw, as_written, sets["random"], work, "the float32 model")
+        found = oracle.onnx_float64(raw, as_written, example, work, "the float32 model")
     if found.run is None:
         raise RuntimeError(f"no float64 oracle: {found.notes}")
     return {name: found.run(feeds) for name, feeds in sets.items()}
@@ -311,7 +270,40 @@ def demo_case(name: str, args, work: Path) -> dict:
     names = [v.name for v in prepared.raw.graph.inputs if not v.is_initializer()]
     sets = _sets(_by_feed_name(prepared.example, names), prepared.raw)
     ref = _oracle_outputs(raw, sets, work, prepared.loaded)
-    return measure(build(raw, work), sets, ref, args, on_reference=False)
+    built = build(raw, work)
+    result = measure(built, sets, ref, args, on_reference=False)
+    lookups = hidden_probe.embedding_lookups(prepared.raw)
+    if precision.OVERFLOW_PROBE not in sets and lookups:
+        _hidden_probe(built, lookups, sets["random"], result, work / "hidden", args)
+    return result
+
+
+def _hidden_probe(
+    built: dict, lookups: list, example: dict, result: dict, work: Path, args
+) -> None:
+    """The overflow probe of a token-id model (:mod:`normexport.hidden_probe`): each model cut
+    at its embedding lookups, fed hidden states with outliers, against the float32 model cut
+    there in float64; into ``result``'s rows (``error_hidden_probe`` where a cut fails)."""
+    work.mkdir()
+    values = [lookup.value for lookup in lookups]
+    cut: dict[str, Path | str] = {}
+    for name, path in built.items():
+        if isinstance(path, Path) and "sets" in result[name]:
+            cut[name] = work / f"{name}.onnx"
+            try:
+                hidden_probe.cut(path, cut[name], values)
+            except ValueError as err:  # a converter renamed or folded the lookup
+                result[name]["error_hidden_probe"] = one_line(err)
+                del cut[name]
+    read = {v.name for v in ir.load(cut["float32"]).graph.inputs}
+    feeds = hidden_probe.hidden_states(lookups, example)
+    sets = {precision.OVERFLOW_PROBE: {k: v for k, v in feeds.items() if k in read}}
+    ref = _oracle_outputs(cut["float32"], sets, work)
+    for name, row in measure(cut, sets, ref, args, on_reference=True).items():
+        row_sets = result[name].setdefault("sets", {})
+        row_sets.update(row.get("sets", {}))
+        if "error" in row:
+            result[name]["error_hidden_probe"] = row["error"]
 
 
 def _cell(row: dict, set_name: str, key: str | None = None) -> str:

@@ -149,7 +149,7 @@ def _on_reference(model: ir.Model, needed: int, check, what: str, ort_error: str
 
     ir.external_data.load_to_model(model)  # onnx.reference reads no external data
     proto = ir.serde.serialize_model(model)
-    evaluator = ReferenceEvaluator(proto, new_ops=_reference_ops())
+    evaluator = ReferenceEvaluator(proto, new_ops=reference_ops())
     outputs = [v.name for v in model.graph.outputs]
 
     def run(feeds):
@@ -186,9 +186,9 @@ def _checked(run: Run, as_written: Run, example, what: str, engine: str) -> Orac
 SELF_CHECK = (1e-3, 1e-2)
 
 
-def _reference_ops() -> list[type]:
-    """Kernels for ``onnx.reference`` in place of its own where onnx 1.23's are wrong: see
-    :func:`_reference_fixes` and :func:`_reference_norms`."""
+def reference_ops() -> list[type]:
+    """Kernels for ``onnx.reference`` (its ``new_ops``) in place of its own where onnx 1.23's
+    are wrong or missing: see :func:`_reference_fixes` and :func:`_reference_norms`."""
     return [*_reference_fixes(), *_reference_norms()]
 
 
@@ -233,11 +233,13 @@ def _reference_fixes() -> list[type]:
 
 
 def _reference_norms() -> list[type]:
-    """``LayerNormalization`` and ``RMSNormalization`` for ``onnx.reference``: onnx 1.23's
-    kernels refuse ``stash_type`` 11 (float64), which the widened graph sets. ONNX spec,
-    LayerNormalization-17 and RMSNormalization-23: statistics over the axes from ``axis`` on,
-    in ``stash_type``; ``y = (x - mean) / sqrt(var + epsilon) * scale + B`` and
-    ``y = x / sqrt(mean(x**2) + epsilon) * scale``.
+    """``LayerNormalization``, ``RMSNormalization`` and ONNX Runtime's
+    ``SimplifiedLayerNormalization`` (its RMSNorm, registered in the default domain) for
+    ``onnx.reference``: onnx 1.23's kernels refuse ``stash_type`` 11 (float64), which the
+    widened graph sets, and compute float16 input in float16 whatever ``stash_type`` says.
+    As the ONNX spec's function bodies define them (LayerNormalization-17, RMSNormalization-23):
+    statistics over the axes from ``axis`` on, in ``stash_type``; the normalized value cast back
+    to the input's type, then ``* scale (+ B)`` in that type.
     """
     from onnx.reference.op_run import OpRun
 
@@ -245,26 +247,29 @@ def _reference_norms() -> list[type]:
         op_domain = ""
 
         def _run(self, x, scale, bias=None, axis=-1, epsilon=1e-5, stash_type=1):
-            h, axes = _stashed(x, stash_type), tuple(range(axis % x.ndim, x.ndim))
-            mean = h.mean(axis=axes, keepdims=True)
-            inv = 1 / np.sqrt(np.square(h - mean).mean(axis=axes, keepdims=True) + epsilon)
-            y = (h - mean) * inv * scale + (0 if bias is None else bias)
-            return (y.astype(x.dtype), mean, inv)
+            return (_normalized(x, scale, bias, axis, epsilon, stash_type, centred=True),)
 
     class RMSNormalization(OpRun):
         op_domain = ""
 
         def _run(self, x, scale, axis=-1, epsilon=1e-5, stash_type=1):
-            h, axes = _stashed(x, stash_type), tuple(range(axis % x.ndim, x.ndim))
-            inv = 1 / np.sqrt(np.square(h).mean(axis=axes, keepdims=True) + epsilon)
-            return ((h * inv * scale).astype(x.dtype),)
+            return (_normalized(x, scale, None, axis, epsilon, stash_type, centred=False),)
 
-    return [LayerNormalization, RMSNormalization]
+    class SimplifiedLayerNormalization(RMSNormalization):
+        pass
+
+    return [LayerNormalization, RMSNormalization, SimplifiedLayerNormalization]
 
 
-def _stashed(x: np.ndarray, stash_type: int) -> np.ndarray:
-    """``x`` in a norm's ``stash_type`` (ONNX TensorProto code: 1 float32, 11 float64)."""
-    return x.astype(np.float64 if stash_type == ir.DataType.DOUBLE else np.float32)
+def _normalized(x, scale, bias, axis, epsilon, stash_type, centred) -> np.ndarray:
+    """A LayerNorm (``centred``) or RMSNorm of ``x`` (see :func:`_reference_norms`)."""
+    wide = x.astype(np.float64 if stash_type == ir.DataType.DOUBLE else np.float32)
+    axes = tuple(range(axis % x.ndim, x.ndim))
+    if centred:
+        wide = wide - wide.mean(axis=axes, keepdims=True)
+    y = (wide / np.sqrt(np.square(wide).mean(axis=axes, keepdims=True) + epsilon)).astype(x.dtype)
+    y = y * scale
+    return (y + bias if bias is not None else y).astype(x.dtype)
 
 
 def _widen(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
