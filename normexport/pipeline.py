@@ -130,7 +130,7 @@ def run(opts: Options) -> Report:
         _optimize(job, work)
         if opts.autotune:
             _autotune(job)
-        if opts.precision == "fp16":
+        if opts.precision != "fp32":
             _half(job, work)
         _publish(job)
         parity = _parity(job, work)
@@ -168,7 +168,7 @@ def _start(opts, output, writes, provider, prepared: Prepared) -> _Job:
     sets = inputs_mod.input_sets(
         _by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
     )
-    if opts.precision == "fp16":
+    if opts.precision != "fp32":
         sets |= precision_mod.overflow_set(sets["example"])
     return _Job(
         opts,
@@ -212,13 +212,15 @@ def _optimize(job: _Job, work: Path) -> None:
 
 
 def _half(job: _Job, work: Path) -> None:
-    """Convert the staged model to float16 (:func:`normexport.precision.to_float16`), the norms
-    the fusions refused kept in float32, and put it in the staged model's place, checked."""
+    """Convert the staged model to float16 or bfloat16 (:func:`normexport.precision.to_half`),
+    the norms the fusions refused kept in float32, and put it in the staged model's place,
+    checked."""
     half = work / "half" / job.staged.name
     half.parent.mkdir()
-    job.precision = precision_mod.to_float16(
+    job.precision = precision_mod.to_half(
         job.staged,
         half,
+        precision=job.opts.precision,
         provider=job.provider,
         keep_io_types=job.opts.keep_io_types,
         refused=job.fusions.refused,
@@ -454,7 +456,7 @@ def _parity(job: _Job, work: Path) -> ParityResult:
         output_names=[o.name for o in opt_session.get_outputs()],
         atol=job.opts.atol,
         rtol=job.opts.rtol,
-        max_rel_l2=parity_mod.FP16_MAX_REL_L2 if job.precision else None,
+        max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(job.opts.precision),
         **_references(job, raw, work),
     )
 
