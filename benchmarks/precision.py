@@ -11,7 +11,7 @@ model before normexport's passes goes through each converter, with its defaults:
   default op block list);
 - ``onnxslim_fp16``: ``onnxslim.slim(model, dtype="fp16")`` (onnxslim's graph passes, then
   onnxconverter-common's converter);
-- ``normexport``: ``fusion.optimize`` then :func:`normexport.precision.to_float16` (what
+- ``normexport``: ``fusion.optimize`` then :func:`normexport.precision.to_half` (what
   ``--precision fp16`` writes; inputs and outputs float16, like the others' defaults).
 
 ``float32`` (the model before any converter) is there for size and latency. Each model runs on
@@ -92,7 +92,7 @@ CONVERTERS = {
     "onnxconverter_common": "onnxconverter_common.float16.convert_float_to_float16(model)",
     "ort_float16": "onnxruntime.transformers.float16.convert_float_to_float16(model)",
     "onnxslim_fp16": 'onnxslim.slim(model, dtype="fp16")',
-    "normexport": "fusion.optimize(model); normexport.precision.to_float16 (--precision fp16)",
+    "normexport": "fusion.optimize(model); normexport.precision.to_half (--precision fp16)",
 }
 
 
@@ -119,7 +119,7 @@ def _normexport(raw: Path, out: Path) -> None:
     found = fusion.optimize(model, target="ort")
     optimized = out.with_name("optimized.onnx")
     files.save_model(model, optimized, external_data=False)
-    precision.to_float16(
+    precision.to_half(
         optimized,
         out,
         provider="cpu",

@@ -70,9 +70,11 @@ def optimize(
         budget_s: seconds of timed runs to aim for (``--budget``; None: the CLI's default).
         trust_pickle, model_class: as ``--trust-pickle``, ``--model-class``.
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
-        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (``--precision``; bf16 is refused).
+        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (``--precision``; bf16 raises
+            :class:`normexport.errors.UsageError` where the provider has no bfloat16 kernel for
+            the model's linear ops, as ONNX Runtime's CPU provider).
         keep_io_types: with ``precision="fp16"``, float32 inputs and outputs
-            (``--keep-io-types``).
+            (``--keep-io-types``; ``"bf16"`` always keeps them).
 
     Returns:
         The :class:`normexport.report.Report`; ``report.to_dict()`` is the CLI's JSON and

@@ -42,9 +42,12 @@ class Options:
         autotune: time the exact alternative forms of the optimized model (and the ORT
             session settings they need; where attention was fused, also the model without
             it) on ``provider`` and keep the fastest.
-        precision: ``fp32`` (the model as optimized), ``fp16`` (converted to float16 after
-            optimizing, norms kept safe: see :mod:`normexport.precision`) or ``bf16`` (refused).
-        keep_io_types: with ``fp16``, keep the model's inputs and outputs float32.
+        precision: ``fp32`` (the model as optimized), ``fp16`` or ``bf16`` (converted to
+            float16 or bfloat16 after optimizing, norms kept safe: see
+            :mod:`normexport.precision`; bf16 is refused where the provider has no bfloat16
+            kernel for the model's linear ops, as ONNX Runtime's CPU provider).
+        keep_io_types: with ``fp16``, keep the model's inputs and outputs float32 (``bf16``
+            always does).
         module: an in-memory ``torch.nn.Module`` to export instead of loading ``model``
             (Python API only; it is run in eval mode).
     """
@@ -139,13 +142,14 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         "--precision",
         choices=["fp32", "fp16", "bf16"],
         default=_default("precision"),
-        help="write the model in this precision (fp16: norms keep float32 statistics; see "
-        "README, Half precision)",
+        help="write the model in this precision (fp16, bf16: norms keep float32 statistics; "
+        "bf16 needs bfloat16 kernels on the provider, refused on CPU; see README, Half "
+        "precision)",
     )
     p.add_argument(
         "--keep-io-types",
         action="store_true",
-        help="with --precision fp16: keep float32 model inputs and outputs",
+        help="with --precision fp16: keep float32 model inputs and outputs (bf16 always does)",
     )
 
 

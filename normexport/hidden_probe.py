@@ -15,6 +15,7 @@ converter, so the lookups found in the raw model name the cut in both.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -128,6 +129,7 @@ def check(
     work: Path,
     *,
     provider: str,
+    precision: str,
     atol: float,
     rtol: float,
 ) -> ParityResult | None:
@@ -142,6 +144,8 @@ def check(
         example: the example feeds (token ids and the other inputs).
         work: a scratch folder (created) for the cut models and the oracle.
         provider: runs the cut models (``cpu`` or ``cuda``).
+        precision: the half model's ``--precision`` (``fp16``, ``bf16``): the parity bound and
+            the input rounding.
         atol, rtol: the user's tolerances.
     """
     lookups = embedding_lookups(ir.load(raw_path))
@@ -169,8 +173,8 @@ def check(
         raw=raw if found.run else None,
         oracle_kind=found.kind or "onnx",
         notes=[*notes, *found.notes],
-        max_rel_l2=parity_mod.FP16_MAX_REL_L2,
-        round_inputs=rounded_feeds,
+        max_rel_l2=parity_mod.HALF_MAX_REL_L2[precision],
+        round_inputs=functools.partial(rounded_feeds, precision=precision),
     )
 
 

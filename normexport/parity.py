@@ -71,6 +71,12 @@ NOISE_FACTOR = 4.0
 #: network of a few dozen layers, leaves errors of a few times 1e-3; a lost eps, a clamped
 #: weight or an overflow leaves errors of order 1.
 FP16_MAX_REL_L2 = 1e-2
+#: The same for a bfloat16 model: bfloat16 keeps 8 significant bits (unit roundoff 2**-8, about
+#: 3.9e-3, eight times float16's); the float16 bound scaled alike (about twenty unit roundoffs).
+#: A lost eps still leaves errors of order 1.
+BF16_MAX_REL_L2 = 8e-2
+#: The half-precision rule's bound by ``--precision`` value (float32 models: none).
+HALF_MAX_REL_L2 = {"fp16": FP16_MAX_REL_L2, "bf16": BF16_MAX_REL_L2}
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from pathlib import Path
@@ -130,11 +131,11 @@ def run(opts: Options) -> Report:
         _optimize(job, work)
         if opts.autotune:
             _autotune(job)
-        if opts.precision == "fp16":
+        if opts.precision != "fp32":
             _half(job, work)
         _publish(job)
         parity = _parity(job, work)
-        if opts.precision == "fp16" and precision_mod.OVERFLOW_PROBE not in job.sets:
+        if opts.precision != "fp32" and precision_mod.OVERFLOW_PROBE not in job.sets:
             _hidden_probe(job, parity, work)
         latency = _latency(job) if opts.benchmark else None
     return _report(job, parity, latency)
@@ -170,7 +171,7 @@ def _start(opts, output, writes, provider, prepared: Prepared) -> _Job:
     sets = inputs_mod.input_sets(
         _by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
     )
-    if opts.precision == "fp16":
+    if opts.precision != "fp32":
         sets |= precision_mod.overflow_set(sets["example"])
     return _Job(
         opts,
@@ -214,13 +215,15 @@ def _optimize(job: _Job, work: Path) -> None:
 
 
 def _half(job: _Job, work: Path) -> None:
-    """Convert the staged model to float16 (:func:`normexport.precision.to_float16`), the norms
-    the fusions refused kept in float32, and put it in the staged model's place, checked."""
+    """Convert the staged model to float16 or bfloat16 (:func:`normexport.precision.to_half`),
+    the norms the fusions refused kept in float32, and put it in the staged model's place,
+    checked."""
     half = work / "half" / job.staged.name
     half.parent.mkdir()
-    job.precision = precision_mod.to_float16(
+    job.precision = precision_mod.to_half(
         job.staged,
         half,
+        precision=job.opts.precision,
         provider=job.provider,
         keep_io_types=job.opts.keep_io_types,
         refused=job.fusions.refused,
@@ -456,10 +459,17 @@ def _parity(job: _Job, work: Path) -> ParityResult:
         output_names=[o.name for o in opt_session.get_outputs()],
         atol=job.opts.atol,
         rtol=job.opts.rtol,
-        max_rel_l2=parity_mod.FP16_MAX_REL_L2 if job.precision else None,
-        round_inputs=precision_mod.rounded_feeds if job.precision else None,
+        max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(job.opts.precision),
+        round_inputs=_rounding(job.opts.precision),
         **_references(job, raw, work),
     )
+
+
+def _rounding(precision: str):
+    """The half-precision parity rule's input rounding for ``precision`` (None: fp32)."""
+    if precision == "fp32":
+        return None
+    return functools.partial(precision_mod.rounded_feeds, precision=precision)
 
 
 def _hidden_probe(job: _Job, parity: ParityResult, work: Path) -> None:
@@ -471,6 +481,7 @@ def _hidden_probe(job: _Job, parity: ParityResult, work: Path) -> None:
         job.sets["example"],
         work / "hidden_probe",
         provider=job.provider,
+        precision=job.opts.precision,
         atol=job.opts.atol,
         rtol=job.opts.rtol,
     )

@@ -1,5 +1,5 @@
-"""Half precision (``--precision fp16``): convert the optimized model to float16 with the norms
-kept safe.
+"""Half precision (``--precision fp16|bf16``): convert the optimized model to float16 or
+bfloat16 with the norms kept safe.
 
 The bulk of the work is ONNX Runtime's own converter,
 ``onnxruntime.transformers.float16.convert_float_to_float16``. It is chosen over
@@ -35,9 +35,18 @@ normexport adds on top:
 The converter works on one ``onnx.ModelProto``: models whose tensors pass protobuf's 2 GiB
 limit are refused (:class:`normexport.errors.UsageError`) rather than held in one protobuf.
 
-bfloat16 is refused: ONNX Runtime's CPU provider has no bfloat16 kernel for MatMul, Conv, Gemm,
-Add or the norms (its session fails with NOT_IMPLEMENTED, see the tests), so a bfloat16 model
-could not be checked for parity here.
+**bfloat16** (``bf16``) is the float16 conversion above (same block lists, same fixes), then
+retyped: every float16 type, Cast target and tensor becomes bfloat16, and each initializer and
+Constant is rounded to bfloat16 from its float32 original, not from the float16 copy (which
+clamps 1e5 to 65504 and flushes 1e-8 to zero). bfloat16 has float32's exponent range, so no
+constant is kept float32 for its range; decomposed norms are, since bfloat16 keeps 8 significant
+bits (a mean over hundreds of values would keep few correct ones). Its inputs and outputs stay
+float32: ONNX Runtime's Python API takes and returns no bfloat16 arrays (numpy has no such
+type), and parity runs there. Where the provider has no bfloat16 kernel for the model's linear
+ops (MatMul, Gemm, Conv, ConvTranspose; the norms where it has none; any op where it has
+neither), nothing heavy would run in bfloat16 and the conversion is refused
+(:class:`normexport.errors.UsageError`), naming the op types ONNX Runtime reported: its CPU
+provider has no bfloat16 MatMul, Gemm, Add or Mul.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ from normexport.errors import UsageError
 
 #: ``--precision`` values; ``fp32`` is the model as optimized.
 PRECISIONS = ("fp32", "fp16", "bf16")
+#: The element type of each half precision, by ``--precision`` value.
+HALF_TYPES = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 #: The largest finite float16.
 FP16_MAX = 65504.0
 #: Nonzero magnitudes below this round to zero in float16 (half the smallest subnormal, 2**-24).
@@ -80,11 +91,23 @@ _TO_REDUCE = ("Pow", "Mul", "Cast")
 _NORM_DEPTH = 12
 #: Protobuf's limit on one serialized message.
 PROTO_LIMIT = 2**31
-_NOT_IMPLEMENTED = re.compile(r"Could not find an implementation for (\w+)\(")
-BF16_REFUSAL = (
-    "--precision bf16: ONNX Runtime's CPU provider has no bfloat16 kernels for MatMul, Conv, "
-    "Gemm, Add or the normalization ops, so the model could neither run nor be checked for "
-    "parity here; use --precision fp16"
+#: Op types that hold a model's weights and most of its arithmetic: a bfloat16 model whose
+#: linear ops the provider has no bfloat16 kernel for is refused.
+LINEAR_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
+#: Norm ops: what must run in bfloat16 where a model has no linear op.
+NORM_OPS = (
+    *STASH_NORMS,
+    *SKIP_NORMS,
+    "BatchNormalization",
+    "InstanceNormalization",
+    "GroupNormalization",
+)
+#: ONNX Runtime's errors for an op type it cannot run in the given type: no kernel registered
+#: (NOT_IMPLEMENTED), or a type the op's schema does not allow at the model's opset (bfloat16
+#: came to most ops at opset 13).
+_NO_KERNEL = (
+    re.compile(r"Could not find an implementation for (\w+)\("),
+    re.compile(r"Type 'tensor\((?:b?float16)\)' of \w+ parameter \(.*?\) of operator \((\w+)\)"),
 )
 
 
@@ -96,8 +119,8 @@ class KeptFloat32:
         node: its name in the written model.
         op: its op type.
         reason: ``decomposed_norm`` (a norm the fusions refused: float16 would square its
-            input), ``fp16_overflow`` / ``fp16_underflow`` (an initializer float16 cannot hold),
-            ``no_fp16_kernel`` (the provider has no float16 kernel for the op type).
+            input, bfloat16 would sum it with 8 significant bits), ``fp16_overflow`` /
+            ``fp16_underflow`` (an initializer float16 cannot hold).
         detail: one sentence for people.
     """
 
@@ -112,13 +135,13 @@ class PrecisionReport:
     """What the half-precision stage did.
 
     Attributes:
-        precision: ``fp16``.
+        precision: ``fp16`` or ``bf16``.
         converter: the converter and version that did the bulk.
-        keep_io_types: the model's inputs and outputs stayed float32.
+        keep_io_types: the model's inputs and outputs stayed float32 (always with ``bf16``).
         stash_float32: names of the fused norms that compute statistics in float32.
         kept_float32: the nodes left in float32 (:class:`KeptFloat32`).
-        float32_op_types: op types left in float32 everywhere (no float16 kernel on the
-            provider).
+        float32_op_types: op types left in float32 everywhere (no kernel of the target type on
+            the provider).
     """
 
     precision: str
@@ -134,15 +157,14 @@ class PrecisionReport:
 
 
 def check_precision(precision: str) -> None:
-    """Refuse a ``--precision`` this build cannot deliver.
+    """Refuse an unknown ``--precision`` (whether ``bf16`` can be delivered is asked of ONNX
+    Runtime when converting, :func:`to_half`).
 
     Raises:
-        UsageError: an unknown value, or ``bf16`` (see :data:`BF16_REFUSAL`).
+        UsageError: a value not in :data:`PRECISIONS`.
     """
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
-    if precision == "bf16":
-        raise UsageError(BF16_REFUSAL)
 
 
 def model_bytes(path: Path) -> int:
@@ -158,7 +180,7 @@ def model_bytes(path: Path) -> int:
     return total + sum((path.parent / loc).stat().st_size for loc in locations)
 
 
-def load_for_conversion(path: Path) -> onnx.ModelProto:
+def load_for_conversion(path: Path, precision: str = "fp16") -> onnx.ModelProto:
     """The model at ``path`` as one protobuf, its external data read in.
 
     Raises:
@@ -167,9 +189,9 @@ def load_for_conversion(path: Path) -> onnx.ModelProto:
     size = model_bytes(path)
     if size >= PROTO_LIMIT:
         raise UsageError(
-            f"--precision fp16: the optimized model holds {size / 2**30:.1f} GiB; ONNX Runtime's "
-            "float16 converter needs it as one protobuf, which is limited to 2 GiB: convert "
-            "the written model with a tool that streams external data"
+            f"--precision {precision}: the optimized model holds {size / 2**30:.1f} GiB; ONNX "
+            "Runtime's float16 converter needs it as one protobuf, which is limited to 2 GiB: "
+            "convert the written model with a tool that streams external data"
         )
     return onnx.load(path, load_external_data=True)
 
@@ -279,21 +301,41 @@ def _float16_loss(value: np.ndarray) -> float:
         return float(np.linalg.norm(value.astype(np.float16).astype(np.float64) - value) / norm)
 
 
-def decomposed_norms(graph: onnx.GraphProto, refused: Iterable) -> list[KeptFloat32]:
+#: Why a decomposed norm stays float32, by target precision.
+_DECOMPOSED_RISK = {
+    "fp16": "in float16 it would square its input, which overflows above |x| = 256",
+    "bf16": "in bfloat16 it would sum its input with 8 significant bits, and its mean and "
+    "variance would keep few correct ones",
+}
+
+
+def decomposed_norms(
+    graph: onnx.GraphProto, refused: Iterable, precision: str = "fp16"
+) -> list[KeptFloat32]:
     """The nodes of every norm a fusion refused (``refused``: :class:`fusion.Refused`-like,
-    with ``kind``, ``node``, ``code``), to be kept in float32."""
+    with ``kind``, ``node``, ``code``), to be kept in float32 in a ``precision`` model."""
     ops = {n.name: n.op_type for n in graph.node}
     kept: dict[str, KeptFloat32] = {}
     for r in refused:
         if r.kind not in DECOMPOSED_FAMILIES:
             continue
         detail = (
-            f"part of the {r.kind} at {r.node!r} left decomposed ({r.code}): in float16 it "
-            "would square its input, which overflows above |x| = 256"
+            f"part of the {r.kind} at {r.node!r} left decomposed ({r.code}): "
+            + _DECOMPOSED_RISK[precision]
         )
         for name in decomposed_norm_nodes(graph, r.node):
             kept.setdefault(name, KeptFloat32(name, ops[name], "decomposed_norm", detail))
     return list(kept.values())
+
+
+def kept_float32(graph: onnx.GraphProto, refused: Iterable, precision: str) -> list[KeptFloat32]:
+    """The nodes a ``precision`` copy of ``graph`` keeps in float32: the norms left decomposed
+    (:func:`decomposed_norms`), and for ``fp16`` the nodes reading constants float16 cannot hold
+    (:func:`unsafe_constants`; bfloat16 has float32's exponent range)."""
+    kept = decomposed_norms(graph, refused, precision)
+    if precision == "fp16":
+        kept += [k for k in unsafe_constants(graph) if k.node not in {c.node for c in kept}]
+    return kept
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:
@@ -417,9 +459,78 @@ def _exact_constants(graph: onnx.GraphProto, original: onnx.GraphProto) -> None:
         graph.initializer.remove(tensor)
 
 
+def to_bfloat16(model: ir.Model, original: ir.Model) -> None:
+    """Retype ``model``, the converter's float16 copy of ``original`` (float32), to bfloat16 in
+    place: every float16 value type (graph inputs, outputs, node outputs, in subgraphs too),
+    Cast target and ``dtype`` attribute becomes bfloat16, and every float16 initializer and
+    tensor attribute (Constant's and ConstantOfShape's ``value``) is rounded to bfloat16 (to
+    nearest, ties to even) from its float32 original in ``original``, found by initializer name
+    or by the node's first output and the attribute name (the float16 copy's values where it has
+    none: tensors float16 in ``original`` too, values the converter added)."""
+    sources = _float_tensors(original)
+    for graph in (model.graph, *model.graph.subgraphs()):
+        values = [*graph.inputs, *graph.initializers.values()]
+        values += [out for node in graph for out in node.outputs]
+        for value in values:
+            value.type = _bfloat16_type(value.type)
+        for value in graph.initializers.values():
+            if value.const_value is not None and value.const_value.dtype == ir.DataType.FLOAT16:
+                value.const_value = _bfloat16(value.const_value, sources.get((value.name, "")))
+        for node in graph:
+            _bfloat16_attributes(node, sources)
+
+
+def _bfloat16_attributes(
+    node: ir.Node, sources: Mapping[tuple[str, str], ir.TensorProtocol]
+) -> None:
+    """Retype ``node``'s float16 attributes to bfloat16 (see :func:`to_bfloat16`): an INT ``to``
+    (Cast) or ``dtype`` (EyeLike, Random*), a float16 tensor (rounded from its source in
+    ``sources``, see :func:`_float_tensors`)."""
+    for attr in list(node.attributes.values()):
+        if attr.type == ir.AttributeType.INT and attr.name in ("to", "dtype"):
+            if attr.value == ir.DataType.FLOAT16:
+                node.attributes[attr.name] = ir.AttrInt64(attr.name, ir.DataType.BFLOAT16)
+        elif attr.type == ir.AttributeType.TENSOR and attr.value.dtype == ir.DataType.FLOAT16:
+            source = sources.get((node.outputs[0].name, attr.name))
+            node.attributes[attr.name] = ir.AttrTensor(attr.name, _bfloat16(attr.value, source))
+
+
+def _float_tensors(model: ir.Model) -> dict[tuple[str, str], ir.TensorProtocol]:
+    """The float32 tensors of ``model``: each initializer by ``(name, "")``, each tensor
+    attribute by ``(its node's first output, attribute name)`` (in subgraphs too)."""
+    found: dict[tuple[str, str], ir.TensorProtocol] = {}
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for name, value in graph.initializers.items():
+            if value.const_value is not None:
+                found[(name, "")] = value.const_value
+        for node in graph:
+            for attr in node.attributes.values():
+                if attr.type == ir.AttributeType.TENSOR and node.outputs:
+                    found[(node.outputs[0].name, attr.name)] = attr.value
+    return {k: t for k, t in found.items() if t.dtype == ir.DataType.FLOAT}
+
+
+def _bfloat16_type(kind: ir.TypeProtocol | None) -> ir.TypeProtocol | None:
+    """``kind`` with float16 tensor types (also inside sequences and optionals) made
+    bfloat16."""
+    if isinstance(kind, ir.TensorType) and kind.dtype == ir.DataType.FLOAT16:
+        return ir.TensorType(ir.DataType.BFLOAT16)
+    if isinstance(kind, (ir.SequenceType, ir.OptionalType)):
+        return type(kind)(_bfloat16_type(kind.elem_type))
+    return kind
+
+
+def _bfloat16(tensor: ir.TensorProtocol, source: ir.TensorProtocol | None) -> ir.Tensor:
+    """``tensor`` (float16) as bfloat16, rounded from ``source`` (its float32 original) where
+    given."""
+    values = (source if source is not None else tensor).numpy().astype(np.float32)
+    return ir.Tensor(values.astype(ir.DataType.BFLOAT16.numpy()), name=tensor.name)
+
+
 def _missing_kernel(path: Path, provider: str) -> str | None:
     """The op type ONNX Runtime reports no kernel for when loading ``path`` on ``provider``
-    (NOT_IMPLEMENTED), or None when the model loads.
+    (NOT_IMPLEMENTED, or a type error: the op's schema does not allow the type at the model's
+    opset), or None when the model loads.
 
     Raises:
         Exception: ONNX Runtime's own error, for any other failure to load.
@@ -429,73 +540,175 @@ def _missing_kernel(path: Path, provider: str) -> str | None:
     except runtime.ProviderUnavailable:
         raise
     except Exception as err:  # ORT's own error types
-        found = _NOT_IMPLEMENTED.search(str(err))
+        found = next((m for p in _NO_KERNEL if (m := p.search(str(err)))), None)
         if found is None:
             raise
         return found.group(1)
     return None
 
 
-def to_float16(
+def _to_block(missing: str, model: onnx.ModelProto, blocked: Sequence[str]) -> list[str]:
+    """The op types of ``model`` to keep float32 where ONNX Runtime reports no kernel for
+    ``missing``: ``missing`` itself where the model has it, else the op types whose ONNX
+    function body uses it (ONNX Runtime runs an op it has no kernel for, Relu or Softmax, by
+    its function body, and reports the body's op, Max or ReduceMax); those not yet ``blocked``.
+
+    Raises:
+        RuntimeError: none is left to block (a bug: the report names an op already float32).
+    """
+    present = {n.op_type for n in model.graph.node}
+    if missing in present:
+        found = [missing]
+    else:
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        users = (n.op_type for n in model.graph.node if missing in _function_ops(n, opset))
+        found = list(dict.fromkeys(users))
+    found = [op for op in found if op not in blocked]
+    if not found:
+        raise RuntimeError(f"no {missing} kernel although every op using it stayed float32")
+    return found
+
+
+def _function_ops(node: onnx.NodeProto, opset: int) -> set[str]:
+    """The op types of ``node``'s ONNX function body at ``opset`` (ONNX spec, "Functions";
+    context-dependent bodies built for bfloat16 inputs); empty where it has none."""
+    if node.domain not in ("", "ai.onnx") or not onnx.defs.has(node.op_type):
+        return set()
+    schema = onnx.defs.get_schema(node.op_type, opset)
+    if schema.has_function:
+        return {n.op_type for n in schema.function_body.node}
+    if not schema.has_context_dependent_function:
+        return set()
+    kind = onnx.helper.make_tensor_type_proto(onnx.TensorProto.BFLOAT16, None)
+    try:
+        body = schema.get_context_dependent_function(
+            node.SerializeToString(), [kind.SerializeToString()] * len(node.input)
+        )
+    except Exception:  # onnx's schema error types: no body for these inputs
+        return set()
+    return {n.op_type for n in onnx.FunctionProto.FromString(body).node}
+
+
+def must_run_in_half(model: ir.Model) -> set[str]:
+    """The op types a bfloat16 copy of ``model`` must run in bfloat16 to be worth having: its
+    :data:`LINEAR_OPS` (weights and most of the arithmetic), else its :data:`NORM_OPS`, else
+    all its op types."""
+    present = {n.op_type for n in model.graph.all_nodes()}
+    return (present & set(LINEAR_OPS)) or (present & set(NORM_OPS)) or present
+
+
+def bf16_refusal(provider: str, lacking: Sequence[str], heavy: Iterable[str]) -> str:
+    """The message refusing ``--precision bf16`` on ``provider``: ONNX Runtime reported no
+    bfloat16 kernel for ``lacking`` (in the order it did), among them op types of ``heavy``
+    (:func:`must_run_in_half`)."""
+    advice = "use --precision fp16"
+    if provider != "cuda":
+        advice += ", or --provider cuda where ONNX Runtime has bfloat16 kernels"
+    stuck = ", ".join(op for op in lacking if op in set(heavy))
+    return (
+        f"--precision bf16: ONNX Runtime's {runtime.PROVIDERS[provider][0]} has no bfloat16 "
+        f"kernel for {', '.join(lacking)} (NOT_IMPLEMENTED when loading the converted model): "
+        f"the model's {stuck} would stay float32 and nothing heavy would run in bfloat16; " + advice
+    )
+
+
+def _write_half(
+    proto: onnx.ModelProto,
+    original: ir.Model,
+    dst: Path,
+    *,
+    precision: str,
+    keep_io_types: bool,
+    nodes: Sequence[str],
+    op_types: Sequence[str],
+    external_data: bool,
+) -> onnx.ModelProto:
+    """Convert ``proto`` (:func:`_converted`; retyped by :func:`to_bfloat16` for ``bf16``,
+    ``original`` being ``proto`` in onnx-ir), sort it and write it to ``dst``; returns the
+    converter's float16 model."""
+    converted = _converted(proto, keep_io_types, nodes, op_types)
+    model = ir.serde.deserialize_model(converted)
+    if precision == "bf16":
+        to_bfloat16(model, original)
+    model.graph.sort()  # the converter appends its casts at the end
+    for path in (dst, files.data_path(dst)):
+        path.unlink(missing_ok=True)
+    files.save_model(model, dst, external_data=external_data)
+    return converted
+
+
+def to_half(
     src: Path,
     dst: Path,
     *,
+    precision: str = "fp16",
     provider: str,
     keep_io_types: bool,
     refused: Iterable = (),
     external_data: bool,
 ) -> PrecisionReport:
-    """Write a float16 copy of the model at ``src`` to ``dst`` (see the module docstring).
+    """Write a float16 (``fp16``) or bfloat16 (``bf16``) copy of the model at ``src`` to ``dst``
+    (see the module docstring).
 
     Args:
         src: the optimized float32 model (its external data beside it).
-        dst: where to write the float16 model (``dst`` + ``.data`` with ``external_data``).
-        provider: ``cpu`` or ``cuda``: whose float16 kernels are asked for.
-        keep_io_types: keep float32 graph inputs and outputs (casts inside).
+        dst: where to write the half-precision model (``dst`` + ``.data`` with
+            ``external_data``).
+        precision: ``fp16`` or ``bf16``.
+        provider: ``cpu`` or ``cuda``: whose kernels of the target type are asked for.
+        keep_io_types: keep float32 graph inputs and outputs (casts inside); ``bf16`` always
+            does.
         refused: the fusions' refusals (:class:`fusion.Refused`): the norms left decomposed.
         external_data: write the tensors to ``dst`` + ``.data``.
 
     Raises:
-        UsageError: the model passes protobuf's 2 GiB limit.
-        RuntimeError: ONNX Runtime reports a missing kernel again for an op already kept in
-            float32 (a bug).
+        UsageError: the model passes protobuf's 2 GiB limit; ``bf16`` where the provider has no
+            bfloat16 kernel for an op type of :func:`must_run_in_half` (:func:`bf16_refusal`).
+        RuntimeError: ONNX Runtime reports a missing kernel for ops already float32 (a bug).
     """
     from onnxruntime import __version__ as ort_version
 
-    proto = load_for_conversion(src)
+    proto = load_for_conversion(src, precision)
     _name_nodes(proto.graph)
-    kept = decomposed_norms(proto.graph, refused)
-    kept += [k for k in unsafe_constants(proto.graph) if k.node not in {c.node for c in kept}]
-    op_types: list[str] = []
+    original = ir.serde.deserialize_model(proto)
+    keep_io_types = keep_io_types or precision == "bf16"
+    kept = kept_float32(proto.graph, refused, precision)
+    heavy, op_types = must_run_in_half(original), []
     while True:
-        converted = _converted(proto, keep_io_types, [k.node for k in kept], op_types)
-        for path in (dst, files.data_path(dst)):
-            path.unlink(missing_ok=True)
-        model = ir.serde.deserialize_model(converted)
-        model.graph.sort()  # the converter appends its casts at the end
-        files.save_model(model, dst, external_data=external_data)
+        converted = _write_half(
+            proto,
+            original,
+            dst,
+            precision=precision,
+            keep_io_types=keep_io_types,
+            nodes=[k.node for k in kept],
+            op_types=op_types,
+            external_data=external_data,
+        )
         missing = _missing_kernel(dst, provider)
         if missing is None:
             break
-        if missing in op_types:
-            raise RuntimeError(f"no {missing} kernel on {provider} although it stayed float32")
-        op_types.append(missing)
-    blocked = {k.node for k in kept}
-    stash = [
+        blocked = _to_block(missing, converted, op_types)
+        op_types += blocked
+        if precision == "bf16" and heavy.intersection(blocked):
+            raise UsageError(bf16_refusal(provider, op_types, heavy))
+    converter = f"onnxruntime.transformers.float16 {ort_version}"
+    if precision == "bf16":
+        converter += ", retyped to bfloat16 by normexport"
+    stash = _stash_norms(converted, {k.node for k in kept}, op_types)
+    return PrecisionReport(precision, converter, keep_io_types, stash, kept, op_types)
+
+
+def _stash_norms(model: onnx.ModelProto, kept: Iterable[str], op_types: Sequence[str]) -> list[str]:
+    """Names of the fused norms of ``model`` that take half-precision input and compute their
+    statistics in float32: neither in ``kept`` (nodes) nor of ``op_types`` (float32 op types)."""
+    return [
         n.name
-        for n in converted.graph.node
+        for n in model.graph.node
         if n.op_type in (*STASH_NORMS, *SKIP_NORMS)
-        and n.name not in blocked
+        and n.name not in set(kept)
         and n.op_type not in op_types
     ]
-    return PrecisionReport(
-        "fp16",
-        f"onnxruntime.transformers.float16 {ort_version}",
-        keep_io_types,
-        stash,
-        kept,
-        op_types,
-    )
 
 
 def cast_feeds(session, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -546,16 +759,19 @@ def overflow_set(example: Mapping[str, np.ndarray], seed: int = 2) -> dict[str, 
     return {OVERFLOW_PROBE: feeds} if changed else {}
 
 
-def rounded_feeds(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """``feeds`` with every float array rounded to float16 and back to its own dtype (the
-    half-precision parity rule's input rounding, :func:`normexport.parity.compare`); other
-    arrays as they are. Values beyond float16's range become Inf, as the model's own float16
-    inputs would.
+def rounded_feeds(
+    feeds: Mapping[str, np.ndarray], precision: str = "fp16"
+) -> dict[str, np.ndarray]:
+    """``feeds`` with every float array rounded to the half type of ``precision``
+    (:data:`HALF_TYPES`) and back to its own dtype (the half-precision parity rule's input
+    rounding, :func:`normexport.parity.compare`); other arrays as they are. Values beyond
+    float16's range become Inf, as the model's own float16 inputs would.
     """
+    half = HALF_TYPES[precision].numpy()
     out = {}
     for name, array in feeds.items():
         if np.issubdtype(array.dtype, np.floating):
             with np.errstate(over="ignore"):
-                array = array.astype(np.float16).astype(array.dtype)
+                array = array.astype(half).astype(array.dtype)
         out[name] = array
     return out

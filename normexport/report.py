@@ -173,8 +173,8 @@ class Report:
         latency: the timings, or None without benchmarking.
         autotune: what ``--autotune`` measured and kept, or None.
         versions: library versions.
-        precision: what ``--precision fp16`` did (:class:`normexport.precision.PrecisionReport`),
-            or None for a float32 model.
+        precision: what ``--precision fp16|bf16`` did
+            (:class:`normexport.precision.PrecisionReport`), or None for a float32 model.
     """
 
     model: str
@@ -418,14 +418,15 @@ def _render_autotune(tuned: AutotuneResult, console: Console) -> None:
 def _render_precision(precision: PrecisionReport, console: Console) -> None:
     """The half-precision conversion: converter, norms with float32 statistics, what stayed
     float32 and why."""
-    io = "float32" if precision.keep_io_types else "float16"
+    half = "bfloat16" if precision.precision == "bf16" else "float16"
+    io = "float32" if precision.keep_io_types else half
     console.print(
         f"precision [bold]{precision.precision}[/] by {precision.converter} (inputs/outputs "
         f"{io}); {len(precision.stash_float32)} fused norm(s) compute statistics in float32"
     )
     if precision.float32_op_types:
         console.print(
-            "no float16 kernel on this provider, kept float32: "
+            f"no {half} kernel on this provider, kept float32: "
             + ", ".join(precision.float32_op_types)
         )
     if precision.kept_float32:

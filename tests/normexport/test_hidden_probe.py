@@ -81,10 +81,13 @@ def _half(rng, tmp_path, **wrong) -> tuple:
     refused = fusion.optimize(model).refused
     staged = tmp_path / "staged.onnx"
     files.save_model(model, staged, external_data=True)
-    report = precision.to_float16(
+    report = precision.to_half(
         staged, half, provider="cpu", keep_io_types=False, refused=refused, external_data=True
     )
     return raw, half, report
+
+
+_RULE = {"provider": "cpu", "precision": "fp16", "atol": 1e-4, "rtol": 1e-3}
 
 
 def test_probe_passes_a_safe_float16_model(tmp_path):
@@ -92,7 +95,14 @@ def test_probe_passes_a_safe_float16_model(tmp_path):
     assert {k.reason for k in report.kept_float32} == {"decomposed_norm"}
     example = _example(np.random.default_rng(1))
     result = hidden_probe.check(
-        raw, half, example, tmp_path / "probe", provider="cpu", atol=1e-4, rtol=1e-3
+        raw,
+        half,
+        example,
+        tmp_path / "probe",
+        provider="cpu",
+        precision="fp16",
+        atol=1e-4,
+        rtol=1e-3,
     )
     (entry,) = result.probes[precision.OVERFLOW_PROBE]
     assert result.passed and result.oracle == "onnx_float64", result.notes
@@ -104,7 +114,14 @@ def test_probe_fails_a_wrong_float16_model(tmp_path):
     raw, half, _ = _half(np.random.default_rng(0), tmp_path, scale=1.1)
     example = _example(np.random.default_rng(1))
     result = hidden_probe.check(
-        raw, half, example, tmp_path / "probe", provider="cpu", atol=1e-4, rtol=1e-3
+        raw,
+        half,
+        example,
+        tmp_path / "probe",
+        provider="cpu",
+        precision="fp16",
+        atol=1e-4,
+        rtol=1e-3,
     )
     assert not result.passed
     assert result.probes[precision.OVERFLOW_PROBE][0].rel_l2_err > 0.05
@@ -115,7 +132,9 @@ def test_no_lookup_no_probe(tmp_path, rng):
     g.node("Relu", ["x"], "y")
     path = tmp_path / "m.onnx"
     files.save_model(g.model({"x": (F, [2, 4])}, {"y": (F, [2, 4])}), path, external_data=False)
-    found = hidden_probe.check(path, path, {}, tmp_path / "p", provider="cpu", atol=0, rtol=0)
+    found = hidden_probe.check(
+        path, path, {}, tmp_path / "p", provider="cpu", precision="fp16", atol=0, rtol=0
+    )
     assert found is None
 
 

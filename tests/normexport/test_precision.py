@@ -4,6 +4,7 @@ Runtime's CPU provider with its graph optimizations off; one CLI run on a PyTorc
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 import numpy as np
 import onnx
@@ -97,12 +98,13 @@ def _eps_outside_rmsnorm(rng) -> tuple[ir.Model, dict]:
     return model, params
 
 
-def _convert(model: ir.Model, tmp_path, refused=(), keep_io_types=True):
+def _convert(model: ir.Model, tmp_path, refused=(), keep_io_types=True, target="fp16"):
     src, dst = tmp_path / "f32.onnx", tmp_path / "f16.onnx"
     files.save_model(model, src, external_data=False)
-    found = precision.to_float16(
+    found = precision.to_half(
         src,
         dst,
+        precision=target,
         provider="cpu",
         keep_io_types=keep_io_types,
         refused=refused,
@@ -348,16 +350,190 @@ def test_overflow_probe_has_outliers_and_keeps_integers():
     assert precision.overflow_set({"ids": example["ids"]}) == {}
 
 
-def test_bf16_and_stray_keep_io_types_are_refused(tmp_path, capsys):
-    with pytest.raises(UsageError, match="no bfloat16 kernels"):
-        precision.check_precision("bf16")
+def test_unknown_precision_and_stray_keep_io_types_are_refused(tmp_path, capsys):
+    precision.check_precision("bf16")  # asked of ONNX Runtime when converting
+    with pytest.raises(UsageError, match="choose one of fp32, fp16, bf16"):
+        precision.check_precision("fp8")
     model = make_model([("Relu", ["x"], ["y"], {})], {"x": (F, [2, 4])}, {"y": (F, [2, 4])})
     path = tmp_path / "m.onnx"
     files.save_model(model, path, external_data=False)
-    assert cli.main([str(path), "--precision", "bf16", "--no-benchmark"]) == 2
-    assert "bfloat16" in capsys.readouterr().err
     assert cli.main([str(path), "--keep-io-types", "--no-benchmark"]) == 2
     assert "--precision fp16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "nodes, lacking",
+    [
+        # ORT reports Tanh first (graph order), then MatMul: the linear op stays float32
+        ([("Tanh", ["x"], ["t"], {}), ("MatMul", ["t", "w"], ["y"], {})], "Tanh, MatMul"),
+        ([("Relu", ["x"], ["y"], {})], "Relu"),  # no linear op, no norm: every op counts
+    ],
+)
+def test_cli_bf16_on_cpu_is_refused_with_the_kernels_ort_lacks(tmp_path, capsys, nodes, lacking):
+    """ONNX Runtime's CPU provider has no bfloat16 MatMul, Tanh or Relu: the message names the
+    provider and the op types ONNX Runtime reported, and says what to do; exit 2, no
+    traceback."""
+    w = np.random.default_rng(5).standard_normal((4, 4)).astype(np.float32)
+    model = make_model(nodes, {"x": (F, [2, 4])}, {"y": (F, [2, 4])}, {"w": w})
+    path = tmp_path / "m.onnx"
+    files.save_model(model, path, external_data=False)
+    assert cli.main([str(path), "--precision", "bf16", "--no-benchmark", "--provider", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert f"CPUExecutionProvider has no bfloat16 kernel for {lacking} (" in err
+    assert "--precision fp16" in err and "--provider cuda" in err and "Traceback" not in err
+    assert not (tmp_path / "m.opt.onnx").exists()
+
+
+def _bf16_case(rng) -> tuple[ir.Model, dict]:
+    """Two outputs of x (6, D): ``y1`` = BatchNorm(x @ w1 + b1) (folded; channel 0's scale
+    1e-6 times its gamma, which float16 holds as a subnormal, channel 1's about 5e5, past
+    float16's 65504); ``y2`` = LN2(LN1(x @ w2)), LN1 hand-written (fused), LN2 with eps outside
+    the root (refused, kept float32)."""
+    gamma = rng.uniform(-2, 2, D)
+    gamma[0], gamma[1] = 1e-6, 50.0
+    var = rng.uniform(0.5, 2, D)
+    var[1] = 1e-8
+    p = {
+        "w1": rng.standard_normal((D, D)),
+        "b1": rng.standard_normal(D),
+        "gamma": gamma,
+        "beta": rng.uniform(-1, 1, D),
+        "mu": rng.uniform(-1, 1, D),
+        "var": var,
+        "w2": rng.standard_normal((D, D)),
+        "g1": rng.standard_normal(D),
+        "c1": rng.standard_normal(D),
+        "g2": rng.standard_normal(D),
+        "c2": rng.standard_normal(D),
+    }
+    p = {k: v.astype(np.float32) for k, v in p.items()}
+    p |= {"axes": np.array([-1], np.int64), "eps": np.array(1e-5, np.float32)}
+    ln1 = [
+        ("ReduceMean", ["h", "axes"], ["m1"], {"name": "mean1"}),
+        ("Sub", ["h", "m1"], ["d1"], {"name": "centre1"}),
+        ("Mul", ["d1", "d1"], ["q1"], {"name": "square1"}),
+        ("ReduceMean", ["q1", "axes"], ["v1"], {"name": "var1"}),
+        ("Add", ["v1", "eps"], ["ve1"], {"name": "plus_eps1"}),
+        ("Sqrt", ["ve1"], ["s1"], {"name": "root1"}),
+        ("Div", ["d1", "s1"], ["n1"], {"name": "divide1"}),
+        ("Mul", ["n1", "g1"], ["nw1"], {"name": "times_g1"}),
+        ("Add", ["nw1", "c1"], ["l1"], {"name": "plus_c1"}),
+    ]
+    ln2 = [
+        ("ReduceMean", ["l1", "axes"], ["m2"], {"name": "mean2"}),
+        ("Sub", ["l1", "m2"], ["d2"], {"name": "centre2"}),
+        ("Mul", ["d2", "d2"], ["q2"], {"name": "square2"}),
+        ("ReduceMean", ["q2", "axes"], ["v2"], {"name": "var2"}),
+        ("Sqrt", ["v2"], ["s2"], {"name": "root2"}),
+        ("Add", ["s2", "eps"], ["den2"], {"name": "plus_eps2"}),
+        ("Div", ["d2", "den2"], ["n2"], {"name": "divide2"}),
+        ("Mul", ["n2", "g2"], ["nw2"], {"name": "times_g2"}),
+        ("Add", ["nw2", "c2"], ["y2"], {"name": "plus_c2"}),
+    ]
+    bn = ["lin", "gamma", "beta", "mu", "var"]
+    nodes = [
+        ("MatMul", ["x", "w1"], ["mm"], {"name": "mm1"}),
+        ("Add", ["mm", "b1"], ["lin"], {"name": "bias1"}),
+        ("BatchNormalization", bn, ["y1"], {"name": "bn", "epsilon": 1e-9}),
+        ("MatMul", ["x", "w2"], ["h"], {"name": "mm2"}),
+        *ln1,
+        *ln2,
+    ]
+    shape = [6, D]
+    model = make_model(nodes, {"x": (F, shape)}, {"y1": (F, shape), "y2": (F, shape)}, p)
+    return model, p
+
+
+def _bf16_case64(x: np.ndarray, p: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """The outputs of :func:`_bf16_case`'s model in float64."""
+    p = {k: v.astype(np.float64) for k, v in p.items()}
+    x = x.astype(np.float64)
+    lin = x @ p["w1"] + p["b1"]
+    y1 = (lin - p["mu"]) / np.sqrt(p["var"] + 1e-9) * p["gamma"] + p["beta"]
+    l1 = _layernorm64(x @ p["w2"], p["g1"], p["c1"], 1e-5)
+    return [y1, _layernorm64(l1, p["g2"], p["c2"], 1e-5, outside=True)]
+
+
+def test_bf16_graph_matches_float64_on_onnx_reference(tmp_path, monkeypatch):
+    """bfloat16 conversion with every kernel present (ONNX Runtime's CPU provider has too few
+    bfloat16 kernels to run it: the kernel question is answered "all present"), run on
+    onnx.reference, which computes bfloat16 as written."""
+    monkeypatch.setattr(precision, "_missing_kernel", lambda path, provider: None)
+    rng = np.random.default_rng(6)
+    model, p = _bf16_case(rng)
+    report = fusion.optimize(model)
+    assert (report.counts.get("batchnorm_folded"), report.counts.get("layernorm_fused")) == (1, 1)
+    assert [(r.kind, r.code) for r in report.refused] == [("layernorm", "eps_outside_sqrt")]
+    found, dst = _convert(model, tmp_path, report.refused, keep_io_types=False, target="bf16")
+    assert found.precision == "bf16" and found.keep_io_types and found.float32_op_types == []
+    assert {k.node for k in found.kept_float32} == {
+        "mean2", "centre2", "square2", "var2", "root2", "plus_eps2", "divide2"
+    }  # fmt: skip
+    assert "bfloat16" in found.kept_float32[0].detail and len(found.stash_float32) == 1
+    written = onnx.load(dst)
+    onnx.checker.check_model(written, full_check=True)  # types agree at every node
+    _assert_no_float16(written.graph)
+    typed = onnx.shape_inference.infer_shapes(written).graph
+    elem = {v.name: v.type.tensor_type.elem_type for v in [*typed.value_info, *typed.output]}
+    for node in written.graph.node:
+        if node.name in {k.node for k in found.kept_float32}:
+            assert elem[node.output[0]] == F, node.name
+        if node.op_type == "LayerNormalization":
+            assert {a.name: a.i for a in node.attribute}["stash_type"] == 1
+            assert elem[node.input[0]] == TensorProto.BFLOAT16
+    _assert_rounded_from_float32(written.graph, onnx.load(tmp_path / "f32.onnx").graph)
+    x = rng.standard_normal((6, D)).astype(np.float32)
+    got = ReferenceEvaluator(written).run(None, {"x": x})
+    for g, want in zip(got, _bf16_case64(x, p), strict=True):
+        assert g.dtype == np.float32 and np.isfinite(g).all()
+        assert 2**-10 < _rel_l2(g, want) < parity.BF16_MAX_REL_L2
+
+
+def _assert_no_float16(graph: onnx.GraphProto) -> None:
+    """No float16 type, Cast target or tensor is left in ``graph``."""
+    values = [*graph.input, *graph.output, *graph.value_info]
+    assert all(v.type.tensor_type.elem_type != H for v in values)
+    assert all(t.data_type != H for t in graph.initializer)
+    for node in graph.node:
+        for a in node.attribute:
+            assert not (a.name == "to" and a.i == H) and a.t.data_type != H, node.name
+
+
+def _assert_rounded_from_float32(graph: onnx.GraphProto, source: onnx.GraphProto) -> None:
+    """Every bfloat16 initializer of ``graph`` is its float32 original in ``source`` rounded to
+    bfloat16 (not through float16: the folded scale's 1e-6 and 5e5 survive)."""
+    bf16 = ir.DataType.BFLOAT16.numpy()
+    originals = {t.name: onnx.numpy_helper.to_array(t) for t in source.initializer}
+    tensors = [ir.serde.deserialize_tensor(t) for t in graph.initializer]
+    halves = [t for t in tensors if t.dtype == ir.DataType.BFLOAT16]
+    assert halves
+    for tensor in halves:
+        want = originals[tensor.name].astype(bf16)
+        np.testing.assert_array_equal(tensor.numpy(), want)
+    values = np.concatenate([np.abs(t.numpy().astype(np.float64)).ravel() for t in halves])
+    assert values.max() > precision.FP16_MAX
+    assert ((values > 0) & (values < 6e-5)).any()  # float16 subnormals
+
+
+def test_bf16_where_the_provider_has_the_kernels(tmp_path):
+    """ONNX Runtime's CPU provider has a bfloat16 LayerNormalization: a model of norms alone
+    converts (statistics in float32), its inputs and outputs float32, and runs there."""
+    rng = np.random.default_rng(7)
+    w, b = rng.standard_normal(D).astype(np.float32), rng.standard_normal(D).astype(np.float32)
+    model = make_model(
+        [("LayerNormalization", ["x", "w", "b"], ["y"], {"name": "norm", "epsilon": 1e-5})],
+        {"x": (F, [2, 3, D])},
+        {"y": (F, [2, 3, D])},
+        {"w": w, "b": b},
+    )
+    found, dst = _convert(model, tmp_path, keep_io_types=False, target="bf16")
+    assert found.stash_float32 == ["norm"] and found.keep_io_types
+    assert "LayerNormalization" not in found.float32_op_types
+    assert onnx.load(dst).graph.input[0].type.tensor_type.elem_type == F
+    x = _outlier_input(rng)
+    got = _session(dst).run(None, {"x": x})[0]
+    want = _layernorm64(x, w, b, 1e-5)
+    assert np.isfinite(got).all() and 2**-10 < _rel_l2(got, want) < parity.BF16_MAX_REL_L2
 
 
 class HandNorms(nn.Module):
