@@ -25,13 +25,14 @@ exact answer, the raw export is as far, and an optimized model that is no furthe
 export's own rounding noise did nothing wrong. A wrong fold is orders of magnitude beyond that
 noise, so it still fails. Without a raw model the rule is the tolerance alone.
 
-A half-precision model (``--precision fp16``) is judged by another rule, since the raw export
+A half-precision model (``--precision fp16`` or ``bf16``) is judged by another rule, since the
+raw export
 is float32 and its noise says nothing of float16 rounding: an output fails where it has NaN or
 Inf where the oracle is finite, or where its relative L2 error exceeds the allowance and its max
 abs error exceeds ``atol`` (outputs near zero). The allowance is the sum of
 
-- ``max_rel_l2`` (:data:`FP16_MAX_REL_L2`): float16's rounding through a well-conditioned
-  network;
+- ``max_rel_l2`` (:data:`HALF_MAX_REL_L2`): the half type's rounding through a
+  well-conditioned network;
 - the raw float32 model's own relative L2 error (where float32 itself is far from the oracle, as
   ``nn.RMSNorm``'s dtype-dependent eps on tiny inputs, float16 is not blamed for it);
 - ``noise_factor`` times the input's *rounding error*: the relative L2 distance between the
