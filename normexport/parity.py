@@ -26,9 +26,9 @@ export's own rounding noise did nothing wrong. A wrong fold is orders of magnitu
 noise, so it still fails. Without a raw model the rule is the tolerance alone.
 
 A half-precision model (``--precision fp16`` or ``bf16``) is judged by another rule, since the
-raw export is float32 and its noise says nothing of half-precision rounding: an output fails where it has NaN or
-Inf where the oracle is finite, or where its relative L2 error exceeds the allowance and its max
-abs error exceeds ``atol`` (outputs near zero). The allowance is the sum of
+raw export is float32 and its noise says nothing of half-precision rounding: an output fails
+where it has NaN or Inf where the oracle is finite, or where its relative L2 error exceeds the
+allowance and its max abs error exceeds ``atol`` (outputs near zero). The allowance is the sum of
 
 - ``max_rel_l2`` (:data:`HALF_MAX_REL_L2`): the half type's rounding through a
   well-conditioned network;
