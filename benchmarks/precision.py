@@ -164,17 +164,25 @@ def _errors(outs: list[np.ndarray], ref: list[np.ndarray]) -> dict:
     return {"nonfinite": nonfinite, "rel_l2": max(rel)}
 
 
-def _reference_run(path: Path, feeds: dict) -> list[np.ndarray]:
+def _reference_run(path: Path, feeds: dict) -> tuple[list[np.ndarray], int]:
     """``path`` on ``onnx.reference`` (float16 computed in float16, norms' statistics in their
-    ``stash_type``), feeds cast like ORT's."""
+    ``stash_type``), feeds cast like ORT's: its outputs, and how many NaN / Inf values its
+    intermediate float tensors hold (an overflow the outputs may hide: ``1 / sqrt(inf)`` is 0)."""
     model = onnx.load(path)
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     feeds = {
         k: v.astype(np.float16) if types.get(k) == onnx.TensorProto.FLOAT16 else v
         for k, v in feeds.items()
     }
+    evaluator = ReferenceEvaluator(model, new_ops=oracle.reference_ops())
     with np.errstate(all="ignore"):
-        return ReferenceEvaluator(model, new_ops=oracle.reference_ops()).run(None, feeds)
+        values = evaluator.run(None, feeds, intermediate=True)
+    inside = sum(
+        int(np.count_nonzero(~np.isfinite(v)))
+        for v in values.values()
+        if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating)
+    )
+    return [values[o.name] for o in model.graph.output], inside
 
 
 def measure(
@@ -199,9 +207,9 @@ def measure(
             row["sets"][set_name] = _errors(outs, ref[set_name])
             if on_reference:
                 try:
-                    row["sets"][set_name]["reference"] = _errors(
-                        _reference_run(path, feeds), ref[set_name]
-                    )
+                    outs, inside = _reference_run(path, feeds)
+                    row["sets"][set_name]["reference"] = _errors(outs, ref[set_name])
+                    row["sets"][set_name]["reference"]["nonfinite_inside"] = inside
                 except Exception as err:  # no reference kernel for an op (com.microsoft)
                     row["sets"][set_name]["reference"] = {"error": one_line(err)[:200]}
         result[name] = row
@@ -318,7 +326,9 @@ def _cell(row: dict, set_name: str, key: str | None = None) -> str:
     if "error" in found:
         return "E"
     bad = f"[bold red]{found['nonfinite']} NaN/Inf[/] " if found["nonfinite"] else ""
-    return f"{bad}{found['rel_l2']:.2g}"
+    inside = found.get("nonfinite_inside")
+    inner = f" [red]({inside} inside)[/]" if inside else ""
+    return f"{bad}{found['rel_l2']:.2g}{inner}"
 
 
 def render(results: dict, console: Console) -> None:

@@ -28,34 +28,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 import models
 from models import broken
-from models.demo import save_model_file
+from models.demo import demo_options
 from normexport import pipeline
 from normexport.arguments import Options
 
 #: Single-channel weight scalings tried, smallest first.
 FACTORS = (1.0001, 1.0003, 1.001, 1.003, 1.01, 1.03, 1.1, 1.3)
-
-
-def _options(zoo: models.ZooModel, folder: Path) -> Options:
-    """The pipeline's options for ``zoo`` saved in ``folder``, as ``make demo`` runs it."""
-    path, flags = save_model_file(zoo, folder)
-    inputs = folder / "inputs.npz"
-    np.savez(inputs, **zoo.inputs)
-    model_class = flags[flags.index("--model-class") + 1] if "--model-class" in flags else None
-    return Options(
-        model=path,
-        inputs=inputs,
-        output=folder / "out" / "model.onnx",
-        trust_pickle="--trust-pickle" in flags,
-        model_class=model_class,
-        benchmark=False,
-    )
 
 
 def _parity(opts: Options) -> dict:
@@ -80,7 +63,7 @@ def _broken(opts: Options, kind: str, factor: float = 1.01) -> dict:
 
 def measure(name: str, folder: Path) -> dict:
     """Every break on zoo model ``name``, and the smallest scaling caught."""
-    opts = _options(models.load(name), folder)
+    opts = demo_options(models.load(name), folder)
     clean = _parity(opts)
     result = {
         "oracle": clean["oracle"],

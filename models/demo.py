@@ -23,6 +23,7 @@ import torch
 
 import models
 from fusion.registry import FUSION_KINDS
+from normexport.arguments import Options
 
 #: What each model's report must show: (description, predicate over the report).
 EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
@@ -107,6 +108,25 @@ def save_model_file(zoo: models.ZooModel, folder: Path) -> tuple[Path, list[str]
     path = folder / f"{zoo.name.replace('-', '_')}.pt"
     torch.save(zoo.module, path)
     return path, ["--trust-pickle"]
+
+
+def demo_options(zoo: models.ZooModel, folder: Path, **overrides) -> Options:
+    """The pipeline's options for ``zoo`` saved in ``folder`` (:func:`save_model_file`, its
+    inputs in ``folder/inputs.npz``), as ``make demo`` runs it, without the latency run; the
+    output in ``folder/out/model.onnx``; ``overrides`` are further :class:`Options` fields."""
+    path, flags = save_model_file(zoo, folder)
+    inputs = folder / "inputs.npz"
+    np.savez(inputs, **zoo.inputs)
+    model_class = flags[flags.index("--model-class") + 1] if "--model-class" in flags else None
+    fields = {
+        "model": path,
+        "inputs": inputs,
+        "output": folder / "out" / "model.onnx",
+        "trust_pickle": "--trust-pickle" in flags,
+        "model_class": model_class,
+        "benchmark": False,
+    }
+    return Options(**(fields | overrides))
 
 
 def run_one(name: str, out: Path, budget: float) -> tuple[int, dict | None]:
