@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -262,33 +262,51 @@ def _between(source: str, end: onnx.NodeProto, nodes: Mapping[str, onnx.NodeProt
 
 
 def unsafe_constants(graph: onnx.GraphProto) -> list[KeptFloat32]:
-    """The nodes that read a float initializer float16 cannot hold: a value above
-    :data:`FP16_MAX` in magnitude (overflow), or a float16 copy whose relative L2 error passes
-    :data:`FP16_LOSS` (values subnormal or flushed to zero: underflow). Each such node stays
-    float32 (the converter would clamp the values)."""
+    """The nodes that read a float constant (an initializer, or a Constant node's value)
+    float16 cannot hold: a value above :data:`FP16_MAX` in magnitude (overflow), or a float16
+    copy whose relative L2 error passes :data:`FP16_LOSS` (values subnormal or flushed to zero:
+    underflow). Each such node stays float32, and so does the Constant node (the converter
+    would clamp the values)."""
     bad: dict[str, str] = {}
-    for tensor in graph.initializer:
-        if tensor.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE):
-            continue
-        value = numpy_helper.to_array(tensor).astype(np.float64)
+    for name, what, value in _float_constants(graph):
         mag = np.abs(value)
         if mag.size and mag.max() > FP16_MAX:
-            bad[tensor.name] = f"fp16_overflow:max |value| {mag.max():.3g} > {FP16_MAX:g}"
+            bad[name] = f"fp16_overflow:{what}: max |value| {mag.max():.3g} > {FP16_MAX:g}"
         elif (loss := _float16_loss(value)) > FP16_LOSS:
             flushed = int(np.count_nonzero((mag > 0) & (mag < FP16_FLUSH)))
-            bad[tensor.name] = (
-                f"fp16_underflow:its float16 copy is {loss:.2g} off (relative L2), "
+            bad[name] = (
+                f"fp16_underflow:{what}: its float16 copy is {loss:.2g} off (relative L2), "
                 f"{flushed} of {mag.size} values flush to 0"
             )
     kept = []
     for node in graph.node:
-        for name in (i for i in node.input if i in bad):
+        for name in (v for v in (*node.input, *node.output[:1]) if v in bad):
             reason, detail = bad[name].split(":", 1)
-            kept.append(
-                KeptFloat32(node.name, node.op_type, reason, f"initializer {name}: {detail}")
-            )
+            kept.append(KeptFloat32(node.name, node.op_type, reason, detail))
             break
     return kept
+
+
+def _float_constants(graph: onnx.GraphProto) -> Iterator[tuple[str, str, np.ndarray]]:
+    """``(value name, how to name it for people, float64 values)`` of every float32 / float64
+    initializer and Constant node value of ``graph``."""
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE)
+    for tensor in graph.initializer:
+        if tensor.data_type in floats:
+            yield tensor.name, f"initializer {tensor.name}", _as_float64(tensor)
+    for node in graph.node:
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        for attr in node.attribute:
+            if attr.name == "value" and attr.t.data_type in floats:
+                yield node.output[0], f"constant {node.output[0]}", _as_float64(attr.t)
+            elif attr.name in ("value_float", "value_floats"):
+                value = np.asarray(onnx.helper.get_attribute_value(attr), np.float64)
+                yield node.output[0], f"constant {node.output[0]}", value
+
+
+def _as_float64(tensor: onnx.TensorProto) -> np.ndarray:
+    return numpy_helper.to_array(tensor).astype(np.float64)
 
 
 def _float16_loss(value: np.ndarray) -> float:

@@ -285,6 +285,36 @@ def test_constants_float16_cannot_hold_stay_float32(tmp_path, value, whole, x_sc
         assert not np.isfinite(clamped).all() or _rel_l2(clamped, want) > 0.1
 
 
+@pytest.mark.parametrize("value, reason", [(2e5, "fp16_overflow"), (1e-8, "fp16_underflow")])
+def test_constant_nodes_float16_cannot_hold_stay_float32(tmp_path, value, reason):
+    """A Constant node's value is checked like an initializer: the node and its readers stay
+    float32 (exact), where the generic converter clamps it to 65504 or flushes it to 0."""
+    tensor = onnx.helper.make_tensor("k", F, [], [value])
+    model = make_model(
+        [
+            ("Constant", [], ["k"], {"value": tensor, "name": "scale"}),
+            ("Mul", ["x", "k"], ["h"], {"name": "scaled"}),
+            ("Relu", ["h"], ["y"], {"name": "relu"}),
+        ],
+        {"x": (F, [2, D])},
+        {"y": (F, [2, D])},
+    )
+    found, dst = _convert(model, tmp_path)
+    assert [(k.node, k.reason) for k in found.kept_float32] == [
+        ("scale", reason),
+        ("scaled", reason),
+    ]
+    assert "constant k" in found.kept_float32[0].detail
+    x = np.random.default_rng(4).uniform(1, 2, (2, D)).astype(np.float32)
+    x *= np.float32(1e-3 if value > 1 else 1e3)
+    want = x.astype(np.float64) * np.float32(value)
+    got = _session(dst).run(None, {"x": x})[0]
+    assert _rel_l2(got.astype(np.float64), want) < 2e-3
+    generic = float16.convert_float_to_float16(ir.serde.serialize_model(model), keep_io_types=True)
+    clamped = _session(generic).run(None, {"x": x})[0].astype(np.float64)
+    assert _rel_l2(clamped, want) > 0.1
+
+
 def test_half_precision_parity_rule():
     ref = np.linspace(-1, 1, 100)
     close = parity.compare("y", ref * (1 + 5e-3), ref, 1e-4, 1e-3, max_rel_l2=1e-2)
