@@ -12,7 +12,9 @@ model before normexport's passes goes through each converter, with its defaults:
 - ``onnxslim_fp16``: ``onnxslim.slim(model, dtype="fp16")`` (onnxslim's graph passes, then
   onnxconverter-common's converter);
 - ``normexport``: ``fusion.optimize`` then :func:`normexport.precision.to_half` (what
-  ``--precision fp16`` writes; inputs and outputs float16, like the others' defaults).
+  ``--precision fp16`` writes; inputs and outputs float16, like the others' defaults);
+- ``normexport_target_onnx``: the same with ``--target onnx`` (default-domain ops only, no
+  ONNX Runtime contrib op), so that ``onnx.reference`` can run it too.
 
 ``float32`` (the model before any converter) is there for size and latency. Each model runs on
 ONNX Runtime's CPU provider (its graph optimizations on, as deployed; intra-op threads fixed by
@@ -28,10 +30,12 @@ data included) and its CPU latency (median of interleaved runs,
 
 ONNX Runtime's CPU provider has few float16 kernels: it inserts casts to float32 around the
 others itself, which can keep a generic converter's model finite on CPU where a float16 device
-would overflow. So, for the gallery's norms (small), each model also runs on ``onnx.reference``
-(the ONNX spec's numpy evaluator, which computes float16 ops in float16 as written): the
-CPU-independent evidence, side by side (``reference`` in the JSON; ``E`` where it has no kernel
-for an op, e.g. ONNX Runtime's com.microsoft ones).
+would overflow. So, for the gallery's norms (small) and the token-id models' hidden-state
+probe, each model also runs on ``onnx.reference`` (the ONNX spec's numpy evaluator, which
+computes float16 ops in float16 as written): the CPU-independent evidence, side by side
+(``reference`` in the JSON, with ``overflow_inside``: the NaN / +Inf values its intermediate
+tensors hold, an overflow the outputs hide where ``1 / sqrt(inf)`` is 0; ``E`` where it has no
+kernel for an op, e.g. ONNX Runtime's com.microsoft ones).
 
 Writes ``precision_cpu.json`` and ``precision_cpu.png`` to ``--out`` and prints the table.
 
@@ -93,6 +97,9 @@ CONVERTERS = {
     "ort_float16": "onnxruntime.transformers.float16.convert_float_to_float16(model)",
     "onnxslim_fp16": 'onnxslim.slim(model, dtype="fp16")',
     "normexport": "fusion.optimize(model); normexport.precision.to_half (--precision fp16)",
+    "normexport_target_onnx": (
+        "the same with --target onnx: default-domain ops only, so that onnx.reference runs it"
+    ),
 }
 
 
@@ -114,9 +121,9 @@ def _onnxslim_fp16(raw: Path, out: Path) -> None:
     onnx.save(onnxslim.slim(onnx.load(raw), dtype="fp16"), out)
 
 
-def _normexport(raw: Path, out: Path) -> None:
+def _normexport(raw: Path, out: Path, target: str = "ort") -> None:
     model = ir.load(raw)
-    found = fusion.optimize(model, target="ort")
+    found = fusion.optimize(model, target=target)
     optimized = out.with_name("optimized.onnx")
     files.save_model(model, optimized, external_data=False)
     precision.to_half(
@@ -134,6 +141,7 @@ BUILDERS: dict[str, Callable[[Path, Path], None]] = {
     "ort_float16": _ort_float16,
     "onnxslim_fp16": _onnxslim_fp16,
     "normexport": _normexport,
+    "normexport_target_onnx": lambda raw, out: _normexport(raw, out, target="onnx"),
 }
 
 
@@ -166,8 +174,9 @@ def _errors(outs: list[np.ndarray], ref: list[np.ndarray]) -> dict:
 
 def _reference_run(path: Path, feeds: dict) -> tuple[list[np.ndarray], int]:
     """``path`` on ``onnx.reference`` (float16 computed in float16, norms' statistics in their
-    ``stash_type``), feeds cast like ORT's: its outputs, and how many NaN / Inf values its
-    intermediate float tensors hold (an overflow the outputs may hide: ``1 / sqrt(inf)`` is 0)."""
+    ``stash_type``), feeds cast like ORT's: its outputs, and how many NaN / +Inf values its
+    intermediate float tensors hold (an overflow the outputs may hide: ``1 / sqrt(inf)`` is 0;
+    -Inf is left out, attention masks hold it by design)."""
     model = onnx.load(path)
     types = {i.name: i.type.tensor_type.elem_type for i in model.graph.input}
     feeds = {
@@ -178,7 +187,7 @@ def _reference_run(path: Path, feeds: dict) -> tuple[list[np.ndarray], int]:
     with np.errstate(all="ignore"):
         values = evaluator.run(None, feeds, intermediate=True)
     inside = sum(
-        int(np.count_nonzero(~np.isfinite(v)))
+        int(np.count_nonzero(np.isnan(v) | (v == np.inf)))
         for v in values.values()
         if isinstance(v, np.ndarray) and np.issubdtype(v.dtype, np.floating)
     )
@@ -209,7 +218,7 @@ def measure(
                 try:
                     outs, inside = _reference_run(path, feeds)
                     row["sets"][set_name]["reference"] = _errors(outs, ref[set_name])
-                    row["sets"][set_name]["reference"]["nonfinite_inside"] = inside
+                    row["sets"][set_name]["reference"]["overflow_inside"] = inside
                 except Exception as err:  # no reference kernel for an op (com.microsoft)
                     row["sets"][set_name]["reference"] = {"error": one_line(err)[:200]}
         result[name] = row
@@ -326,7 +335,7 @@ def _cell(row: dict, set_name: str, key: str | None = None) -> str:
     if "error" in found:
         return "E"
     bad = f"[bold red]{found['nonfinite']} NaN/Inf[/] " if found["nonfinite"] else ""
-    inside = found.get("nonfinite_inside")
+    inside = found.get("overflow_inside")
     inner = f" [red]({inside} inside)[/]" if inside else ""
     return f"{bad}{found['rel_l2']:.2g}{inner}"
 
