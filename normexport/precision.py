@@ -30,29 +30,22 @@ normexport adds on top:
   ``||dw|| ||x||``, less than the rounding of the other values, ``2**-11 ||w|| ||x||``.
 - **ops without a float16 kernel** on the provider stay float32: the converted model is loaded
   in an ONNX Runtime session, and each op type it reports NOT_IMPLEMENTED for is blocked, until
-  it loads.
+  it loads (the kernel question: :mod:`normexport.kernels`).
 
 The converter works on one ``onnx.ModelProto``: models whose tensors pass protobuf's 2 GiB
 limit are refused (:class:`normexport.errors.UsageError`) rather than held in one protobuf.
 
 **bfloat16** (``bf16``) is the float16 conversion above (same block lists, same fixes), then
-retyped: every float16 type, Cast target and tensor becomes bfloat16, and each initializer and
-Constant is rounded to bfloat16 from its float32 original, not from the float16 copy (which
-clamps 1e5 to 65504 and flushes 1e-8 to zero). bfloat16 has float32's exponent range, so no
-constant is kept float32 for its range; decomposed norms are, since bfloat16 keeps 8 significant
-bits (a mean over hundreds of values would keep few correct ones). Its inputs and outputs stay
-float32: ONNX Runtime's Python API takes and returns no bfloat16 arrays (numpy has no such
-type), and parity runs there. Where the provider has no bfloat16 kernel for the model's linear
-ops (MatMul, Gemm, Conv, ConvTranspose; the norms where it has none; any op where it has
-neither), nothing heavy would run in bfloat16 and the conversion is refused
-(:class:`normexport.errors.UsageError`), naming the op types ONNX Runtime reported: its CPU
-provider has no bfloat16 MatMul, Gemm, Add or Mul.
+retyped to bfloat16 (:mod:`normexport.bfloat16`: constants rounded from their float32
+originals; decomposed norms stay float32, constants are not kept for their range; inputs and
+outputs stay float32). Where the provider has no bfloat16 kernel for the model's linear ops
+(the norms where it has none; any op where it has neither), the conversion is refused
+(:class:`normexport.errors.UsageError`, :func:`normexport.kernels.bf16_refusal`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -61,8 +54,10 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
-from normexport import files, runtime
+from normexport import files, kernels
+from normexport.bfloat16 import to_bfloat16
 from normexport.errors import UsageError
+from normexport.kernels import SKIP_NORMS, STASH_NORMS
 
 #: ``--precision`` values; ``fp32`` is the model as optimized.
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -76,10 +71,6 @@ FP16_FLUSH = 2.0**-25
 #: rounding: twice its unit roundoff 2**-11 (IEEE 754 binary16, 11 significant bits); more
 #: means subnormals or flushes lost precision.
 FP16_LOSS = 2.0**-10
-#: Norm ops that compute their statistics in ``stash_type`` (1: float32).
-STASH_NORMS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
-#: ONNX Runtime's residual norms (no ``stash_type``; float32 statistics on its CPU provider).
-SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 #: Fusion families whose refused candidates stay decomposed in the model.
 DECOMPOSED_FAMILIES = ("layernorm", "rmsnorm", "instancenorm")
 #: Ops a decomposed norm's statistics pass through (where the walk up from its division stops).
@@ -91,24 +82,6 @@ _TO_REDUCE = ("Pow", "Mul", "Cast")
 _NORM_DEPTH = 12
 #: Protobuf's limit on one serialized message.
 PROTO_LIMIT = 2**31
-#: Op types that hold a model's weights and most of its arithmetic: a bfloat16 model whose
-#: linear ops the provider has no bfloat16 kernel for is refused.
-LINEAR_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
-#: Norm ops: what must run in bfloat16 where a model has no linear op.
-NORM_OPS = (
-    *STASH_NORMS,
-    *SKIP_NORMS,
-    "BatchNormalization",
-    "InstanceNormalization",
-    "GroupNormalization",
-)
-#: ONNX Runtime's errors for an op type it cannot run in the given type: no kernel registered
-#: (NOT_IMPLEMENTED), or a type the op's schema does not allow at the model's opset (bfloat16
-#: came to most ops at opset 13).
-_NO_KERNEL = (
-    re.compile(r"Could not find an implementation for (\w+)\("),
-    re.compile(r"Type 'tensor\((?:b?float16)\)' of \w+ parameter \(.*?\) of operator \((\w+)\)"),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -477,159 +450,6 @@ def _exact_constants(graph: onnx.GraphProto, original: onnx.GraphProto) -> None:
         graph.initializer.remove(tensor)
 
 
-def to_bfloat16(model: ir.Model, original: ir.Model) -> None:
-    """Retype ``model``, the converter's float16 copy of ``original`` (float32), to bfloat16 in
-    place: every float16 value type (graph inputs, outputs, node outputs, in subgraphs too),
-    Cast target and ``dtype`` attribute becomes bfloat16, and every float16 initializer and
-    tensor attribute (Constant's and ConstantOfShape's ``value``) is rounded to bfloat16 (to
-    nearest, ties to even) from its float32 original in ``original``, found by initializer name
-    or by the node's first output and the attribute name (the float16 copy's values where it has
-    none: tensors float16 in ``original`` too, values the converter added)."""
-    sources = _float_tensors(original)
-    for graph in (model.graph, *model.graph.subgraphs()):
-        values = [*graph.inputs, *graph.initializers.values()]
-        values += [out for node in graph for out in node.outputs]
-        for value in values:
-            value.type = _bfloat16_type(value.type)
-        for value in graph.initializers.values():
-            if value.const_value is not None and value.const_value.dtype == ir.DataType.FLOAT16:
-                value.const_value = _bfloat16(value.const_value, sources.get((value.name, "")))
-        for node in graph:
-            _bfloat16_attributes(node, sources)
-
-
-def _bfloat16_attributes(
-    node: ir.Node, sources: Mapping[tuple[str, str], ir.TensorProtocol]
-) -> None:
-    """Retype ``node``'s float16 attributes to bfloat16 (see :func:`to_bfloat16`): an INT ``to``
-    (Cast) or ``dtype`` (EyeLike, Random*), a float16 tensor (rounded from its source in
-    ``sources``, see :func:`_float_tensors`)."""
-    for attr in list(node.attributes.values()):
-        if attr.type == ir.AttributeType.INT and attr.name in ("to", "dtype"):
-            if attr.value == ir.DataType.FLOAT16:
-                node.attributes[attr.name] = ir.AttrInt64(attr.name, ir.DataType.BFLOAT16)
-        elif attr.type == ir.AttributeType.TENSOR and attr.value.dtype == ir.DataType.FLOAT16:
-            source = sources.get((node.outputs[0].name, attr.name))
-            node.attributes[attr.name] = ir.AttrTensor(attr.name, _bfloat16(attr.value, source))
-
-
-def _float_tensors(model: ir.Model) -> dict[tuple[str, str], ir.TensorProtocol]:
-    """The float32 tensors of ``model``: each initializer by ``(name, "")``, each tensor
-    attribute by ``(its node's first output, attribute name)`` (in subgraphs too)."""
-    found: dict[tuple[str, str], ir.TensorProtocol] = {}
-    for graph in (model.graph, *model.graph.subgraphs()):
-        for name, value in graph.initializers.items():
-            if value.const_value is not None:
-                found[(name, "")] = value.const_value
-        for node in graph:
-            for attr in node.attributes.values():
-                if attr.type == ir.AttributeType.TENSOR and node.outputs:
-                    found[(node.outputs[0].name, attr.name)] = attr.value
-    return {k: t for k, t in found.items() if t.dtype == ir.DataType.FLOAT}
-
-
-def _bfloat16_type(kind: ir.TypeProtocol | None) -> ir.TypeProtocol | None:
-    """``kind`` with float16 tensor types (also inside sequences and optionals) made
-    bfloat16."""
-    if isinstance(kind, ir.TensorType) and kind.dtype == ir.DataType.FLOAT16:
-        return ir.TensorType(ir.DataType.BFLOAT16)
-    if isinstance(kind, (ir.SequenceType, ir.OptionalType)):
-        return type(kind)(_bfloat16_type(kind.elem_type))
-    return kind
-
-
-def _bfloat16(tensor: ir.TensorProtocol, source: ir.TensorProtocol | None) -> ir.Tensor:
-    """``tensor`` (float16) as bfloat16, rounded from ``source`` (its float32 original) where
-    given."""
-    values = (source if source is not None else tensor).numpy().astype(np.float32)
-    return ir.Tensor(values.astype(ir.DataType.BFLOAT16.numpy()), name=tensor.name)
-
-
-def _missing_kernel(path: Path, provider: str) -> str | None:
-    """The op type ONNX Runtime reports no kernel for when loading ``path`` on ``provider``
-    (NOT_IMPLEMENTED, or a type error: the op's schema does not allow the type at the model's
-    opset), or None when the model loads.
-
-    Raises:
-        Exception: ONNX Runtime's own error, for any other failure to load.
-    """
-    try:
-        runtime.make_session(path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False)
-    except runtime.ProviderUnavailable:
-        raise
-    except Exception as err:  # ORT's own error types
-        found = next((m for p in _NO_KERNEL if (m := p.search(str(err)))), None)
-        if found is None:
-            raise
-        return found.group(1)
-    return None
-
-
-def _to_block(missing: str, model: onnx.ModelProto, blocked: Sequence[str]) -> list[str]:
-    """The op types of ``model`` to keep float32 where ONNX Runtime reports no kernel for
-    ``missing``: ``missing`` itself where the model has it, else the op types whose ONNX
-    function body uses it (ONNX Runtime runs an op it has no kernel for, Relu or Softmax, by
-    its function body, and reports the body's op, Max or ReduceMax); those not yet ``blocked``.
-
-    Raises:
-        RuntimeError: none is left to block (a bug: the report names an op already float32).
-    """
-    present = {n.op_type for n in model.graph.node}
-    if missing in present:
-        found = [missing]
-    else:
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-        users = (n.op_type for n in model.graph.node if missing in _function_ops(n, opset))
-        found = list(dict.fromkeys(users))
-    found = [op for op in found if op not in blocked]
-    if not found:
-        raise RuntimeError(f"no {missing} kernel although every op using it stayed float32")
-    return found
-
-
-def _function_ops(node: onnx.NodeProto, opset: int) -> set[str]:
-    """The op types of ``node``'s ONNX function body at ``opset`` (ONNX spec, "Functions";
-    context-dependent bodies built for bfloat16 inputs); empty where it has none."""
-    if node.domain not in ("", "ai.onnx") or not onnx.defs.has(node.op_type):
-        return set()
-    schema = onnx.defs.get_schema(node.op_type, opset)
-    if schema.has_function:
-        return {n.op_type for n in schema.function_body.node}
-    if not schema.has_context_dependent_function:
-        return set()
-    kind = onnx.helper.make_tensor_type_proto(onnx.TensorProto.BFLOAT16, None)
-    try:
-        body = schema.get_context_dependent_function(
-            node.SerializeToString(), [kind.SerializeToString()] * len(node.input)
-        )
-    except Exception:  # onnx's schema error types: no body for these inputs
-        return set()
-    return {n.op_type for n in onnx.FunctionProto.FromString(body).node}
-
-
-def must_run_in_half(model: ir.Model) -> set[str]:
-    """The op types a bfloat16 copy of ``model`` must run in bfloat16 to be worth having: its
-    :data:`LINEAR_OPS` (weights and most of the arithmetic), else its :data:`NORM_OPS`, else
-    all its op types."""
-    present = {n.op_type for n in model.graph.all_nodes()}
-    return (present & set(LINEAR_OPS)) or (present & set(NORM_OPS)) or present
-
-
-def bf16_refusal(provider: str, lacking: Sequence[str], heavy: Iterable[str]) -> str:
-    """The message refusing ``--precision bf16`` on ``provider``: ONNX Runtime reported no
-    bfloat16 kernel for ``lacking`` (in the order it did), among them op types of ``heavy``
-    (:func:`must_run_in_half`)."""
-    advice = "use --precision fp16"
-    if provider != "cuda":
-        advice += ", or --provider cuda where ONNX Runtime has bfloat16 kernels"
-    stuck = ", ".join(op for op in lacking if op in set(heavy))
-    return (
-        f"--precision bf16: ONNX Runtime's {runtime.PROVIDERS[provider][0]} has no bfloat16 "
-        f"kernel for {', '.join(lacking)} (NOT_IMPLEMENTED when loading the converted model): "
-        f"the model's {stuck} would stay float32 and nothing heavy would run in bfloat16; " + advice
-    )
-
-
 def _write_half(
     proto: onnx.ModelProto,
     original: ir.Model,
@@ -641,9 +461,9 @@ def _write_half(
     op_types: Sequence[str],
     external_data: bool,
 ) -> onnx.ModelProto:
-    """Convert ``proto`` (:func:`_converted`; retyped by :func:`to_bfloat16` for ``bf16``,
-    ``original`` being ``proto`` in onnx-ir), sort it and write it to ``dst``; returns the
-    converter's float16 model."""
+    """Convert ``proto`` (:func:`_converted`; retyped by
+    :func:`normexport.bfloat16.to_bfloat16` for ``bf16``, ``original`` being ``proto`` in
+    onnx-ir), sort it and write it to ``dst``; returns the converter's float16 model."""
     converted = _converted(proto, keep_io_types, nodes, op_types)
     model = ir.serde.deserialize_model(converted)
     if precision == "bf16":
@@ -681,7 +501,7 @@ def to_half(
 
     Raises:
         UsageError: the model passes protobuf's 2 GiB limit; ``bf16`` where the provider has no
-            bfloat16 kernel for an op type of :func:`must_run_in_half` (:func:`bf16_refusal`).
+            bfloat16 kernel for :func:`kernels.must_run_in_half` ops (:func:`kernels.bf16_refusal`).
         RuntimeError: ONNX Runtime reports a missing kernel for ops already float32 (a bug).
     """
     from onnxruntime import __version__ as ort_version
@@ -691,7 +511,7 @@ def to_half(
     original = ir.serde.deserialize_model(proto)
     keep_io_types = keep_io_types or precision == "bf16"
     kept = kept_float32(proto.graph, refused, precision)
-    heavy, op_types = must_run_in_half(original), []
+    heavy, op_types = kernels.must_run_in_half(original), []
     while True:
         converted = _write_half(
             proto,
@@ -703,13 +523,13 @@ def to_half(
             op_types=op_types,
             external_data=external_data,
         )
-        missing = _missing_kernel(dst, provider)
+        missing = kernels.missing_kernel(dst, provider)
         if missing is None:
             break
-        blocked = _to_block(missing, converted, op_types)
+        blocked = kernels.to_block(missing, converted, op_types)
         op_types += blocked
         if precision == "bf16" and heavy.intersection(blocked):
-            raise UsageError(bf16_refusal(provider, op_types, heavy))
+            raise UsageError(kernels.bf16_refusal(provider, op_types, heavy))
     converter = f"onnxruntime.transformers.float16 {ort_version}"
     if precision == "bf16":
         converter += ", retyped to bfloat16 by normexport"

@@ -18,7 +18,7 @@ from onnxruntime.transformers import float16
 from torch import nn
 
 import fusion
-from normexport import cli, files, parity, precision
+from normexport import cli, files, kernels, parity, precision
 from normexport.errors import UsageError
 from tests.graphs import make_model
 
@@ -488,7 +488,7 @@ def test_bf16_graph_matches_float64_on_onnx_reference(tmp_path, monkeypatch):
     """bfloat16 conversion with every kernel present (ONNX Runtime's CPU provider has too few
     bfloat16 kernels to run it: the kernel question is answered "all present"), run on
     onnx.reference, which computes bfloat16 as written."""
-    monkeypatch.setattr(precision, "_missing_kernel", lambda path, provider: None)
+    monkeypatch.setattr(kernels, "missing_kernel", lambda path, provider: None)
     rng = np.random.default_rng(6)
     model, p = _bf16_case(rng)
     report = fusion.optimize(model)
