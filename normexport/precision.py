@@ -80,6 +80,8 @@ _REDUCE = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
 _TO_REDUCE = ("Pow", "Mul", "Cast")
 #: How many nodes up from the anchor a decomposed norm may span.
 _NORM_DEPTH = 12
+#: The first ai.onnx opset whose ops take bfloat16 (Cast-13, Add-13, MatMul-13, ...).
+BF16_MIN_OPSET = 13
 #: Protobuf's limit on one serialized message.
 PROTO_LIMIT = 2**31
 
@@ -157,7 +159,8 @@ def load_for_conversion(path: Path, precision: str = "fp16") -> onnx.ModelProto:
     """The model at ``path`` as one protobuf, its external data read in.
 
     Raises:
-        UsageError: the model's tensors pass protobuf's 2 GiB limit.
+        UsageError: the model's tensors pass protobuf's 2 GiB limit; ``bf16`` for a model below
+            :data:`BF16_MIN_OPSET`.
     """
     size = model_bytes(path)
     if size >= PROTO_LIMIT:
@@ -166,7 +169,16 @@ def load_for_conversion(path: Path, precision: str = "fp16") -> onnx.ModelProto:
             "Runtime's float16 converter needs it as one protobuf, which is limited to 2 GiB: "
             "convert the written model with a tool that streams external data"
         )
-    return onnx.load(path, load_external_data=True)
+    proto = onnx.load(path, load_external_data=True)
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+    if precision == "bf16" and opset < BF16_MIN_OPSET:
+        raise UsageError(
+            f"--precision bf16: the model is at opset {opset}, and bfloat16 entered ONNX's ops "
+            f"at opset {BF16_MIN_OPSET} (Cast-13 is the first Cast that takes it): export with "
+            f"--opset {BF16_MIN_OPSET} or later (an ONNX file: convert it first with "
+            "onnx.version_converter), or use --precision fp16"
+        )
+    return proto
 
 
 def decomposed_norm_nodes(graph: onnx.GraphProto, anchor: str) -> list[str]:
