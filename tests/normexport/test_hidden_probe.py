@@ -94,16 +94,7 @@ def test_probe_passes_a_safe_float16_model(tmp_path):
     raw, half, report = _half(np.random.default_rng(0), tmp_path)
     assert {k.reason for k in report.kept_float32} == {"decomposed_norm"}
     example = _example(np.random.default_rng(1))
-    result = hidden_probe.check(
-        raw,
-        half,
-        example,
-        tmp_path / "probe",
-        provider="cpu",
-        precision="fp16",
-        atol=1e-4,
-        rtol=1e-3,
-    )
+    result = hidden_probe.check(raw, half, example, tmp_path / "probe", **_RULE)
     (entry,) = result.probes[precision.OVERFLOW_PROBE]
     assert result.passed and result.oracle == "onnx_float64", result.notes
     assert entry.nonfinite_mismatch == 0 and entry.rel_l2_err < 1e-2
@@ -113,16 +104,7 @@ def test_probe_passes_a_safe_float16_model(tmp_path):
 def test_probe_fails_a_wrong_float16_model(tmp_path):
     raw, half, _ = _half(np.random.default_rng(0), tmp_path, scale=1.1)
     example = _example(np.random.default_rng(1))
-    result = hidden_probe.check(
-        raw,
-        half,
-        example,
-        tmp_path / "probe",
-        provider="cpu",
-        precision="fp16",
-        atol=1e-4,
-        rtol=1e-3,
-    )
+    result = hidden_probe.check(raw, half, example, tmp_path / "probe", **_RULE)
     assert not result.passed
     assert result.probes[precision.OVERFLOW_PROBE][0].rel_l2_err > 0.05
 
