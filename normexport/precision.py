@@ -347,9 +347,9 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
     for i, node in enumerate(graph.node):
         if not node.name:
             node.name = next(
-                f"{node.op_type}_fp16_{i}_{j}"
+                f"{node.op_type}_half_{i}_{j}"
                 for j in range(len(taken) + 1)
-                if f"{node.op_type}_fp16_{i}_{j}" not in taken
+                if f"{node.op_type}_half_{i}_{j}" not in taken
             )
             taken.add(node.name)
 
