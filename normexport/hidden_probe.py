@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -75,8 +75,8 @@ def embedding_lookups(model: ir.Model) -> list[Lookup]:
 
 def cut(src: Path, dst: Path, values: Sequence[str]) -> None:
     """Write a copy of the model at ``src`` to ``dst`` (external data beside it) in which each
-    of ``values`` is a graph input instead of the output of the node computing it; nodes and
-    graph inputs, nodes and initializers no longer read are removed.
+    of ``values`` is a graph input instead of the output of the node computing it; the graph
+    inputs, nodes and initializers no longer read are removed.
 
     Raises:
         ValueError: a value is not computed by any node of the model.
@@ -108,8 +108,7 @@ def hidden_states(
 ) -> dict[str, np.ndarray]:
     """Feeds for the cut model: each lookup's output of shape ``ids.shape + row_shape`` in the
     table's dtype, standard normal with outliers (:func:`normexport.precision.with_outliers`);
-    every other input of ``example`` as it is (the cut
-    model's sessions take the ones they read).
+    every other input of ``example`` as it is.
 
     Raises:
         KeyError: ``example`` has no feed for a lookup's ids.
@@ -155,9 +154,15 @@ def check(
     values = [lookup.value for lookup in lookups]
     cut(raw_path, work / "raw_cut.onnx", values)
     cut(half_path, work / "half_cut.onnx", values)
-    (raw, _), (half, names) = (_runner(work / f"{m}_cut.onnx", provider) for m in ("raw", "half"))
-    read = {v.name for v in ir.load(work / "raw_cut.onnx").graph.inputs}
+    raw_session, half_session = (
+        runtime.make_session(
+            work / f"{m}_cut.onnx", provider, optimization_level=runtime.AS_WRITTEN, spinning=False
+        )
+        for m in ("raw", "half")
+    )
+    read = {i.name for i in raw_session.get_inputs()}
     feeds = {k: v for k, v in hidden_states(lookups, example).items() if k in read}
+    raw, half = functools.partial(_run, raw_session), functools.partial(_run, half_session)
     where = ", ".join(repr(v) for v in values)
     what = f"the raw model cut at its embedding lookups ({where})"
     found = oracle_mod.onnx_float64(work / "raw_cut.onnx", raw, feeds, work, what)
@@ -166,7 +171,7 @@ def check(
         half,
         found.run or raw,
         {OVERFLOW_PROBE: feeds},
-        names,
+        [o.name for o in half_session.get_outputs()],
         reference_kind="onnx",
         atol=atol,
         rtol=rtol,
@@ -178,16 +183,9 @@ def check(
     )
 
 
-def _runner(path: Path, provider: str) -> tuple[Callable, list[str]]:
-    """A function running the model at ``path`` as written (ONNX Runtime, optimizations off) on
-    the feeds it reads, each float cast to the type it declares; its output names."""
-    session = runtime.make_session(
-        path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False
-    )
+def _run(session, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """``session`` (ONNX Runtime) on the feeds it reads, each float cast to the type it
+    declares."""
     wanted = {i.name for i in session.get_inputs()}
-
-    def run(feeds):
-        read = {k: v for k, v in feeds.items() if k in wanted}
-        return runtime.run(session, cast_feeds(session, read))
-
-    return run, [o.name for o in session.get_outputs()]
+    read = {k: v for k, v in feeds.items() if k in wanted}
+    return runtime.run(session, cast_feeds(session, read))
