@@ -80,6 +80,12 @@ _REDUCE = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
 _TO_REDUCE = ("Pow", "Mul", "Cast")
 #: How many nodes up from the anchor a decomposed norm may span.
 _NORM_DEPTH = 12
+#: Float32 constants this large are fill values, not weights: ``finfo(float32).min`` / ``max``
+#: (about 3.4e38), which exporters write for attention masks. The converter clamps them to
+#: -65504 / 65504, ``finfo(float16).min`` / ``max``: the fill a float16 model uses, where
+#: keeping the float32 value would overflow to -inf at the next cast (a row masked throughout
+#: then gives NaN in softmax).
+FP32_FILL = 2.0**127
 #: The first ai.onnx opset whose ops take bfloat16 (Cast-13, Add-13, MatMul-13, ...).
 BF16_MIN_OPSET = 13
 #: Protobuf's limit on one serialized message.
@@ -251,9 +257,11 @@ def unsafe_constants(graph: onnx.GraphProto) -> list[KeptFloat32]:
     float16 cannot hold: a value above :data:`FP16_MAX` in magnitude (overflow), or a float16
     copy whose relative L2 error passes :data:`FP16_LOSS` (values subnormal or flushed to zero:
     underflow). Each such node stays float32, and so does the Constant node (the converter
-    would clamp the values)."""
+    would clamp the values). Fill values (:data:`FP32_FILL`) are left out: clamped, they are
+    float16's own fill."""
     bad: dict[str, str] = {}
     for name, what, value in _float_constants(graph):
+        value = value[np.abs(value) < FP32_FILL]
         mag = np.abs(value)
         if mag.size and mag.max() > FP16_MAX:
             bad[name] = f"fp16_overflow:{what}: max |value| {mag.max():.3g} > {FP16_MAX:g}"

@@ -315,6 +315,29 @@ def test_constant_nodes_float16_cannot_hold_stay_float32(tmp_path, value, reason
     assert _rel_l2(clamped, want) > 0.1
 
 
+def test_mask_fill_values_are_float16_fills_not_kept(tmp_path):
+    """``finfo(float32).min`` written for a mask (Where(mask, scores, min)): the converter's
+    clamp to -65504 is float16's own fill, so nothing stays float32, and a row masked throughout
+    stays finite (float32 kept, then cast, it would be -inf, and softmax NaN)."""
+    fill = onnx.helper.make_tensor("fill", F, [], [float(np.finfo(np.float32).min)])
+    model = make_model(
+        [
+            ("Constant", [], ["fill"], {"value": fill, "name": "fill"}),
+            ("Where", ["mask", "x", "fill"], ["masked"], {"name": "masked"}),
+            ("Softmax", ["masked"], ["y"], {"axis": -1, "name": "softmax"}),
+        ],
+        {"mask": (TensorProto.BOOL, [2, D]), "x": (F, [2, D])},
+        {"y": (F, [2, D])},
+    )
+    found, dst = _convert(model, tmp_path)
+    assert found.kept_float32 == []
+    mask = np.ones((2, D), bool)
+    mask[1] = False  # the second row masked throughout
+    x = np.random.default_rng(5).standard_normal((2, D)).astype(np.float32)
+    y = _session(dst).run(None, {"mask": mask, "x": x})[0]
+    assert np.isfinite(y).all() and np.allclose(y[1], 1 / D)
+
+
 def test_half_precision_parity_rule():
     ref = np.linspace(-1, 1, 100)
     close = parity.compare("y", ref * (1 + 5e-3), ref, 1e-4, 1e-3, max_rel_l2=1e-2)
