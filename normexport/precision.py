@@ -80,12 +80,13 @@ _REDUCE = ("ReduceMean", "ReduceSum", "ReduceSumSquare", "ReduceL2")
 _TO_REDUCE = ("Pow", "Mul", "Cast")
 #: How many nodes up from the anchor a decomposed norm may span.
 _NORM_DEPTH = 12
-#: Float32 constants this large are fill values, not weights: ``finfo(float32).min`` / ``max``
-#: (about 3.4e38), which exporters write for attention masks. The converter clamps them to
-#: -65504 / 65504, ``finfo(float16).min`` / ``max``: the fill a float16 model uses, where
-#: keeping the float32 value would overflow to -inf at the next cast (a row masked throughout
-#: then gives NaN in softmax).
-FP32_FILL = 2.0**127
+#: Float constants this large are fill values, not weights: the attention-mask fills -1e9,
+#: -1e30 and ``finfo(float32).min`` (about -3.4e38); no trained weight, statistic or folded
+#: scale comes near (a folded BatchNorm's scale is at most ``1 / sqrt(eps)`` times a weight).
+#: The converter clamps them to -65504 / 65504, ``finfo(float16).min`` / ``max``: the fill a
+#: float16 model uses, where keeping the reader float32 would only move the overflow to the
+#: next cast, -inf (a row masked throughout then gives NaN in softmax).
+FP32_FILL = 1e9
 #: The first ai.onnx opset whose ops take bfloat16 (Cast-13, Add-13, MatMul-13, ...).
 BF16_MIN_OPSET = 13
 #: Protobuf's limit on one serialized message.

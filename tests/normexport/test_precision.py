@@ -315,11 +315,12 @@ def test_constant_nodes_float16_cannot_hold_stay_float32(tmp_path, value, reason
     assert _rel_l2(clamped, want) > 0.1
 
 
-def test_mask_fill_values_are_float16_fills_not_kept(tmp_path):
-    """``finfo(float32).min`` written for a mask (Where(mask, scores, min)): the converter's
-    clamp to -65504 is float16's own fill, so nothing stays float32, and a row masked throughout
-    stays finite (float32 kept, then cast, it would be -inf, and softmax NaN)."""
-    fill = onnx.helper.make_tensor("fill", F, [], [float(np.finfo(np.float32).min)])
+@pytest.mark.parametrize("value", [float(np.finfo(np.float32).min), -1e9])
+def test_mask_fill_values_are_float16_fills_not_kept(tmp_path, value):
+    """A mask fill (Where(mask, scores, fill)): the converter's clamp to -65504 is float16's own
+    fill, so nothing stays float32, and a row masked throughout stays finite (float32 kept, then
+    cast, it would be -inf, and softmax NaN)."""
+    fill = onnx.helper.make_tensor("fill", F, [], [value])
     model = make_model(
         [
             ("Constant", [], ["fill"], {"value": fill, "name": "fill"}),
