@@ -102,7 +102,8 @@ class KeptFloat32:
         op: its op type.
         reason: ``decomposed_norm`` (a norm the fusions refused: float16 would square its
             input, bfloat16 would sum it with 8 significant bits), ``fp16_overflow`` /
-            ``fp16_underflow`` (an initializer float16 cannot hold).
+            ``fp16_underflow`` (it reads an initializer or a Constant's value float16 cannot
+            hold, or it is that Constant).
         detail: one sentence for people.
     """
 
