@@ -19,14 +19,16 @@ from __future__ import annotations
 import os
 import tempfile
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 
 import onnx
 import onnx_ir as ir
 
 from fusion import registry
-from fusion._ir import KnownShapes
+from fusion._ir import KnownShapes, opset_version
 from fusion.base import (
+    MS_DOMAIN,
     TARGETS,
     CannotFuse,
     Code,
@@ -61,6 +63,7 @@ __all__ = [
     "check",
     "cleanup",
     "norm_ops",
+    "onnxruntime_ops",
     "optimize",
     "ort_registered",
     "registry",
@@ -68,7 +71,12 @@ __all__ = [
 
 
 def optimize(
-    model: ir.Model, *, target: str = "ort", skip: bool = False, attention: bool | None = None
+    model: ir.Model,
+    *,
+    target: str = "ort",
+    skip: bool = False,
+    attention: bool | None = None,
+    exclude: Collection[Fused] = (),
 ) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
@@ -89,6 +97,9 @@ def optimize(
             one. Needs ``target="ort"``.
         attention: fuse attention and GELU into com.microsoft ops with onnxscript's rules
             (:mod:`fusion.fuse_attention`). None (default): for ``target="ort"`` only.
+        exclude: rewrites to leave out, as an earlier run on the same model reported them
+            (their ``kind`` and ``node``): the pass that makes that kind skips the candidate
+            anchored there, and records nothing for it (see :class:`FusionPass`).
 
     Returns:
         What was fused, and what was refused with the reason, in pass order.
@@ -106,7 +117,11 @@ def optimize(
     report = FusionReport()
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
-    passes = [p(target) for p in PASSES if p.enabled(target, options)]
+    passes = [
+        p(target, exclude={f.node for f in exclude if f.kind in {k.name for k in p.kinds}})
+        for p in PASSES
+        if p.enabled(target, options)
+    ]
     fill = FillShapes()
     ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup()])(model)
     for fusion_pass in passes:
@@ -224,6 +239,20 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
         onnx.checker.check_model(copy, full_check=full_check)
     finally:
         os.unlink(copy)
+
+
+def onnxruntime_ops(model: ir.Model) -> dict[str, int]:
+    """How many nodes of each op the main graph holds that only ONNX Runtime runs (zeros left
+    out): com.microsoft contrib ops as ``com.microsoft.OpType``, and the ops ONNX Runtime
+    registers in the default domain where ONNX has none at the model's opset
+    (:func:`ort_registered`: SimplifiedLayerNormalization, LayerNormalization below 17)."""
+    opset = opset_version(model)
+    counts = Counter(
+        f"{node.domain}.{node.op_type}" if node.domain else node.op_type
+        for node in model.graph
+        if node.domain == MS_DOMAIN or ort_registered(node.op_type, node.domain, opset)
+    )
+    return dict(sorted(counts.items()))
 
 
 def norm_ops(model: ir.Model) -> dict[str, int]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, ClassVar, NamedTuple
 
 import onnx_ir as ir
@@ -174,6 +174,14 @@ class Code(enum.StrEnum):
     #: The norm's scale or bias is not a 1-D vector as long as the last axis.
     PARAM_SHAPE = "param_shape"
 
+    # Rewrites undone after the passes (normexport.rollback), any family.
+    #: The ONNX checker rejects the model with this rewrite.
+    REJECTED_BY_CHECKER = "rejected_by_checker"
+    #: ONNX Runtime cannot load or run the model with this rewrite on the provider.
+    REJECTED_BY_RUNTIME = "rejected_by_runtime"
+    #: With this rewrite the model fails the parity rule where the raw model does not.
+    CHANGED_THE_FUNCTION = "changed_the_function"
+
 
 class CannotFuse(Exception):
     """Raised by a matcher for a candidate that cannot be rewritten exactly.
@@ -197,7 +205,8 @@ class Fused:
         kind: a :attr:`Kind.name`, e.g. ``"layernorm_fused"``.
         node: name of the anchor node (the BatchNormalization or linear layer, or the node that
             produced the normalized output) in the graph before the rewrite; for attention and
-            GELU, the fused node.
+            GELU, the Softmax, or the Erf or Tanh, that the fused node replaced. A pass given
+            it in ``exclude`` leaves this rewrite out.
         became: what it was rewritten into, e.g. ``"LayerNormalization"`` or
             ``"folded into Conv 'conv1'"``.
         count: how many norms the rewrite removed (a chain of two BatchNorms folded at once
@@ -301,6 +310,11 @@ class FusionPass(ir.passes.InPlacePass):
 
     Args:
         target: one of :data:`TARGETS`.
+        exclude: anchors (:attr:`Fused.node`) of rewrites to leave out: a candidate anchored
+            there is neither rewritten nor refused (whoever excludes it says why; the rollback
+            of :mod:`normexport.rollback` does). Anchors are node names of the graph the pass
+            runs on, so a run on the same model with the same passes before it finds them
+            again.
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`, or not one of :attr:`targets`.
@@ -317,13 +331,14 @@ class FusionPass(ir.passes.InPlacePass):
     #: Per target, the ai.onnx opset that the ops it emits need (absent: any opset).
     needs_opset: ClassVar[Mapping[str, int]] = {}
 
-    def __init__(self, target: str = "ort"):
+    def __init__(self, target: str = "ort", exclude: Collection[str] = ()):
         super().__init__()
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
         if target not in self.targets:
             raise ValueError(f"{type(self).__name__} emits ONNX Runtime ops: it needs target='ort'")
         self.target = target
+        self.excluded = frozenset(exclude)
         self.outcomes = FusionReport()
 
     @classmethod
@@ -379,7 +394,8 @@ class NodeFusionPass(FusionPass):
     anchored at the node, :meth:`rewrite` replaces it.
 
     The opset gate applies here: when :meth:`opset_gate` says the ops cannot be emitted, every
-    match is recorded as an ``opset_too_low`` refusal and nothing is rewritten.
+    match is recorded as an ``opset_too_low`` refusal and nothing is rewritten. A node among
+    :attr:`excluded` is not visited.
     """
 
     def apply(self, model: ir.Model) -> bool:
@@ -387,7 +403,7 @@ class NodeFusionPass(FusionPass):
         gate = self.opset_gate(model)
         modified = False
         for node in list(graph):
-            if node.graph is not graph:  # removed by an earlier rewrite
+            if node.graph is not graph or label(node) in self.excluded:  # removed, or left out
                 continue
             try:
                 match = self.match(model, node)

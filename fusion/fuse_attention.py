@@ -45,34 +45,49 @@ import logging
 
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
-from onnxscript.rewriter.ort_fusions import shape_optimization
-from onnxscript.rewriter.ort_fusions.attention import fuse_attention
-from onnxscript.rewriter.ort_fusions.bias_gelu import fuse_bias_gelu
-from onnxscript.rewriter.ort_fusions.erfgelu import fuse_erfgelu
-from onnxscript.rewriter.ort_fusions.gelu import fuse_gelu
-from onnxscript.rewriter.ort_fusions.mha import fuse_mha1, fuse_mha2
-from onnxscript.rewriter.ort_fusions.mha_bias import fuse_mha_bias
-from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
-from onnxscript.rewriter.ort_fusions.sdpa import fuse_sdpa
-from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
+from onnxscript.rewriter import RewriteRuleSet
+from onnxscript.rewriter.ort_fusions import (
+    attention,
+    bias_gelu,
+    erfgelu,
+    gelu,
+    mha,
+    mha_bias,
+    mha_scale,
+    sdpa,
+    sdpa_via_mha,
+    shape_optimization,
+)
 
-from fusion._ir import const_array, producer
+from fusion._ir import const_array, label, producer
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 
-#: onnxscript fusions in fuse_xformers' order, each with whether shape inference follows it
-#: (the sdpa rule adds nodes whose shapes the mha rules check).
+#: onnxscript's rule sets in fuse_xformers' order (those its ``fuse_erfgelu``, ``fuse_sdpa``,
+#: ``fuse_mha1``, ``fuse_mha2``, ``fuse_mha_scale``, ``fuse_mha_bias``, ``fuse_attention``,
+#: ``fuse_gelu``, ``fuse_bias_gelu`` and ``replace_sdpa_by_mha`` apply; two are private names of
+#: onnxscript 0.7, which the project pins), each with whether shape inference follows it (the
+#: sdpa rule adds nodes whose shapes the mha rules check).
 _RULES = (
-    (fuse_erfgelu, False),
-    (fuse_sdpa, True),
-    (fuse_mha1, False),
-    (fuse_mha2, False),
-    (fuse_mha_scale, False),
-    (fuse_mha_bias, False),
-    (fuse_attention, False),
-    (fuse_gelu, False),
-    (fuse_bias_gelu, False),
-    (replace_sdpa_by_mha, False),
+    (erfgelu.rules, False),
+    (sdpa.sdpa_rules, True),
+    (mha.mha_rules_with_past, False),
+    (mha.mha_rules_no_past, False),
+    (mha_scale._mha_scale_rules, False),
+    (mha_bias.mha_bias_rules, False),
+    (attention.attention_rules, False),
+    (gelu.gelu_rules, False),
+    (bias_gelu.bias_gelu_rules, False),
+    (sdpa_via_mha._rules, False),
 )
+
+#: ``node.meta`` key of the nodes a rule made: ``(op_type, label)`` of every node of the graph
+#: before the pass that the rewrites leading to it replaced.
+_ORIGIN = "normexport.fusion.origin"
+
+#: The op of the input graph that anchors each kind's rewrite (:attr:`Fused.node`): an
+#: attention's Softmax, a GELU's Erf or Tanh; stable from run to run, where the names of the
+#: nodes onnxscript makes are not.
+_ANCHOR_OPS = {"attention_fused": ("Softmax",), "gelu_fused": ("Erf", "Tanh")}
 
 # Shape inference that fails (an op ONNX does not know, a model over 2 GB) leaves the model as
 # it is and the rules that need shapes do not match; its warning and traceback are not a
@@ -115,8 +130,11 @@ class FuseAttention(FusionPass):
         try:
             common_passes.ShapeInferencePass()(model)  # the attention rules check shapes
             shape_optimization.rules.apply_to_model(model)
-            for fuse, infer_shapes in _RULES:
-                fuse(model, apply_shape_inference=infer_shapes)
+            for rules, infer_shapes in _RULES:
+                traced = [_Traced(rule, self.excluded) for rule in rules.rules]
+                RewriteRuleSet(traced).apply_to_model(model)
+                if infer_shapes:
+                    common_passes.ShapeInferencePass()(model)
         finally:
             _shape_log.setLevel(level)
         # the sdpa rule makes onnxscript functions; those no later rule consumed are inlined
@@ -129,12 +147,50 @@ class FuseAttention(FusionPass):
         added = [n for n in model.graph if n in self._fused_nodes(model) and n not in before]
         for node in added:
             kind = next(k for k in self.kinds if Op(node.op_type, node.domain) in k.ops)
-            self.fused(node.name or node.op_type, node.op_type, kind=kind.name)
+            self.fused(_anchor(node, kind.name), node.op_type, kind=kind.name)
         return bool(added)
 
     def _fused_nodes(self, model: ir.Model) -> set[ir.Node]:
         ops = {op for kind in self.kinds for op in kind.ops}
         return {n for n in model.graph if Op(n.op_type, n.domain) in ops}
+
+
+class _Traced:
+    """One of onnxscript's rewrite rules, as its rule set calls it, that records where the nodes
+    it makes come from (:data:`_ORIGIN`) and refuses a match that would replace a node whose
+    label is in ``excluded`` (or a node made from one)."""
+
+    def __init__(self, rule, excluded: frozenset[str]):
+        self._rule = rule
+        self._excluded = excluded
+
+    def __getattr__(self, name: str):
+        return getattr(self._rule, name)
+
+    def try_rewrite(self, model, graph_or_function, node, **kwargs):
+        """The rule's replacement for the match at ``node``, or None (no match, or excluded)."""
+        delta = self._rule.try_rewrite(model, graph_or_function, node, **kwargs)
+        if delta is None:
+            return None
+        origin = frozenset().union(*map(_origin, delta.match.nodes))
+        if any(name in self._excluded for _, name in origin):
+            return None
+        for new in delta.new_nodes:
+            new.meta[_ORIGIN] = origin
+        return delta
+
+
+def _origin(node: ir.Node) -> frozenset[tuple[str, str]]:
+    """``(op_type, label)`` of the nodes of the input graph that ``node`` stands for."""
+    return node.meta.get(_ORIGIN) or frozenset({(node.op_type, label(node))})
+
+
+def _anchor(node: ir.Node, kind: str) -> str:
+    """The anchor of the rewrite that made ``node``: the label of the input graph's node of
+    :data:`_ANCHOR_OPS` it replaced (the first by name), else the first label it replaced."""
+    origin = sorted(_origin(node), key=lambda o: o[1])
+    ops = _ANCHOR_OPS[kind]
+    return next((name for op, name in origin if op in ops), origin[0][1])
 
 
 def _pass_kv_in_heads(mha: ir.Node) -> None:
@@ -144,14 +200,18 @@ def _pass_kv_in_heads(mha: ir.Node) -> None:
     [0, 0, -1 or N*H])`` of a rank-4 ``x`` whose axis 1 is the op's ``num_heads`` and whose
     head size is known, and the op has no bias, past key or past value (ContribOperators.md:
     a 4-D key excludes them). Then the op's own split of the 3-D key into heads gives back
-    ``x`` exactly.
+    ``x`` exactly. The 4-D form also needs key and value of one shape (ONNX Runtime's
+    ``multihead_attention_helper.h``: "Input 'key' and 'value' shall have same shape (batch_size,
+    num_heads, kv_sequence_length, head_size)"); a value head size other than the key's (LeViT's
+    attention, whose value heads are ``attention_ratio`` times wider) keeps the 3-D form, which
+    takes a value hidden size of its own.
     """
     inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
     if any(inputs[i] is not None for i in (3, 6, 7)):  # bias, past_key, past_value
         return
     num_heads = mha.attributes.get_int("num_heads")
     sources = [_split_heads_source(inputs[i], num_heads) for i in (1, 2)]
-    if None in sources:
+    if None in sources or not _same_shape(*sources):
         return
     for index, source in zip((1, 2), sources, strict=True):
         mha.replace_input_with(index, source)
@@ -174,3 +234,14 @@ def _split_heads_source(value: ir.Value | None, num_heads: int | None) -> ir.Val
     if target is None or target.tolist() not in ([0, 0, -1], [0, 0, num_heads * shape[3]]):
         return None
     return source
+
+
+def _same_shape(key: ir.Value, value: ir.Value) -> bool:
+    """Whether ``key`` and ``value`` have one shape, axis by axis: equal sizes, or symbolic axes
+    of one name (an axis with no name may differ)."""
+    if key.shape is None or value.shape is None or len(key.shape) != len(value.shape):
+        return False
+    return all(
+        a == b and (isinstance(a, int) or a.value is not None)
+        for a, b in zip(key.shape, value.shape, strict=True)
+    )

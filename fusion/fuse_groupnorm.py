@@ -49,6 +49,7 @@ else is :class:`~fusion.fuse_layernorm.FuseLayerNorm`'s to fuse or refuse.
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import numpy as np
 import onnx_ir as ir
@@ -136,8 +137,8 @@ class FuseGroupNorm(NodeFusionPass):
         ),
     )
 
-    def __init__(self, target: str = "ort"):
-        super().__init__(target)
+    def __init__(self, target: str = "ort", exclude: Collection[str] = ()):
+        super().__init__(target, exclude)
         self._layernorm = FuseLayerNorm(target)  # its matcher; its outcomes are not kept
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | ir.Node | None:

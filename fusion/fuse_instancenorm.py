@@ -27,6 +27,7 @@ input type, the fused LayerNormalization in float32), a weight that is not per c
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 
 import numpy as np
 import onnx_ir as ir
@@ -92,8 +93,8 @@ class FuseInstanceNorm(NodeFusionPass):
 
     kinds = (Kind("instancenorm_fused", "instancenorm", (Op("InstanceNormalization"),)),)
 
-    def __init__(self, target: str = "ort"):
-        super().__init__(target)
+    def __init__(self, target: str = "ort", exclude: Collection[str] = ()):
+        super().__init__(target, exclude)
         self._layernorm = FuseLayerNorm(target)  # its matcher; its outcomes are not kept
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:

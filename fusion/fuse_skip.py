@@ -289,6 +289,8 @@ class FuseSkip(FusionPass):
         version = model.opset_imports.get(MS_DOMAIN, 1)
         modified = False
         for norm in [n for n in graph if n.domain == "" and n.op_type in SKIP_OPS]:
+            if label(norm) in self.excluded:
+                continue
             try:
                 add, cast = _residual_before(norm, shapes)
                 if not _is_residual(add):

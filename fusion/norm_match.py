@@ -692,6 +692,8 @@ class NormFusionPass(NodeFusionPass):
         matches = []
         try:
             for node in list(model.graph):
+                if label(node) in self.excluded:
+                    continue
                 try:
                     found = self.match(model, node)
                 except CannotFuse:

@@ -126,7 +126,7 @@ import onnx_ir as ir
 from fusion._ir import KnownShapes, label
 from fusion.base import CannotFuse, Code, FusionPass, Kind, Op
 from fusion.fold_batchnorm.across import ACROSS
-from fusion.fold_batchnorm.after import explain, fold_chain_after
+from fusion.fold_batchnorm.after import chain_after, explain, fold_chain_after
 from fusion.fold_batchnorm.algebra import LINEAR, batchnorm_affine
 from fusion.fold_batchnorm.before import fold_into_next
 
@@ -163,16 +163,21 @@ class FoldBatchNorm(FusionPass):
         shapes = KnownShapes(model)
         # candidate (or op on the way) -> why it was not folded
         stops: dict[ir.Node, CannotFuse] = {}
+        left: set[ir.Node] = set()  # the chains of the layers excluded: left as they are
         modified = False
         for node in [n for n in graph if n.op_type in LINEAR]:
+            if label(node) in self.excluded:
+                left.update(chain_after(node, stops, shapes))
+                continue
             folded = fold_chain_after(graph, node, stops, shapes)
             if folded is not None:
                 self.fused(folded.node, folded.became, kind=folded.kind, count=folded.count)
                 modified = True
-        for bn in [n for n in graph if n.op_type == "BatchNormalization"]:
-            modified |= self._fold_into_next(graph, bn, stops, shapes)
+        for bn in [n for n in graph if n.op_type == "BatchNormalization" and n not in left]:
+            if label(bn) not in self.excluded:
+                modified |= self._fold_into_next(graph, bn, stops, shapes)
         for node in graph:
-            if node in stops and node.op_type not in ACROSS:
+            if node in stops and node.op_type not in ACROSS and node not in left:
                 self.refused(node, stops[node])
         return modified
 

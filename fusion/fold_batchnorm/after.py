@@ -110,6 +110,17 @@ def fold_chain_after(
     return Folded(name, kind[0], f"folded into {node.op_type} '{name}'{moved}", kind[1])
 
 
+def chain_after(
+    node: ir.Node, stops: dict[ir.Node, CannotFuse], shapes: KnownShapes
+) -> list[ir.Node]:
+    """The nodes :func:`fold_chain_after` would fold into ``node``, the graph left as it is."""
+    try:
+        layer = as_layer(node, shapes)
+    except CannotFuse:
+        return []
+    return _walk(layer, stops, shapes).chain
+
+
 def _walk(layer: Layer, stops: dict[ir.Node, CannotFuse], shapes: KnownShapes) -> _Walk:
     """Follow the one reader of each value from the layer output while it can be folded."""
     channels = layer.channels

@@ -96,3 +96,43 @@ def test_skip_is_opt_in_and_exact(rng):
     assert_close(run(skipped, feeds), expected, rtol=1e-4)
     with pytest.raises(ValueError, match="target='ort'"):
         fusion.optimize(skipped, target="onnx", skip=True)
+
+
+def test_excluded_rewrites_are_left_as_they_were(rng):
+    """``exclude`` leaves out exactly the rewrites named by an earlier run's report (kind and
+    anchor), without a refusal of its own; the model keeps the original nodes there."""
+    model = _conv_bn_rms(18, rng)
+    feeds = inputs(rng, model)
+    expected = run(model, feeds)
+    first = fusion.optimize(_conv_bn_rms(18, np.random.default_rng(0)))
+    (fold,) = [f for f in first.fused if f.kind == "batchnorm_folded"]
+    report = fusion.optimize(model, exclude=[fold])
+    assert [f.kind for f in report.fused] == ["rmsnorm_fused"]
+    assert not report.refused
+    assert fusion.norm_ops(model) == {"BatchNormalization": 1, "SimplifiedLayerNormalization": 1}
+    assert_close(run(model, feeds), expected, rtol=1e-4)
+    (rms,) = [f for f in first.fused if f.kind == "rmsnorm_fused"]
+    again = _conv_bn_rms(18, np.random.default_rng(0))
+    assert [f.kind for f in fusion.optimize(again, exclude=[rms]).fused] == ["batchnorm_folded"]
+
+
+def test_target_ort_may_hold_ops_only_onnx_runtime_runs(rng):
+    """A LayerNorm in an opset-7 model: ``--target ort`` writes LayerNormalization (ONNX has it
+    from 17; ONNX Runtime registers it at every opset), and says so; ``--target onnx`` refuses
+    it for the opset and writes standard ONNX."""
+    g = Graph(7)
+    y = g.node("Mul", [layernorm(g, "x"), g.const("gamma", np.float32(1.5))], "y")
+    model = g.model({"x": (FLOAT, (2, 5, 16))}, {y: (FLOAT, (2, 5, 16))})
+    feeds = inputs(rng, model)
+    expected = run(model, feeds)
+    fusion.optimize(model, target="ort")
+    assert fusion.onnxruntime_ops(model) == {"LayerNormalization": 1}
+    fusion.check(model)  # checked as ONNX Runtime's own op (the checker alone rejects it)
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(ir.to_proto(model))
+    assert_close(run(model, feeds), expected, rtol=1e-4)
+    standard = g.model({"x": (FLOAT, (2, 5, 16))}, {y: (FLOAT, (2, 5, 16))})
+    report = fusion.optimize(standard, target="onnx")
+    assert report.codes("layernorm") == ["opset_too_low"]
+    assert fusion.onnxruntime_ops(standard) == {}
+    onnx.checker.check_model(ir.to_proto(standard), full_check=True)
