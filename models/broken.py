@@ -1,8 +1,13 @@
 """Deliberately broken optimizers: what the parity verdict must catch.
 
 Each breaks :func:`fusion.optimize` in one way while inside :func:`broken`, so that the whole
-pipeline (export, optimize, parity) runs as usual around the fault. A verdict that passes any of
-them is wrong. ``tests/normexport/test_verdict.py`` runs them on small models and
+pipeline (export, optimize, check, parity) runs as usual around the fault. A break inside a
+rewrite (a BatchNorm folded with the wrong variance, a fused norm's eps dropped) goes with it
+when the rollback (:mod:`normexport.rollback`) leaves that rewrite out, and is undone there
+(``changed_the_function``); a break outside every rewrite (a layer's weight scaled, a
+LayerNormalization the exporter wrote made an RMSNorm) is in the model with no rewrite too, and
+fails the verdict. Either way it is caught (:func:`caught`); a run that passes with nothing
+undone missed it. ``tests/normexport/test_verdict.py`` runs them on small models and
 ``benchmarks/verdict.py`` on the demo models.
 
 - ``scale``: one output channel of the first linear layer's weight (Conv, Gemm, or MatMul with
@@ -40,6 +45,15 @@ EPS_OPS = (
 )
 
 
+def caught(report: dict, strict: bool = False) -> bool:
+    """Whether a run (its JSON report) caught a break: the verdict failed, or the rollback
+    undid a rewrite for changing the function; with ``strict``, also an output warned of
+    (``--strict`` fails it)."""
+    parity, rollback = report["parity"], report["rollback"] or {"undone": []}
+    undone = any(u["code"] == "changed_the_function" for u in rollback["undone"])
+    return not parity["passed"] or undone or (strict and bool(parity["warnings"]))
+
+
 class NothingToBreak(LookupError):
     """The optimized model has nothing this break applies to (e.g. no LayerNormalization)."""
 
@@ -73,23 +87,40 @@ def _std_for_var(var: np.ndarray, eps: float) -> np.ndarray:
 
 
 def _after(kind: str, factor: float) -> Callable:
-    """:func:`fusion.optimize`, then the break ``kind`` applied to the optimized model."""
+    """:func:`fusion.optimize`, then the break ``kind`` applied to the optimized model.
+
+    The first call (the pipeline's own) picks the node the break applies to; the calls after
+    it (the rollback's builds, :mod:`normexport.rollback`) break the node of that name, where
+    the build has one: a break in a rewrite the rollback leaves out goes with it, a break after
+    the passes stays in every build."""
     real = fusion.optimize
+    target: list[str] = []
 
     def optimize(model, **kwargs):
         report = real(model, **kwargs)
-        if kind == "scale":
-            _scale_one_channel(model, factor)
-        elif kind == "layernorm_as_rmsnorm":
-            _layernorm_to_rmsnorm(model)
-        elif kind == "bn_wrong_variance":
-            if not report.counts["batchnorm_folded"]:
+        first = not target
+        if kind == "bn_wrong_variance":  # the BatchNorm algebra is broken: nothing else to do
+            if first and not report.counts["batchnorm_folded"]:
                 raise NothingToBreak("no BatchNorm folded")
-        elif not _drop_eps(model) and not report.counts["batchnorm_folded"]:
-            raise NothingToBreak("no fused norm and no folded BatchNorm: no epsilon to drop")
+            target.append("")
+            return report
+        node = _node(model, target[0]) if target else TARGETS[kind](model)
+        if node is None and first:
+            if kind == "eps_dropped" and report.counts["batchnorm_folded"]:
+                target.append("")  # the BatchNorm algebra is broken: nothing else to do
+                return report
+            raise NothingToBreak(NOTHING[kind])
+        if first:
+            target.append(node.name)
+        if node is not None:
+            BREAK[kind](model, node, factor)
         return report
 
     return optimize
+
+
+def _node(model: ir.Model, name: str) -> ir.Node | None:
+    return next((n for n in model.graph if n.name and n.name == name), None)
 
 
 @contextlib.contextmanager
@@ -114,46 +145,42 @@ def _batchnorm_algebra(denominator: Callable[[np.ndarray, float], np.ndarray]) -
 
 
 def _first(model: ir.Model, op_types: tuple[str, ...]) -> ir.Node | None:
+    """The first named node of the first of ``op_types`` (in that order) the graph holds."""
     for op_type in op_types:
         for node in model.graph:
-            if node.op_type == op_type:
+            if node.op_type == op_type and node.name:
                 return node
     return None
 
 
-def _scale_one_channel(model: ir.Model, factor: float) -> None:
-    """One output channel of the first linear layer with a constant weight times ``factor``:
-    a Conv's output channel 0 (axis 0), a MatMul's or Gemm's output feature 0."""
+def _first_linear(model: ir.Model) -> ir.Node | None:
+    """The first named Conv, Gemm or MatMul with a constant weight, in graph order."""
     for node in model.graph:
         weight = node.inputs[1] if node.op_type in ("Conv", "Gemm", "MatMul") else None
-        if weight is None or weight.const_value is None:
-            continue
-        array = weight.const_value.numpy().copy()
-        if node.op_type == "Conv" or (
-            node.op_type == "Gemm" and node.attributes.get_int("transB", 0)
-        ):
-            array[0] *= factor
-        else:
-            array[..., 0] *= factor
-        weight.const_value = ir.tensor(array, name=weight.const_value.name)
-        return
-    raise NothingToBreak("no Conv, Gemm or MatMul with a constant weight")
+        if node.name and weight is not None and weight.const_value is not None:
+            return node
+    return None
 
 
-def _drop_eps(model: ir.Model) -> bool:
-    """The first fused norm's epsilon set to 0; False where there is none."""
-    node = _first(model, EPS_OPS)
-    if node is None:
-        return False
+def _scale_one_channel(model: ir.Model, node: ir.Node, factor: float) -> None:
+    """One output channel of linear layer ``node``'s weight times ``factor``: a Conv's output
+    channel 0 (axis 0), a MatMul's or Gemm's output feature 0."""
+    weight = node.inputs[1]
+    array = weight.const_value.numpy().copy()
+    if node.op_type == "Conv" or (node.op_type == "Gemm" and node.attributes.get_int("transB", 0)):
+        array[0] *= factor
+    else:
+        array[..., 0] *= factor
+    weight.const_value = ir.tensor(array, name=weight.const_value.name)
+
+
+def _drop_eps(model: ir.Model, node: ir.Node, factor: float) -> None:
+    """Fused norm ``node``'s epsilon set to 0."""
     node.attributes["epsilon"] = ir.AttrFloat32("epsilon", 0.0)
-    return True
 
 
-def _layernorm_to_rmsnorm(model: ir.Model) -> None:
-    """The first LayerNormalization turned into an RMSNorm (no mean subtracted), then its bias."""
-    ln = _first(model, ("LayerNormalization",))
-    if ln is None:
-        raise NothingToBreak("no LayerNormalization")
+def _layernorm_to_rmsnorm(model: ir.Model, ln: ir.Node, factor: float) -> None:
+    """LayerNormalization ``ln`` turned into an RMSNorm (no mean subtracted), then its bias."""
     x, scale, *bias = ln.inputs
     attrs = {"axis": ln.attributes.get_int("axis", -1), "epsilon": 1e-5}
     rms = ir.node("SimplifiedLayerNormalization", [x, scale], attributes=attrs)
@@ -166,3 +193,22 @@ def _layernorm_to_rmsnorm(model: ir.Model) -> None:
         out.name, out.type, out.shape = name, old.type, old.shape
     ir.convenience.replace_all_uses_with(old, out)
     model.graph.remove(ln, safe=True)
+
+
+#: Each break's node in the optimized model, and what it does to it.
+TARGETS: dict[str, Callable[[ir.Model], ir.Node | None]] = {
+    "scale": _first_linear,
+    "eps_dropped": lambda model: _first(model, EPS_OPS),
+    "layernorm_as_rmsnorm": lambda model: _first(model, ("LayerNormalization",)),
+}
+BREAK = {
+    "scale": _scale_one_channel,
+    "eps_dropped": _drop_eps,
+    "layernorm_as_rmsnorm": _layernorm_to_rmsnorm,
+}
+#: Why a break has nothing to apply to.
+NOTHING = {
+    "scale": "no Conv, Gemm or MatMul with a constant weight",
+    "eps_dropped": "no fused norm and no folded BatchNorm: no epsilon to drop",
+    "layernorm_as_rmsnorm": "no LayerNormalization",
+}

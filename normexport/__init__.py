@@ -42,6 +42,7 @@ def optimize(
     autotune: bool = False,
     atol: float | None = None,
     rtol: float | None = None,
+    strict: bool = False,
     budget_s: float | None = None,
     trust_pickle: bool = False,
     model_class: str | None = None,
@@ -67,6 +68,7 @@ def optimize(
         autotune: ``--autotune``.
         atol, rtol: parity tolerances (None: :data:`normexport.parity.DEFAULT_ATOL` / ``RTOL``);
             atol in the outputs' units, rtol times the oracle's largest magnitude.
+        strict: ``--strict``: a noise-ratio warning (``report.parity.warnings()``) fails.
         budget_s: seconds of timed runs to aim for (``--budget``; None: the CLI's default).
         trust_pickle, model_class: as ``--trust-pickle``, ``--model-class``.
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).

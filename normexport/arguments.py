@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL
+from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
 
 
 @dataclasses.dataclass
@@ -36,6 +36,9 @@ class Options:
         benchmark: time the variants (``--no-benchmark`` clears it).
         atol, rtol: parity tolerances (see :func:`normexport.parity.closeness`); atol in the
             outputs' units, rtol times the oracle's largest magnitude.
+        strict: fail the verdict where an output passes but is more than
+            :data:`normexport.parity.NOISE_WARN_FACTOR` times further from the oracle than
+            the raw model (float32; by default a warning).
         trust_pickle, model_class, model_kwargs, exporter: how to load and export the model
             (see the README's table of model files).
         budget_s: seconds of timed runs to aim for (``--budget``).
@@ -64,6 +67,7 @@ class Options:
     benchmark: bool = True
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
+    strict: bool = False
     trust_pickle: bool = False
     model_class: str | None = None
     model_kwargs: str | None = None
@@ -181,4 +185,11 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=_default("rtol"),
         help="parity relative tolerance (times the output's max magnitude)",
+    )
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail parity where an output is within the tolerance but more than "
+        f"{NOISE_WARN_FACTOR:g}x further from the oracle than the raw model (float32 rounding "
+        "does not explain it; by default a warning)",
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import tempfile
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -38,11 +39,16 @@ class Exported:
         exporter: ``"dynamo"`` or ``"torchscript"``.
         fallback_reason: why the dynamo exporter was not used (first line of its error), or
             None when it was.
+        warnings: what the TorchScript tracer warned of while tracing, one line each with
+            the place in the model's code (``file:line: message``), each once: a trace that
+            may not generalize (a tensor turned into a Python bool or number fixes a branch of
+            ``forward`` on the example inputs).
     """
 
     model: ir.Model
     exporter: str
     fallback_reason: str | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -51,6 +57,28 @@ def _quiet():
     and torch's loggers, which print tracebacks of the failures we report in one line."""
     with quiet("torch.onnx"), quiet_torch():
         yield
+
+
+@contextlib.contextmanager
+def _tracer_warnings():
+    """Collect the TorchScript tracer's warnings raised inside the block into the yielded list,
+    as ``file:line: first line``, each once (other warnings go where they went before)."""
+    found: list[str] = []
+    show = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, torch.jit.TracerWarning):
+            text = str(message).strip().splitlines()[0] if str(message).strip() else ""
+            entry = f"{filename}:{lineno}: {text}"
+            if entry not in found:
+                found.append(entry)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        warnings.showwarning = record
+        yield found
 
 
 def export_module(
@@ -98,8 +126,8 @@ def export_module(
             errors.append(f"dynamo exporter: {one_line(err)}")
     if exporter in ("auto", "torchscript") and not is_program:
         try:
-            model = _torchscript(module, tuple(args), kwargs, opset, names, axes)
-            return Exported(model, "torchscript", errors[0] if errors else None)
+            model, warned = _torchscript(module, tuple(args), kwargs, opset, names, axes)
+            return Exported(model, "torchscript", errors[0] if errors else None, warned)
         except Exception as err:
             raise_if_interrupted()
             errors.append(f"TorchScript exporter: {one_line(err)}")
@@ -128,10 +156,17 @@ def _dynamo(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes)
     return model
 
 
-def _torchscript(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes) -> ir.Model:
+def _torchscript(
+    module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes
+) -> tuple[ir.Model, list[str]]:
     """The TorchScript exporter's model (opset 17 unless ``opset``), weights in memory, cleaned
-    up."""
-    with tempfile.TemporaryDirectory() as tmp, _quiet(), torch.no_grad():
+    up, and the tracer's warnings (:func:`_tracer_warnings`)."""
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        _quiet(),
+        torch.no_grad(),
+        _tracer_warnings() as warned,
+    ):
         path = Path(tmp) / "model.onnx"
         torch.onnx.export(
             module,
@@ -147,7 +182,7 @@ def _torchscript(module, args: tuple, kwargs: dict, opset, input_names, dynamic_
         for value in model.graph.initializers.values():
             value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
     cleanup(model)
-    return model
+    return model, warned
 
 
 def _drop_malformed_zero_conv_bias(model: ir.Model) -> None:

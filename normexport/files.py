@@ -9,6 +9,7 @@ and users' models are bigger).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import tempfile
@@ -27,6 +28,10 @@ EXTERNAL_DATA_THRESHOLD_BYTES = 1 << 30
 
 #: Tensors smaller than this stay in the .onnx file itself when writing external data.
 _INLINE_BYTES = 1024
+#: The longest external data file name written: onnx-ir writes the data into a temporary
+#: folder named ``.NAME.`` + 8 random characters beside it first, and file systems take names
+#: of at most 255 bytes (ext4, XFS, btrfs, APFS).
+DATA_NAME_MAX_BYTES = 255 - 10
 
 
 def _umask() -> int:
@@ -64,7 +69,7 @@ def _short(name: str, keep: int = 40) -> str:
     return name if len(name) <= keep + 3 else f"{name[:keep]}..."
 
 
-def check_writable(path: Path, flag: str) -> None:
+def check_writable(path: Path, flag: str, given: bool = True) -> None:
     """Refuse, before any work is done, an output path that cannot be written: a folder, a
     name longer than the file system allows, a folder that is a file or cannot be written
     (tried by creating and removing a hidden file in it).
@@ -72,6 +77,7 @@ def check_writable(path: Path, flag: str) -> None:
     Args:
         path: the file to be written.
         flag: the option that names it (``-o``, ``--report``), for the message.
+        given: whether the user gave ``flag``; else ``path`` is its default, named so.
 
     Raises:
         OutputPathError: naming ``flag``, the path and the fix.
@@ -87,8 +93,9 @@ def check_writable(path: Path, flag: str) -> None:
     for name in path.relative_to(ancestor).parts:  # the names still to be made
         if len(name.encode()) > limit:
             what = "file name" if name == path.name else f"folder name {_short(name)!r}"
+            whose = flag if given else f"the default of {flag},"
             raise OutputPathError(
-                f"{flag} {_short(str(path))}: the {what} is {len(name.encode())} bytes, and "
+                f"{whose} {_short(str(path))}: the {what} is {len(name.encode())} bytes, and "
                 f"this file system allows {limit}: choose a shorter name with {flag}"
             )
     if os.path.isdir(path):
@@ -175,8 +182,16 @@ def has_external_data(model: ir.Model) -> bool:
 
 def data_path(model_path: Path) -> Path:
     """The external data file written beside ``model_path``: ``out.onnx`` -> ``out.onnx.data``
-    (what torch.onnx.export writes too)."""
-    return model_path.with_name(model_path.name + ".data")
+    (what torch.onnx.export writes too). Where that name would pass
+    :data:`DATA_NAME_MAX_BYTES` (a model name of 241 bytes or more), the model's name is cut
+    and 8 hex digits of its SHA-1 keep it apart from other names cut alike: the model names
+    its data file, so any name that the file system takes serves."""
+    name = model_path.name + ".data"
+    if len(name.encode()) > DATA_NAME_MAX_BYTES:
+        digest = hashlib.sha1(model_path.name.encode()).hexdigest()[:8]
+        keep = DATA_NAME_MAX_BYTES - len(f".{digest}.data")
+        name = f"{model_path.name.encode()[:keep].decode(errors='ignore')}.{digest}.data"
+    return model_path.with_name(name)
 
 
 def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:

@@ -16,12 +16,14 @@ import onnxruntime
 import torch
 
 import fusion
+from fusion import Code
 from fusion._ir import opset_version
 from normexport import autotune, explain, files, hidden_probe, runtime, variants
 from normexport import inputs as inputs_mod
 from normexport import oracle as oracle_mod
 from normexport import parity as parity_mod
 from normexport import precision as precision_mod
+from normexport import rollback as rollback_mod
 from normexport.arguments import Options
 from normexport.eager import Eager
 from normexport.errors import InputFileError, UsageError, one_line
@@ -56,10 +58,12 @@ class ExportInfo:
         exporter: ``"dynamo"``, ``"torchscript"``, or ``"none"`` for ONNX input.
         fallback_reason: why the dynamo exporter failed where the TorchScript one was used
             (one line), else None.
+        warnings: the TorchScript tracer's warnings (``file:line: message``), each once.
     """
 
     exporter: str
     fallback_reason: str | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 class Prepared(NamedTuple):
@@ -82,7 +86,7 @@ class _Job:
     loaded: LoadedModel
     example: dict[str, np.ndarray]
     export: ExportInfo
-    raw: ir.Model | None  # in memory until the optimized model is staged
+    raw: ir.Model | None  # in memory until the optimized model is staged, then None
     feed_names: list[str]
     sets: dict[str, dict[str, np.ndarray]]
     ops_before: dict[str, int]
@@ -97,6 +101,9 @@ class _Job:
     tuned: autotune.AutotuneResult | None = None
     precision: precision_mod.PrecisionReport | None = None
     written: list[Path] = dataclasses.field(default_factory=list)
+    references: dict | None = None  # check_parity's reference arguments, each run remembered
+    verified: ParityResult | None = None  # the staged model's float32 verdict, while it holds
+    rollback: rollback_mod.Outcome | None = None
 
     @property
     def disabled(self) -> tuple[str, ...]:
@@ -108,8 +115,10 @@ def run(opts: Options) -> Report:
     """Run the main job and return the report (see README, "The report").
 
     Stages: plan the outputs, :func:`prepare` (load, example inputs, export), take the
-    reference, optimize and check, autotune (on request), convert to half precision (on
-    request, :mod:`normexport.precision`), publish, parity, latency (on request). Works from
+    reference, optimize and check (the rewrites that ONNX Runtime rejects or that change the
+    function undone: :mod:`normexport.rollback`), autotune (on request), convert to half
+    precision (on request, :mod:`normexport.precision`), publish, parity, latency (on
+    request). Works from
     files: an ONNX input is read lazily (its external data stays on disk until a pass needs
     it), the raw export and every intermediate model live in a scratch folder
     beside the output, the checker and every ONNX Runtime session open files by path, and the
@@ -156,7 +165,7 @@ def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
         writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
     for flag, paths in writes.items():
         for path in paths:
-            files.check_writable(path, flag)
+            files.check_writable(path, flag, given=flag != "-o" or opts.output is not None)
     if opts.module is None:
         refuse_overwriting([Path(opts.model)], writes)  # before the export (minutes)
     return output, writes
@@ -205,13 +214,110 @@ def _reference(job: _Job, work: Path) -> None:
 
 def _optimize(job: _Job, work: Path) -> None:
     """Run the passes on the raw model in place (it lives on in ``raw_path``), stage the result
-    in ``work`` and check it."""
+    in ``work``, check it (:func:`_check_candidate`) and, where it fails, put the model without
+    the rewrites responsible in its place (:func:`normexport.rollback.roll_back`); the undone
+    rewrites join the fusion report's refusals.
+
+    Raises:
+        normexport.rollback.RollbackFailed: the model fails its check with no rewrite at all.
+    """
     opts = job.opts
     skip = variants.skip_fusion(opts.target, job.provider)
     job.fusions = fusion.optimize(job.raw, target=opts.target, skip=skip)
     job.staged = work / job.output.name
     files.save_model(job.raw, job.staged, external_data=job.external)
-    job.checker = _check_output(job.staged, *job.input_checker)
+    job.raw = None
+    builds = iter(range(1, 1 << 30))
+
+    def build(excluded):
+        model = ir.load(job.raw_path)
+        report = fusion.optimize(model, target=opts.target, skip=skip, exclude=excluded)
+        path = work / f"rollback-{next(builds)}" / job.output.name
+        path.parent.mkdir()
+        files.save_model(model, path, external_data=job.external)
+        return path, report
+
+    verdicts: dict[Path, ParityResult] = {}
+    check = functools.partial(_check_candidate, job, work, verdicts)
+    outcome = rollback_mod.roll_back(job.staged, job.fusions, build, check)
+    if outcome.undone:
+        _move_onto(outcome.path, job.staged)
+        job.fusions = outcome.report
+        job.fusions.extend(rollback_mod.refusals(outcome.undone))
+    if outcome.undone or outcome.unexplained:
+        job.rollback = outcome
+    job.verified = verdicts.get(outcome.path)
+    level, problem = job.input_checker
+    if level == "none":  # not checked as the input was: the levels the output passes
+        job.checker = _check_output(job.staged, level, problem)
+    else:  # _check_candidate has checked it at the input's level
+        job.checker = Checker(level, problem, level)
+
+
+def _check_candidate(
+    job: _Job, work: Path, verdicts: dict[Path, ParityResult], path: Path
+) -> rollback_mod.Rejection | None:
+    """Why the optimized model at ``path`` cannot be published, or None: the ONNX checker at
+    the level the input passed, an ONNX Runtime session on the provider (with graph
+    optimizations on, as deployed, and off, as parity runs it), a run on every input set, and
+    the float32 parity rule on the outputs where the raw model has no NaN/Inf of its own. Its
+    parity verdict is kept in ``verdicts[path]``."""
+    level = job.input_checker[0]
+    if level != "none":
+        try:
+            fusion.check(path, full_check=level == "full")
+        except Exception as err:  # ValidationError, InferenceError: the checker's verdict
+            return rollback_mod.Rejection(Code.REJECTED_BY_CHECKER, one_line(err))
+    provider = runtime.PROVIDERS[job.provider][0]
+    try:
+        runtime.make_session(path, job.provider, spinning=False, quiet=True)  # as deployed
+        session = runtime.make_session(
+            path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False, quiet=True
+        )
+    except runtime.ProviderUnavailable:
+        raise
+    except Exception as err:  # ORT's own error types
+        why = f"ONNX Runtime's {provider} cannot load it: {runtime.message(err)}"
+        return rollback_mod.Rejection(Code.REJECTED_BY_RUNTIME, why)
+
+    def candidate(feeds):
+        try:
+            return runtime.run(session, feeds, quiet=True)
+        except Exception as err:  # ORT's own error types
+            raise _RunFailed(runtime.message(err)) from None
+
+    try:
+        verdict = _check(job, work, candidate, [o.name for o in session.get_outputs()])
+    except _RunFailed as err:
+        why = f"ONNX Runtime's {provider} cannot run it: {err}"
+        return rollback_mod.Rejection(Code.REJECTED_BY_RUNTIME, why)
+    except ValueError as err:  # output count or shapes differ from the reference's
+        return rollback_mod.Rejection(Code.CHANGED_THE_FUNCTION, str(err))
+    verdicts[path] = verdict
+    diverged = [
+        (probe, e)
+        for probe, e in verdict.failures()
+        if e.raw_max_abs_err is None or math.isfinite(e.raw_max_abs_err)
+    ]
+    if not diverged:
+        return None
+    where: dict[str, list[str]] = {}
+    for probe, e in diverged:
+        where.setdefault(e.output, []).append(probe)
+    probe, e = diverged[0]
+    why = "; ".join(
+        f"output {name!r} diverges on {', '.join(sets)}" for name, sets in where.items()
+    )
+    raw = "" if e.raw_max_abs_err is None else f", raw model's {e.raw_max_abs_err:.3g}"
+    why += (
+        f" (on {probe}: max abs err {e.max_abs_err:.3g}{raw}, tolerance "
+        f"{verdict.atol + verdict.rtol * e.max_abs_ref:.3g})"
+    )
+    return rollback_mod.Rejection(Code.CHANGED_THE_FUNCTION, why)
+
+
+class _RunFailed(Exception):
+    """ONNX Runtime failed to run the candidate model (its message)."""
 
 
 def _half(job: _Job, work: Path) -> None:
@@ -230,6 +336,7 @@ def _half(job: _Job, work: Path) -> None:
         external_data=job.external,
     )
     _move_onto(half, job.staged)
+    job.verified = None
     job.checker = _check_output(job.staged, *job.input_checker)
 
 
@@ -247,6 +354,7 @@ def _report(job: _Job, parity: ParityResult, latency: Latency | None) -> Report:
         kind=job.loaded.kind,
         exporter=job.export.exporter,
         exporter_fallback=job.export.fallback_reason,
+        exporter_warnings=list(job.export.warnings),
         opset=opset_version(optimized),
         target=job.opts.target,
         output=job.output,
@@ -254,6 +362,7 @@ def _report(job: _Job, parity: ParityResult, latency: Latency | None) -> Report:
         inputs={k: InputInfo(list(v.shape), str(v.dtype)) for k, v in job.example.items()},
         fusions=Fusions.from_fusion_report(job.fusions, job.already),
         norm_ops=NormOps(job.ops_before, fusion.norm_ops(optimized)),
+        onnxruntime_ops=fusion.onnxruntime_ops(optimized),
         checker=job.checker,
         parity=parity,
         provider=runtime.PROVIDERS[job.provider][0],
@@ -263,6 +372,7 @@ def _report(job: _Job, parity: ParityResult, latency: Latency | None) -> Report:
         autotune=job.tuned,
         precision=job.precision,
         versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
+        rollback=job.rollback,
     )
 
 
@@ -334,10 +444,8 @@ def _runs_as_given(session, feeds: dict[str, np.ndarray], path: Path, opts: Opti
     Raises:
         UsageError: ONNX Runtime fails on it, naming the inputs that were given.
     """
-    quiet = onnxruntime.RunOptions()
-    quiet.log_severity_level = 4  # the failure is reported once, by us
     try:
-        session.run(None, dict(feeds), quiet)
+        runtime.run(session, feeds, quiet=True)  # the failure is reported once, by us
     except Exception as err:  # ORT's own error types
         given = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
         hint = (
@@ -404,6 +512,7 @@ def _autotune(job: _Job) -> None:
     )
     if tuned.best != tuned.default:
         _replace_staged(staged, ir.load(tuned.model), job.external)
+        job.verified = None
     if tuned.best.startswith(autotune.ATTENTION_UNFUSED):
         job.fusions = unfused_fusions
     job.tuned = tuned
@@ -435,7 +544,12 @@ def _parity(job: _Job, work: Path) -> ParityResult:
     runs with ONNX Runtime's graph optimizations off, so that its own rewrites are not part of
     the comparison. Its ``raw_worst()`` is the raw model's worst error against the oracle over
     all input sets (None where no float64 oracle could be built for ONNX input).
+
+    A float32 model that is still the one :func:`_check_candidate` judged keeps that verdict
+    (its runs are not repeated); autotune's choice or a half-precision model is judged anew.
     """
+    if job.verified is not None:
+        return dataclasses.replace(job.verified, strict=job.opts.strict)
     opt_session = runtime.make_session(
         job.output,
         job.provider,
@@ -443,25 +557,35 @@ def _parity(job: _Job, work: Path) -> ParityResult:
         spinning=False,
         disabled_optimizers=job.disabled,
     )
-    raw_session = job.reference_session or runtime.make_session(
-        job.raw_path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False
-    )
 
     def candidate(feeds):
         return runtime.run(opt_session, precision_mod.cast_feeds(opt_session, feeds))
 
-    def raw(feeds):
-        return runtime.run(raw_session, feeds)
+    names = [o.name for o in opt_session.get_outputs()]
+    return _check(job, work, candidate, names, precision=job.opts.precision)
 
+
+def _check(
+    job: _Job, work: Path, candidate, output_names: list[str], precision: str = "fp32"
+) -> ParityResult:
+    """:func:`normexport.parity.check_parity` of ``candidate`` against the job's references
+    (:func:`_references`, built once), by the rule for ``precision``.
+
+    Raises:
+        ValueError: the candidate returns other outputs (count or shapes) than the references.
+    """
+    if job.references is None:
+        job.references = _references(job, work)
     return check_parity(
         candidate,
         sets=job.sets,
-        output_names=[o.name for o in opt_session.get_outputs()],
+        output_names=output_names,
         atol=job.opts.atol,
         rtol=job.opts.rtol,
-        max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(job.opts.precision),
-        round_inputs=_rounding(job.opts.precision),
-        **_references(job, raw, work),
+        max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(precision),
+        round_inputs=_rounding(precision),
+        strict=job.opts.strict,
+        **job.references,
     )
 
 
@@ -489,9 +613,20 @@ def _hidden_probe(job: _Job, parity: ParityResult, work: Path) -> None:
         parity.add(found)
 
 
-def _references(job: _Job, raw, work: Path) -> dict:
+def _references(job: _Job, work: Path) -> dict:
     """:func:`check_parity`'s reference arguments: the oracle (``reference``), the raw model
-    where it is not the oracle itself, PyTorch float32 where it is not, and the notes."""
+    where it is not the oracle itself, PyTorch float32 where it is not, the notes, and which
+    float32 run the export check judges (``judge_export``; None for ONNX input). Each model is
+    run once per input set however many candidates are compared with it
+    (:func:`normexport.parity.remembered`)."""
+    raw_session = job.reference_session or runtime.make_session(
+        job.raw_path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False
+    )
+
+    def raw(feeds):
+        return runtime.run(raw_session, feeds)
+
+    raw = parity_mod.remembered(raw)
     if job.loaded.module is None:
         found = oracle_mod.onnx_float64(
             job.raw_path, raw, job.sets["example"], work, "the input graph"
@@ -500,7 +635,7 @@ def _references(job: _Job, raw, work: Path) -> dict:
             notes = [*found.notes, "the reference is the input file as written, in float32"]
             return dict(reference=raw, reference_kind="onnx", oracle_kind="onnx", notes=notes)
         return {
-            "reference": found.run,
+            "reference": parity_mod.remembered(found.run),
             "reference_kind": "onnx",
             "raw": raw,
             "oracle_kind": found.kind,
@@ -511,14 +646,17 @@ def _references(job: _Job, raw, work: Path) -> dict:
     def pytorch(feeds):
         return eager([feeds[name] for name in job.feed_names])
 
+    pytorch = parity_mod.remembered(pytorch)
     found = _pytorch_oracle(job, raw, work)
     return {
-        "reference": found.run or pytorch,
+        "reference": parity_mod.remembered(found.run) if found.run else pytorch,
         "reference_kind": "pytorch",
         "raw": raw,
         "pytorch": pytorch if found.run else None,
         "oracle_kind": found.kind,
         "notes": found.notes,
+        # the oracle from the raw export judges PyTorch float32, any other the raw export
+        "judge_export": "pytorch" if found.kind.startswith("onnx") else "raw",
     }
 
 
@@ -734,7 +872,8 @@ def _raw_onnx(
     except ExportError as err:
         raise UsageError(f"{loaded.path}: could not export to ONNX: {err}") from None
     _check_export(exported, loaded, opts)
-    return exported.model, ExportInfo(exported.exporter, exported.fallback_reason)
+    info = ExportInfo(exported.exporter, exported.fallback_reason, exported.warnings)
+    return exported.model, info
 
 
 def _check_export(exported, loaded: LoadedModel, opts: Options) -> None:

@@ -19,11 +19,12 @@ from fusion import FUSION_KINDS
 from normexport.explain import AlreadyFused
 from normexport.files import atomic_path, save_figure
 from normexport.latency import BUSY_SPREAD, Timing
-from normexport.parity import OutputError, ParityResult
+from normexport.parity import NOISE_WARN_FACTOR, OutputError, ParityResult
 
 if TYPE_CHECKING:
     from normexport.autotune import AutotuneResult
     from normexport.precision import PrecisionReport
+    from normexport.rollback import Outcome
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,12 +161,18 @@ class Report:
         exporter: ``dynamo``, ``torchscript``, or ``none`` for ONNX input.
         exporter_fallback: why the dynamo exporter failed and the TorchScript one was used
             (one line), or None.
+        exporter_warnings: the TorchScript tracer's warnings, ``file:line: message``, each
+            once (a trace that may not generalize: a branch on a tensor's value was fixed).
         opset: the written model's ai.onnx opset.
         target: ``ort`` or ``onnx``.
         output: the written model.
         files_written: the model, then its own external data file where it has one.
         inputs: example input name -> shape and dtype.
         fusions, norm_ops, checker: see the classes.
+        onnxruntime_ops: the ops of the written model that only ONNX Runtime runs
+            (:func:`fusion.onnxruntime_ops`: com.microsoft contrib ops, and ONNX Runtime's
+            default-domain ops where ONNX has none at the model's opset), op -> nodes; empty
+            where the model is standard ONNX of its opset.
         parity: the verdict and errors (:class:`normexport.parity.ParityResult`).
         provider: the ONNX Runtime execution provider the sessions really used.
         provider_note: why it is not the one asked for, or None.
@@ -175,12 +182,16 @@ class Report:
         versions: library versions.
         precision: what ``--precision fp16|bf16`` did
             (:class:`normexport.precision.PrecisionReport`), or None for a float32 model.
+        rollback: the rewrites undone because ONNX Runtime or the checker rejected them or
+            they changed the function (:class:`normexport.rollback.Outcome`), or None where
+            the optimized model passed its check as the passes made it.
     """
 
     model: str
     kind: str
     exporter: str
     exporter_fallback: str | None
+    exporter_warnings: list[str]
     opset: int
     target: str
     output: Path
@@ -188,6 +199,7 @@ class Report:
     inputs: dict[str, InputInfo]
     fusions: Fusions
     norm_ops: NormOps
+    onnxruntime_ops: dict[str, int]
     checker: Checker
     parity: ParityResult
     provider: str
@@ -197,10 +209,12 @@ class Report:
     autotune: AutotuneResult | None
     versions: Versions
     precision: PrecisionReport | None = None
+    rollback: Outcome | None = None
 
     @property
     def passed(self) -> bool:
-        """Whether parity passed (exit code 0; else 1)."""
+        """Whether parity passed (exit code 0; else 1): the optimizer's rule and the export
+        check everywhere, and with ``--strict`` no noise-ratio warning."""
         return self.parity.passed
 
     @property
@@ -216,6 +230,7 @@ class Report:
             "kind": self.kind,
             "exporter": self.exporter,
             "exporter_fallback": self.exporter_fallback,
+            "exporter_warnings": list(self.exporter_warnings),
             "opset": self.opset,
             "target": self.target,
             "output": str(self.output),
@@ -224,6 +239,7 @@ class Report:
             "inputs": {k: dataclasses.asdict(v) for k, v in self.inputs.items()},
             "fusions": self.fusions.to_dict(),
             "norm_ops": dataclasses.asdict(self.norm_ops),
+            "onnxruntime_ops": dict(self.onnxruntime_ops),
             "checker": dataclasses.asdict(self.checker),
             "parity": self.parity.to_dict(),
             "provider": self.provider,
@@ -234,6 +250,7 @@ class Report:
             "autotune": self.autotune.to_dict() if self.autotune else None,
             "versions": dataclasses.asdict(self.versions),
             "precision": self.precision.to_dict() if self.precision else None,
+            "rollback": self.rollback.to_dict() if self.rollback else None,
         }
 
 
@@ -289,11 +306,16 @@ def _parity_table(parity: ParityResult) -> Table:
         title_justify="left",
     )
     third = "input rounding" if half else "pytorch f32"
-    cols = ("output", "input set", "optimized", raw, third, "max |oracle|", "")
+    ratio = () if half else (f"÷ {raw}",)
+    cols = ("output", "input set", "optimized", raw, third, "max |oracle|", *ratio, "")
     for col in cols:
         table.add_column(col, justify="left" if col in ("output", "input set") else "right")
     for probe, e in _parity_rows(parity):
         verdict = "[green]pass[/]" if e.passed else "[red]FAIL[/]"
+        if e.warned:
+            verdict = "[yellow]warn[/]" if not parity.strict else "[red]FAIL (strict)[/]"
+        if e.export_passed is False:
+            verdict = "[red]FAIL: export[/]" if e.passed else verdict + " [red]+ export[/]"
         if e.weak:
             verdict += " [yellow](weak)[/]"
         errors = (
@@ -301,8 +323,13 @@ def _parity_table(parity: ParityResult) -> Table:
             if half
             else (e.max_abs_err, e.raw_max_abs_err, e.pytorch_max_abs_err)
         )
-        table.add_row(e.output, probe, *map(_err, (*errors, e.max_abs_ref)), verdict)
+        ratios = () if half else (_ratio(e.noise_ratio),)
+        table.add_row(e.output, probe, *map(_err, (*errors, e.max_abs_ref)), *ratios, verdict)
     return table
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2g}x"
 
 
 def _render_parity(parity: ParityResult, console: Console) -> None:
@@ -329,6 +356,45 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
             f"{f.max_abs_err:.3g} (raw export {_err(f.raw_max_abs_err)}), rel L2 "
             f"{f.rel_l2_err:.3g}, {f.nonfinite_mismatch} NaN/Inf where the reference is finite"
         )
+    for probe, w in parity.warnings()[:10]:
+        what = "[red]fails (--strict)[/]" if parity.strict else "[yellow]warning[/]"
+        console.print(
+            f"{what}: output {w.output!r} on input set {probe!r} is within the tolerance but "
+            f"{w.noise_ratio:.3g}x as far from the oracle as the raw model (max abs err "
+            f"{w.max_abs_err:.3g} against {_err(w.raw_max_abs_err)}); an exact rewrite stays "
+            f"within {NOISE_WARN_FACTOR:g}x (float32 rounding), so a rewrite may have changed "
+            "the function a little" + ("" if parity.strict else "; --strict makes this a failure")
+        )
+
+
+def _render_export(report: Report, console: Console) -> None:
+    """Where the raw export differs from PyTorch: the input sets, the errors, the exporter and
+    why it was used, and the tracer's warnings."""
+    failures = report.parity.export_failures()
+    if not failures:
+        return
+    sets: dict[str, list[str]] = {}
+    for probe, f in failures:
+        sets.setdefault(f.output, []).append(probe)
+    probe, f = failures[0]
+    judged = "PyTorch float32" if report.parity.oracle.startswith("onnx") else "the raw export"
+    console.print(
+        f"[red]the export differs from the model[/]: the ONNX graph the {report.exporter} "
+        "exporter made does not compute what the PyTorch model computes, before any rewrite of "
+        "normexport's ("
+        + "; ".join(f"output {o!r} on {', '.join(p)}" for o, p in sets.items())
+        + f"; on {probe}: {judged} is {_err(f.raw_max_abs_err)} from the oracle, PyTorch "
+        f"float32 {_err(f.pytorch_max_abs_err)}, max |oracle| {f.max_abs_ref:.3g})"
+    )
+    if report.exporter_fallback:
+        console.print("  the TorchScript exporter was used: the dynamo exporter failed (above)")
+    for warning in report.exporter_warnings:
+        console.print(f"  tracer warning: {warning}")
+    console.print(
+        "  a trace follows one path through forward(): Python control flow on a tensor's "
+        "values (if, while, int(), .item()) is fixed at the example inputs; rewrite it with "
+        "torch.where / torch.cond, or export with --exporter dynamo and fix what it reports"
+    )
 
 
 def _worst_set(parity: ParityResult, worst: OutputError) -> str:
@@ -352,9 +418,38 @@ def _render_header(report: Report, console: Console) -> None:
         )
     if report.external_data:
         console.print(f"external data: {report.files_written[1]} (the output's own)")
+    if report.onnxruntime_ops:
+        ops = ", ".join(f"{op} x{n}" for op, n in report.onnxruntime_ops.items())
+        console.print(
+            f"[yellow]needs ONNX Runtime[/]: the model holds ops that only ONNX Runtime runs "
+            f"at opset {report.opset} ({ops}); other runtimes and the ONNX checker reject "
+            "them: --target onnx writes standard ops only"
+        )
     _render_checker(report.checker, console)
     for note in [*report.notes, *report.fusions.notes]:
         console.print(f"[yellow]note[/]: {note}")
+
+
+def _render_rollback(rollback: Outcome, console: Console) -> None:
+    """One line per rewrite undone after the passes, and how many models it took to find; or
+    why none was, where the model with no rewrite fails too."""
+    if rollback.unexplained:
+        console.print(
+            "[red]no rewrite is to blame[/]: the optimized model fails its check "
+            f"({rollback.unexplained.message}), and so does the model built with no rewrite "
+            f"of normexport's ({rollback.checks} models checked); it is published as the "
+            "passes made it"
+        )
+        return
+    console.print(
+        f"[yellow]rolled back[/] {len(rollback.undone)} rewrite(s) that the ONNX checker or "
+        "ONNX Runtime rejected or that changed the function; the model is published without "
+        f"them ({rollback.checks} models checked):"
+    )
+    for u in rollback.undone:
+        console.print(
+            f"  {u.rewrite.kind} at {u.rewrite.node!r} ({u.rewrite.became}): {u.rejection.code}"
+        )
 
 
 def _render_fusions(fusions: Fusions, norm: NormOps, console: Console) -> None:
@@ -442,9 +537,12 @@ def render(report: Report, console: Console) -> None:
     """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
     _render_header(report, console)
     _render_fusions(report.fusions, report.norm_ops, console)
+    if report.rollback:
+        _render_rollback(report.rollback, console)
     if report.precision:
         _render_precision(report.precision, console)
     _render_parity(report.parity, console)
+    _render_export(report, console)
     console.print(f"provider: [bold]{report.provider}[/]")
     if report.provider_note:
         console.print(f"[yellow]{report.provider_note}[/]")
@@ -452,8 +550,25 @@ def render(report: Report, console: Console) -> None:
         _render_latency(report.latency, console)
     if report.autotune:
         _render_autotune(report.autotune, console)
-    verdict = "[green]parity passed[/]" if report.passed else "[red]parity FAILED[/]"
-    console.print(verdict)
+    console.print(_verdict(report.parity))
+
+
+def _verdict(parity: ParityResult) -> str:
+    """The last line: passed, passed with warnings, or what failed."""
+    failed = [
+        what
+        for what, found in (
+            ("the optimized model diverges", parity.failures()),
+            ("the export differs from the model", parity.export_failures()),
+            ("--strict: noise ratio above the factor", parity.strict and parity.warnings()),
+        )
+        if found
+    ]
+    if failed:
+        return f"[red]parity FAILED[/] ({'; '.join(failed)})"
+    if parity.warnings():
+        return f"[yellow]parity passed, with {len(parity.warnings())} warning(s)[/]"
+    return "[green]parity passed[/]"
 
 
 def write_json(report: Report | dict, path: Path) -> None:

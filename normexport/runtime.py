@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -71,6 +72,7 @@ def make_session(
     cuda_graph: bool = False,
     disabled_optimizers: Sequence[str] = (),
     threads: int | None = None,
+    quiet: bool = False,
 ) -> ort.InferenceSession:
     """Create an inference session on one named execution provider.
 
@@ -93,6 +95,7 @@ def make_session(
             ``"SkipLayerNormFusion"`` (which turns Add + LayerNormalization back into
             SkipLayerNormalization under ORT_ENABLE_ALL).
         threads: intra-op threads (None: ORT's default, one per core); inter-op 1.
+        quiet: ONNX Runtime logs nothing of a failure to load or run (the caller reports it).
 
     Returns:
         The session; ``session.get_providers()[0]`` is the provider that was asked for.
@@ -105,7 +108,7 @@ def make_session(
         raise ValueError(f"unknown provider {provider!r}: choose one of {sorted(PROVIDERS)}")
     if cuda_graph and provider != "cuda":
         raise ValueError("cuda_graph needs provider 'cuda'")
-    options = _session_options(optimization_level, optimized_model_path, spinning, threads)
+    options = _session_options(optimization_level, optimized_model_path, spinning, threads, quiet)
     providers: list = list(PROVIDERS[provider])
     if cuda_graph:
         providers[0] = (CUDA, {"enable_cuda_graph": "1"})
@@ -135,11 +138,13 @@ def _session_options(
     optimized_model_path: str | None,
     spinning: bool,
     threads: int | None,
+    quiet: bool,
 ) -> ort.SessionOptions:
     """The session options of :func:`make_session` (its arguments of the same names)."""
     options = ort.SessionOptions()
     options.graph_optimization_level = optimization_level
-    options.log_severity_level = 3  # errors only: the CUDA fallback is reported by us, not ORT
+    # errors only (the CUDA fallback is reported by us, not ORT); quiet: fatal only
+    options.log_severity_level = 4 if quiet else 3
     if optimized_model_path:
         options.optimized_model_filepath = optimized_model_path
         # Its tensors go to an external data file beside it, as large models need.
@@ -207,9 +212,26 @@ def _probe_model(opset: int = 17) -> onnx.ModelProto:
     )
 
 
-def run(session: ort.InferenceSession, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-    """Run ``session`` on ``feeds`` (input name -> array) and return its outputs in order."""
-    return session.run(None, dict(feeds))
+def message(err: BaseException) -> str:
+    """ONNX Runtime's error ``err`` in a few words: its status message without the
+    ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` prefix, and for a node that failed to run,
+    ``OpType: message`` (the node's name is of the session's model, not the user's)."""
+    text = " ".join(str(err).split())
+    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    node = re.search(r"running (\S+) node\. Name:'[^']*' Status Message: (.*)", text)
+    return f"{node[1]}: {node[2]}" if node else text
+
+
+def run(
+    session: ort.InferenceSession, feeds: Mapping[str, np.ndarray], *, quiet: bool = False
+) -> list[np.ndarray]:
+    """Run ``session`` on ``feeds`` (input name -> array) and return its outputs in order;
+    ``quiet``: ONNX Runtime logs nothing of a failure (the caller reports it)."""
+    if not quiet:
+        return session.run(None, dict(feeds))
+    options = ort.RunOptions()
+    options.log_severity_level = 4  # fatal only
+    return session.run(None, dict(feeds), options)
 
 
 class BoundRun:

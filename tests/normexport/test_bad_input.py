@@ -33,6 +33,7 @@ import pytest
 import torch
 
 from normexport import cli, runtime
+from normexport.pipeline import default_output
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,6 +106,9 @@ class InterruptedImport(Net):
 
 LONG_INPUT = "m" * 247 + ".pt"  # 250 bytes: its default output name is 256
 LONG_OUTPUT = "o" * 245 + ".onnx"  # 250 bytes: allowed (255 is the limit)
+# 250 bytes, with external data: its default output name is 254 bytes, allowed, and that
+# output's data file cannot be named OUTPUT.data (259 bytes; onnx-ir writes it under 269)
+LONG_ONNX = "m" * 245 + ".onnx"
 MARKER = "pwned"  # what a hostile payload creates, in the shared folder
 
 
@@ -217,6 +221,8 @@ def shared(tmp_path_factory) -> Path:
     model = ir.load(_onnx_file(folder / "ext.onnx"))
     ir.save(model, folder / "ext.onnx", external_data="ext.onnx.data", size_threshold_bytes=0)
     (folder / "ext.onnx.data").unlink()
+    model = ir.load(_onnx_file(folder / LONG_ONNX))
+    ir.save(model, folder / LONG_ONNX, external_data="long.data", size_threshold_bytes=0)
     return folder
 
 
@@ -359,6 +365,7 @@ CASES = [
          ("-o", "the file name is 256 bytes", "choose a shorter name with -o")),
     Case("long-names", [LONG_INPUT, "--model-class", "tinynet:Net", *SHAPE, "-o", LONG_OUTPUT],
          0, ("parity passed",)),
+    Case("long-name-legal-default-output", [LONG_ONNX], 0, ("parity passed",)),
     Case("concurrent-runs-same-output", ["good.onnx", *OUT], 0, ("parity passed",),
          how="threads"),
     # --- models
@@ -507,8 +514,8 @@ def test_bad_input(case, shared, tmp_path, monkeypatch, capsys):
     assert not (shared / MARKER).exists(), "a hostile payload ran"
     for name in case.absent:
         assert not (cwd / name).exists(), name
-    if code == 0 and "-o" in argv:
-        output = cwd / argv[argv.index("-o") + 1]
+    if code == 0:  # the output loads (with its external data, where it has some)
+        output = cwd / argv[argv.index("-o") + 1] if "-o" in argv else default_output(cwd / argv[0])
         session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
         feeds = {session.get_inputs()[0].name: np.zeros((2, 8), np.float32)}
         assert session.run(None, feeds)[0].shape == (2, 4)

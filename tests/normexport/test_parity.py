@@ -148,3 +148,75 @@ def test_closeness_nan_where_reference_is_finite_is_never_close():
     with pytest.raises(ValueError, match="shape"):
         closeness(np.zeros(2), np.zeros(3))
     assert closeness(np.zeros(0), np.zeros(0)).within
+
+
+# --- the export check and the noise ratio -----------------------------------------------------
+
+
+def _noisy(ref: np.ndarray, scale: float, seed: int) -> np.ndarray:
+    """``ref`` plus noise of about ``scale`` per element (a float32 run's rounding)."""
+    return ref + scale * np.random.default_rng(seed).standard_normal(ref.shape)
+
+
+def test_an_export_that_computes_another_function_fails_and_is_named():
+    """The raw export 1.0 off (a traced branch), the optimized model exactly as far: the
+    optimizer's rule passes, the export check fails the verdict."""
+    ref = np.random.default_rng(0).standard_normal(64)
+    raw = ref + 1.0
+    e = compare(
+        "y", raw, ref, 1e-4, 1e-3, raw=raw, pytorch=_noisy(ref, 1e-7, 1), judge_export="raw"
+    )
+    assert e.passed and e.export_passed is False
+    result = check_parity(
+        lambda f: [raw], lambda f: [ref], {"example": {}}, ["y"], reference_kind="pytorch",
+        raw=lambda f: [raw], pytorch=lambda f: [_noisy(ref, 1e-7, 1)], judge_export="raw",
+    )  # fmt: skip
+    assert not result.passed and not result.failures() and result.export_failures()
+
+
+def test_the_export_is_forgiven_float32_noise_and_constant_oracles():
+    ref = np.random.default_rng(0).standard_normal(64) * 1e3
+    # ill-conditioned: PyTorch float32 itself is 1e-1 off, the raw export 3e-1: within 4x
+    raw, torch32 = _noisy(ref, 1e-1, 1), _noisy(ref, 5e-2, 2)
+    e = compare("y", raw, ref, 1e-4, 0.0, raw=raw, pytorch=torch32, judge_export="raw")
+    assert e.export_passed
+    # judged by PyTorch float32 where the oracle is the raw export in float64
+    e = compare("y", raw, ref, 1e-4, 0.0, raw=raw, pytorch=ref + 5.0, judge_export="pytorch")
+    assert e.export_passed is False
+    # an oracle constant within atol: both float32 runs are rounding noise, not judged
+    flat = np.zeros(64)
+    e = compare("y", flat + 3e-3, flat, 1e-4, 0.0, raw=flat + 3e-3, pytorch=flat + 1e-6,
+                judge_export="raw")  # fmt: skip
+    assert e.export_passed is None and e.weak
+
+
+def test_noise_ratio_warns_above_the_factor_and_strict_fails():
+    from normexport.parity import NOISE_WARN_FACTOR
+
+    ref = np.random.default_rng(0).standard_normal(256)
+    raw = _noisy(ref, 1e-7, 1)
+    exact = _noisy(ref, 1e-7, 2)  # another rounding: the same noise
+    scaled = ref.copy()
+    scaled[0] *= 1.001  # one element off by 1e-3: within rtol 1e-3, far beyond rounding
+    quiet = compare("y", exact, ref, 1e-4, 1e-3, raw=raw)
+    loud = compare("y", scaled, ref, 1e-4, 1e-3, raw=raw)
+    assert quiet.passed and not quiet.warned and quiet.noise_ratio < NOISE_WARN_FACTOR
+    assert loud.passed and loud.warned and loud.noise_ratio > NOISE_WARN_FACTOR
+    # no raw model (the reference is the raw model itself), or half precision: no ratio
+    assert compare("y", scaled, ref, 1e-4, 1e-3).noise_ratio is None
+    assert compare("y", scaled, ref, 1e-4, 1e-3, raw=raw, max_rel_l2=1e-2).noise_ratio is None
+    for strict in (False, True):
+        result = check_parity(
+            lambda f: [scaled], lambda f: [ref], {"example": {}}, ["y"],
+            reference_kind="pytorch", raw=lambda f: [raw], strict=strict,
+        )  # fmt: skip
+        assert result.warnings() and result.passed is not strict
+
+
+def test_noise_ratio_floor_is_float32_rounding_of_the_output():
+    """A raw model that got the output exact by luck: the ratio is against 4 unit roundoffs of
+    max|oracle|, not against zero."""
+    ref = np.linspace(-2.0, 2.0, 9)
+    got = ref * (1 + 2.0**-23)  # 2 roundoffs off
+    e = compare("y", got, ref, 1e-4, 1e-3, raw=ref.copy())
+    assert e.noise_ratio == pytest.approx(0.5, rel=1e-6) and not e.warned

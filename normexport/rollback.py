@@ -1,0 +1,238 @@
+"""Undo the rewrites that ONNX Runtime rejects or that change the function; never lose a run.
+
+After the passes, the optimized model is checked as a whole (:func:`normexport.pipeline`
+gives the check): the ONNX checker at the level the input passed, an ONNX Runtime session on
+the provider (graph optimizations off, as parity runs it, and on, as a deployment runs it), a
+run on every input set, and the parity rule of :mod:`normexport.parity` against the oracle. A
+model that fails is not published as it is, and the run does not stop: the rewrites
+responsible are found and left out, and the model without them is published.
+
+Finding them (:func:`roll_back`): the rewrites the passes reported are grouped by the pass that
+made them, in pass order; adaptive group testing (Hwang, "A method for detecting all defective
+members in a population by group testing", JASA 1972: halve a group that fails, keep a half
+that passes) finds the passes whose rewrites fail the check, then, within each, the rewrites
+themselves. Each test builds the model again from the raw one with some rewrites excluded
+(:func:`fusion.optimize`'s ``exclude``) and checks it. A model with ``b`` bad rewrites among
+``n`` takes about ``b * log2(n)`` tests; a model that passes takes none.
+
+Before the search, the model built with no rewrite at all is checked: where it fails too, no
+rewrite is to blame, and nothing is undone (a model whose function changed is published and
+fails the parity verdict, exit 1; one that ONNX Runtime or the checker rejects even so is a bug
+of normexport's: :class:`RollbackFailed`, exit 3).
+
+Rewrites are not independent: leaving one out can make another (a BatchNorm that no longer
+folds into the layer before it may fold into the layer after it). So the model built without
+the ones found is checked again, and the search repeats on what is still failing, until it
+passes (it ends: the model with none passes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from fusion import Code, Fused, FusionReport
+from fusion.registry import PASSES
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    """Why a model failed the check.
+
+    Attributes:
+        code: ``rejected_by_checker``, ``rejected_by_runtime`` or ``changed_the_function``
+            (a :class:`fusion.Code` value).
+        message: the checker's or ONNX Runtime's message, or which outputs diverged where.
+    """
+
+    code: str
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Undone:
+    """One rewrite left out of the published model.
+
+    Attributes:
+        rewrite: the rewrite as the passes reported it.
+        rejection: the check the model with it (and without the others found) failed.
+    """
+
+    rewrite: Fused
+    rejection: Rejection
+
+
+class RollbackFailed(RuntimeError):
+    """The model fails the check with every rewrite left out: not a rewrite's fault."""
+
+
+#: ``build(excluded) -> (model file, what the passes did)``: the model optimized again from
+#: the raw one with those rewrites left out.
+Build = Callable[[frozenset[Fused]], tuple[Path, FusionReport]]
+#: ``check(model file) -> why it fails, or None``.
+Check = Callable[[Path], Rejection | None]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What :func:`roll_back` kept.
+
+    Attributes:
+        path: the model that passes the check (the one first built, where it passed).
+        report: what the passes did to it.
+        undone: the rewrites left out, in the order the passes made them.
+        checks: how many models were checked (the first one included).
+        unexplained: why the model fails its check where the model with no rewrite fails
+            it too (then nothing is undone, and the parity verdict fails); else None.
+    """
+
+    path: Path
+    report: FusionReport
+    undone: list[Undone]
+    checks: int
+    unexplained: Rejection | None = None
+
+    def to_dict(self) -> dict:
+        """JSON form: each rewrite undone (kind, node, what it became, code, message), the
+        number of models checked, and why the model fails where no rewrite is to blame."""
+        return {
+            "undone": [
+                {**dataclasses.asdict(u.rewrite), **dataclasses.asdict(u.rejection)}
+                for u in self.undone
+            ],
+            "models_checked": self.checks,
+            "unexplained": dataclasses.asdict(self.unexplained) if self.unexplained else None,
+        }
+
+
+def roll_back(path: Path, report: FusionReport, build: Build, check: Check) -> Outcome:
+    """Check the optimized model at ``path`` (whose passes reported ``report``); where it
+    fails, find the rewrites responsible and build it again without them (see the module
+    docstring).
+
+    First the model with no rewrite at all is checked: where it fails too, no rewrite is to
+    blame. If both only changed the function (something after the passes did, or the export
+    and the oracle disagree in a way the rule does not forgive), the model is kept as the
+    passes made it and :attr:`Outcome.unexplained` says why: the parity verdict reports it.
+
+    Raises:
+        RollbackFailed: the model fails with no rewrite at all, and one of the two is not
+            loaded or run by ONNX Runtime, or fails the checker: nothing can be published.
+    """
+    search = _Search(build, check)
+    rejection = search.check(path)
+    if rejection is None:
+        return Outcome(path, report, [], search.checks)
+    bare = search.bare(report)
+    if bare is not None:
+        if rejection.code == bare.code == Code.CHANGED_THE_FUNCTION:
+            return Outcome(path, report, [], search.checks, unexplained=rejection)
+        raise RollbackFailed(
+            f"the optimized model fails its check ({rejection.message}), and so does the model "
+            f"with no rewrite at all ({bare.message})"
+        )
+    excluded: dict[Fused, Rejection] = {}
+    while rejection is not None:
+        found = search.bad(report.fused, frozenset(excluded), rejection)
+        # none found: the failure needs rewrites together that each pass alone; the model
+        # with none passes, so leaving out all that this build made is safe
+        found = found or dict.fromkeys(report.fused, rejection)
+        if not found:  # no rewrite left to leave out, yet it fails where the bare one passed
+            raise RollbackFailed(f"the model with no rewrite fails once: {rejection.message}")
+        excluded.update(found)
+        path, report = build(frozenset(excluded))
+        rejection = search.check(path)
+    undone = [Undone(f, r) for f, r in excluded.items()]
+    return Outcome(path, report, _in_pass_order(undone), search.checks)
+
+
+class _Search:
+    """The group tests of one rollback, counted."""
+
+    def __init__(self, build: Build, check: Check):
+        self._build = build
+        self._check = check
+        self.checks = 0
+
+    def check(self, path: Path) -> Rejection | None:
+        self.checks += 1
+        return self._check(path)
+
+    def test(self, excluded: frozenset[Fused]) -> Rejection | None:
+        """Build without ``excluded`` and check it."""
+        return self.check(self._build(excluded)[0])
+
+    def bare(self, report: FusionReport) -> Rejection | None:
+        """Check the model built with no rewrite: without those of ``report``, and without
+        any that leaving them out made possible."""
+        excluded = frozenset(report.fused)
+        while True:
+            path, made = self._build(excluded)
+            if not made.fused:
+                return self.check(path)
+            excluded |= frozenset(made.fused)
+
+    def bad(
+        self, fused: Sequence[Fused], excluded: frozenset[Fused], failing: Rejection
+    ) -> dict[Fused, Rejection]:
+        """The rewrites of ``fused`` (not yet in ``excluded``) to leave out, each with the
+        rejection of a model where it was the only suspect left; ``failing`` is the rejection
+        of the model built with all of them. First the passes, then the rewrites of each pass
+        found (with the passes found after it left out, those before it without theirs)."""
+        groups = [[f for f in fused if f not in excluded and _pass_of(f) is p] for p in PASSES]
+        bad_groups = self._bad_groups([g for g in groups if g], excluded, failing)
+        found: dict[Fused, Rejection] = {}
+        for i, (group, rejection) in enumerate(bad_groups):
+            if len(group) == 1:  # its rejection's model had the others found left out
+                found[group[0]] = rejection
+                continue
+            later = {f for g, _ in bad_groups[i + 1 :] for f in g}
+            context = excluded | found.keys() | later
+            why = self.test(context)
+            if why is None:  # it failed only beside the rewrites now known to be bad
+                continue
+            for (rewrite,), single in self._bad_groups([[f] for f in group], context, why):
+                found[rewrite] = single
+        return found
+
+    def _bad_groups(
+        self, groups: list[list[Fused]], excluded: frozenset[Fused], failing: Rejection
+    ) -> list[tuple[list[Fused], Rejection]]:
+        """The groups that fail the check, given that the model built with all of ``groups``
+        (and without ``excluded``) fails with ``failing``."""
+        if len(groups) <= 1:
+            return [(g, failing) for g in groups]
+        half = len(groups) // 2
+        first, second = groups[:half], groups[half:]
+        bad = []
+        without_second = excluded | {f for g in second for f in g}
+        why = self.test(without_second)
+        if why is not None:
+            bad = self._bad_groups(first, without_second, why)
+        known = excluded | {f for g, _ in bad for f in g}
+        why = failing if not bad else self.test(known)
+        if why is not None:
+            bad += self._bad_groups(second, known, why)
+        return bad
+
+
+def _pass_of(rewrite: Fused) -> type:
+    """The pass that makes rewrites of ``rewrite.kind``."""
+    return next(p for p in PASSES if any(k.name == rewrite.kind for k in p.kinds))
+
+
+def _in_pass_order(undone: list[Undone]) -> list[Undone]:
+    order = {p: i for i, p in enumerate(PASSES)}
+    return sorted(undone, key=lambda u: order[_pass_of(u.rewrite)])
+
+
+def refusals(undone: Sequence[Undone]) -> FusionReport:
+    """The undone rewrites as refusals (their family, anchor, rejection code and message), to
+    add to the published model's fusion report."""
+    report = FusionReport()
+    for u in undone:
+        family = next(k.family for k in _pass_of(u.rewrite).kinds if k.name == u.rewrite.kind)
+        detail = f"{u.rewrite.became}, undone: {u.rejection.message}"
+        report.refuse(family, u.rewrite.node, Code(u.rejection.code), detail)
+    return report
