@@ -71,7 +71,7 @@ def summary(report: dict) -> dict:
         "export_failures": len(parity["export_failures"]),
         "failures": len(parity["failures"]),
         "undone": [(u["kind"], u["node"], u["code"]) for u in rollback.get("undone", [])],
-        "fused": sum(v for k, v in report["fusions"].items() if k.endswith(("_fused", "_folded"))),
+        "rewrites": len(report["fusions"]["fused"]),
     }
 
 

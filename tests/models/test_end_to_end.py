@@ -34,6 +34,9 @@ def test_zoo_model_end_to_end(name, tmp_path):
 
     failures = report["parity"]["failures"]
     assert report["parity"]["passed"], failures[:3]
+    # every rewrite is exact: no output beyond float32 noise, no export difference, no rollback
+    assert not report["parity"]["warnings"], report["parity"]["warnings"][:3]
+    assert not report["parity"]["export_failures"] and report["rollback"] is None
     for description, holds in EXPECTED[name]:
         assert holds(report), f"{name}: {description}: {report['fusions']} {report['norm_ops']}"
     assert pipeline.default_output(path).exists()

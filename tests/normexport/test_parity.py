@@ -213,10 +213,17 @@ def test_noise_ratio_warns_above_the_factor_and_strict_fails():
         assert result.warnings() and result.passed is not strict
 
 
-def test_noise_ratio_floor_is_float32_rounding_of_the_output():
+def test_noise_ratio_floor_is_the_rounding_of_the_output():
     """A raw model that got the output exact by luck: the ratio is against 4 unit roundoffs of
-    max|oracle|, not against zero."""
+    the output's type times max|oracle|, not against zero; and against one ulp's effect at the
+    input where the function amplifies it (that is :func:`ulp_perturbed`'s oracle run)."""
     ref = np.linspace(-2.0, 2.0, 9)
-    got = ref * (1 + 2.0**-23)  # 2 roundoffs off
+    got = ref.astype(np.float32)
+    got[-1] = np.nextafter(got[-1], np.float32(3))  # one float32 ulp of 2: 2**-22
     e = compare("y", got, ref, 1e-4, 1e-3, raw=ref.copy())
-    assert e.noise_ratio == pytest.approx(0.5, rel=1e-6) and not e.warned
+    assert e.noise_ratio == pytest.approx(0.5) and not e.warned  # 2**-22 / (4 * 2**-24 * 2)
+    half = compare("y", got.astype(np.float16) + np.float16(2**-9), ref, 1e-4, 1e-3, raw=ref)
+    assert half.noise_ratio == pytest.approx(0.5)  # 2**-9 / (4 * 2**-11 * 2): float16 ulps
+    moved = ref + 1e-5  # the oracle moved by 1e-5 when the input moved by one ulp
+    e = compare("y", ref + 4e-5, ref, 1e-4, 1e-3, raw=ref.copy(), rounded=moved)
+    assert e.ulp_sensitivity == pytest.approx(1e-5) and e.noise_ratio == pytest.approx(4)
