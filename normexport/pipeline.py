@@ -16,7 +16,6 @@ import onnxruntime
 import torch
 
 import fusion
-from fusion import Code
 from fusion._ir import opset_version
 from normexport import autotune, explain, files, hidden_probe, runtime, variants
 from normexport import inputs as inputs_mod
@@ -214,7 +213,8 @@ def _reference(job: _Job, work: Path) -> None:
 
 def _optimize(job: _Job, work: Path) -> None:
     """Run the passes on the raw model in place (it lives on in ``raw_path``), stage the result
-    in ``work``, check it (:func:`_check_candidate`) and, where it fails, put the model without
+    in ``work``, check it (:func:`normexport.rollback.check`) and, where it fails, put the model
+    without
     the rewrites responsible in its place (:func:`normexport.rollback.roll_back`); the undone
     rewrites join the fusion report's refusals.
 
@@ -238,7 +238,12 @@ def _optimize(job: _Job, work: Path) -> None:
         return path, report
 
     verdicts: dict[Path, ParityResult] = {}
-    check = functools.partial(_check_candidate, job, work, verdicts)
+
+    def check(path):
+        level, judge = job.input_checker[0], functools.partial(_check, job, work)
+        rejection, verdicts[path] = rollback_mod.check(path, job.provider, level, judge)
+        return rejection
+
     outcome = rollback_mod.roll_back(job.staged, job.fusions, build, check)
     if outcome.undone:
         _move_onto(outcome.path, job.staged)
@@ -250,74 +255,8 @@ def _optimize(job: _Job, work: Path) -> None:
     level, problem = job.input_checker
     if level == "none":  # not checked as the input was: the levels the output passes
         job.checker = _check_output(job.staged, level, problem)
-    else:  # _check_candidate has checked it at the input's level
+    else:  # rollback.check has checked it at the input's level
         job.checker = Checker(level, problem, level)
-
-
-def _check_candidate(
-    job: _Job, work: Path, verdicts: dict[Path, ParityResult], path: Path
-) -> rollback_mod.Rejection | None:
-    """Why the optimized model at ``path`` cannot be published, or None: the ONNX checker at
-    the level the input passed, an ONNX Runtime session on the provider (with graph
-    optimizations on, as deployed, and off, as parity runs it), a run on every input set, and
-    the float32 parity rule on the outputs where the raw model has no NaN/Inf of its own. Its
-    parity verdict is kept in ``verdicts[path]``."""
-    level = job.input_checker[0]
-    if level != "none":
-        try:
-            fusion.check(path, full_check=level == "full")
-        except Exception as err:  # ValidationError, InferenceError: the checker's verdict
-            return rollback_mod.Rejection(Code.REJECTED_BY_CHECKER, one_line(err))
-    provider = runtime.PROVIDERS[job.provider][0]
-    try:
-        runtime.make_session(path, job.provider, spinning=False, quiet=True)  # as deployed
-        session = runtime.make_session(
-            path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False, quiet=True
-        )
-    except runtime.ProviderUnavailable:
-        raise
-    except Exception as err:  # ORT's own error types
-        why = f"ONNX Runtime's {provider} cannot load it: {runtime.message(err)}"
-        return rollback_mod.Rejection(Code.REJECTED_BY_RUNTIME, why)
-
-    def candidate(feeds):
-        try:
-            return runtime.run(session, feeds, quiet=True)
-        except Exception as err:  # ORT's own error types
-            raise _RunFailed(runtime.message(err)) from None
-
-    try:
-        verdict = _check(job, work, candidate, [o.name for o in session.get_outputs()])
-    except _RunFailed as err:
-        why = f"ONNX Runtime's {provider} cannot run it: {err}"
-        return rollback_mod.Rejection(Code.REJECTED_BY_RUNTIME, why)
-    except ValueError as err:  # output count or shapes differ from the reference's
-        return rollback_mod.Rejection(Code.CHANGED_THE_FUNCTION, str(err))
-    verdicts[path] = verdict
-    diverged = [
-        (probe, e)
-        for probe, e in verdict.failures()
-        if e.raw_max_abs_err is None or math.isfinite(e.raw_max_abs_err)
-    ]
-    if not diverged:
-        return None
-    where: dict[str, list[str]] = {}
-    for probe, e in diverged:
-        where.setdefault(e.output, []).append(probe)
-    probe, e = diverged[0]
-    why = "; ".join(
-        f"output {name!r} diverges on {', '.join(sets)}" for name, sets in where.items()
-    )
-    raw = "" if e.raw_max_abs_err is None else f", raw model's {e.raw_max_abs_err:.3g}"
-    why += (
-        f" (on {probe}: max abs err {e.max_abs_err:.3g}{raw}, tolerance "
-        f"{verdict.atol + verdict.rtol * e.max_abs_ref:.3g})"
-    )
-    return rollback_mod.Rejection(Code.CHANGED_THE_FUNCTION, why)
-
-
-class _RunFailed(Exception):
-    """ONNX Runtime failed to run the candidate model (its message)."""
 
 
 def _half(job: _Job, work: Path) -> None:

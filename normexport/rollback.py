@@ -1,9 +1,9 @@
 """Undo the rewrites that ONNX Runtime rejects or that change the function; never lose a run.
 
-After the passes, the optimized model is checked as a whole (:func:`normexport.pipeline`
-gives the check): the ONNX checker at the level the input passed, an ONNX Runtime session on
-the provider (graph optimizations off, as parity runs it, and on, as a deployment runs it), a
-run on every input set, and the parity rule of :mod:`normexport.parity` against the oracle. A
+After the passes, the optimized model is checked as a whole (:func:`check`): the ONNX checker
+at the level the input passed, an ONNX Runtime session on the provider (graph optimizations
+off, as parity runs it, and on, as a deployment runs it), a run on every input set, and the
+parity rule of :mod:`normexport.parity` against the oracle. A
 model that fails is not published as it is, and the run does not stop: the rewrites
 responsible are found and left out, and the model without them is published.
 
@@ -29,11 +29,16 @@ passes (it ends: the model with none passes).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import fusion
 from fusion import Code, Fused, FusionReport
 from fusion.registry import PASSES
+from normexport import runtime
+from normexport.errors import one_line
+from normexport.parity import ParityResult
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +77,8 @@ class RollbackFailed(RuntimeError):
 Build = Callable[[frozenset[Fused]], tuple[Path, FusionReport]]
 #: ``check(model file) -> why it fails, or None``.
 Check = Callable[[Path], Rejection | None]
+#: ``judge(candidate, output names) -> its float32 parity verdict`` against the references.
+Judge = Callable[[Callable, list[str]], ParityResult]
 
 
 @dataclasses.dataclass
@@ -104,6 +111,80 @@ class Outcome:
             "models_checked": self.checks,
             "unexplained": dataclasses.asdict(self.unexplained) if self.unexplained else None,
         }
+
+
+def check(
+    path: Path, provider: str, checker_level: str, judge: Judge
+) -> tuple[Rejection | None, ParityResult | None]:
+    """Why the optimized model at ``path`` cannot be published, or None, and its parity
+    verdict (None where it did not run): the ONNX checker at ``checker_level`` (the level the
+    input passed: ``"full"``, ``"basic"`` or ``"none"``), an ONNX Runtime session on
+    ``provider`` (with graph optimizations on, as deployed, and off, as parity runs it), a run
+    on every input set, and ``judge``'s float32 parity rule on the outputs where the raw model
+    has no NaN/Inf of its own.
+
+    Raises:
+        normexport.runtime.ProviderUnavailable: the provider does not load.
+    """
+    if checker_level != "none":
+        try:
+            fusion.check(path, full_check=checker_level == "full")
+        except Exception as err:  # ValidationError, InferenceError: the checker's verdict
+            return Rejection(Code.REJECTED_BY_CHECKER, one_line(err)), None
+    name = runtime.PROVIDERS[provider][0]
+    try:
+        runtime.make_session(path, provider, spinning=False, quiet=True)  # as deployed
+        session = runtime.make_session(
+            path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False, quiet=True
+        )
+    except runtime.ProviderUnavailable:
+        raise
+    except Exception as err:  # ORT's own error types
+        why = f"ONNX Runtime's {name} cannot load it: {runtime.message(err)}"
+        return Rejection(Code.REJECTED_BY_RUNTIME, why), None
+
+    def candidate(feeds):
+        try:
+            return runtime.run(session, feeds, quiet=True)
+        except Exception as err:  # ORT's own error types
+            raise _RunFailed(runtime.message(err)) from None
+
+    try:
+        verdict = judge(candidate, [o.name for o in session.get_outputs()])
+    except _RunFailed as err:
+        return Rejection(
+            Code.REJECTED_BY_RUNTIME, f"ONNX Runtime's {name} cannot run it: {err}"
+        ), None
+    except ValueError as err:  # output count or shapes differ from the reference's
+        return Rejection(Code.CHANGED_THE_FUNCTION, str(err)), None
+    return _diverged(verdict), verdict
+
+
+class _RunFailed(Exception):
+    """ONNX Runtime failed to run the candidate model (its message)."""
+
+
+def _diverged(verdict: ParityResult) -> Rejection | None:
+    """``changed_the_function`` where an output fails the parity rule and the raw model has no
+    NaN/Inf there (one that has is the export's to answer for), naming the outputs and sets."""
+    diverged = [
+        (probe, e)
+        for probe, e in verdict.failures()
+        if e.raw_max_abs_err is None or math.isfinite(e.raw_max_abs_err)
+    ]
+    if not diverged:
+        return None
+    where: dict[str, list[str]] = {}
+    for probe, e in diverged:
+        where.setdefault(e.output, []).append(probe)
+    probe, e = diverged[0]
+    why = "; ".join(f"output {out!r} diverges on {', '.join(sets)}" for out, sets in where.items())
+    raw = "" if e.raw_max_abs_err is None else f", raw model's {e.raw_max_abs_err:.3g}"
+    why += (
+        f" (on {probe}: max abs err {e.max_abs_err:.3g}{raw}, tolerance "
+        f"{verdict.atol + verdict.rtol * e.max_abs_ref:.3g})"
+    )
+    return Rejection(Code.CHANGED_THE_FUNCTION, why)
 
 
 def roll_back(path: Path, report: FusionReport, build: Build, check: Check) -> Outcome:
