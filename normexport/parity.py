@@ -541,8 +541,9 @@ def check_parity(
         noise_factor: see :data:`NOISE_FACTOR`.
         max_rel_l2: judge by the half-precision rule with this bound (None: float32 rule).
         round_inputs: feeds -> the feeds rounded to the half type (the oracle is run on them
-            too, for the half-precision rule's rounding allowance); for the float32 rule with a
-            raw model, :func:`ulp_perturbed` (the noise ratio's floor).
+            too, for the half-precision rule's rounding allowance); for the float32 rule the
+            feeds moved by one ulp (the noise ratio's floor), :func:`ulp_perturbed` by default
+            where there is a raw model.
         judge_export: judge the export too, by this float32 run (:data:`EXPORT_JUDGED`).
         strict: a noise-ratio warning fails the verdict.
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from pathlib import Path
@@ -214,9 +215,8 @@ def _reference(job: _Job, work: Path) -> None:
 def _optimize(job: _Job, work: Path) -> None:
     """Run the passes on the raw model in place (it lives on in ``raw_path``), stage the result
     in ``work``, check it (:func:`normexport.rollback.check`) and, where it fails, put the model
-    without
-    the rewrites responsible in its place (:func:`normexport.rollback.roll_back`); the undone
-    rewrites join the fusion report's refusals.
+    without the rewrites responsible in its place (:func:`normexport.rollback.roll_back`); the
+    undone rewrites join the fusion report's refusals.
 
     Raises:
         normexport.rollback.RollbackFailed: the model fails its check with no rewrite at all.
@@ -227,7 +227,7 @@ def _optimize(job: _Job, work: Path) -> None:
     job.staged = work / job.output.name
     files.save_model(job.raw, job.staged, external_data=job.external)
     job.raw = None
-    builds = iter(range(1, 1 << 30))
+    builds = itertools.count(1)
 
     def build(excluded):
         model = ir.load(job.raw_path)
@@ -484,8 +484,9 @@ def _parity(job: _Job, work: Path) -> ParityResult:
     the comparison. Its ``raw_worst()`` is the raw model's worst error against the oracle over
     all input sets (None where no float64 oracle could be built for ONNX input).
 
-    A float32 model that is still the one :func:`_check_candidate` judged keeps that verdict
-    (its runs are not repeated); autotune's choice or a half-precision model is judged anew.
+    A float32 model that is still the one :func:`normexport.rollback.check` judged keeps that
+    verdict (its runs are not repeated); autotune's choice or a half-precision model is judged
+    anew.
     """
     if job.verified is not None:
         return dataclasses.replace(job.verified, strict=job.opts.strict)
@@ -522,17 +523,18 @@ def _check(
         atol=job.opts.atol,
         rtol=job.opts.rtol,
         max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(precision),
-        round_inputs=_rounding(precision),
         strict=job.opts.strict,
-        **job.references,
+        **(job.references | _rounding(precision)),
     )
 
 
-def _rounding(precision: str):
-    """The half-precision parity rule's input rounding for ``precision`` (None: fp32)."""
+def _rounding(precision: str) -> dict:
+    """The half-precision parity rule's input rounding for ``precision`` as
+    :func:`check_parity`'s ``round_inputs`` (fp32: none; the references' own, the float32
+    rule's one-ulp move, stands)."""
     if precision == "fp32":
-        return None
-    return functools.partial(precision_mod.rounded_feeds, precision=precision)
+        return {}
+    return {"round_inputs": functools.partial(precision_mod.rounded_feeds, precision=precision)}
 
 
 def _hidden_probe(job: _Job, parity: ParityResult, work: Path) -> None:
@@ -557,7 +559,8 @@ def _references(job: _Job, work: Path) -> dict:
     where it is not the oracle itself, PyTorch float32 where it is not, the notes, and which
     float32 run the export check judges (``judge_export``; None for ONNX input). Each model is
     run once per input set however many candidates are compared with it
-    (:func:`normexport.parity.remembered`)."""
+    (:func:`normexport.parity.remembered`), the oracle on inputs moved by one ulp too (the
+    float32 rule's ``round_inputs``, :func:`normexport.parity.ulp_perturbed`)."""
     raw_session = job.reference_session or runtime.make_session(
         job.raw_path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False
     )
@@ -579,6 +582,7 @@ def _references(job: _Job, work: Path) -> dict:
             "raw": raw,
             "oracle_kind": found.kind,
             "notes": found.notes,
+            "round_inputs": parity_mod.remembered(parity_mod.ulp_perturbed),
         }
     eager = Eager(job.loaded.module)
 
@@ -596,6 +600,7 @@ def _references(job: _Job, work: Path) -> dict:
         "notes": found.notes,
         # the oracle from the raw export judges PyTorch float32, any other the raw export
         "judge_export": "pytorch" if found.kind.startswith("onnx") else "raw",
+        "round_inputs": parity_mod.remembered(parity_mod.ulp_perturbed),
     }
 
 
