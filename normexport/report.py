@@ -377,14 +377,14 @@ def _render_export(report: Report, console: Console) -> None:
     for probe, f in failures:
         sets.setdefault(f.output, []).append(probe)
     probe, f = failures[0]
-    judged = "PyTorch float32" if report.parity.oracle.startswith("onnx") else "the raw export"
     console.print(
         f"[red]the export differs from the model[/]: the ONNX graph the {report.exporter} "
         "exporter made does not compute what the PyTorch model computes, before any rewrite of "
         "normexport's ("
         + "; ".join(f"output {o!r} on {', '.join(p)}" for o, p in sets.items())
-        + f"; on {probe}: {judged} is {_err(f.raw_max_abs_err)} from the oracle, PyTorch "
-        f"float32 {_err(f.pytorch_max_abs_err)}, max |oracle| {f.max_abs_ref:.3g})"
+        + f"; on {probe}, from the oracle ({report.parity.oracle}): the raw export "
+        f"{_err(f.raw_max_abs_err)}, PyTorch float32 {_err(f.pytorch_max_abs_err)}, max "
+        f"|oracle| {f.max_abs_ref:.3g})"
     )
     if report.exporter_fallback:
         console.print("  the TorchScript exporter was used: the dynamo exporter failed (above)")

@@ -3,9 +3,9 @@
 After the passes, the optimized model is checked as a whole (:func:`check`): the ONNX checker
 at the level the input passed, an ONNX Runtime session on the provider (graph optimizations
 off, as parity runs it, and on, as a deployment runs it), a run on every input set, and the
-parity rule of :mod:`normexport.parity` against the oracle. A
-model that fails is not published as it is, and the run does not stop: the rewrites
-responsible are found and left out, and the model without them is published.
+parity rule of :mod:`normexport.parity` against the oracle. A model that fails is not
+published as it is, and the run does not stop: the rewrites responsible are found and left
+out, and the model without them is published.
 
 Finding them (:func:`roll_back`): the rewrites the passes reported are grouped by the pass that
 made them, in pass order; adaptive group testing (Hwang, "A method for detecting all defective
@@ -13,7 +13,7 @@ members in a population by group testing", JASA 1972: halve a group that fails, 
 that passes) finds the passes whose rewrites fail the check, then, within each, the rewrites
 themselves. Each test builds the model again from the raw one with some rewrites excluded
 (:func:`fusion.optimize`'s ``exclude``) and checks it. A model with ``b`` bad rewrites among
-``n`` takes about ``b * log2(n)`` tests; a model that passes takes none.
+``n`` takes about ``b * log2(n)`` tests; a model that passes is checked once.
 
 Before the search, the model built with no rewrite at all is checked: where it fails too, no
 rewrite is to blame, and nothing is undone (a model whose function changed is published and
