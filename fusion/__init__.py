@@ -1,5 +1,5 @@
-"""ONNX graph passes: fold BatchNorm, fuse LayerNorm and RMSNorm (and, for ONNX Runtime, attention
-and GELU). Usable alone on any .onnx::
+"""ONNX graph passes: fold BatchNorm, merge re-parameterizable blocks, fuse LayerNorm and RMSNorm
+(and, for ONNX Runtime, attention and GELU). Usable alone on any .onnx::
 
     import onnx_ir as ir
     import fusion
@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from fusion import registry
-from fusion._ir import KnownShapes, opset_version
+from fusion._ir import KnownShapes, label, opset_version
 from fusion.base import (
     MS_DOMAIN,
     TARGETS,
@@ -84,10 +84,10 @@ def optimize(
     dead nodes), :class:`FillShapes` (ONNX shape inference for the values that carry no shape,
     as the TorchScript exporter leaves them; :class:`DropShapes` takes them off again after the
     passes), then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
-    and the options (FoldBatchNorm, FuseInstanceNorm, FuseGroupNorm, FuseChannelsFirstLayerNorm,
-    FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip), then clean-up again. The model's
-    opset is never raised: an op is only emitted
-    where the model's opset (or, for ``target="ort"``, ONNX Runtime) has it.
+    and the options (FoldBatchNorm, MergeBranches, FuseInstanceNorm, FuseGroupNorm,
+    FuseChannelsFirstLayerNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip), then
+    clean-up again. The model's opset is never raised: an op is only emitted where the model's
+    opset (or, for ``target="ort"``, ONNX Runtime) has it.
 
     Args:
         model: the model, changed in place.
@@ -126,7 +126,15 @@ def optimize(
     ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup()])(model)
     for fusion_pass in passes:
         report.extend(fusion_pass.outcomes)
+    _drop_removed_batchnorms(report, model)
     return report
+
+
+def _drop_removed_batchnorms(report: FusionReport, model: ir.Model) -> None:
+    """A BatchNorm one pass left alone and a later one removed (an identity branch's, merged
+    with its block by MergeBranches) is no longer left alone: drop its refusal."""
+    labels = {label(node) for node in model.graph}
+    report.refused = [r for r in report.refused if r.kind != "batchnorm" or r.node in labels]
 
 
 class FillShapes(ir.passes.InPlacePass):

@@ -17,11 +17,14 @@ from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_layernorm_cf import FuseChannelsFirstLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.fuse_skip import FuseSkip
+from fusion.merge_branches import MergeBranches
 
-#: The fusion passes in the order optimize() runs them. FuseSkip is last: it fuses the norms
-#: the passes before it produce.
+#: The fusion passes in the order optimize() runs them. MergeBranches follows FoldBatchNorm,
+#: whose folds leave each branch of a re-parameterizable block a Conv; FuseSkip is last: it
+#: fuses the norms the passes before it produce.
 PASSES = (
     FoldBatchNorm,
+    MergeBranches,
     FuseInstanceNorm,
     FuseGroupNorm,
     FuseChannelsFirstLayerNorm,
