@@ -93,6 +93,7 @@ OPSETS = {"dynamo": (18, 20, 23), "torchscript": (17,)}
 
 BTC = (2, 5, 16)  # (batch, time, channels)
 NCHW = (2, 4, 3, 5)
+REPARAM = (2, 8, 6, 6)  # the re-parameterizable blocks' input
 HIDDEN = BTC[-1]
 
 
@@ -533,8 +534,9 @@ RESNET_TAIL = (2, 6, 5, 5)  # the input of ResNetTail
 
 
 class ResNetTail(nn.Module):
-    """A pre-activation ResNet's end: the last block's ``conv(x) + x``, the final BatchNorm,
-    global pooling and the classifier (the BatchNorm folds into the classifier).
+    """A pre-activation ResNet's end: the last block's ``conv(relu(x)) + x``, the final
+    BatchNorm, global pooling and the classifier (the BatchNorm folds into the classifier; the
+    ReLU keeps the block from being one Conv that would absorb it, :mod:`fusion.merge_branches`).
 
     ``pool``: ``"avg"`` (``nn.AdaptiveAvgPool2d(1)`` and ``torch.flatten``), ``"mean"``
     (``y.mean((2, 3))``), ``"two_heads"`` (avg, read by two Linears whose outputs are summed);
@@ -552,7 +554,7 @@ class ResNetTail(nn.Module):
         self.fc2 = nn.Linear(6, 3) if pool == "two_heads" else None
 
     def forward(self, x):
-        y = self.bn(self.conv(x) + x)
+        y = self.bn(self.conv(torch.relu(x)) + x)
         if self.pool == "mean":
             return self.fc(y.mean((2, 3)))
         if self.pool == "channels":
@@ -588,6 +590,124 @@ class NotPerChannel(nn.Module):
         return self.conv(x) * self.c
 
 
+# ---- re-parameterizable blocks (fusion.merge_branches): train-time forms, plain PyTorch ----
+
+
+def _conv_bn(c_in: int, c_out: int, k: int, groups: int = 1, padding: int | None = None):
+    """A bias-free Conv then a BatchNorm: one branch of a re-parameterizable block."""
+    pad = k // 2 if padding is None else padding
+    return _seq(
+        nn.Conv2d(c_in, c_out, k, padding=pad, groups=groups, bias=False), nn.BatchNorm2d(c_out)
+    )
+
+
+class RepVggBlock(nn.Module):
+    """RepVGG (Ding et al., CVPR 2021): ``relu(bn(conv3x3(x)) + bn(conv1x1(x)) + bn(x))``."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.dense, self.one, self.identity = (
+            _conv_bn(c, c, 3),
+            _conv_bn(c, c, 1),
+            nn.BatchNorm2d(c),
+        )
+
+    def forward(self, x):
+        return torch.relu(self.dense(x) + self.one(x) + self.identity(x))
+
+
+class MobileOneBlock(nn.Module):
+    """MobileOne (Vasu et al., CVPR 2023), depthwise: ``k`` over-parameterized 3x3 branches, a
+    1x1 scale branch and a BatchNorm on the identity, summed; ``act`` after (FastViT's mixer
+    has none)."""
+
+    def __init__(self, c: int = 8, k: int = 4, act: bool = True):
+        super().__init__()
+        self.kxk = nn.ModuleList(_conv_bn(c, c, 3, groups=c) for _ in range(k))
+        self.scale, self.identity = _conv_bn(c, c, 1, groups=c), nn.BatchNorm2d(c)
+        self.act = nn.ReLU() if act else nn.Identity()
+
+    def forward(self, x):
+        out = self.scale(x) + self.identity(x)
+        for branch in self.kxk:
+            out = out + branch(x)
+        return self.act(out)
+
+
+class RepMixer(nn.Module):
+    """FastViT's RepMixer: ``x + gamma * (mixer(x) - norm(x))``, the mixer a MobileOne block
+    without activation, ``norm`` a BatchNorm on the identity, ``gamma`` a layer scale."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.mixer, self.norm = MobileOneBlock(c, k=1, act=False), nn.BatchNorm2d(c)
+        self.gamma = nn.Parameter(0.1 + torch.rand(c, 1, 1, generator=_generator(6)))
+
+    def forward(self, x):
+        return x + self.gamma * (self.mixer(x) - self.norm(x))
+
+
+class RepVitMixer(nn.Module):
+    """RepViT's token mixer: ``bn(bn(dwconv3x3(x)) + dwconv1x1(x) + x)``: the BatchNorm after
+    the sum folds into the merged Conv."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.conv, self.conv1 = _conv_bn(c, c, 3, groups=c), nn.Conv2d(c, c, 1, groups=c)
+        self.bn = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        return self.bn(self.conv(x) + self.conv1(x) + x)
+
+
+class OneByOneThenKxK(nn.Module):
+    """DBB's 1x1 -> kxk branch (Ding et al., CVPR 2021): a widening 1x1 (BatchNorm'd), then an
+    unpadded 3x3 (BatchNorm'd): one 3x3."""
+
+    def __init__(self, c: int = 4):
+        super().__init__()
+        self.one, self.kxk = _conv_bn(c, 2 * c, 1), _conv_bn(2 * c, c, 3, padding=0)
+
+    def forward(self, x):
+        return self.kxk(self.one(x))
+
+
+class ReluInBranch(nn.Module):
+    """Refused: ``conv3x3(x) + relu(conv1x1(x)) + x``: a branch is no linear map of x."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.dense, self.one = nn.Conv2d(c, c, 3, padding=1), nn.Conv2d(c, c, 1)
+
+    def forward(self, x):
+        return self.dense(x) + torch.relu(self.one(x)) + x
+
+
+class StridedIdentity(nn.Module):
+    """Refused: ``conv3x3_stride2(x) + x``, valid for a 1x1 input only: the identity does not
+    subsample."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.dense = nn.Conv2d(c, c, 3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.dense(x) + x
+
+
+class MisalignedBranches(nn.Module):
+    """Refused: a 3x3 padded 1 and a 2x2 unpadded, both stride 2: equal output sizes at an even
+    input size only, windows a row apart."""
+
+    def __init__(self, c: int = 8):
+        super().__init__()
+        self.a = nn.Conv2d(c, c, 3, stride=2, padding=1)
+        self.b = nn.Conv2d(c, c, 2, stride=2)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
 # ---- the table ----
 
 
@@ -616,6 +736,8 @@ class Entry:
         opsets: when set, only these opsets apply.
         atol, rtol: parity with PyTorch: ``max |y - r| <= atol + rtol * max |r|``.
         norms: how many norms the module holds (each must become the fused op).
+        convs: how many Conv nodes the optimized model holds, where that is checked (a
+            re-parameterizable block: one).
     """
 
     name: str
@@ -631,6 +753,7 @@ class Entry:
     atol: float = 1e-4
     rtol: float = 1e-3
     norms: int = 1
+    convs: int | None = None
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -865,6 +988,31 @@ GALLERY: list[Entry] = [
         lambda: ResNetTail("channels"),
         "reduces axis 1, along which the map varies",
         RESNET_TAIL,
+    ),
+    # Re-parameterizable blocks (MergeBranches, after FoldBatchNorm): one Conv each, every
+    # BatchNorm of their branches folded; the look-alikes refused and left as they are.
+    _bn("reparam_repvgg", lambda: RepVggBlock(), REPARAM, norms=3, convs=1),
+    _bn("reparam_mobileone_k2", lambda: MobileOneBlock(k=2), REPARAM, norms=4, convs=1),
+    _bn("reparam_mobileone_k4", lambda: MobileOneBlock(k=4), REPARAM, norms=6, convs=1),
+    _bn("reparam_fastvit_repmixer", lambda: RepMixer(), REPARAM, norms=4, convs=1),
+    _bn("reparam_repvit_mixer", lambda: RepVitMixer(), REPARAM, norms=2, convs=1),
+    _bn("reparam_1x1_then_3x3", lambda: OneByOneThenKxK(), (2, 4, 6, 6), norms=2, convs=1),
+    _refused(
+        "batchnorm", "reparam_relu_in_branch", lambda: ReluInBranch(), "through Relu", REPARAM
+    ),
+    _refused(
+        "batchnorm",
+        "reparam_strided_identity",
+        lambda: StridedIdentity(),
+        "the identity does not subsample",
+        (2, 8, 1, 1),
+    ),
+    _refused(
+        "batchnorm",
+        "reparam_misaligned",
+        lambda: MisalignedBranches(),
+        "do not line up",
+        REPARAM,
     ),
     # InstanceNorm / GroupNorm (and the channels-first LayerNorm); modules at the end of the
     # file. After a Conv (input (2, 3, 5, 6)), so that the TorchScript export has no shapes to
