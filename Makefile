@@ -33,8 +33,13 @@ test-fast: install lint
 # The other optimizers that benchmarks/compare_fusers.py runs beside normexport (onnxslim,
 # onnxsim) and the float16 converter benchmarks/precision.py compares with
 # (onnxconverter-common): the `bench` extra; only `make bench` installs them.
+# benchmarks/reparam.py's timm (and the torchvision it imports) go into $(VENV)/timm, outside
+# site-packages: torchvision 0.28's C++ ops do not load beside the torch 2.13 CPU wheel, and
+# installed there it would break transformers' imports (the benchmark defines the two op
+# schemas timm's import needs; timm's other dependencies come with transformers).
 $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -q -e '.[bench]'
+	$(PIP) install -q --no-deps --target $(VENV)/timm timm==1.0.31 torchvision==0.28.0
 	touch $@
 
 # Latency benchmarks (CPU here, CUDA where a GPU is): JSON + PNG in benchmarks/results/.
@@ -44,6 +49,7 @@ bench: install $(VENV)/.bench-installed
 	$(PY) benchmarks/demo_models.py
 	$(PY) benchmarks/compare_fusers.py
 	$(PY) benchmarks/precision.py
+	$(PY) benchmarks/reparam.py
 
 lint: install
 	$(VENV)/bin/ruff check .
