@@ -187,8 +187,7 @@ class MergeBranches(FusionPass):
         set_input(graph, main, 1, plan.weight.astype(dtype), f"{hint}_merged")
         set_input(graph, main, 2, plan.bias.astype(dtype), f"{hint}_merged_bias")
         geometry = plan.geometry
-        for key in ("auto_pad", "kernel_shape"):
-            main.attributes.pop(key, None)
+        main.attributes.pop("auto_pad", None)
         main.attributes["kernel_shape"] = ir.AttrInt64s("kernel_shape", list(geometry.kernel))
         main.attributes["pads"] = ir.AttrInt64s("pads", [*geometry.begin, *geometry.end])
         main.attributes["dilations"] = ir.AttrInt64s("dilations", list(geometry.dilation))
