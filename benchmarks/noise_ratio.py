@@ -33,11 +33,8 @@ from pathlib import Path
 
 import torch
 
-import models
 import normexport
-from models.demo import demo_options
-from models.norms import GALLERY
-from normexport import pipeline
+from models.demo import sweep_runs
 from normexport.errors import UsageError, one_line
 from normexport.files import save_figure
 from normexport.parity import NOISE_WARN_FACTOR
@@ -85,41 +82,6 @@ def _quiet(run) -> dict:
         return {"refused": one_line(err)}
     except Exception as err:
         return {"error": one_line(err)}
-
-
-def gallery_cases(only, scratch: Path) -> dict[str, dict]:
-    """Every float32 gallery entry, with each exporter it has."""
-    out = {}
-    for entry in GALLERY:
-        if entry.dtype != torch.float32 or (only and entry.name not in only):
-            continue
-        for exporter in entry.exporters:
-            output = scratch / entry.name / exporter / "m.onnx"
-            output.parent.mkdir(parents=True)
-            out[f"{entry.name} ({exporter})"] = _quiet(
-                lambda e=entry, x=exporter, o=output: normexport.optimize(
-                    e.build(),
-                    output=o,
-                    input_shapes=[",".join(map(str, e.shape))],
-                    exporter=x,
-                    benchmark=False,
-                    provider="cpu",
-                )
-            )
-    return out
-
-
-def demo_cases(only, scratch: Path) -> dict[str, dict]:
-    """Every demo model, saved and run as ``make demo`` runs it."""
-    out = {}
-    for name in models.ZOO:
-        if only and name not in only:
-            continue
-        folder = scratch / name
-        folder.mkdir()
-        opts = demo_options(models.load(name), folder, provider="cpu")
-        out[name] = _quiet(lambda o=opts: pipeline.run(o))
-    return out
 
 
 def peer_cases(only, scratch: Path) -> dict[str, dict]:
@@ -172,13 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     only = set(args.only.split(",")) if args.only else None
     with tempfile.TemporaryDirectory(prefix="noise-ratio-") as tmp:
         scratch = Path(tmp)
-        for kind in ("gallery", "demo", "peer"):
-            (scratch / kind).mkdir()
-        results = (
-            gallery_cases(only, scratch / "gallery")
-            | demo_cases(only, scratch / "demo")
-            | peer_cases(only, scratch / "peer")
-        )
+        results = {case: _quiet(run) for case, run in sweep_runs(only, scratch)}
+        (scratch / "peer").mkdir()
+        results |= peer_cases(only, scratch / "peer")
     for name, row in results.items():
         print(f"{name}: {row}")
     ran = [r for r in results.values() if "max_noise_ratio" in r]

@@ -30,11 +30,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import models
-import normexport
-from models.demo import demo_options
-from models.norms import GALLERY
-from normexport import pipeline, precision
+from models.demo import sweep_runs
+from normexport import precision
 from normexport.errors import one_line
 
 
@@ -71,44 +68,6 @@ def _quiet(run) -> dict:
         return {"passed": False, "error": one_line(err)}
 
 
-def gallery_cases(only: set[str] | None, scratch: Path) -> dict[str, dict]:
-    """Every float32 gallery entry, with each exporter it has."""
-    out = {}
-    for entry in GALLERY:
-        if entry.dtype != torch.float32 or (only and entry.name not in only):
-            continue
-        for exporter in entry.exporters:
-            output = scratch / entry.name / exporter / "m.onnx"
-            output.parent.mkdir(parents=True)
-            out[f"{entry.name} ({exporter})"] = _quiet(
-                lambda e=entry, x=exporter, o=output: normexport.optimize(
-                    e.build(),
-                    output=o,
-                    input_shapes=[",".join(map(str, e.shape))],
-                    exporter=x,
-                    precision="fp16",
-                    benchmark=False,
-                    provider="cpu",
-                )
-            )
-            print(f"{entry.name} ({exporter}): {out[f'{entry.name} ({exporter})']}", flush=True)
-    return out
-
-
-def demo_cases(only: set[str] | None, scratch: Path) -> dict[str, dict]:
-    """Every demo model, saved and run as ``make demo`` runs it, with ``--precision fp16``."""
-    out = {}
-    for name in models.ZOO:
-        if only and name not in only:
-            continue
-        folder = scratch / name
-        folder.mkdir()
-        opts = demo_options(models.load(name), folder, precision="fp16", provider="cpu")
-        out[name] = _quiet(lambda o=opts: pipeline.run(o))
-        print(f"{name}: {out[name]}", flush=True)
-    return out
-
-
 def _cell(value) -> str:
     return "-" if value is None else f"{value:.2g}"
 
@@ -142,7 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     only = set(args.only.split(",")) if args.only else None
     with tempfile.TemporaryDirectory(prefix="precision-sweep-") as tmp:
-        results = gallery_cases(only, Path(tmp) / "gallery") | demo_cases(only, Path(tmp))
+        results = {}
+        for case, run in sweep_runs(only, Path(tmp), precision="fp16"):
+            results[case] = _quiet(run)
+            print(f"{case}: {results[case]}", flush=True)
     render(results, Console(highlight=False, width=160))
     passed = sum(r["passed"] for r in results.values())
     data = {"precision": "fp16", "passed": passed, "cases": len(results), "results": results}

@@ -15,7 +15,7 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +127,38 @@ def demo_options(zoo: models.ZooModel, folder: Path, **overrides) -> Options:
         "benchmark": False,
     }
     return Options(**(fields | overrides))
+
+
+def sweep_runs(only: set[str] | None, scratch: Path, **options) -> Iterator[tuple[str, Callable]]:
+    """Every float32 gallery entry with each exporter it has (``"name (exporter)"``), then every
+    demo model saved as ``make demo`` saves it, each as ``(case, run)``: ``run()`` is the
+    pipeline's :class:`normexport.report.Report` on it, on ONNX Runtime's CPU provider without
+    the latency run, with ``options`` (further :class:`Options` fields, e.g. ``precision``).
+    ``only``: the entry and zoo names to keep (None: all). Files go under ``scratch``."""
+    import normexport
+    from models.norms import GALLERY
+    from normexport import pipeline
+
+    options = {"benchmark": False, "provider": "cpu", **options}
+    for entry in GALLERY:
+        if entry.dtype != torch.float32 or (only and entry.name not in only):
+            continue
+        for exporter in entry.exporters:
+            output = scratch / "gallery" / entry.name / exporter / "m.onnx"
+            output.parent.mkdir(parents=True)
+            shape = ",".join(map(str, entry.shape))
+            yield (
+                f"{entry.name} ({exporter})",
+                lambda e=entry, x=exporter, o=output, s=shape: normexport.optimize(
+                    e.build(), output=o, input_shapes=[s], exporter=x, **options
+                ),
+            )
+    for name in models.ZOO:
+        if not only or name in only:
+            folder = scratch / "demo" / name
+            folder.mkdir(parents=True)
+            opts = demo_options(models.load(name), folder, **options)
+            yield name, lambda o=opts: pipeline.run(o)
 
 
 def run_one(name: str, out: Path, budget: float) -> tuple[int, dict | None]:

@@ -44,7 +44,7 @@ FIELD_SHAPES = [
 @pytest.mark.parametrize("path", [*PEER, FIELD], ids=lambda p: p.name if p in PEER else "field")
 def test_files_made_by_others_pass_with_no_warning(path, tmp_path, monkeypatch):
     if not path.exists():
-        pytest.skip(f"{path} is not on this machine")
+        pytest.skip(f"{path} is missing: ../shared/ is not beside this checkout")
     monkeypatch.chdir(tmp_path)  # another folder than the model's
     shapes = FIELD_SHAPES if path == FIELD else []
     run = {"output": tmp_path / "out" / "m.onnx", "benchmark": False, "provider": "cpu"}
