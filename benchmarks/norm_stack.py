@@ -44,9 +44,10 @@ from rich.console import Console
 from torch import nn
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
-from normexport import bench, report, runtime, variants
-from normexport.export import export_module
-from normexport.files import save_figure, save_model
+from normexport import bench, report, runtime
+from normexport.io.export import export_module
+from normexport.io.files import save_figure, save_model
+from normexport.tuning import variants
 
 SHAPE = (4, 256, 2048)
 KINDS = ("layernorm", "layernorm_rsqrt", "rmsnorm")

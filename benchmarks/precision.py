@@ -21,12 +21,12 @@ ONNX Runtime's CPU provider (its graph optimizations on, as deployed; intra-op t
 ``--threads``) on a random input set and on the overflow probe
 (:func:`normexport.precision.overflow_set`: one feature in eight about 1e3; for models with
 integer inputs only, hidden states with such outliers fed at the embedding lookup, every model
-cut there as :mod:`normexport.hidden_probe` cuts it, against the float32 model cut there in
+cut there as :mod:`normexport.verdict.hidden_probe` cuts it, against the float32 model cut there in
 float64). Measured per model and input set: NaN / Inf count of the outputs, the
 worst relative L2 error of an output against the float64 oracle (the float32 model with every
-tensor in float64, :func:`normexport.oracle.onnx_float64`), the model's size (bytes, external
-data included) and its CPU latency (median of interleaved runs,
-:func:`normexport.latency.time_interleaved`).
+tensor in float64, :func:`normexport.verdict.oracle.onnx_float64`), the model's size (bytes,
+external data included) and its CPU latency (median of interleaved runs,
+:func:`normexport.runtime.latency.time_interleaved`).
 
 ONNX Runtime's CPU provider has few float16 kernels: it inserts casts to float32 around the
 others itself, which can keep a generic converter's model finite on CPU where a float16 device
@@ -65,14 +65,16 @@ import fusion
 import models
 from models.demo import save_model_file
 from models.norms import GALLERY
-from normexport import bench, files, hidden_probe, oracle, parity, precision, report, runtime
+from normexport import bench, precision, report, runtime
 from normexport.arguments import options_from_args
 from normexport.cli import build_parser
 from normexport.errors import one_line
-from normexport.export import export_module
-from normexport.inputs import id_ranges, input_sets
-from normexport.latency import time_interleaved
+from normexport.io import files
+from normexport.io.export import export_module
+from normexport.io.inputs import id_ranges, input_sets
 from normexport.pipeline import _by_feed_name, prepare
+from normexport.runtime.latency import time_interleaved
+from normexport.verdict import hidden_probe, oracle, parity
 
 #: Gallery entries benchmarked (dynamo exporter, opset 18).
 GALLERY_CASES = (
@@ -235,7 +237,7 @@ def measure(
 def _oracle_outputs(raw: Path, sets: dict, work: Path, loaded=None) -> dict:
     """The float64 oracle's outputs on every input set: the PyTorch model in float64 where
     there is one (``loaded``), else the float32 ONNX model with its tensors in float64 (as
-    ``normexport`` chooses its oracle, :mod:`normexport.oracle`)."""
+    ``normexport`` chooses its oracle, :mod:`normexport.verdict.oracle`)."""
     found, example = None, next(iter(sets.values()))
     if loaded is not None and loaded.module is not None:
         found = oracle.pytorch_float64(loaded, example, list(example))
@@ -298,8 +300,8 @@ def demo_case(name: str, args, work: Path) -> dict:
 def _hidden_probe(
     built: dict, lookups: list, example: dict, result: dict, work: Path, args
 ) -> None:
-    """The overflow probe of a token-id model (:mod:`normexport.hidden_probe`): each model cut
-    at its embedding lookups, fed hidden states with outliers, against the float32 model cut
+    """The overflow probe of a token-id model (:mod:`normexport.verdict.hidden_probe`): each model
+    cut at its embedding lookups, fed hidden states with outliers, against the float32 model cut
     there in float64; into ``result``'s rows (``error_hidden_probe`` where a cut fails)."""
     work.mkdir()
     values = [lookup.value for lookup in lookups]

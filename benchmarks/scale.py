@@ -8,7 +8,7 @@ process so that nothing from the build or export is counted:
 
 - normexport's stages on the file, in the order the CLI runs them: ``load`` (``onnx_ir.load``,
   lazy), ``optimize`` (:func:`fusion.optimize`, target ort), ``save`` (with external data,
-  :func:`normexport.files.save_model`), ``check`` (:func:`fusion.check` on the saved file) and
+  :func:`normexport.io.files.save_model`), ``check`` (:func:`fusion.check` on the saved file) and
   ``sessions`` (the two ONNX Runtime sessions parity opens: input and output, optimizations
   off); wall time (s) and peak resident memory (bytes) of each stage, the peak reset between
   stages (``/proc/self/clear_refs``), and the peak over load + optimize + save + check;
@@ -92,7 +92,8 @@ def run_stages(model_path: Path, out_dir: Path) -> dict:
     import onnxruntime as ort
 
     import fusion
-    from normexport import files, runtime
+    from normexport import runtime
+    from normexport.io import files
 
     out = out_dir / "model.opt.onnx"
     results: dict = {"baseline_rss_bytes": _peak_rss()}
@@ -247,7 +248,7 @@ def write_chart(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from normexport.files import save_figure
+    from normexport.io.files import save_figure
 
     models = result["models"]
     big = max(models, key=lambda m: m["parameters"])

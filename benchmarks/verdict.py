@@ -11,7 +11,7 @@ variances near 1, changes nothing a user can see; the JSON has each break's wors
 beside the verdict. Then the ``scale`` break is tried at the factors of :data:`FACTORS` (by
 bisection) for the smallest single-channel weight scaling caught, without and with
 ``--strict`` (which fails an output whose noise ratio, its error over the raw model's, passes
-:data:`normexport.parity.NOISE_WARN_FACTOR`), and the largest noise ratio each factor tried
+:data:`normexport.verdict.parity.NOISE_WARN_FACTOR`), and the largest noise ratio each factor tried
 gave (the closer to the export's own noise, the sharper the verdict).
 
 Per model, the JSON has the oracle, every break's verdict and worst error against the oracle

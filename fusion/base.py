@@ -189,7 +189,7 @@ class Code(enum.StrEnum):
     #: The norm's scale or bias is not a 1-D vector as long as the last axis.
     PARAM_SHAPE = "param_shape"
 
-    # Rewrites undone after the passes (normexport.rollback), any family.
+    # Rewrites undone after the passes (normexport.verdict.rollback), any family.
     #: The ONNX checker rejects the model with this rewrite.
     REJECTED_BY_CHECKER = "rejected_by_checker"
     #: ONNX Runtime cannot load or run the model with this rewrite on the provider.
@@ -327,8 +327,8 @@ class FusionPass(ir.passes.InPlacePass):
         target: one of :data:`TARGETS`.
         exclude: anchors (:attr:`Fused.node`) of rewrites to leave out: a candidate anchored
             there is neither rewritten nor refused (whoever excludes it says why; the rollback
-            of :mod:`normexport.rollback` does). Anchors are node names of the graph the pass
-            runs on, so a run on the same model with the same passes before it finds them
+            of :mod:`normexport.verdict.rollback` does). Anchors are node names of the graph the
+            pass runs on, so a run on the same model with the same passes before it finds them
             again.
 
     Raises:

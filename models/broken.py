@@ -3,7 +3,7 @@
 Each breaks :func:`fusion.optimize` in one way while inside :func:`broken`, so that the whole
 pipeline (export, optimize, check, parity) runs as usual around the fault. A break inside a
 rewrite (a BatchNorm folded with the wrong variance, a fused norm's eps dropped) goes with it
-when the rollback (:mod:`normexport.rollback`) leaves that rewrite out, and is undone there
+when the rollback (:mod:`normexport.verdict.rollback`) leaves that rewrite out, and is undone there
 (``changed_the_function``); a break outside every rewrite (a layer's weight scaled, a
 LayerNormalization the exporter wrote made an RMSNorm) is in the model with no rewrite too, and
 fails the verdict. Either way it is caught (:func:`caught`); a run that passes with nothing
@@ -90,9 +90,9 @@ def _after(kind: str, factor: float) -> Callable:
     """:func:`fusion.optimize`, then the break ``kind`` applied to the optimized model.
 
     The first call (the pipeline's own) picks the node the break applies to; the calls after
-    it (the rollback's builds, :mod:`normexport.rollback`) break the node of that name, where
-    the build has one: a break in a rewrite the rollback leaves out goes with it, a break after
-    the passes stays in every build."""
+    it (the rollback's builds, :mod:`normexport.verdict.rollback`) break the node of that name,
+    where the build has one: a break in a rewrite the rollback leaves out goes with it, a break
+    after the passes stays in every build."""
     real = fusion.optimize
     target: list[str] = []
 

@@ -66,8 +66,8 @@ def optimize(
         dynamic, opset, target, provider, exporter: as ``--dynamic`` etc.
         benchmark: time the variants (False: ``--no-benchmark``).
         autotune: ``--autotune``.
-        atol, rtol: parity tolerances (None: :data:`normexport.parity.DEFAULT_ATOL` / ``RTOL``);
-            atol in the outputs' units, rtol times the oracle's largest magnitude.
+        atol, rtol: parity tolerances (None: :data:`normexport.verdict.parity.DEFAULT_ATOL` /
+            ``RTOL``); atol in the outputs' units, rtol times the oracle's largest magnitude.
         strict: ``--strict``: a noise-ratio warning (``report.parity.warnings()``) fails.
         budget_s: seconds of timed runs to aim for (``--budget``; None: the CLI's default).
         trust_pickle, model_class: as ``--trust-pickle``, ``--model-class``.

@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from normexport.parity import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
+from normexport.verdict.parity import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
 
 
 @dataclasses.dataclass
@@ -27,17 +27,17 @@ class Options:
         output: where to write the optimized model (default: MODEL stem + ``.opt.onnx``).
         report: where the caller will write the JSON report (and ``.png`` chart beside it), or
             None; checked up front so that no output lands on the input or on another.
-        input_shape: ``--input-shape`` specs, see :mod:`normexport.inputs`.
+        input_shape: ``--input-shape`` specs, see :mod:`normexport.io.inputs`.
         inputs: an ``.npz`` file of example inputs by name (real data), or None.
         dynamic: ``--dynamic`` axes, e.g. ``batch``, ``batch,sequence`` or ``x:0,2``.
         opset: ai.onnx opset to export at (None: the exporter's default).
         target: ``ort`` or ``onnx`` (see :data:`fusion.TARGETS`).
         provider: ``auto``, ``cpu`` or ``cuda``.
         benchmark: time the variants (``--no-benchmark`` clears it).
-        atol, rtol: parity tolerances (see :func:`normexport.parity.closeness`); atol in the
+        atol, rtol: parity tolerances (see :func:`normexport.verdict.parity.closeness`); atol in the
             outputs' units, rtol times the oracle's largest magnitude.
         strict: fail the verdict where an output passes but is more than
-            :data:`normexport.parity.NOISE_WARN_FACTOR` times further from the oracle than
+            :data:`normexport.verdict.parity.NOISE_WARN_FACTOR` times further from the oracle than
             the raw model (float32; by default a warning).
         trust_pickle, model_class, model_kwargs, exporter: how to load and export the model
             (see the README's table of model files).

@@ -1,9 +1,9 @@
 """``normexport bench MODEL``: latency of every optimizer's variant of one model, swept over
 batch (and sequence) sizes, on one execution provider, with PyTorch eager beside them.
 
-What is timed, and how (see :mod:`normexport.latency` for the statistics):
+What is timed, and how (see :mod:`normexport.runtime.latency` for the statistics):
 
-- the variants of :data:`normexport.variants.VARIANTS`, each in its own ORT session on the
+- the variants of :data:`normexport.tuning.variants.VARIANTS`, each in its own ORT session on the
   provider :func:`normexport.runtime.resolve_provider` picked (a CPU run is never labelled
   CUDA; ``auto`` without CUDA prints one line saying so);
 - with ``--cpu`` (the default on CUDA), the raw export and normexport's model once more on
@@ -49,14 +49,15 @@ from rich.table import Table
 import fusion
 from fusion.base import Op
 from fusion.registry import FUSED_NORM_OPS
-from normexport import report, runtime, variants
+from normexport import report, runtime
 from normexport.arguments import add_model_arguments
-from normexport.eager import Eager
 from normexport.errors import UsageError, one_line
-from normexport.files import save_figure
-from normexport.latency import Timing, paired_ratio, time_interleaved
-from normexport.load import detect_kind
-from normexport.parity import closeness
+from normexport.io.eager import Eager
+from normexport.io.files import save_figure
+from normexport.io.load import detect_kind
+from normexport.runtime.latency import Timing, paired_ratio, time_interleaved
+from normexport.tuning import variants
+from normexport.verdict.parity import closeness
 
 #: Name of the PyTorch eager entry among the variants' timings.
 EAGER = "pytorch_eager"
@@ -265,7 +266,7 @@ def resize_inputs(
 
 
 def _max_abs_diff(got: list[np.ndarray], ref: list[np.ndarray]) -> float:
-    """The largest :attr:`~normexport.parity.Closeness.max_abs_err` over the outputs.
+    """The largest :attr:`~normexport.verdict.parity.Closeness.max_abs_err` over the outputs.
 
     Raises:
         ValueError: the output counts or shapes differ.
@@ -328,7 +329,7 @@ def bench_model(
         options: the points, provider and budget (default: :class:`BenchOptions`).
         module: the PyTorch model for the eager entry, or None.
         extra: models of the caller's own to time beside the variants
-            (:meth:`normexport.variants.Variant.extra`); not counted as optimizers in
+            (:meth:`normexport.tuning.variants.Variant.extra`); not counted as optimizers in
             ``normexport_vs_best``.
 
     Returns:
@@ -570,7 +571,8 @@ def norm_floor(model: Path, feeds: dict[str, np.ndarray], provider: str, budget_
 
     Returns:
         ``{"node", "op", "shape", "norm_ms", "elementwise_ms", "norm_over_floor"}`` (timings as
-        :class:`normexport.latency.Timing` dicts, ms), or None when the model has no fused norm.
+        :class:`normexport.runtime.latency.Timing` dicts, ms), or None when the model has no fused
+        norm.
     """
     copy, node, shapes = _norm_input_shapes(model, feeds, provider)
     if node is None:

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(args: argparse.Namespace, console: Console) -> int:
-    from normexport import explain, pipeline, report
+    from normexport import pipeline, report
+    from normexport.report import explain
 
     result = pipeline.run(options_from_args(args))
     report.render(result, console)
@@ -86,7 +87,8 @@ def _main(args: argparse.Namespace, console: Console) -> int:
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
-    from normexport import explain, pipeline
+    from normexport import pipeline
+    from normexport.report import explain
 
     prepared = pipeline.prepare(options_from_args(args))
     source = "as exported" if prepared.export.exporter != "none" else "as given"

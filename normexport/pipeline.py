@@ -18,19 +18,15 @@ import torch
 
 import fusion
 from fusion._ir import opset_version
-from normexport import autotune, explain, files, hidden_probe, runtime, variants
-from normexport import inputs as inputs_mod
-from normexport import oracle as oracle_mod
-from normexport import parity as parity_mod
 from normexport import precision as precision_mod
-from normexport import rollback as rollback_mod
+from normexport import runtime
 from normexport.arguments import Options
-from normexport.eager import Eager
 from normexport.errors import InputFileError, UsageError, one_line
-from normexport.export import ExportError, export_module
-from normexport.latency import time_interleaved
-from normexport.load import LoadedModel, load_model
-from normexport.parity import ParityResult, check_parity
+from normexport.io import files
+from normexport.io import inputs as inputs_mod
+from normexport.io.eager import Eager
+from normexport.io.export import ExportError, export_module
+from normexport.io.load import LoadedModel, load_model
 from normexport.report import (
     Checker,
     Fusions,
@@ -39,7 +35,15 @@ from normexport.report import (
     NormOps,
     Report,
     Versions,
+    explain,
 )
+from normexport.runtime.latency import time_interleaved
+from normexport.tuning import autotune, variants
+from normexport.verdict import hidden_probe
+from normexport.verdict import oracle as oracle_mod
+from normexport.verdict import parity as parity_mod
+from normexport.verdict import rollback as rollback_mod
+from normexport.verdict.parity import ParityResult, check_parity
 
 __all__ = ["Options", "Prepared", "Report", "default_output", "prepare", "run"]
 
@@ -116,14 +120,14 @@ def run(opts: Options) -> Report:
 
     Stages: plan the outputs, :func:`prepare` (load, example inputs, export), take the
     reference, optimize and check (the rewrites that ONNX Runtime rejects or that change the
-    function undone: :mod:`normexport.rollback`), autotune (on request), convert to half
+    function undone: :mod:`normexport.verdict.rollback`), autotune (on request), convert to half
     precision (on request, :mod:`normexport.precision`), publish, parity, latency (on
     request). Works from
     files: an ONNX input is read lazily (its external data stays on disk until a pass needs
     it), the raw export and every intermediate model live in a scratch folder
     beside the output, the checker and every ONNX Runtime session open files by path, and the
     output is written with its own external data file (``OUT.onnx.data``) when the input had one
-    or the model is large (:func:`normexport.files.wants_external_data`); no model is ever one
+    or the model is large (:func:`normexport.io.files.wants_external_data`); no model is ever one
     protobuf in memory (the float16 converter alone takes one, and refuses models over 2 GiB).
     The optimized model is written even when parity fails;
     ``report.parity.passed`` says whether it did.
@@ -155,7 +159,7 @@ def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
     before any work: each writable, none on the input, none written twice.
 
     Raises:
-        UsageError: see :func:`normexport.files.check_writable` and :func:`refuse_overwriting`.
+        UsageError: see :func:`normexport.io.files.check_writable` and :func:`refuse_overwriting`.
     """
     if opts.output is None and opts.module is not None:
         raise UsageError("an in-memory module has no file to write beside: give output=PATH")
@@ -214,12 +218,14 @@ def _reference(job: _Job, work: Path) -> None:
 
 def _optimize(job: _Job, work: Path) -> None:
     """Run the passes on the raw model in place (it lives on in ``raw_path``), stage the result
-    in ``work``, check it (:func:`normexport.rollback.check`) and, where it fails, put the model
-    without the rewrites responsible in its place (:func:`normexport.rollback.roll_back`); the
-    undone rewrites join the fusion report's refusals.
+    in ``work``, check it (:func:`normexport.verdict.rollback.check`) and, where it fails, put the
+    model without the rewrites responsible in its place
+    (:func:`normexport.verdict.rollback.roll_back`); the undone rewrites join the fusion report's
+    refusals.
 
     Raises:
-        normexport.rollback.RollbackFailed: the model fails its check with no rewrite at all.
+        normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite at
+        all.
     """
     opts = job.opts
     skip = variants.skip_fusion(opts.target, job.provider)
@@ -478,14 +484,14 @@ def _move_onto(source: Path, staged: Path) -> None:
 
 def _parity(job: _Job, work: Path) -> ParityResult:
     """The parity verdict of the optimized model against the oracle (see
-    :mod:`normexport.parity` and :mod:`normexport.oracle`), with the raw model (the raw export,
-    or the input file as written) and PyTorch float32 compared with it too. Every ONNX model
-    runs with ONNX Runtime's graph optimizations off, so that its own rewrites are not part of
+    :mod:`normexport.verdict.parity` and :mod:`normexport.verdict.oracle`), with the raw model (the
+    raw export, or the input file as written) and PyTorch float32 compared with it too. Every ONNX
+    model runs with ONNX Runtime's graph optimizations off, so that its own rewrites are not part of
     the comparison. Its ``raw_worst()`` is the raw model's worst error against the oracle over
     all input sets (None where no float64 oracle could be built for ONNX input).
 
-    A float32 model that is still the one :func:`normexport.rollback.check` judged keeps that
-    verdict (its runs are not repeated); autotune's choice or a half-precision model is judged
+    A float32 model that is still the one :func:`normexport.verdict.rollback.check` judged keeps
+    that verdict (its runs are not repeated); autotune's choice or a half-precision model is judged
     anew.
     """
     if job.verified is not None:
@@ -508,7 +514,7 @@ def _parity(job: _Job, work: Path) -> ParityResult:
 def _check(
     job: _Job, work: Path, candidate, output_names: list[str], precision: str = "fp32"
 ) -> ParityResult:
-    """:func:`normexport.parity.check_parity` of ``candidate`` against the job's references
+    """:func:`normexport.verdict.parity.check_parity` of ``candidate`` against the job's references
     (:func:`_references`, built once), by the rule for ``precision``.
 
     Raises:
@@ -538,8 +544,8 @@ def _rounding(precision: str) -> dict:
 
 
 def _hidden_probe(job: _Job, parity: ParityResult, work: Path) -> None:
-    """Add the hidden-state overflow probe (:mod:`normexport.hidden_probe`) to ``parity``, for a
-    model without float inputs, where it has embedding lookups."""
+    """Add the hidden-state overflow probe (:mod:`normexport.verdict.hidden_probe`) to ``parity``,
+    for a model without float inputs, where it has embedding lookups."""
     found = hidden_probe.check(
         job.raw_path,
         job.output,
@@ -559,8 +565,8 @@ def _references(job: _Job, work: Path) -> dict:
     where it is not the oracle itself, PyTorch float32 where it is not, the notes, and which
     float32 run the export check judges (``judge_export``; None for ONNX input). Each model is
     run once per input set however many candidates are compared with it
-    (:func:`normexport.parity.remembered`), the oracle on inputs moved by one ulp too (the
-    float32 rule's ``round_inputs``, :func:`normexport.parity.ulp_perturbed`)."""
+    (:func:`normexport.verdict.parity.remembered`), the oracle on inputs moved by one ulp too (the
+    float32 rule's ``round_inputs``, :func:`normexport.verdict.parity.ulp_perturbed`)."""
     raw_session = job.reference_session or runtime.make_session(
         job.raw_path, job.provider, optimization_level=runtime.AS_WRITTEN, spinning=False
     )

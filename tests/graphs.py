@@ -15,7 +15,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
-from normexport.parity import closeness
+from normexport.verdict.parity import closeness
 
 #: A node as ``(op_type, inputs, outputs, attributes)``; add ``"domain"`` to the attributes
 #: dict as ``{"domain": "com.microsoft"}`` for a contrib op.
@@ -84,7 +84,7 @@ def ops(model: ir.Model) -> list[str]:
 def assert_close(
     got: Sequence[np.ndarray], want: Sequence[np.ndarray], rtol: float = 1e-5, atol: float = 1e-6
 ) -> None:
-    """Each pair within :func:`normexport.parity.closeness` (``atol + rtol * max|want|``, no
+    """Each pair within :func:`normexport.verdict.parity.closeness` (``atol + rtol * max|want|``, no
     NaN/Inf where ``want`` is finite)."""
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):

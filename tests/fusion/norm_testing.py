@@ -6,9 +6,9 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from normexport.export import export_module
-from normexport.parity import closeness
+from normexport.io.export import export_module
 from normexport.runtime import make_session, run
+from normexport.verdict.parity import closeness
 
 SHAPE = (2, 3, 16)
 

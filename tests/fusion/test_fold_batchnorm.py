@@ -18,9 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from fusion.base import Code, FusionReport
 from fusion.fold_batchnorm import FoldBatchNorm
-from normexport.export import export_module
-from normexport.parity import closeness
+from normexport.io.export import export_module
 from normexport.runtime import make_session, run
+from normexport.verdict.parity import closeness
 
 # Exports with PyTorch (seconds per test); the graph-level cases are in
 # test_fold_batchnorm_graphs.py.

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 import fusion
-from normexport.export import export_module
+from normexport.io.export import export_module
 from normexport.runtime import make_session, run
 
 pytestmark = pytest.mark.slow
@@ -102,8 +102,8 @@ def test_an_eps_of_1e_8_outside_any_norm_survives():
 
 
 def test_autotune_offers_attention_unfused_and_it_is_exact(tmp_path):
-    from normexport import autotune
-    from normexport.files import save_model
+    from normexport.io.files import save_model
+    from normexport.tuning import autotune
 
     module = TinyBert()
     fused, unfused = _export(module), _export(module)

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from fusion.base import Code
 from fusion.fuse_layernorm import FuseLayerNorm
-from normexport import explain
+from normexport.report import explain
 
 H = SHAPE[-1]
 FLOAT = TensorProto.FLOAT

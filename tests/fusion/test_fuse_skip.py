@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 import fusion
 from fusion.base import Code, FusionReport
 from fusion.fuse_skip import SKIP_OPS, FuseSkip
-from normexport.export import export_module
+from normexport.io.export import export_module
 from normexport.runtime import make_session, run
 
 pytestmark = pytest.mark.slow

@@ -27,10 +27,10 @@ import torch
 import fusion
 from fusion.registry import KINDS
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
-from normexport.export import export_module
-from normexport.inputs import input_sets
-from normexport.parity import check_parity
+from normexport.io.export import export_module
+from normexport.io.inputs import input_sets
 from normexport.runtime import make_session, run
+from normexport.verdict.parity import check_parity
 
 pytestmark = pytest.mark.slow  # exports every gallery entry
 

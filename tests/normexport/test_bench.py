@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from normexport import bench, cli, runtime, variants
+from normexport import bench, cli, runtime
 from normexport.errors import UsageError
-from normexport.export import export_module
+from normexport.io.export import export_module
+from normexport.tuning import variants
 
 pytestmark = pytest.mark.slow  # exports PyTorch models
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import fusion
 from normexport import cli, pipeline
-from normexport.export import export_module
+from normexport.io.export import export_module
 
 
 class ConvBNNet(nn.Module):
@@ -302,7 +302,7 @@ def test_autotune_records_candidates_and_keeps_parity(capsys, tmp_path):
 def test_autotune_choice_becomes_the_output(capsys, tmp_path, monkeypatch):
     """Where autotune keeps another form than the default, that form is what is written (with
     its own external data) and what parity judges."""
-    from normexport import autotune
+    from normexport.tuning import autotune
 
     real = autotune.autotune
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from normexport.export import export_module
+from normexport.io.export import export_module
 from normexport.runtime import make_session, run
 
 pytestmark = pytest.mark.slow  # exports PyTorch models

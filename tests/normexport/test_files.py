@@ -17,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from normexport import cli, files
+from normexport import cli
+from normexport.io import files
 
 pytestmark = pytest.mark.slow  # every test exports a PyTorch model first
 

@@ -1,5 +1,5 @@
-"""The overflow probe for token-id models (:mod:`normexport.hidden_probe`): hidden states fed
-at the embedding lookup, in graphs built node by node and run on ONNX Runtime, and through the
+"""The overflow probe for token-id models (:mod:`normexport.verdict.hidden_probe`): hidden states
+fed at the embedding lookup, in graphs built node by node and run on ONNX Runtime, and through the
 CLI on an ONNX file of token ids."""
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from normexport import cli, files, hidden_probe, precision
+from normexport import cli, precision
+from normexport.io import files
+from normexport.verdict import hidden_probe
 from tests.fusion.norm_graphs import Graph, layernorm
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from normexport.latency import Timing, bootstrap_ci, paired_ratio, time_interleaved
+from normexport.runtime.latency import Timing, bootstrap_ci, paired_ratio, time_interleaved
 
 
 def test_from_samples_summarizes_in_ms():

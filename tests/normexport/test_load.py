@@ -1,4 +1,4 @@
-"""normexport.load on torch.export archives: transformers outputs, hostile pickles, bad files.
+"""normexport.io.load on torch.export archives: transformers outputs, hostile pickles, bad files.
 
 A transformers model's ``ModelOutput`` is known to torch's pytree only in a process that has
 imported the module defining it; the tests that load such a program therefore load it in a
@@ -24,7 +24,7 @@ from torch import nn
 
 from normexport import cli
 from normexport.errors import UsageError
-from normexport.load import load_model
+from normexport.io.load import load_model
 
 pytestmark = pytest.mark.slow  # loads torch.export programs and runs the CLI on them
 
@@ -98,7 +98,7 @@ def save_program(model, path: Path, ids: torch.Tensor, kwargs=None) -> torch.Ten
 
 LOAD_AND_RUN = """
 import sys, torch
-from normexport.load import load_model
+from normexport.io.load import load_model
 
 loaded = load_model(sys.argv[1])
 ids = torch.from_numpy(loaded.example_inputs["input_ids"])
@@ -171,7 +171,7 @@ def test_stand_in_keys():
     """Keys from the saved context; a context that is not one key per child gives 0, 1, ..."""
     from torch.utils import _pytree as pytree
 
-    from normexport.load import StandIn, _stand_in
+    from normexport.io.load import StandIn, _stand_in
 
     leaf = {"type": None, "context": None, "children_spec": []}
 

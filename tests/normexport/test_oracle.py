@@ -1,4 +1,4 @@
-"""The float64 oracle of an ONNX graph (:func:`normexport.oracle.onnx_float64`).
+"""The float64 oracle of an ONNX graph (:func:`normexport.verdict.oracle.onnx_float64`).
 
 Graphs are built node by node with random weights and statistics; each oracle is compared with
 an exact numpy computation in float64, and with the graph as written in float32.
@@ -14,7 +14,9 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from normexport import files, oracle, runtime
+from normexport import runtime
+from normexport.io import files
+from normexport.verdict import oracle
 from tests.graphs import make_model
 
 F = TensorProto.FLOAT

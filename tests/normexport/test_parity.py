@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from normexport.inputs import id_ranges, input_sets, parse_input_shape
-from normexport.parity import check_parity, closeness, compare
+from normexport.io.inputs import id_ranges, input_sets, parse_input_shape
+from normexport.verdict.parity import check_parity, closeness, compare
 
 
 def test_compare_metrics_are_exact():
@@ -122,7 +122,7 @@ def test_constant_reference_is_a_weak_check(ref):
 def test_random_sets_do_not_repeat_a_generated_example():
     """The example that --input-shape generates and the random sets come from different seeds:
     a random set equal to the example would be a parity run wasted."""
-    from normexport.inputs import parse_input_shape, random_array
+    from normexport.io.inputs import parse_input_shape, random_array
 
     spec = parse_input_shape("x=2x3x8")
     example = {"x": random_array(spec, np.random.default_rng(0))}
@@ -191,7 +191,7 @@ def test_the_export_is_forgiven_float32_noise_and_constant_oracles():
 
 
 def test_noise_ratio_warns_above_the_factor_and_strict_fails():
-    from normexport.parity import NOISE_WARN_FACTOR
+    from normexport.verdict.parity import NOISE_WARN_FACTOR
 
     ref = np.random.default_rng(0).standard_normal(256)
     raw = _noisy(ref, 1e-7, 1)

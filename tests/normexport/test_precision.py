@@ -18,8 +18,11 @@ from onnxruntime.transformers import float16
 from torch import nn
 
 import fusion
-from normexport import cli, files, kernels, parity, precision
+from normexport import cli, precision
 from normexport.errors import UsageError
+from normexport.io import files
+from normexport.precision import kernels
+from normexport.verdict import parity
 from tests.graphs import make_model
 
 F, H = TensorProto.FLOAT, TensorProto.FLOAT16

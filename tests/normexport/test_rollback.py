@@ -22,7 +22,7 @@ from torch import nn
 from fusion import Code, Fused, FusionReport
 from fusion.fold_batchnorm import algebra, before
 from normexport import cli
-from normexport.rollback import Rejection, RollbackFailed, roll_back
+from normexport.verdict.rollback import Rejection, RollbackFailed, roll_back
 
 BAD = Rejection(Code.REJECTED_BY_RUNTIME, "ONNX Runtime cannot run it")
 CHANGED = Rejection(Code.CHANGED_THE_FUNCTION, "output 'y' diverges on random_0")

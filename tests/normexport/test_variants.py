@@ -11,10 +11,11 @@ import pytest
 from graphs import make_model, ops, run
 from onnx import TensorProto
 
-from normexport import autotune, runtime, variants
+from normexport import runtime
 from normexport.errors import UsageError
-from normexport.files import data_path
-from normexport.parity import closeness
+from normexport.io.files import data_path
+from normexport.tuning import autotune, variants
+from normexport.verdict.parity import closeness
 
 # --- sessions --------------------------------------------------------------------------------
 

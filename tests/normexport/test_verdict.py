@@ -18,7 +18,7 @@ from torch import nn
 from models.broken import broken, caught
 from models.norms import GALLERY
 from normexport import cli, pipeline
-from normexport.load import quiet_torch
+from normexport.io.load import quiet_torch
 
 pytestmark = pytest.mark.slow  # every test exports a PyTorch model and runs the pipeline
 

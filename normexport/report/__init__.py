@@ -16,15 +16,15 @@ from rich.table import Table
 
 import fusion
 from fusion import FUSION_KINDS
-from normexport.explain import AlreadyFused
-from normexport.files import atomic_path, save_figure
-from normexport.latency import BUSY_SPREAD, Timing
-from normexport.parity import NOISE_WARN_FACTOR, OutputError, ParityResult
+from normexport.io.files import atomic_path, save_figure
+from normexport.report.explain import AlreadyFused
+from normexport.runtime.latency import BUSY_SPREAD, Timing
+from normexport.verdict.parity import NOISE_WARN_FACTOR, OutputError, ParityResult
 
 if TYPE_CHECKING:
-    from normexport.autotune import AutotuneResult
     from normexport.precision import PrecisionReport
-    from normexport.rollback import Outcome
+    from normexport.tuning.autotune import AutotuneResult
+    from normexport.verdict.rollback import Outcome
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +173,7 @@ class Report:
             (:func:`fusion.onnxruntime_ops`: com.microsoft contrib ops, and ONNX Runtime's
             default-domain ops where ONNX has none at the model's opset), op -> nodes; empty
             where the model is standard ONNX of its opset.
-        parity: the verdict and errors (:class:`normexport.parity.ParityResult`).
+        parity: the verdict and errors (:class:`normexport.verdict.parity.ParityResult`).
         provider: the ONNX Runtime execution provider the sessions really used.
         provider_note: why it is not the one asked for, or None.
         notes: what to know about how the model was loaded (e.g. put in eval mode).
@@ -183,7 +183,7 @@ class Report:
         precision: what ``--precision fp16|bf16`` did
             (:class:`normexport.precision.PrecisionReport`), or None for a float32 model.
         rollback: the rewrites undone because ONNX Runtime or the checker rejected them or
-            they changed the function (:class:`normexport.rollback.Outcome`), or None where
+            they changed the function (:class:`normexport.verdict.rollback.Outcome`), or None where
             the optimized model passed its check as the passes made it.
     """
 

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch.export.pt2_archive import constants as _pt2
 
 from normexport.errors import InputFileError, UsageError, one_line
-from normexport.quiet import quiet_torch
+from normexport.io.quiet import quiet_torch
 
 
 @dataclasses.dataclass

@@ -5,8 +5,8 @@ The exact fused form is not always the fastest (measured on ORT 1.31's CPU provi
 Add + LayerNormalization, and ORT_ENABLE_ALL turns Add + LayerNormalization back into
 SkipLayerNormalization unless its ``SkipLayerNormFusion`` is disabled. So a candidate is a model
 *and* the session settings it needs; :func:`candidates` builds them from
-:func:`normexport.variants.exact_forms`, and :func:`autotune` times them interleaved
-(:func:`normexport.latency.time_interleaved`) and keeps the default unless another is faster
+:func:`normexport.tuning.variants.exact_forms`, and :func:`autotune` times them interleaved
+(:func:`normexport.runtime.latency.time_interleaved`) and keeps the default unless another is faster
 by more than the spread (the 95% bootstrap interval of the paired ratio lies below 1).
 
 Every candidate's outputs are compared with the default's first: one that differs by more than
@@ -23,9 +23,10 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from normexport import runtime, variants
-from normexport.latency import Ratio, Timing, paired_ratio, time_interleaved
-from normexport.parity import closeness
+from normexport import runtime
+from normexport.runtime.latency import Ratio, Timing, paired_ratio, time_interleaved
+from normexport.tuning import variants
+from normexport.verdict.parity import closeness
 
 #: ORT graph transformer that fuses Add + LayerNormalization into SkipLayerNormalization.
 SKIP_FUSION = "SkipLayerNormFusion"
@@ -113,7 +114,7 @@ def candidates(
     target: str = "ort",
     attention_unfused: Path | None = None,
 ) -> dict[str, Candidate]:
-    """The exact forms of the model file ``model`` (:func:`normexport.variants.exact_forms`,
+    """The exact forms of the model file ``model`` (:func:`normexport.tuning.variants.exact_forms`,
     written beside it) as candidates;
     each form with an Add feeding a norm also as ``FORM+no_skip_fusion``, run with ORT's
     SkipLayerNormFusion disabled. The first entry, ``as_built``, is the default.
@@ -138,7 +139,7 @@ def candidates(
 
 
 def _agrees(got: list[np.ndarray], ref: list[np.ndarray], atol: float, rtol: float) -> float | None:
-    """max |got - ref| if every output is within :func:`~normexport.parity.closeness`'s
+    """max |got - ref| if every output is within :func:`~normexport.verdict.parity.closeness`'s
     ``atol + rtol * max|ref|`` with no new NaN/Inf, else None (also for a shape mismatch)."""
     worst = 0.0
     for g, r in zip(got, ref, strict=True):

@@ -531,7 +531,7 @@ def check_parity(
         candidate, reference: input feeds -> outputs: the optimized ONNX model, and the
             oracle (float64 where it can be built, else PyTorch eager float32 or the
             unoptimized ONNX model).
-        sets: input set name -> feeds (see :func:`normexport.inputs.input_sets`).
+        sets: input set name -> feeds (see :func:`normexport.io.inputs.input_sets`).
         output_names, reference_kind: the candidate's output names, and ``"pytorch"`` or
             ``"onnx"``, for the report.
         atol, rtol: tolerances, see the module docstring.

@@ -3,7 +3,7 @@
 After the passes, the optimized model is checked as a whole (:func:`check`): the ONNX checker
 at the level the input passed, an ONNX Runtime session on the provider (graph optimizations
 off, as parity runs it, and on, as a deployment runs it), a run on every input set, and the
-parity rule of :mod:`normexport.parity` against the oracle. A model that fails is not
+parity rule of :mod:`normexport.verdict.parity` against the oracle. A model that fails is not
 published as it is, and the run does not stop: the rewrites responsible are found and left
 out, and the model without them is published.
 
@@ -38,7 +38,7 @@ from fusion import Code, Fused, FusionReport
 from fusion.registry import PASSES
 from normexport import runtime
 from normexport.errors import one_line
-from normexport.parity import ParityResult
+from normexport.verdict.parity import ParityResult
 
 
 @dataclasses.dataclass(frozen=True)

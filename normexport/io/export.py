@@ -23,7 +23,7 @@ import torch
 from fusion._ir import const_array, opset_version
 from fusion.cleanup import cleanup
 from normexport.errors import one_line, raise_if_interrupted
-from normexport.quiet import quiet, quiet_torch
+from normexport.io.quiet import quiet, quiet_torch
 
 
 class ExportError(RuntimeError):

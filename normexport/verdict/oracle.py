@@ -1,7 +1,7 @@
 """The parity oracle: the most exact run of the model that can be built here.
 
-The verdict (:mod:`normexport.parity`) measures the optimized model, the raw model and PyTorch
-float32 against one reference, the *oracle*. It is, in order of preference:
+The verdict (:mod:`normexport.verdict.parity`) measures the optimized model, the raw model and
+PyTorch float32 against one reference, the *oracle*. It is, in order of preference:
 
 1. ``pytorch_float64``: a deep copy of the PyTorch model in float64 (``.double()``; float inputs
    cast, integer inputs as they are). In an exported program (``.pt2``) the ops that name
@@ -34,12 +34,13 @@ import onnx_ir as ir
 import torch
 from onnx_ir import traversal
 
-from normexport import files, runtime
-from normexport import inputs as inputs_mod
-from normexport.eager import Eager
+from normexport import runtime
 from normexport.errors import one_line
-from normexport.load import LoadedModel
-from normexport.parity import closeness
+from normexport.io import files
+from normexport.io import inputs as inputs_mod
+from normexport.io.eager import Eager
+from normexport.io.load import LoadedModel
+from normexport.verdict.parity import closeness
 
 #: The largest share of physical memory the oracle's float64 copy of the weights may take.
 MEMORY_SHARE = 0.25

@@ -30,17 +30,17 @@ normexport adds on top:
   ``||dw|| ||x||``, less than the rounding of the other values, ``2**-11 ||w|| ||x||``.
 - **ops without a float16 kernel** on the provider stay float32: the converted model is loaded
   in an ONNX Runtime session, and each op type it reports NOT_IMPLEMENTED for is blocked, until
-  it loads (the kernel question: :mod:`normexport.kernels`).
+  it loads (the kernel question: :mod:`normexport.precision.kernels`).
 
 The converter works on one ``onnx.ModelProto``: models whose tensors pass protobuf's 2 GiB
 limit are refused (:class:`normexport.errors.UsageError`) rather than held in one protobuf.
 
 **bfloat16** (``bf16``) is the float16 conversion above (same block lists, same fixes), then
-retyped to bfloat16 (:mod:`normexport.bfloat16`: constants rounded from their float32
+retyped to bfloat16 (:mod:`normexport.precision.bfloat16`: constants rounded from their float32
 originals; decomposed norms stay float32, constants are not kept for their range; inputs and
 outputs stay float32). Where the provider has no bfloat16 kernel for the model's linear ops
 (the norms where it has none; any op where it has neither), the conversion is refused
-(:class:`normexport.errors.UsageError`, :func:`normexport.kernels.bf16_refusal`).
+(:class:`normexport.errors.UsageError`, :func:`normexport.precision.kernels.bf16_refusal`).
 """
 
 from __future__ import annotations
@@ -54,10 +54,11 @@ import onnx
 import onnx_ir as ir
 from onnx import numpy_helper
 
-from normexport import files, kernels
-from normexport.bfloat16 import to_bfloat16
 from normexport.errors import UsageError
-from normexport.kernels import SKIP_NORMS, STASH_NORMS
+from normexport.io import files
+from normexport.precision import kernels
+from normexport.precision.bfloat16 import to_bfloat16
+from normexport.precision.kernels import SKIP_NORMS, STASH_NORMS
 
 #: ``--precision`` values; ``fp32`` is the model as optimized.
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -484,7 +485,7 @@ def _write_half(
     external_data: bool,
 ) -> onnx.ModelProto:
     """Convert ``proto`` (:func:`_converted`; retyped by
-    :func:`normexport.bfloat16.to_bfloat16` for ``bf16``, ``original`` being ``proto`` in
+    :func:`normexport.precision.bfloat16.to_bfloat16` for ``bf16``, ``original`` being ``proto`` in
     onnx-ir), sort it and write it to ``dst``; returns the converter's float16 model."""
     converted = _converted(proto, keep_io_types, nodes, op_types)
     model = ir.serde.deserialize_model(converted)
@@ -624,7 +625,7 @@ def rounded_feeds(
 ) -> dict[str, np.ndarray]:
     """``feeds`` with every float array rounded to the half type of ``precision``
     (:data:`HALF_TYPES`) and back to its own dtype (the half-precision parity rule's input
-    rounding, :func:`normexport.parity.compare`); other arrays as they are. Values beyond
+    rounding, :func:`normexport.verdict.parity.compare`); other arrays as they are. Values beyond
     float16's range become Inf, as the model's own float16 inputs would.
     """
     half = HALF_TYPES[precision].numpy()

@@ -7,8 +7,8 @@ into the hundreds (they are rows of the embedding table). So the probe goes one 
 ids) is cut off, its output becomes a graph input, and that input is fed hidden states with
 outliers, as transformer hidden states carry them (the first norm after the embedding squares
 them). The same cut is made in the half-precision model and in the raw model, whose float64
-copy is the probe's oracle (:func:`normexport.oracle.onnx_float64`), so both compute the same
-function of the hidden states. Value names survive normexport's passes and the float16
+copy is the probe's oracle (:func:`normexport.verdict.oracle.onnx_float64`), so both compute the
+same function of the hidden states. Value names survive normexport's passes and the float16
 converter, so the lookups found in the raw model name the cut in both.
 """
 
@@ -23,11 +23,12 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from normexport import files, runtime
-from normexport import oracle as oracle_mod
-from normexport import parity as parity_mod
-from normexport.parity import ParityResult
+from normexport import runtime
+from normexport.io import files
 from normexport.precision import OVERFLOW_PROBE, cast_feeds, rounded_feeds, with_outliers
+from normexport.verdict import oracle as oracle_mod
+from normexport.verdict import parity as parity_mod
+from normexport.verdict.parity import ParityResult
 
 
 @dataclasses.dataclass(frozen=True)

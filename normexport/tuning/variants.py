@@ -8,7 +8,7 @@ Three things live here, all graph building (sessions are made by :mod:`normexpor
    stops the comparison.
 2. :func:`exact_forms`: an optimized model with its fused norms rewritten into the other
    exact forms ONNX Runtime can run (RMSNormalization <-> SimplifiedLayerNormalization,
-   SkipLayerNormalization -> Add + LayerNormalization), for :mod:`normexport.autotune`.
+   SkipLayerNormalization -> Add + LayerNormalization), for :mod:`normexport.tuning.autotune`.
 3. :func:`op_model` and :func:`isolate_node`: one-op models for the forms microbenchmark and for
    the elementwise floor (one read, one write of the tensor: the memory-bound limit).
 
@@ -38,8 +38,8 @@ from fusion._ir import opset_version, remove_nodes, replace_output
 from fusion.base import MS_DOMAIN
 from fusion.registry import FUSION_KINDS
 from normexport import runtime
-from normexport.files import save_model
-from normexport.quiet import quiet
+from normexport.io.files import save_model
+from normexport.io.quiet import quiet
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.

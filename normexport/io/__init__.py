@@ -1,0 +1,1 @@
+"""Reading and writing models: files on disk, loading, exporting, example inputs."""

@@ -1,0 +1,2 @@
+"""Alternatives timed against each other: other optimizers' variants (bench) and the exact
+forms autotune chooses from."""
