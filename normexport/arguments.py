@@ -4,16 +4,19 @@
 take. Each flag's ``dest`` is the name of the field it fills, and its default is that field's
 default, so :func:`options_from_args` is a plain copy with no special cases. The argument groups
 are shared: the main command uses all three, ``explain`` the model group, ``bench`` the model
-group and flags of its own. This module imports no PyTorch or ONNX package.
+group and flags of its own. This module imports no PyTorch or ONNX Runtime package.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
+from fusion import TARGETS
+from normexport.errors import UsageError
 from normexport.verdict.parity import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
 
 
@@ -114,7 +117,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--opset", type=int, help="ai.onnx opset to export at (PyTorch models)")
     p.add_argument(
         "--target",
-        choices=["ort", "onnx"],
+        choices=TARGETS,
         default=_default("target"),
         help="ort: ONNX Runtime ops allowed (default); onnx: standard ops only",
     )
@@ -193,3 +196,58 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         f"{NOISE_WARN_FACTOR:g}x further from the oracle than the raw model (float32 rounding "
         "does not explain it; by default a warning)",
     )
+
+
+def check_options(opts: Options) -> None:
+    """Refuse option values that cannot mean anything, before any work is done.
+
+    Raises:
+        UsageError: naming the option and its valid range.
+    """
+    from normexport import precision, runtime  # ONNX and ONNX Runtime: imported on first use
+
+    if opts.target not in TARGETS:
+        raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(TARGETS)}")
+    for flag, value in (("--atol", opts.atol), ("--rtol", opts.rtol)):
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
+    precision.check_precision(opts.precision)
+    if opts.keep_io_types and opts.precision == "fp32":
+        raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
+    if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
+        raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")
+    # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load
+    if opts.opset is not None and not 7 <= opts.opset <= runtime.max_opset():
+        raise UsageError(
+            f"--opset {opts.opset}: give an ai.onnx opset from 7 to {runtime.max_opset()}"
+        )
+
+
+def dynamic_axes(spec: str | None, names: list[str]) -> dict[str, dict[int, str]] | None:
+    """``--dynamic`` -> ``{input: {axis: name}}``.
+
+    ``batch`` marks axis 0 of every input, ``batch,sequence`` axes 0 and 1, and
+    ``NAME:0,2`` the listed axes of one input (several such specs separated by ``;``).
+    """
+    if not spec:
+        return None
+    words = {"batch": 0, "sequence": 1}
+    axes: dict[str, dict[int, str]] = {}
+    for part in spec.split(";"):
+        if ":" in part:
+            name, _, dims = part.partition(":")
+            if name not in names:
+                raise UsageError(f"--dynamic {spec!r}: no input named {name!r} (inputs: {names})")
+            try:
+                axes[name] = {int(d): f"{name}_dim{d}" for d in dims.split(",")}
+            except ValueError:
+                raise UsageError(f"--dynamic {spec!r}: axes must be integers") from None
+            continue
+        for word in part.split(","):
+            if word not in words:
+                raise UsageError(
+                    f"--dynamic {spec!r}: use batch, sequence, batch,sequence or NAME:0,1"
+                )
+            for name in names:
+                axes.setdefault(name, {})[words[word]] = word
+    return axes

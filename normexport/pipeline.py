@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import os
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,7 +19,7 @@ import fusion
 from fusion._ir import opset_version
 from normexport import precision as precision_mod
 from normexport import runtime
-from normexport.arguments import Options
+from normexport.arguments import Options, check_options, dynamic_axes
 from normexport.errors import InputFileError, UsageError, one_line
 from normexport.io import files
 from normexport.io import inputs as inputs_mod
@@ -674,8 +673,6 @@ def prepare(opts: Options) -> Prepared:
     Raises:
         UsageError: see :func:`run`.
     """
-    if opts.target not in fusion.TARGETS:
-        raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(fusion.TARGETS)}")
     check_options(opts)
     if opts.module is not None:
         loaded = LoadedModel(Path(opts.model), "nn_module", module=opts.module)
@@ -691,27 +688,6 @@ def prepare(opts: Options) -> Prepared:
     example = _example_inputs(loaded, opts)
     raw, export = _raw_onnx(loaded, example, opts)
     return Prepared(loaded, example, raw, export)
-
-
-def check_options(opts: Options) -> None:
-    """Refuse option values that cannot mean anything, before any work is done.
-
-    Raises:
-        UsageError: naming the option and its valid range.
-    """
-    for flag, value in (("--atol", opts.atol), ("--rtol", opts.rtol)):
-        if not (math.isfinite(value) and value >= 0):
-            raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
-    precision_mod.check_precision(opts.precision)
-    if opts.keep_io_types and opts.precision == "fp32":
-        raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
-    if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
-        raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")
-    # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load
-    if opts.opset is not None and not 7 <= opts.opset <= runtime.max_opset():
-        raise UsageError(
-            f"--opset {opts.opset}: give an ai.onnx opset from 7 to {runtime.max_opset()}"
-        )
 
 
 def _require_external_data(loaded: LoadedModel) -> None:
@@ -769,36 +745,6 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
     }
 
 
-def _dynamic_axes(spec: str | None, names: list[str]) -> dict[str, dict[int, str]] | None:
-    """``--dynamic`` -> ``{input: {axis: name}}``.
-
-    ``batch`` marks axis 0 of every input, ``batch,sequence`` axes 0 and 1, and
-    ``NAME:0,2`` the listed axes of one input (several such specs separated by ``;``).
-    """
-    if not spec:
-        return None
-    words = {"batch": 0, "sequence": 1}
-    axes: dict[str, dict[int, str]] = {}
-    for part in spec.split(";"):
-        if ":" in part:
-            name, _, dims = part.partition(":")
-            if name not in names:
-                raise UsageError(f"--dynamic {spec!r}: no input named {name!r} (inputs: {names})")
-            try:
-                axes[name] = {int(d): f"{name}_dim{d}" for d in dims.split(",")}
-            except ValueError:
-                raise UsageError(f"--dynamic {spec!r}: axes must be integers") from None
-            continue
-        for word in part.split(","):
-            if word not in words:
-                raise UsageError(
-                    f"--dynamic {spec!r}: use batch, sequence, batch,sequence or NAME:0,1"
-                )
-            for name in names:
-                axes.setdefault(name, {})[words[word]] = word
-    return axes
-
-
 def _raw_onnx(
     loaded: LoadedModel, example: dict[str, np.ndarray], opts: Options
 ) -> tuple[ir.Model, ExportInfo]:
@@ -816,7 +762,7 @@ def _raw_onnx(
             args,
             opset=opts.opset,
             input_names=names,
-            dynamic_axes=_dynamic_axes(opts.dynamic, names),
+            dynamic_axes=dynamic_axes(opts.dynamic, names),
             exporter=opts.exporter,
         )
     except ExportError as err:
