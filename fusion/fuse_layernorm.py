@@ -50,7 +50,7 @@ Spellings accepted (as the dynamo and TorchScript exporters write them after
 N, the number of elements a ReduceSum adds up, is read from the shape of ``x``. A mean whose sum
 is divided by anything else (``sum / (N - 1)``, a wrong constant) is refused: ``x`` minus it is
 not ``x`` minus its mean. Constants count as ``1 / N`` within a few float32 roundings
-(:data:`fusion.norm_match.EXACT`).
+(:data:`fusion.norm_match.axes.EXACT`).
 
 No eps. ``torch.onnx.export``'s own optimizer (on by default) removes an ``Add`` of 1e-8 as if
 it were 0 (DESIGN.md), so files from the field hold ``(x - m) / sqrt(var)``. That is

@@ -1,0 +1,178 @@
+"""The pass base classes and what a pass declares: the targets (:data:`TARGETS`), the ops
+(:class:`Op`) and kinds of rewrite (:class:`Kind`), :class:`FusionPass` with its opset gate,
+and :class:`NodeFusionPass`, which matches and rewrites node by node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Collection, Mapping
+from typing import Any, ClassVar, NamedTuple
+
+import onnx_ir as ir
+
+from fusion._ir import label, opset_version
+from fusion.base.codes import CannotFuse, Code
+from fusion.base.outcomes import FusionReport, FusionResult
+
+#: What optimize() may emit: ``"ort"`` allows ONNX Runtime's contrib and default-domain ops,
+#: ``"onnx"`` only standard ONNX ops of the model's opset.
+TARGETS = ("ort", "onnx")
+
+MS_DOMAIN = "com.microsoft"
+
+
+class Op(NamedTuple):
+    """An operator as a graph names it: ``op_type`` in ``domain`` (``""`` is ai.onnx)."""
+
+    op_type: str
+    domain: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Kind:
+    """One kind of rewrite, as the report counts it.
+
+    Attributes:
+        name: the count key in the report, e.g. ``"layernorm_fused"``.
+        family: what its refusals, the gallery and ``explain`` call the subgraph, e.g.
+            ``"layernorm"``.
+        ops: the ops of this family a graph can hold: what a rewrite of this kind leaves in the
+            graph, and for BatchNorm the op that the fold removes.
+        norm: whether the family is a normalization (counted by :func:`fusion.norm_ops`);
+            attention, GELU and scalar affine folds are not.
+    """
+
+    name: str
+    family: str
+    ops: tuple[Op, ...] = ()
+    norm: bool = True
+
+
+class FusionPass(ir.passes.InPlacePass):
+    """Base class of the fusion passes: declarations, the opset gate, and the outcomes.
+
+    Subclasses set :attr:`kinds` and implement :meth:`apply`; they record into
+    :attr:`outcomes` with :meth:`fused` and :meth:`refused`.
+
+    Args:
+        target: one of :data:`TARGETS`.
+        exclude: anchors (:attr:`~fusion.base.Fused.node`) of rewrites to leave out: a
+            candidate anchored there is neither rewritten nor refused (whoever excludes it says
+            why; the rollback of :mod:`normexport.verdict.rollback` does). Anchors are node
+            names of the graph the pass runs on, so a run on the same model with the same
+            passes before it finds them again.
+
+    Raises:
+        ValueError: ``target`` is not one of :data:`TARGETS`, or not one of :attr:`targets`.
+    """
+
+    #: The kinds of rewrite this pass makes; the first is the one its refusals belong to.
+    kinds: ClassVar[tuple[Kind, ...]]
+    #: The targets the pass may run for.
+    targets: ClassVar[tuple[str, ...]] = TARGETS
+    #: The ``optimize()`` keyword that turns the pass on, or None if it always runs.
+    option: ClassVar[str | None] = None
+    #: The targets for which the option defaults to on (an option the caller leaves as None).
+    on_by_default: ClassVar[tuple[str, ...]] = ()
+    #: Per target, the ai.onnx opset that the ops it emits need (absent: any opset).
+    needs_opset: ClassVar[Mapping[str, int]] = {}
+
+    def __init__(self, target: str = "ort", exclude: Collection[str] = ()):
+        super().__init__()
+        if target not in TARGETS:
+            raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
+        if target not in self.targets:
+            raise ValueError(f"{type(self).__name__} emits ONNX Runtime ops: it needs target='ort'")
+        self.target = target
+        self.excluded = frozenset(exclude)
+        self.outcomes = FusionReport()
+
+    @classmethod
+    def enabled(cls, target: str, options: Mapping[str, bool | None]) -> bool:
+        """Whether ``optimize(target=target, **options)`` runs this pass."""
+        if cls.option is None:
+            return target in cls.targets
+        wanted = options.get(cls.option)
+        return bool(wanted) or (wanted is None and target in cls.on_by_default)
+
+    @property
+    def family(self) -> str:
+        """The family this pass's refusals are recorded under."""
+        return self.kinds[0].family
+
+    def opset_gate(self, model: ir.Model) -> CannotFuse | None:
+        """Why this pass's ops cannot be emitted into ``model`` (its opset is too low for
+        :attr:`needs_opset`), or None when they can."""
+        needed = self.needs_opset.get(self.target, 0)
+        opset = opset_version(model)
+        if opset >= needed:
+            return None
+        op = self.kinds[0].ops[0].op_type
+        return CannotFuse(
+            Code.OPSET_TOO_LOW,
+            f"opset {opset} has no {op} (needs {needed}): export with --opset {needed} or "
+            "target ONNX Runtime",
+        )
+
+    def fused(self, node: ir.Node | str, became: str, *, kind: str | None = None, count: int = 1):
+        """Record a rewrite anchored at ``node`` (of :attr:`kinds`\\ [0] unless ``kind``)."""
+        name = node if isinstance(node, str) else label(node)
+        self.outcomes.record(kind or self.kinds[0].name, name, became, count)
+
+    def refused(self, node: ir.Node | str, refusal: CannotFuse) -> None:
+        """Record that the candidate anchored at ``node`` was left alone, and why."""
+        name = node if isinstance(node, str) else label(node)
+        self.outcomes.refuse(self.family, name, refusal.code, refusal.detail)
+
+    def call(self, model: ir.Model) -> FusionResult:
+        """Run :meth:`apply` with fresh :attr:`outcomes`; the result carries them."""
+        self.outcomes = FusionReport()
+        modified = self.apply(model)
+        return FusionResult(model, modified, self.outcomes)
+
+    def apply(self, model: ir.Model) -> bool:
+        """Rewrite ``model`` in place and record outcomes; return whether it changed."""
+        raise NotImplementedError
+
+
+class NodeFusionPass(FusionPass):
+    """A pass that visits each node of the main graph once: :meth:`match` finds a candidate
+    anchored at the node, :meth:`rewrite` replaces it.
+
+    The opset gate applies here: when :meth:`opset_gate` says the ops cannot be emitted, every
+    match is recorded as an ``opset_too_low`` refusal and nothing is rewritten. A node among
+    :attr:`excluded` is not visited.
+    """
+
+    def apply(self, model: ir.Model) -> bool:
+        graph = model.graph
+        gate = self.opset_gate(model)
+        modified = False
+        for node in list(graph):
+            if node.graph is not graph or label(node) in self.excluded:  # removed, or left out
+                continue
+            try:
+                match = self.match(model, node)
+                if match is not None and gate is not None:
+                    raise gate
+            except CannotFuse as refusal:
+                self.refused(node, refusal)
+                continue
+            if match is not None:
+                self.fused(node, self.rewrite(model, match))
+                modified = True
+        return modified
+
+    def match(self, model: ir.Model, node: ir.Node) -> Any | None:
+        """The candidate anchored at ``node``, or None if there is none.
+
+        Raises:
+            CannotFuse: there is one, but it cannot be rewritten exactly.
+        """
+        raise NotImplementedError
+
+    def rewrite(self, model: ir.Model, match: Any) -> str:
+        """Replace the matched nodes; return what they became (for
+        :attr:`~fusion.base.Fused.became`)."""
+        raise NotImplementedError
