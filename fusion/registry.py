@@ -1,15 +1,18 @@
-"""The one registry of fusion passes, the kinds of rewrite they make, and the norm ops.
+"""The one registry of fusion passes, the kinds of rewrite they make, the norm ops and the
+policies that choose among the passes.
 
-The report, ``explain``, ``bench``, the variants, the demo and the gallery read these instead
-of keeping lists of their own. A new fusion is one line in :data:`PASSES`.
+The report, ``explain``, ``bench``, the variants, the half-precision conversion, the float64
+oracle, the demo and the gallery read these instead of keeping lists of their own. A new fusion
+is one line in :data:`PASSES`; the lists of ops and families below are derived from what the
+passes declare (:attr:`fusion.base.FusionPass.kinds`, :attr:`fusion.base.FusionPass.targets`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fusion.base import Kind, Op
-from fusion.fold_batchnorm import FoldBatchNorm
+from fusion.base import FusionPass, Kind, Op
+from fusion.fold_batchnorm import FoldBatchNorm, algebra
 from fusion.fuse_attention import FuseAttention
 from fusion.fuse_groupnorm import FuseGroupNorm
 from fusion.fuse_instancenorm import FuseInstanceNorm
@@ -41,6 +44,11 @@ KINDS: tuple[Kind, ...] = tuple(kind for p in PASSES for kind in p.kinds)
 FUSION_KINDS: tuple[str, ...] = tuple(kind.name for kind in KINDS)
 
 
+def _ops(*passes: type[FusionPass]) -> tuple[Op, ...]:
+    """The ops that the kinds of ``passes`` declare, in declaration order, each once."""
+    return tuple(dict.fromkeys(op for p in passes for kind in p.kinds for op in kind.ops))
+
+
 #: The normalization ops, each with its family: what ``fusion.norm_ops`` counts. An op that
 #: two families leave belongs to the first (InstanceNormalization: ``instancenorm``, also
 #: ``groupnorm``'s between its Reshapes).
@@ -54,8 +62,47 @@ def _norm_ops() -> dict[Op, str]:
 
 NORM_OPS: Mapping[Op, str] = _norm_ops()
 
-#: The norm ops the fusion passes emit (BatchNormalization is folded away, never emitted).
-FUSED_NORM_OPS: tuple[Op, ...] = tuple(op for op in NORM_OPS if op.op_type != "BatchNormalization")
+#: The norm ops the fusion passes emit (FoldBatchNorm's BatchNormalization is folded away,
+#: never emitted).
+FUSED_NORM_OPS: tuple[Op, ...] = tuple(op for op in NORM_OPS if op not in _ops(FoldBatchNorm))
+
+#: The fused norms that compute their statistics in the type their ``stash_type`` attribute
+#: names (float32 when it is absent): the ops FuseLayerNorm and FuseRMSNorm emit
+#: (LayerNormalization, RMSNormalization, ONNX Runtime's SimplifiedLayerNormalization). The
+#: half-precision conversion writes ``stash_type=1`` on each; the float64 oracle widens it.
+STASH_NORM_OPS: tuple[Op, ...] = _ops(FuseLayerNorm, FuseRMSNorm)
+
+#: ONNX Runtime's residual norms, the ops FuseSkip emits (com.microsoft
+#: SkipLayerNormalization, SkipSimplifiedLayerNormalization): no ``stash_type``; float32
+#: statistics on ONNX Runtime's CPU provider.
+SKIP_NORM_OPS: tuple[Op, ...] = _ops(FuseSkip)
+
+#: The families whose refused candidates are norms written by hand, left decomposed in the
+#: model (those of FuseLayerNorm, FuseRMSNorm and FuseInstanceNorm): what the half-precision
+#: conversion keeps in float32.
+DECOMPOSED_FAMILIES: tuple[str, ...] = tuple(
+    p.kinds[0].family for p in (FuseLayerNorm, FuseRMSNorm, FuseInstanceNorm)
+)
+
+#: The linear layers, ai.onnx op types: what FoldBatchNorm folds a BatchNorm into, and the ops
+#: that hold a model's weights and most of its arithmetic (a bfloat16 model is refused where
+#: ONNX Runtime has no bfloat16 kernel for them).
+LINEAR_OPS: tuple[str, ...] = algebra.LINEAR
+
+#: The execution providers on which a run fuses residual Add + norm into ONNX Runtime's Skip
+#: ops (:func:`skip_fusion`): on its CPU provider they are slower
+#: (``benchmarks/results/forms_cpu.json``).
+SKIP_PROVIDERS = ("cuda",)
+
+
+def skip_fusion(target: str, provider: str) -> bool:
+    """Whether a run for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``, as
+    :func:`normexport.runtime.resolve_provider` resolves it) fuses residual Add + norm into
+    Skip*LayerNormalization (``fusion.optimize(skip=...)``): for FuseSkip's targets on
+    :data:`SKIP_PROVIDERS` only. The run, ``bench``'s normexport variant and ``explain`` all
+    ask this."""
+    return target in FuseSkip.targets and provider in SKIP_PROVIDERS
+
 
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
 #: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.
@@ -64,6 +111,14 @@ ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
 #: Standard ops that ORT registers in the default domain below the opset that introduced them
 #: (op -> that opset): its LayerNormFusion emits LayerNormalization into models of any opset.
 ORT_EARLY_OPS = {"LayerNormalization": 17}
+
+#: The norms that ONNX Runtime's session-time SkipLayerNormFusion fuses a residual Add into
+#: (LayerNormalization, and SimplifiedLayerNormalization in the default domain): the forms the
+#: autotuner also times with that fusion disabled.
+ORT_SKIP_FUSED_NORMS: tuple[Op, ...] = (
+    Op("LayerNormalization"),
+    Op("SimplifiedLayerNormalization"),
+)
 
 
 def ort_registered(op_type: str, domain: str, opset: int) -> bool:

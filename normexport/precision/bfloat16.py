@@ -5,8 +5,9 @@ same block lists and fixes as ``fp16``), then :func:`to_bfloat16` retypes the re
 float16 type, Cast target and tensor becomes bfloat16, and each initializer and Constant is
 rounded to bfloat16 from its float32 original, not from the float16 copy (which clamps 1e5 to
 65504 and flushes 1e-8 to zero). bfloat16 has float32's exponent range, so no constant is kept
-float32 for its range; decomposed norms are (:func:`normexport.precision.kept_float32`), since
-bfloat16 keeps 8 significant bits (a mean over hundreds of values would keep few correct ones).
+float32 for its range; decomposed norms are (:func:`normexport.precision.kept.kept_float32`),
+since bfloat16 keeps 8 significant bits (a mean over hundreds of values would keep few correct
+ones).
 Its inputs and outputs stay float32: ONNX Runtime's Python API takes and returns no bfloat16
 arrays (numpy has no such type), and parity runs there.
 """

@@ -5,10 +5,11 @@ target type for, and whether a bfloat16 model is worth having.
 the provider; each op type it reports NOT_IMPLEMENTED for (:func:`missing_kernel`) is blocked
 (:func:`to_block`: the op itself, or the ops whose ONNX function body uses it) and stays
 float32, until the model loads. Where the provider has no bfloat16 kernel for the model's linear
-ops (:data:`LINEAR_OPS`; the norms, :data:`NORM_OPS`, where it has none; any op where it has
-neither: :func:`must_run_in_half`), nothing heavy would run in bfloat16 and the conversion is
-refused (:class:`normexport.errors.UsageError`, :func:`bf16_refusal`), naming the op types ONNX
-Runtime reported: its CPU provider has no bfloat16 MatMul, Gemm, Add or Mul.
+ops (:data:`fusion.registry.LINEAR_OPS`; the norms, :data:`fusion.registry.NORM_OPS`, where it
+has none; any op where it has neither: :func:`must_run_in_half`), nothing heavy would run in
+bfloat16 and the conversion is refused (:class:`normexport.errors.UsageError`,
+:func:`bf16_refusal`), naming the op types ONNX Runtime reported: its CPU provider has no
+bfloat16 MatMul, Gemm, Add or Mul.
 """
 
 from __future__ import annotations
@@ -20,23 +21,10 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from fusion.base import Op
+from fusion.registry import LINEAR_OPS, NORM_OPS
 from normexport import runtime
 
-#: Norm ops that compute their statistics in ``stash_type`` (1: float32).
-STASH_NORMS = ("LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization")
-#: ONNX Runtime's residual norms (no ``stash_type``; float32 statistics on its CPU provider).
-SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
-#: Op types that hold a model's weights and most of its arithmetic: a bfloat16 model whose
-#: linear ops the provider has no bfloat16 kernel for is refused.
-LINEAR_OPS = ("MatMul", "Gemm", "Conv", "ConvTranspose")
-#: Norm ops: what must run in bfloat16 where a model has no linear op.
-NORM_OPS = (
-    *STASH_NORMS,
-    *SKIP_NORMS,
-    "BatchNormalization",
-    "InstanceNormalization",
-    "GroupNormalization",
-)
 #: ONNX Runtime's errors for an op type it cannot run in the given type: no kernel registered
 #: (NOT_IMPLEMENTED), or a type the op's schema does not allow at the model's opset (bfloat16
 #: came to most ops at opset 13).
@@ -110,10 +98,12 @@ def _function_ops(node: onnx.NodeProto, opset: int) -> set[str]:
 
 def must_run_in_half(model: ir.Model) -> set[str]:
     """The op types a bfloat16 copy of ``model`` must run in bfloat16 to be worth having: its
-    :data:`LINEAR_OPS` (weights and most of the arithmetic), else its :data:`NORM_OPS`, else
-    all its op types."""
-    present = {n.op_type for n in model.graph.all_nodes()}
-    return (present & set(LINEAR_OPS)) or (present & set(NORM_OPS)) or present
+    :data:`fusion.registry.LINEAR_OPS` (weights and most of the arithmetic), else its
+    :data:`fusion.registry.NORM_OPS`, else all its op types."""
+    nodes = list(model.graph.all_nodes())
+    present = {n.op_type for n in nodes}
+    norms = {n.op_type for n in nodes if Op(n.op_type, n.domain) in NORM_OPS}
+    return (present & set(LINEAR_OPS)) or norms or present
 
 
 def bf16_refusal(provider: str, lacking: Sequence[str], heavy: Iterable[str]) -> str:

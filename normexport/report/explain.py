@@ -2,7 +2,9 @@
 
 The question users ask most about these tools is "why wasn't my LayerNorm fused?". This lists,
 for one model, each candidate the passes found: the norms the exporter already emitted as one
-op, each rewrite (what it became), and each candidate left alone with its reason.
+op, each rewrite (what it became), and each candidate left alone with its reason. The passes run
+as a run of the main command on the same provider runs them (the fusions its policies choose,
+:func:`fusion.registry.skip_fusion`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -77,18 +79,23 @@ def from_report(
     return findings
 
 
-def explain(model: ir.Model, target: str = "ort") -> list[Finding]:
-    """Run the passes on ``model`` (in place) and list what they found.
+def explain(model: ir.Model, target: str = "ort", provider: str = "cpu") -> list[Finding]:
+    """Run the passes on ``model`` (in place) as a run for ``target`` on ``provider`` runs them,
+    and list what they found.
 
     Args:
         model: the model; it is optimized in place (pass a copy to keep the original).
         target: one of :data:`fusion.TARGETS`.
+        provider: ``"cpu"`` or ``"cuda"``, the execution provider as the run resolves it
+            (:func:`normexport.runtime.resolve_provider`): it decides the fusions that are a
+            speed choice per provider (:func:`fusion.registry.skip_fusion`).
 
     Raises:
         ValueError: ``target`` is unknown.
     """
     already = already_fused(model)
-    outcomes = fusion.optimize(model, target=target)
+    skip = fusion.registry.skip_fusion(target, provider)
+    outcomes = fusion.optimize(model, target=target, skip=skip)
     return from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
 
 

@@ -5,7 +5,7 @@ The exact fused form is not always the fastest (measured on ORT 1.31's CPU provi
 Add + LayerNormalization, and ORT_ENABLE_ALL turns Add + LayerNormalization back into
 SkipLayerNormalization unless its ``SkipLayerNormFusion`` is disabled. So a candidate is a model
 *and* the session settings it needs; :func:`candidates` builds them from
-:func:`normexport.tuning.variants.exact_forms`, and :func:`autotune` times them interleaved
+:func:`normexport.tuning.forms.exact_forms`, and :func:`autotune` times them interleaved
 (:func:`normexport.runtime.latency.time_interleaved`) and keeps the default unless another is faster
 by more than the spread (the 95% bootstrap interval of the paired ratio lies below 1).
 
@@ -23,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from fusion.base import Op
+from fusion.registry import ORT_SKIP_FUSED_NORMS
 from normexport import runtime
 from normexport.runtime.latency import Ratio, Timing, paired_ratio, time_interleaved
-from normexport.tuning import variants
+from normexport.tuning import forms
 from normexport.verdict.parity import closeness
 
 #: ORT graph transformer that fuses Add + LayerNormalization into SkipLayerNormalization.
@@ -98,10 +100,11 @@ class AutotuneResult:
 
 
 def _has_add_into_norm(model: Path) -> bool:
-    """True when an Add feeds a LayerNormalization (what SkipLayerNormFusion rewrites)."""
+    """True when an Add feeds a norm that SkipLayerNormFusion rewrites
+    (:data:`fusion.registry.ORT_SKIP_FUSED_NORMS`)."""
     graph = ir.load(model).graph
     for node in graph:
-        if node.op_type in ("LayerNormalization", "SimplifiedLayerNormalization"):
+        if Op(node.op_type, node.domain) in ORT_SKIP_FUSED_NORMS:
             producer = node.inputs[0].producer() if node.inputs[0] is not None else None
             if producer is not None and producer.op_type == "Add":
                 return True
@@ -114,7 +117,7 @@ def candidates(
     target: str = "ort",
     attention_unfused: Path | None = None,
 ) -> dict[str, Candidate]:
-    """The exact forms of the model file ``model`` (:func:`normexport.tuning.variants.exact_forms`,
+    """The exact forms of the model file ``model`` (:func:`normexport.tuning.forms.exact_forms`,
     written beside it) as candidates;
     each form with an Add feeding a norm also as ``FORM+no_skip_fusion``, run with ORT's
     SkipLayerNormFusion disabled. The first entry, ``as_built``, is the default.
@@ -130,7 +133,7 @@ def candidates(
         sources[ATTENTION_UNFUSED] = attention_unfused
     out = {}
     for prefix, source in sources.items():
-        for form, data in variants.exact_forms(source, target=target).items():
+        for form, data in forms.exact_forms(source, target=target).items():
             name = form if not prefix else prefix if form == "as_built" else f"{prefix}+{form}"
             out[name] = Candidate(data)
             if _has_add_into_norm(data):

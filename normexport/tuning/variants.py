@@ -1,22 +1,17 @@
-"""The models that a latency comparison puts side by side, and the exact forms of a fused norm.
+"""The models that a latency comparison puts side by side.
 
-Three things live here, all graph building (sessions are made by :mod:`normexport.runtime`):
+Two things live here, both graph building (sessions are made by :mod:`normexport.runtime`):
 
 1. :func:`build_variants`: one exported model as each optimizer leaves it (:data:`VARIANTS`,
    and on request :data:`OPTIONAL_VARIANTS`: onnxslim, onnxsim); a variant that fails to build
    (or whose optional package is missing) is kept with its error, so one broken optimizer never
-   stops the comparison.
-2. :func:`exact_forms`: an optimized model with its fused norms rewritten into the other
-   exact forms ONNX Runtime can run (RMSNormalization <-> SimplifiedLayerNormalization,
-   SkipLayerNormalization -> Add + LayerNormalization), for :mod:`normexport.tuning.autotune`.
-3. :func:`op_model` and :func:`isolate_node`: one-op models for the forms microbenchmark and for
-   the elementwise floor (one read, one write of the tensor: the memory-bound limit).
+   stops the comparison. normexport's own variant fuses as a run on the provider does
+   (:func:`fusion.registry.skip_fusion`).
+2. :func:`op_model` and :func:`isolate_node`: one-op models for the forms microbenchmark and for
+   the elementwise floor (one read, one write of the tensor: the memory-bound limit); the ops
+   are defined where :mod:`normexport.tuning.forms` says.
 
-Op definitions: ONNX operators (onnx.ai/onnx/operators: LayerNormalization since opset 17,
-RMSNormalization since opset 23) and ONNX Runtime's contrib operators
-(onnxruntime/docs/ContribOperators.md: SkipLayerNormalization,
-SkipSimplifiedLayerNormalization in com.microsoft; SimplifiedLayerNormalization, which ORT
-registers in the default domain).
+The exact forms of a fused norm, which the autotuner times, are in :mod:`normexport.tuning.forms`.
 """
 
 from __future__ import annotations
@@ -34,12 +29,12 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 import fusion
-from fusion._ir import opset_version, remove_nodes, replace_output
+from fusion._ir import opset_version
 from fusion.base import MS_DOMAIN
-from fusion.registry import FUSION_KINDS
+from fusion.registry import FUSION_KINDS, skip_fusion
 from normexport import runtime
 from normexport.io.files import save_model
-from normexport.io.quiet import quiet
+from normexport.io.quiet import quiet, swallow_prints
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.
@@ -187,13 +182,6 @@ def _onnxsim(raw: Path, out: Path, provider: str, target: str) -> dict:
     return {k: n for k, n in counts.items() if n}
 
 
-def skip_fusion(target: str, provider: str) -> bool:
-    """Whether normexport fuses residual Add + norm into Skip*LayerNormalization: only for
-    ORT's CUDA provider; on its CPU provider the Skip ops are slower
-    (``benchmarks/results/forms_cpu.json``)."""
-    return target == "ort" and provider == "cuda"
-
-
 def _normexport(raw: Path, out: Path, provider: str, target: str) -> dict:
     model = ir.load(raw)
     report = fusion.optimize(model, target=target, skip=skip_fusion(target, provider))
@@ -252,129 +240,39 @@ def build_variants(
         if name not in VARIANTS and name not in OPTIONAL_VARIANTS:
             known = list(VARIANTS) + list(OPTIONAL_VARIANTS)
             raise ValueError(f"unknown variant {name!r}: choose from {known}")
-        start = time.perf_counter()
         path = Path(raw) if name == "ort_raw" else Path(folder) / f"{name}.onnx"
-        try:
-            builder = _BUILDERS.get(name)
-            with quiet("onnxscript", "onnxruntime", "fusion", "onnxslim", "onnxsim"):  # their logs
-                details = builder(Path(raw), path, provider, target) if builder else {}
-        except Exception as err:  # a broken optimizer is a result, not a crash
-            out[name] = Variant(name, None, error=f"{type(err).__name__}: {err}".strip())
-            continue
-        loaded = ir.load(path)
-        out[name] = Variant(
-            name,
-            path,
-            optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-            if name == "ort_offline"
-            else ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-            build_s=time.perf_counter() - start,
-            nodes=len(loaded.graph),
-            norm_ops=fusion.norm_ops(loaded),
-            details=details,
-        )
+        out[name] = _build(name, Path(raw), path, provider, target)
     return out
 
 
-# --- exact forms ---------------------------------------------------------------------------
-
-
-def _rms_to_simplified(model: ir.Model, node: ir.Node) -> bool:
-    if node.op_type != "RMSNormalization" or node.domain != "":
-        return False
-    _swap_op(model, node, "SimplifiedLayerNormalization")
-    return True
-
-
-def _simplified_to_rms(model: ir.Model, node: ir.Node) -> bool:
-    if node.op_type != "SimplifiedLayerNormalization" or opset_version(model) < 23:
-        return False
-    if len(node.outputs) > 1 and node.outputs[1].uses():  # RMSNormalization has no inv_std out
-        return False
-    _swap_op(model, node, "RMSNormalization")
-    return True
-
-
-def _swap_op(model: ir.Model, node: ir.Node, op_type: str) -> None:
-    """Replace ``node`` by ``op_type`` with the same inputs and attributes (axis, epsilon,
-    stash_type: the same math for RMSNormalization and SimplifiedLayerNormalization)."""
-    new = ir.node(
-        op_type, list(node.inputs), dict(node.attributes), name=f"{node.name}_as_{op_type}"
+def _build(name: str, raw: Path, path: Path, provider: str, target: str) -> Variant:
+    """Variant ``name`` of the raw export at ``raw``, written to ``path`` by its builder (none
+    for ``ort_raw``, which is ``raw`` itself); a failed build gives ``model=None`` and the
+    error."""
+    start = time.perf_counter()
+    try:
+        builder = _BUILDERS.get(name)
+        # their logs, and their prints: ONNX Runtime's transformer optimizer and onnxslim
+        # print() with no switch to stop them
+        with (
+            quiet("onnxscript", "onnxruntime", "fusion", "onnxslim", "onnxsim"),
+            swallow_prints("stdout", "stderr"),
+        ):
+            details = builder(raw, path, provider, target) if builder else {}
+    except Exception as err:  # a broken optimizer is a result, not a crash
+        return Variant(name, None, error=f"{type(err).__name__}: {err}".strip())
+    loaded = ir.load(path)
+    return Variant(
+        name,
+        path,
+        optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        if name == "ort_offline"
+        else ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+        build_s=time.perf_counter() - start,
+        nodes=len(loaded.graph),
+        norm_ops=fusion.norm_ops(loaded),
+        details=details,
     )
-    model.graph.insert_before(node, new)
-    replace_output(model.graph, node.outputs[0], new.outputs[0])
-    remove_nodes(model.graph, [node])
-
-
-def _split_skip(model: ir.Model, node: ir.Node) -> bool:
-    """SkipLayerNormalization(x, skip, gamma[, beta[, bias]]) -> Add(Add(x, skip), bias) then
-    LayerNormalization(axis -1); the Simplified one -> Add then SimplifiedLayerNormalization (or
-    RMSNormalization at opset 23). Output 3 (input + skip + bias) is the sum."""
-    if node.domain != MS_DOMAIN or node.op_type not in (
-        "SkipLayerNormalization",
-        "SkipSimplifiedLayerNormalization",
-    ):
-        return False
-    if any(v.uses() or v.is_graph_output() for v in node.outputs[1:3]):
-        return False  # mean / inv_std outputs have no counterpart in the split form
-    simplified = node.op_type == "SkipSimplifiedLayerNormalization"
-    x, skip, gamma, *rest = list(node.inputs) + [None] * 3
-    beta, bias = (None, rest[0]) if simplified else (rest[0], rest[1])
-    graph = model.graph
-    new = [ir.node("Add", [x, skip])]
-    if bias is not None:
-        new.append(ir.node("Add", [new[-1].outputs[0], bias]))
-    total = new[-1].outputs[0]
-    eps = node.attributes.get_float("epsilon", 1e-5 if not simplified else 1e-6)
-    if simplified:
-        op = "RMSNormalization" if opset_version(model) >= 23 else "SimplifiedLayerNormalization"
-        new.append(ir.node(op, [total, gamma], {"axis": -1, "epsilon": eps}))
-    else:
-        inputs = [total, gamma] + ([beta] if beta is not None else [])
-        new.append(ir.node("LayerNormalization", inputs, {"axis": -1, "epsilon": eps}))
-    for n in new:
-        graph.insert_before(node, n)
-    replace_output(graph, node.outputs[0], new[-1].outputs[0])
-    if len(node.outputs) > 3 and (node.outputs[3].uses() or node.outputs[3].is_graph_output()):
-        replace_output(graph, node.outputs[3], total)
-    remove_nodes(graph, [node])
-    return True
-
-
-#: Exact form name -> node rewrite (returns True when it changed the node). Each rewrite keeps
-#: the function; only the op that computes it changes.
-FORMS: dict[str, Callable[[ir.Model, ir.Node], bool]] = {
-    "rms_as_SimplifiedLayerNormalization": _rms_to_simplified,
-    "rms_as_RMSNormalization": _simplified_to_rms,
-    "skip_split": _split_skip,
-}
-
-
-def exact_forms(model: Path, *, target: str = "ort") -> dict[str, Path]:
-    """``model`` and the exact alternative forms of its fused norms, as files.
-
-    Each form is written beside ``model`` as ``STEM.FORM.onnx`` and shares its external data
-    file (the rewrites only swap ops; no tensor is copied).
-
-    Args:
-        model: an optimized model's .onnx file (not changed).
-        target: ``"onnx"`` leaves out forms that use ONNX Runtime's own ops.
-
-    Returns:
-        ``{"as_built": model, form: rewritten model's file, ...}``, only the forms that
-        changed at least one node (see :data:`FORMS`).
-    """
-    model = Path(model)
-    out = {"as_built": model}
-    for name, rewrite in FORMS.items():
-        if target == "onnx" and name == "rms_as_SimplifiedLayerNormalization":
-            continue
-        copy = ir.load(model)
-        changed = [rewrite(copy, node) for node in list(copy.graph)]
-        if any(changed):
-            out[name] = model.with_name(f"{model.stem}.{name}.onnx")
-            ir.save(copy, out[name])  # external tensors keep pointing at model's data file
-    return out
 
 
 # --- one-op models -------------------------------------------------------------------------

@@ -34,6 +34,8 @@ import onnx_ir as ir
 import torch
 from onnx_ir import traversal
 
+from fusion.base import Op
+from fusion.registry import STASH_NORM_OPS
 from normexport import runtime
 from normexport.errors import one_line
 from normexport.io import files
@@ -310,14 +312,10 @@ def _widen_initializer(value: ir.Value) -> None:
 _TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type"})
 
 
-#: Ops that compute their statistics in ``stash_type`` (float32 when it is not given).
-_STASHING = {"LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
-
-
 def _widen_node(node: ir.Node) -> None:
     """Widen ``node``'s float32 tensor and type attributes (a norm's stash type too, given or
     not) and forget its outputs' type and shape annotations."""
-    if node.op_type in _STASHING and "stash_type" not in node.attributes:
+    if Op(node.op_type, node.domain) in STASH_NORM_OPS and "stash_type" not in node.attributes:
         node.attributes["stash_type"] = ir.AttrInt64("stash_type", ir.DataType.FLOAT)
     for name, attr in list(node.attributes.items()):
         if attr.type == ir.AttributeType.TENSOR and attr.value.dtype == ir.DataType.FLOAT:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import normexport
+from fusion.registry import DECOMPOSED_FAMILIES
 from models.norms import FUSED, GALLERY, Entry
 from normexport import precision
 
@@ -43,7 +44,7 @@ def test_gallery_entry_in_float16(entry: Entry, tmp_path):
     (probe,) = parity["sets"][precision.OVERFLOW_PROBE]
     assert probe["nonfinite_mismatch"] == 0 and probe["max_abs_ref"] > 0
     kept = {k["reason"] for k in report["precision"]["kept_float32"]}
-    if entry.expect is None and entry.family in precision.DECOMPOSED_FAMILIES:
+    if entry.expect is None and entry.family in DECOMPOSED_FAMILIES:
         assert "decomposed_norm" in kept, report["precision"]
     if entry.expect == FUSED and entry.family in ("layernorm", "rmsnorm"):
         assert report["precision"]["stash_float32"], report["precision"]

@@ -21,7 +21,8 @@ import fusion
 from normexport import cli, precision
 from normexport.errors import UsageError
 from normexport.io import files
-from normexport.precision import kernels
+from normexport.precision import convert, kernels
+from normexport.precision.kept import FP16_MAX, decomposed_norm_nodes
 from normexport.verdict import parity
 from tests.graphs import make_model
 
@@ -153,9 +154,9 @@ def test_block_list_alone_rounds_through_float16(tmp_path):
     model, p = _eps_outside_layernorm(rng)
     report = fusion.optimize(model)
     proto = ir.serde.serialize_model(model)
-    nodes = precision.decomposed_norm_nodes(proto.graph, report.refused[0].node)
+    nodes = decomposed_norm_nodes(proto.graph, report.refused[0].node)
     generic = float16.convert_float_to_float16(proto, keep_io_types=True, node_block_list=nodes)
-    precision._drop_repeated_casts(generic.graph)
+    convert._drop_repeated_casts(generic.graph)
     generic = ir.serde.deserialize_model(generic)
     generic.graph.sort()  # the converter appends its casts at the end
     generic = ir.serde.serialize_model(generic)
@@ -585,7 +586,7 @@ def _assert_rounded_from_float32(graph: onnx.GraphProto, source: onnx.GraphProto
         want = originals[tensor.name].astype(bf16)
         np.testing.assert_array_equal(tensor.numpy(), want)
     values = np.concatenate([np.abs(t.numpy().astype(np.float64)).ravel() for t in halves])
-    assert values.max() > precision.FP16_MAX
+    assert values.max() > FP16_MAX
     assert ((values > 0) & (values < 6e-5)).any()  # float16 subnormals
 
 

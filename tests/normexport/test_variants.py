@@ -14,7 +14,7 @@ from onnx import TensorProto
 from normexport import runtime
 from normexport.errors import UsageError
 from normexport.io.files import data_path
-from normexport.tuning import autotune, variants
+from normexport.tuning import autotune, forms, variants
 from normexport.verdict.parity import closeness
 
 # --- sessions --------------------------------------------------------------------------------
@@ -124,13 +124,13 @@ def _model_file(folder, name: str, model: bytes):
 def test_exact_forms_compute_the_same(form, expected, tmp_path):
     shape = (2, 3, 8)
     feeds = variants.op_inputs(form, shape)
-    forms = variants.exact_forms(_model_file(tmp_path, "m", variants.op_model(form, shape)))
-    assert set(forms) == expected
-    ref = _outputs(forms["as_built"], feeds)
-    for model in forms.values():
+    found = forms.exact_forms(_model_file(tmp_path, "m", variants.op_model(form, shape)))
+    assert set(found) == expected
+    ref = _outputs(found["as_built"], feeds)
+    for model in found.values():
         np.testing.assert_allclose(_outputs(model, feeds), ref, rtol=1e-5, atol=1e-5)
     rms = _model_file(tmp_path, "rms", variants.op_model("RMSNormalization", shape))
-    assert set(variants.exact_forms(rms, target="onnx")) == {"as_built"}
+    assert set(forms.exact_forms(rms, target="onnx")) == {"as_built"}
 
 
 # --- autotune --------------------------------------------------------------------------------

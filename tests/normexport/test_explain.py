@@ -1,0 +1,74 @@
+"""``normexport explain`` against the run: on every provider, explain lists what the run's passes
+do to the same graph, with the run's policies (the Skip fusion is CUDA's only). Graphs built node
+by node; no PyTorch export, no session on the model."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from graphs import make_model
+from onnx import TensorProto
+
+import fusion
+from fusion.registry import SKIP_PROVIDERS, skip_fusion
+from normexport import cli, runtime
+from normexport.report import explain
+
+SHAPE = (2, 5, 16)
+F = TensorProto.FLOAT
+
+
+def _residual_layernorm() -> ir.Model:
+    """``LayerNormalization(a + b)`` at opset 17: what FuseSkip makes one
+    SkipLayerNormalization of, where the Skip policy asks for it."""
+    rng = np.random.default_rng(0)
+    return make_model(
+        [
+            ("Add", ["a", "b"], ["sum"], {"name": "add"}),
+            ("LayerNormalization", ["sum", "gamma", "beta"], ["y"], {"name": "norm", "axis": -1}),
+        ],
+        {"a": (F, SHAPE), "b": (F, SHAPE)},
+        {"y": (F, SHAPE)},
+        {
+            "gamma": (1 + 0.5 * rng.standard_normal(SHAPE[-1])).astype(np.float32),
+            "beta": rng.standard_normal(SHAPE[-1]).astype(np.float32),
+        },
+        opset=17,
+    )
+
+
+@pytest.mark.parametrize("provider", ["cpu", "cuda"])
+def test_explain_and_the_run_agree_on_each_provider(provider):
+    ran = _residual_layernorm()
+    already = explain.already_fused(ran)
+    outcomes = fusion.optimize(ran, target="ort", skip=skip_fusion("ort", provider))  # the run's
+    explained = _residual_layernorm()
+    findings = explain.explain(explained, target="ort", provider=provider)
+    assert findings == explain.from_report(outcomes.fused, outcomes.refused, already)
+    assert [n.op_type for n in explained.graph] == [n.op_type for n in ran.graph]
+    # the policy decides here: one Skip op on the providers it is fused for, the Add elsewhere
+    skip_fused = [f for f in findings if f.kind == "skip" and f.outcome == "fused"]
+    assert len(skip_fused) == (provider in SKIP_PROVIDERS)
+
+
+def test_the_skip_policy_differs_between_the_providers():
+    """What makes the test above able to fail: a fusion that one provider's policy skips."""
+    assert skip_fusion("ort", "cuda") and not skip_fusion("ort", "cpu")
+    assert not skip_fusion("onnx", "cuda")  # the Skip ops are ONNX Runtime's
+
+
+def test_explain_command_resolves_the_provider_as_the_run_does(monkeypatch, capsys, tmp_path):
+    path = tmp_path / "residual.onnx"
+    ir.save(_residual_layernorm(), path)
+    asked = []
+
+    def cuda(requested):
+        asked.append(requested)
+        return "cuda", None
+
+    monkeypatch.setattr(runtime, "resolve_provider", cuda)
+    code = cli.main(["explain", str(path)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0 and asked == ["auto"]  # explain's options: the run's default provider
+    assert "SkipLayerNormalization" in out and "fused: 1" in out
