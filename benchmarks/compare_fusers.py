@@ -58,7 +58,8 @@ from rich.table import Table
 
 import fusion
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
-from normexport import bench, report, runtime
+from normexport import report, runtime
+from normexport.bench.results import Machine
 from normexport.errors import one_line
 from normexport.io.export import ExportError, export_module
 from normexport.io.inputs import input_sets
@@ -274,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     render(rows, summary, EXPORTS, console)
     result = {
         "versions": versions(),
-        "machine": bench.machine("cpu"),
+        "machine": Machine.probe("cpu").to_dict(),
         "tools": {tool: description for tool, (_, description) in TOOLS.items()},
         "ort_session_optimization_when_checking_parity": ORT_AS_WRITTEN.name,
         "exports": [f"{e}{o}" for e, o in EXPORTS],

@@ -32,7 +32,11 @@ from rich.table import Table
 
 import models
 from models.demo import save_model_file
-from normexport import bench, report, runtime
+from normexport import report, runtime
+from normexport.bench import command
+from normexport.bench.measure import EAGER
+from normexport.bench.render import fmt_ratio
+from normexport.bench.results import Machine
 from normexport.errors import UsageError
 from normexport.io.files import save_figure
 
@@ -57,7 +61,7 @@ def bench_zoo_model(name: str, args: argparse.Namespace, console: Console) -> di
             "--json", str(args.out / f"{stem}.json"), "--chart", str(args.out / f"{stem}.png"),
         ]  # fmt: skip
         console.rule(f"normexport bench {name}")
-        bench.run(bench.build_parser().parse_args(argv), console)
+        command.run(command.build_parser().parse_args(argv), console)
     return json.loads((args.out / f"{stem}.json").read_text())
 
 
@@ -101,7 +105,7 @@ def print_summary(rows: list[dict], provider: str, console: Console) -> None:
             row["model"],
             shapes,
             *[_ms_cell(row, n) for n in names],
-            f"{bench.fmt_ratio(vs['ratio'])} vs {vs['best_other']}" if vs else "-",
+            f"{fmt_ratio(vs['ratio'])} vs {vs['best_other']}" if vs else "-",
             ("yes" if vs["within_spread"] else "NO") if vs else "-",
         )
     console.print(table)
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summary_rows(results)
     print_summary(rows, runtime.PROVIDERS[provider][0], console)
     stem = args.out / f"demo_models_{provider}"
-    machine = bench.machine(provider)
+    machine = Machine.probe(provider).to_dict()
     report.write_json({"machine": machine, "rows": rows}, stem.with_suffix(".json"))
     _chart(rows, runtime.PROVIDERS[provider][0], stem.with_suffix(".png"))
     console.print(f"wrote {stem}.json and .png")
@@ -163,7 +167,7 @@ def _chart(rows: list[dict], provider: str, path: Path) -> None:
         for r, shape in zip(rows, shapes, strict=True)
     ]
     names = list(dict.fromkeys(k for r in rows for k in r["ratio_to_normexport"]))
-    names = [n for n in names if n != bench.EAGER] + [n for n in names if n == bench.EAGER]
+    names = [n for n in names if n != EAGER] + [n for n in names if n == EAGER]
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(rows)), 4.5))
     width = 0.8 / max(len(names), 1)
     for i, n in enumerate(names):

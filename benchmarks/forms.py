@@ -49,7 +49,9 @@ from rich.console import Console
 from rich.table import Table
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
-from normexport import bench, report, runtime
+from normexport import report, runtime
+from normexport.bench.render import fmt_ratio
+from normexport.bench.results import Machine
 from normexport.io.export import export_module
 from normexport.io.files import save_figure
 from normexport.runtime.latency import paired_ratio, time_interleaved
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     _print(results, console)
     out = {
-        "machine": bench.machine(provider),
+        "machine": Machine.probe(provider).to_dict(),
         "provider": runtime.PROVIDERS[provider][0],
         "provider_note": note,
         "threads": args.threads,
@@ -350,7 +352,7 @@ def _print(results: dict, console: Console) -> None:
                 ratio = r["ratio_to_first"].get(label)
                 cells.append(
                     f"{t['median_ms']:.3f} [{t['ci_low_ms']:.3f}, {t['ci_high_ms']:.3f}]"
-                    + (f" {bench.fmt_ratio(ratio)}" if ratio else "")
+                    + (f" {fmt_ratio(ratio)}" if ratio else "")
                 )
             table.add_row(label, *cells)
         console.print(table)

@@ -34,6 +34,7 @@ Writes ``norm_stack_<provider>.json`` and ``.png`` (``norm_stack_conv_<provider>
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -44,7 +45,11 @@ from rich.console import Console
 from torch import nn
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
-from normexport import bench, report, runtime
+from normexport import report, runtime
+from normexport.bench.measure import bench_model
+from normexport.bench.options import BenchOptions
+from normexport.bench.render import fmt_ratio, render
+from normexport.bench.results import BenchResult
 from normexport.io.export import export_module
 from normexport.io.files import save_figure, save_model
 from normexport.tuning import variants
@@ -185,16 +190,16 @@ def _export(module: nn.Module, x: np.ndarray, opset: int | None, path: Path) -> 
     return path
 
 
-def run_kind(kind: str, provider: str, blocks: int, budget_s: float) -> dict:
-    """Bench one stack kind; returns :func:`normexport.bench.bench_model`'s result plus
-    ``targets`` (each with the paired ratio and whether it is met)."""
+def run_kind(kind: str, provider: str, blocks: int, budget_s: float) -> BenchResult:
+    """Bench one stack kind (its targets: :data:`TARGETS`); returns
+    :func:`normexport.bench.measure.bench_model`'s result."""
     x = np.random.default_rng(0).standard_normal(SHAPE).astype(np.float32)
     hand = NormStack(kind, "hand", blocks)
     with tempfile.TemporaryDirectory(prefix="norm-stack-") as tmp:
         return _run_kind(kind, hand, x, provider, budget_s, blocks, Path(tmp))
 
 
-def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> dict:
+def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> BenchResult:
     raw = _export(hand, x, None, folder / "raw.onnx")
     extra = {
         "nn_opset23": variants.Variant.extra(
@@ -210,10 +215,8 @@ def _run_kind(kind, hand, x, provider, budget_s, blocks, folder: Path) -> dict:
             "function)",
         ),
     }
-    opts = bench.BenchOptions(provider=provider, io_binding=provider == "cuda", budget_s=budget_s)
-    result = bench.bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
-    result["targets"] = _targets(result["points"][0], TARGETS)
-    return result
+    opts = BenchOptions(provider=provider, io_binding=provider == "cuda", budget_s=budget_s)
+    return bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
 
 
 def _targets(point: dict, targets: tuple) -> list[dict]:
@@ -242,9 +245,9 @@ def _targets(point: dict, targets: tuple) -> list[dict]:
 
 def run_conv_kind(
     kind: str, shape: tuple[int, ...], provider: str, blocks: int, budget_s: float
-) -> dict:
+) -> BenchResult:
     """Bench one conv stack kind at ``shape`` (raw export and normexport, the ``nn_module``
-    and ``relu_stack`` stacks, eager) with its :data:`CONV_TARGETS`."""
+    and ``relu_stack`` stacks, eager; its targets: :data:`CONV_TARGETS`)."""
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
     hand = ConvNormStack(kind, "hand", shape[1], blocks)
     with tempfile.TemporaryDirectory(prefix="norm-stack-") as tmp:
@@ -266,12 +269,8 @@ def run_conv_kind(
             )
             for name, text in forms.items()
         }
-        opts = bench.BenchOptions(
-            provider=provider, budget_s=budget_s, only=("ort_raw", "normexport")
-        )
-        result = bench.bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
-    result["targets"] = _targets(result["points"][0], CONV_TARGETS)
-    return result
+        opts = BenchOptions(provider=provider, budget_s=budget_s, only=("ort_raw", "normexport"))
+        return bench_model(raw, {"h": x}, opts, module=hand, extra=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -301,9 +300,13 @@ def main(argv: list[str] | None = None) -> int:
             result = run_conv_kind(kind, shape, provider, args.blocks, args.budget)
         else:
             result = run_kind(kind, provider, args.blocks, args.budget)
-        results[key] = {"model": f"norm_stack[{kind}] x{args.blocks}, input {shape}"} | result
-        bench.render(results[key], console)
-        _verdicts(key, result["targets"], console)
+        model = f"norm_stack[{kind}] x{args.blocks}, input {shape}"
+        result = dataclasses.replace(result, model=model)
+        goals = CONV_TARGETS if args.set == "conv" else TARGETS
+        targets = _targets(result.points[0].to_dict(), goals)
+        results[key] = result.to_dict() | {"targets": targets}
+        render(result, console)
+        _verdicts(key, targets, console)
     name = f"norm_stack_{provider}" if args.set == "transformer" else f"norm_stack_conv_{provider}"
     shapes = [list(SHAPE)] if args.set == "transformer" else [list(s) for s in CONV_SHAPES]
     out = {"shape": shapes[0] if len(shapes) == 1 else shapes, "blocks": args.blocks}
@@ -323,7 +326,7 @@ def _verdicts(key: str, targets: list[dict], console: Console) -> None:
                 f" (out of reach: with each norm as cheap as one elementwise op the stack "
                 f"would be {t['floor_ceiling']:.2f}x faster than {t['versus']})"
             )
-        console.print(f"{key}: {t['target']}: {bench.fmt_ratio(r)} -> {verdict}")
+        console.print(f"{key}: {t['target']}: {fmt_ratio(r)} -> {verdict}")
 
 
 def _chart(results: dict, path: Path) -> None:

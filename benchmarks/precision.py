@@ -65,14 +65,15 @@ import fusion
 import models
 from models.demo import save_model_file
 from models.norms import GALLERY
-from normexport import bench, precision, report, runtime
+from normexport import precision, report, runtime
 from normexport.arguments import options_from_args
+from normexport.bench.results import Machine
 from normexport.cli import build_parser
 from normexport.errors import one_line
 from normexport.io import files
 from normexport.io.export import export_module
 from normexport.io.inputs import id_ranges, input_sets
-from normexport.pipeline import _by_feed_name, prepare
+from normexport.pipeline.prepare import by_feed_name, prepare
 from normexport.runtime.latency import time_interleaved
 from normexport.verdict import hidden_probe, oracle, parity
 
@@ -287,7 +288,7 @@ def demo_case(name: str, args, work: Path) -> dict:
     raw = work / "raw.onnx"
     files.save_model(prepared.raw, raw, external_data=False)
     names = [v.name for v in prepared.raw.graph.inputs if not v.is_initializer()]
-    sets = _sets(_by_feed_name(prepared.example, names), prepared.raw)
+    sets = _sets(by_feed_name(prepared.example, names), prepared.raw)
     ref = _oracle_outputs(raw, sets, work, prepared.loaded)
     built = build(raw, work)
     result = measure(built, sets, ref, args, on_reference=False)
@@ -458,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as err:  # e.g. a data wheel not installed: the others still run
                 results[name] = {"error": one_line(err)}
     render(results, console)
-    machine = {**bench.machine("cpu"), "threads": args.threads, "versions_fp16": _versions()}
+    machine = Machine.probe("cpu").to_dict() | {"threads": args.threads}
+    machine["versions_fp16"] = _versions()
     data = {"machine": machine, "converters": CONVERTERS, "cases": results}
     report.write_json(data, args.out / "precision_cpu.json")
     chart(results, args.out / "precision_cpu.png")

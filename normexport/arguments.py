@@ -2,9 +2,11 @@
 
 :class:`Options` is what :func:`normexport.pipeline.run` (and :func:`normexport.optimize`)
 take. Each flag's ``dest`` is the name of the field it fills, and its default is that field's
-default, so :func:`options_from_args` is a plain copy with no special cases. The argument groups
-are shared: the main command uses all three, ``explain`` the model group, ``bench`` the model
-group and flags of its own. This module imports no PyTorch or ONNX Runtime package.
+default (a command may give ``--budget`` its own), so :func:`options_from_args` is a plain copy
+with no special cases. The argument groups are shared: the main command uses all five,
+``explain`` the model and provider groups, ``bench`` the model, provider and timing groups and
+flags of its own (:mod:`normexport.bench.command`). This module imports no PyTorch or ONNX
+Runtime package.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ class Options:
             :data:`normexport.verdict.parity.NOISE_WARN_FACTOR` times further from the oracle than
             the raw model (float32; by default a warning).
         trust_pickle, model_class, model_kwargs, exporter: how to load and export the model
-            (see the README's table of model files).
-        budget_s: seconds of timed runs to aim for (``--budget``).
+            (see docs/model-files.md).
+        budget_s: seconds of timed runs to aim for, in all (``--budget``; ``normexport bench``
+            has its own default, :data:`normexport.bench.options.BENCH_BUDGET_S`).
         autotune: time the exact alternative forms of the optimized model (and the ORT
             session settings they need; where attention was fused, also the model without
             it) on ``provider`` and keep the fastest.
@@ -56,6 +59,8 @@ class Options:
             always does).
         module: an in-memory ``torch.nn.Module`` to export instead of loading ``model``
             (Python API only; it is run in eval mode).
+        args, kwargs: ``module``'s example arguments, as :func:`torch.onnx.export` takes them
+            (Python API only; :func:`normexport.io.examples.from_tensors`), or None.
     """
 
     model: Path
@@ -80,6 +85,8 @@ class Options:
     precision: str = "fp32"
     keep_io_types: bool = False
     module: Any = None
+    args: tuple | None = None
+    kwargs: dict[str, Any] | None = None
 
 
 def _default(name: str) -> Any:
@@ -150,8 +157,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         choices=["fp32", "fp16", "bf16"],
         default=_default("precision"),
         help="write the model in this precision (fp16, bf16: norms keep float32 statistics; "
-        "bf16 needs bfloat16 kernels on the provider, refused on CPU; see README, Half "
-        "precision)",
+        "bf16 needs bfloat16 kernels on the provider, refused on CPU; see docs/precision.md)",
     )
     p.add_argument(
         "--keep-io-types",
@@ -160,9 +166,33 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_provider_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the model runs: ``--provider`` (main command, explain, bench)."""
+    p.add_argument(
+        "--provider",
+        choices=["auto", "cpu", "cuda"],
+        default=_default("provider"),
+        help="ONNX Runtime execution provider (auto: CUDA where it loads, else CPU, said so)",
+    )
+
+
+def add_timing_arguments(p: argparse.ArgumentParser, budget_s: float | None = None) -> None:
+    """How long to time: ``--budget`` (main command, and bench with its own default
+    ``budget_s``; else :class:`Options`')."""
+    budget_s = _default("budget_s") if budget_s is None else budget_s
+    p.add_argument(
+        "--budget",
+        dest="budget_s",
+        type=float,
+        default=budget_s,
+        metavar="SECONDS",
+        help=f"seconds of timing, in all (default {budget_s:g})",
+    )
+
+
 def add_check_arguments(p: argparse.ArgumentParser) -> None:
-    """How the main command checks and times the result: provider, timing, parity tolerances."""
-    p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default=_default("provider"))
+    """How the main command checks and times the result: timing on or off, autotune, parity
+    tolerances."""
     p.add_argument(
         "--no-benchmark",
         dest="benchmark",
@@ -173,14 +203,6 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         "--autotune",
         action="store_true",
         help="time the exact alternative forms on this machine's provider and keep the fastest",
-    )
-    p.add_argument(
-        "--budget",
-        dest="budget_s",
-        type=float,
-        default=_default("budget_s"),
-        metavar="SECONDS",
-        help="time spent on timing",
     )
     p.add_argument("--atol", type=float, default=_default("atol"), help="parity absolute tolerance")
     p.add_argument(

@@ -1,20 +1,26 @@
-"""Command line: ``normexport MODEL [options]`` (also ``python -m normexport``).
+"""Command line: ``normexport MODEL [options]`` (also ``python -m normexport``), the main job,
+and its subcommands (:data:`SUBCOMMANDS`): ``normexport explain MODEL [options]`` lists every
+normalization-like subgraph, what it became, and why each one left alone was left alone;
+``normexport bench MODEL [options]`` compares the latency of the optimizers' variants of one
+model (:mod:`normexport.bench`).
 
-Subcommands: ``normexport explain MODEL [options]`` lists every normalization-like subgraph,
-what it became, and why each one left alone was left alone; ``normexport bench MODEL
-[options]`` compares the latency of the optimizers' variants of one model.
+A first word that names a subcommand picks that subcommand's parser; anything else is the main
+command's (a model file named like a subcommand: ``normexport ./bench``). ``normexport --help``
+lists the subcommands, ``normexport COMMAND --help`` gives each one's flags.
 
-Exit codes: 0 all went well; 1 parity failed (the optimized model is still written and the
-report says where outputs diverge); 2 a usage, input-file, output-path or environment error
-(one line, no traceback; add ``--debug`` for it); 130 / 143 stopped by SIGINT / SIGTERM
-(temporary files removed); 3 an internal error (a bug: please report it with the ``--debug``
-output). The kinds and the mapping are in :mod:`normexport.errors`.
+Exit codes (:mod:`normexport.errors` names them, ``docs/errors.md`` tells them): ``EXIT_OK``
+all went well; ``EXIT_PARITY_FAILED`` parity failed (the optimized model is still written and
+the report says where outputs diverge); ``EXIT_USAGE`` a usage, input-file, output-path or
+environment error (one line, no traceback; add ``--debug`` for it); 128 + the signal's number
+when stopped by SIGINT / SIGTERM (temporary files removed); ``EXIT_BUG`` an internal error (a
+bug: please report it with the ``--debug`` output).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 
@@ -23,20 +29,38 @@ from normexport.arguments import (
     add_check_arguments,
     add_model_arguments,
     add_output_arguments,
+    add_provider_arguments,
+    add_timing_arguments,
     options_from_args,
 )
 
+#: The subcommands, each with the line ``normexport --help`` gives it.
+SUBCOMMANDS = {
+    "explain": "each norm-like subgraph, what it became, and why",
+    "bench": "the optimizers' variants timed over batch sizes",
+}
+
+Command = Callable[[argparse.Namespace, Console], int]
+
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser for the main command."""
+    """The argument parser for the main command; its help lists the subcommands."""
+    width = max(len(name) for name in SUBCOMMANDS) + len(" MODEL")
+    listing = "\n".join(
+        f"  normexport {f'{name} MODEL':<{width}}  {line}" for name, line in SUBCOMMANDS.items()
+    )
     p = argparse.ArgumentParser(
         prog="normexport",
-        description="Export a PyTorch model (or optimize an ONNX one): fold BatchNorm, fuse "
-        "LayerNorm / RMSNorm, prove parity, time it on ONNX Runtime. "
-        "See also: normexport explain MODEL.",
+        usage=f"%(prog)s [{' | '.join(SUBCOMMANDS)}] MODEL [options]",
+        description="Export a PyTorch model (or optimize an ONNX one): fold BatchNorm, fuse\n"
+        "LayerNorm / RMSNorm, prove parity, time it on ONNX Runtime.",
+        epilog=f"subcommands (normexport COMMAND --help for their options):\n{listing}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(p)
     add_output_arguments(p)
+    add_provider_arguments(p)
+    add_timing_arguments(p)
     add_check_arguments(p)
     return p
 
@@ -49,22 +73,28 @@ def build_explain_parser() -> argparse.ArgumentParser:
         "each one left alone was left alone. Writes nothing.",
     )
     add_model_arguments(p)
+    add_provider_arguments(p)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command; returns the exit code (see the module docstring)."""
+    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; returns the exit code
+    (see the module docstring)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["explain"]:
-        args = build_explain_parser().parse_args(argv[1:])
-        return _guarded(_explain, args)
-    if argv[:1] == ["bench"]:
-        from normexport import bench
+    name = argv[0] if argv[:1] and argv[0] in SUBCOMMANDS else None
+    parser, command = _subcommand(name)
+    return _guarded(command, parser.parse_args(argv if name is None else argv[1:]))
 
-        args = bench.build_parser().parse_args(argv[1:])
-        return _guarded(bench.run, args)
-    args = build_parser().parse_args(argv)
-    return _guarded(_main, args)
+
+def _subcommand(name: str | None) -> tuple[argparse.ArgumentParser, Command]:
+    """The parser and the function of subcommand ``name`` (None: the main command)."""
+    if name == "explain":
+        return build_explain_parser(), _explain
+    if name == "bench":
+        from normexport.bench import command  # PyTorch and ONNX Runtime: imported on use
+
+        return command.build_parser(), command.run
+    return build_parser(), _main
 
 
 def _main(args: argparse.Namespace, console: Console) -> int:
@@ -83,18 +113,20 @@ def _main(args: argparse.Namespace, console: Console) -> int:
             console.print(f"report: {args.report} and {args.report.with_suffix('.png')}")
         else:
             console.print(f"report: {args.report}")
-    return 0 if result.passed else 1
+    return errors.EXIT_OK if result.passed else errors.EXIT_PARITY_FAILED
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
-    from normexport import pipeline
+    from normexport import pipeline, runtime
     from normexport.report import explain
 
-    prepared = pipeline.prepare(options_from_args(args))
+    opts = options_from_args(args)
+    provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
+    prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"
-    findings = explain.explain(prepared.raw, target=args.target)
+    findings = explain.explain(prepared.raw, target=opts.target, provider=provider)
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
-    return 0
+    return errors.EXIT_OK
 
 
 def _guarded(command, args: argparse.Namespace) -> int:

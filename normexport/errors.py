@@ -1,5 +1,6 @@
 """Errors that the command line turns into one clear line and an exit code: the one place
-where the kinds of user-facing error are named and mapped to exit codes.
+where the kinds of user-facing error are named (one class each) and the exit codes too
+(``EXIT_*``, which :mod:`normexport.cli` and :mod:`normexport.bench.command` return).
 
 - :class:`UsageError` (exit 2) and its kinds: :class:`InputFileError` (the model file, or a
   file it needs, cannot be used), :class:`OutputPathError` (an output cannot be written
@@ -15,8 +16,11 @@ from __future__ import annotations
 import re
 import signal
 
-#: Exit codes (see the README's "Errors and exit codes").
+#: Exit codes, defined here once (``docs/errors.md`` gives the same numbers): the run went
+#: well; parity failed (the model is still written); a :class:`UsageError`; a bug.
 EXIT_OK, EXIT_PARITY_FAILED, EXIT_USAGE, EXIT_BUG = 0, 1, 2, 3
+#: A run stopped by a signal exits with this plus the signal's number (130 SIGINT, 143 SIGTERM).
+EXIT_SIGNAL_BASE = 128
 
 
 def one_line(err: BaseException) -> str:
@@ -36,25 +40,17 @@ class UsageError(Exception):
     The message names the file, node or option and says how to fix it.
     """
 
-    kind = "usage"
-
 
 class InputFileError(UsageError):
     """The model file, or a file it needs (external data, ``--inputs``), cannot be used."""
-
-    kind = "input file"
 
 
 class OutputPathError(UsageError):
     """An output (``-o``, ``--report``, ``--json``, ``--chart``) cannot be written there."""
 
-    kind = "output path"
-
 
 class EnvironmentProblem(UsageError):
     """This machine lacks what was asked for (a CUDA provider that loads)."""
-
-    kind = "environment"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -67,7 +63,8 @@ class Interrupted(KeyboardInterrupt):
 
     @property
     def exit_code(self) -> int:
-        return 128 + self.signum
+        """:data:`EXIT_SIGNAL_BASE` plus the signal's number: 130 for SIGINT, 143 for SIGTERM."""
+        return EXIT_SIGNAL_BASE + self.signum
 
 
 #: The first signal received while :func:`on_signals` was in force, else None.
@@ -122,9 +119,9 @@ def exit_status(err: BaseException) -> tuple[int, str]:
     """The exit code for ``err`` and the one line that says it (without a traceback)."""
     signum = received_signal()
     if isinstance(err, KeyboardInterrupt) or signum is not None:
-        signum = getattr(err, "signum", None) or signum or signal.SIGINT
-        name = signal.Signals(signum).name
-        return 128 + signum, f"normexport: interrupted ({name}); temporary files removed"
+        stop = err if isinstance(err, Interrupted) else Interrupted(signum or signal.SIGINT)
+        name = signal.Signals(stop.signum).name
+        return stop.exit_code, f"normexport: interrupted ({name}); temporary files removed"
     if isinstance(err, UsageError):
         return EXIT_USAGE, f"normexport: error: {err}"
     return EXIT_BUG, (

@@ -12,8 +12,14 @@ import pytest
 import torch
 from torch import nn
 
-from normexport import bench, cli, runtime
-from normexport.errors import UsageError
+from normexport import cli, runtime
+from normexport.arguments import options_from_args
+from normexport.bench import command
+from normexport.bench.measure import EAGER, bench_model, resize_inputs
+from normexport.bench.options import BENCH_BUDGET_S, BenchOptions, sweep_points
+from normexport.bench.render import write_chart
+from normexport.bench.results import BenchResult
+from normexport.errors import EXIT_OK, EXIT_USAGE, UsageError
 from normexport.io.export import export_module
 from normexport.tuning import variants
 
@@ -48,10 +54,16 @@ def raw_export(dynamic: bool = True) -> tuple[ir.Model, dict[str, np.ndarray], n
 
 
 @pytest.fixture(scope="module")
-def small_bench() -> dict:
+def small_result() -> BenchResult:
     raw, example, module = raw_export()
-    opts = bench.BenchOptions(batches=[1, 3], seqs=[None], budget_s=0.2)
-    return bench.bench_model(raw, example, opts, module=module)
+    opts = BenchOptions(batches=[1, 3], seqs=[None], budget_s=0.2)
+    return bench_model(raw, example, opts, module=module)
+
+
+@pytest.fixture(scope="module")
+def small_bench(small_result) -> dict:
+    """The result's JSON form, as ``--json`` writes it."""
+    return json.loads(json.dumps(small_result.to_dict()))
 
 
 # --- runtime ---------------------------------------------------------------------------------
@@ -74,31 +86,42 @@ def test_bound_run_matches_plain_run_and_keeps_outputs():
 def test_resize_inputs_repeats_the_example_cyclically():
     ids = np.arange(6, dtype=np.int64).reshape(2, 3)
     image = np.arange(2 * 3 * 2 * 2, dtype=np.float32).reshape(2, 3, 2, 2)
-    out = bench.resize_inputs({"ids": ids, "image": image}, batch=3, seq=5)
+    out = resize_inputs({"ids": ids, "image": image}, batch=3, seq=5)
     np.testing.assert_array_equal(out["ids"], [[0, 1, 2, 0, 1], [3, 4, 5, 3, 4], [0, 1, 2, 0, 1]])
     assert out["image"].shape == (3, 5, 2, 2)  # axis 1 of every input of rank >= 2
-    assert bench.resize_inputs({"v": np.arange(4)}, batch=2, seq=7)["v"].tolist() == [0, 1]
-    assert bench.resize_inputs({"ids": ids}, None, None)["ids"].shape == (2, 3)
+    assert resize_inputs({"v": np.arange(4)}, batch=2, seq=7)["v"].tolist() == [0, 1]
+    assert resize_inputs({"ids": ids}, None, None)["ids"].shape == (2, 3)
 
 
 def test_parser_and_size_errors():
-    args = bench.build_parser().parse_args(["m.pt", "--batch", "1,8", "--seq", "16", "--debug"])
+    args = command.build_parser().parse_args(["m.pt", "--batch", "1,8", "--seq", "16", "--debug"])
     assert (args.batch, args.seq, args.io_binding, args.debug) == ("1,8", "16", None, True)
-    assert bench._sizes("1,8,64", "--batch") == [1, 8, 64]
-    assert bench._sizes(None, "--seq") == [None]
+    assert command._sizes("1,8,64", "--batch") == [1, 8, 64]
+    assert command._sizes(None, "--seq") == [None]
     for bad in ("1,x", "0,2"):
         with pytest.raises(UsageError, match="--batch"):
-            bench._sizes(bad, "--batch")
+            command._sizes(bad, "--batch")
+
+
+def test_shared_flags_fill_the_shared_options():
+    """--provider and --budget are the main command's flags (same dest, same Options field);
+    bench keeps its own default budget."""
+    argv = ["m.pt", "--provider", "cpu", "--target", "onnx", "--opset", "18"]
+    opts = options_from_args(command.build_parser().parse_args(argv))
+    assert (opts.provider, opts.target, opts.opset) == ("cpu", "onnx", 18)
+    assert opts.budget_s == BENCH_BUDGET_S == BenchOptions().budget_s
+    args = command.build_parser().parse_args(["m.pt", "--budget", "3"])
+    assert options_from_args(args).budget_s == 3.0
 
 
 def test_sweep_points_grid_and_cross():
-    assert bench.sweep_points([1, 8], [16, 128]) == [(1, 16), (8, 16), (1, 128), (8, 128)]
-    assert bench.sweep_points([1, 8, 64], [16, 128, 512], "cross") == [
+    assert sweep_points([1, 8], [16, 128]) == [(1, 16), (8, 16), (1, 128), (8, 128)]
+    assert sweep_points([1, 8, 64], [16, 128, 512], "cross") == [
         (1, 16), (8, 16), (64, 16), (1, 128), (1, 512)
     ]  # fmt: skip
-    assert bench.sweep_points([1, 8], [None], "cross") == [(1, None), (8, None)]
+    assert sweep_points([1, 8], [None], "cross") == [(1, None), (8, None)]
     with pytest.raises(ValueError, match="sweep"):
-        bench.sweep_points([1], [None], "diagonal")
+        sweep_points([1], [None], "diagonal")
 
 
 # --- variants --------------------------------------------------------------------------------
@@ -129,7 +152,9 @@ def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch, tmp_pat
 # --- bench_model -----------------------------------------------------------------------------
 
 
-def test_bench_model_structure(small_bench):
+def test_bench_model_structure(small_result, small_bench):
+    assert small_result.provider == small_bench["provider"]
+    assert [p.batch for p in small_result.points] == [1, 3]
     r = small_bench
     assert r["provider"] == "CPUExecutionProvider" == r["machine"]["provider"]
     assert "gpu" not in r["machine"]  # a CPU run never names a GPU
@@ -137,10 +162,10 @@ def test_bench_model_structure(small_bench):
     assert r["variants"]["normexport"]["ort_ran_norm_ops"] is not None
     assert [p["inputs"]["h"] for p in r["points"]] == [[1, 4, HIDDEN], [3, 4, HIDDEN]]
     for p in r["points"]:
-        assert set(p["latency_ms"]) == {bench.EAGER, *variants.VARIANTS}
+        assert set(p["latency_ms"]) == {EAGER, *variants.VARIANTS}
         assert p["errors"] == {}
-        assert p["reference"] == bench.EAGER
-        assert set(p["ratio_to_normexport"]) == {bench.EAGER, *variants.VARIANTS} - {"normexport"}
+        assert p["reference"] == EAGER
+        assert set(p["ratio_to_normexport"]) == {EAGER, *variants.VARIANTS} - {"normexport"}
         assert set(p["ratio_to_eager"]) == set(variants.VARIANTS)
         assert all(d < 1e-4 for d in p["max_abs_diff"].values())
         vs = p["normexport_vs_best"]
@@ -173,11 +198,11 @@ def test_floor_compares_the_fused_norm_with_one_elementwise_op(small_bench):
 
 def test_a_variant_that_fails_to_run_is_recorded_not_fatal():
     raw, example, module = raw_export(dynamic=False)  # batch fixed at 2
-    opts = bench.BenchOptions(batches=[3], floor=False, budget_s=0.1)
-    r = bench.bench_model(raw, example, opts, module=module)
-    p = r["points"][0]
+    opts = BenchOptions(batches=[3], floor=False, budget_s=0.1)
+    r = bench_model(raw, example, opts, module=module)
+    p = r.to_dict()["points"][0]
     assert set(p["errors"]) == set(variants.VARIANTS)  # ORT refuses batch 3
-    assert set(p["latency_ms"]) == {bench.EAGER}  # eager still timed
+    assert set(p["latency_ms"]) == {EAGER}  # eager still timed
     assert p["ratio_to_normexport"] == {} and p["normexport_vs_best"] is None
 
 
@@ -205,7 +230,7 @@ def test_cli_bench_writes_json_and_chart(tmp_path, model_file, capsys, monkeypat
         + ["--json", str(out_json), "--chart", str(out_png)]
     )
     out = capsys.readouterr().out
-    assert code == 0
+    assert code == EXIT_OK
     assert out.count("CUDA was not available") == 1
     r = json.loads(out_json.read_text())
     assert r["provider"] == "CPUExecutionProvider"
@@ -233,23 +258,62 @@ def test_cli_bench_cross_sweep_with_few_runs(tmp_path, model_file):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_bench_usage_errors(model_file, capsys):
+def test_cli_bench_usage_errors(model_file, capsys, monkeypatch):
     base = ["bench", str(model_file), "--trust-pickle", "--input-shape", f"2,4,{HIDDEN}"]
-    assert cli.main([*base, "--provider", "cpu", "--cuda-graph"]) == 2
+    assert cli.main([*base, "--provider", "cpu", "--cuda-graph"]) == EXIT_USAGE
     assert "--cuda-graph needs the CUDA provider, not --provider cpu" in capsys.readouterr().err
-    assert cli.main([*base, "--variants", "bogus"]) == 2
+    assert cli.main([*base, "--variants", "bogus"]) == EXIT_USAGE
     assert "--variants" in capsys.readouterr().err
-    assert cli.main([*base, "--min-runs", "1"]) == 2
+    assert cli.main([*base, "--min-runs", "1"]) == EXIT_USAGE
     assert "--min-runs 1: give at least 3" in capsys.readouterr().err
+    # bench's own budget, checked by the shared check_options
+    assert cli.main([*base, "--provider", "cpu", "--budget", "0"]) == EXIT_USAGE
+    assert "--budget 0.0: give a number of seconds > 0" in capsys.readouterr().err
+    # one CUDA-graph check, on the provider resolved: auto without CUDA is refused too
+    monkeypatch.setattr(runtime, "resolve_provider", lambda requested: ("cpu", "no CUDA here"))
+    assert cli.main([*base, "--cuda-graph"]) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert "no CUDA here" in out
+    assert "--cuda-graph needs the CUDA provider, and it is not in use here" in err
+
+
+def test_a_floor_that_fails_is_recorded_not_fatal(monkeypatch):
+    from normexport.bench import measure
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("floor exploded")
+
+    monkeypatch.setattr(measure, "norm_floor", broken)
+    raw, example, _ = raw_export()
+    opts = BenchOptions(batches=[2], only=["normexport"], budget_s=0.1, min_runs=3)
+    r = bench_model(raw, example, opts)
+    assert r.floor is None and r.floor_error == "RuntimeError: floor exploded"
+    assert r.to_dict()["floor"] == {"error": "RuntimeError: floor exploded"}
+    assert set(r.points[0].timings) == {"normexport"}
+
+
+def test_chart_leaves_pyplot_and_the_backend_alone(small_result, tmp_path, monkeypatch):
+    import matplotlib
+    import matplotlib.pyplot as plt
+
+    def switched(*args, **kwargs):
+        pytest.fail("the chart switched matplotlib's backend")
+
+    monkeypatch.setattr(matplotlib, "use", switched)
+    monkeypatch.setattr(plt, "switch_backend", switched)
+    before = plt.get_fignums()
+    write_chart(small_result, tmp_path / "c.png")
+    assert plt.get_fignums() == before  # no pyplot figure made (or left open)
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cpu_baseline_runs_beside_and_is_no_optimizer():
     raw, example, _ = raw_export()
-    opts = bench.BenchOptions(
+    opts = BenchOptions(
         batches=[2], only=["ort_raw", "normexport"], with_cpu=True, floor=False, budget_s=0.1,
         min_runs=3,
     )  # fmt: skip
-    r = bench.bench_model(raw, example, opts)
+    r = bench_model(raw, example, opts).to_dict()
     assert r["variants"]["normexport@cpu"]["provider"] == "cpu"
     assert r["variants"]["normexport"]["provider"] is None
     point = r["points"][0]

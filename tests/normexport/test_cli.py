@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import signal
 
 import onnx_ir as ir
 import pytest
@@ -12,7 +13,9 @@ import torch
 from torch import nn
 
 import fusion
-from normexport import cli, pipeline
+from normexport import cli, errors
+from normexport.errors import UsageError
+from normexport.io import files
 from normexport.io.export import export_module
 
 
@@ -71,7 +74,7 @@ def test_pickled_module_needs_trust(capsys, pickled):
     code, _, err = run_cli(capsys, pickled, "--input-shape", SHAPE)
     assert code == 2
     assert "--trust-pickle" in err and "Traceback" not in err
-    assert not pipeline.default_output(pickled).exists()
+    assert not files.default_output(pickled).exists()
 
 
 @pytest.mark.slow
@@ -93,7 +96,7 @@ def test_pickled_module_end_to_end(capsys, pickled, tmp_path):
     assert set(report["latency_ms"]) == {"pytorch_eager", "ort_raw", "ort_optimized"}
     assert report["provider"] in ("CPUExecutionProvider", "CUDAExecutionProvider")
     assert report_path.with_suffix(".png").stat().st_size > 1000
-    written = ir.load(pipeline.default_output(pickled))
+    written = ir.load(files.default_output(pickled))
     assert "BatchNormalization" not in fusion.norm_ops(written)
     assert "parity passed" in out
 
@@ -212,7 +215,7 @@ def test_wrong_model_fails_parity_and_exits_1(capsys, pickled, monkeypatch, tmp_
         report_path,
     )
     assert code == 1
-    assert pipeline.default_output(pickled).exists()  # still written
+    assert files.default_output(pickled).exists()  # still written
     report = json.loads(report_path.read_text())
     assert not report["parity"]["passed"] and report["parity"]["failures"]
     assert "diverges" in out
@@ -265,7 +268,7 @@ def test_explain_usage_error_exits_2(capsys, tmp_path):
     ],
 )
 def test_default_output_is_beside_the_input(tmp_path, name, expected):
-    assert pipeline.default_output(tmp_path / name) == tmp_path / expected
+    assert files.default_output(tmp_path / name) == tmp_path / expected
 
 
 class Residual(nn.Module):
@@ -328,3 +331,43 @@ def test_autotune_choice_becomes_the_output(capsys, tmp_path, monkeypatch):
     assert sorted(p.name for p in out_path.parent.iterdir()) == ["residual.opt.onnx"]
     ops = [n.op_type for n in ir.load(out_path).graph]
     assert "LayerNormalization" in ops and "SkipLayerNormalization" not in ops
+
+
+# --- subcommands and exit codes --------------------------------------------------------------
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert stopped.value.code == 0
+    assert out.startswith("usage: normexport [explain | bench] MODEL [options]")
+    for name, line in cli.SUBCOMMANDS.items():
+        assert f"normexport {name} MODEL" in out and line in out
+    assert "--input-shape" in out and "--autotune" in out  # the main command's own flags
+
+
+@pytest.mark.parametrize("name", list(cli.SUBCOMMANDS))
+def test_each_subcommand_has_its_own_help(capsys, name):
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([name, "--help"])
+    out = capsys.readouterr().out
+    assert stopped.value.code == 0 and out.startswith(f"usage: normexport {name} ")
+    assert "--debug" in out and "--provider" in out and "--autotune" not in out
+
+
+def test_a_model_named_like_a_subcommand_is_the_main_command(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, "./bench", "--no-benchmark")
+    assert code == 2 and "bench: no such file" in err
+
+
+def test_exit_codes_are_the_documented_numbers():
+    assert (errors.EXIT_OK, errors.EXIT_PARITY_FAILED, errors.EXIT_USAGE, errors.EXIT_BUG) == (
+        0, 1, 2, 3
+    )  # fmt: skip
+    assert errors.exit_status(UsageError("--x 1: no")) == (2, "normexport: error: --x 1: no")
+    assert errors.exit_status(errors.InputFileError("m.pt: damaged"))[0] == 2
+    assert errors.exit_status(errors.Interrupted(signal.SIGTERM))[0] == 143
+    assert errors.exit_status(KeyboardInterrupt())[0] == 130
+    assert errors.exit_status(RuntimeError("boom"))[0] == 3
