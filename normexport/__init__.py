@@ -8,6 +8,8 @@ Python API (the CLI's twin; each keyword is the flag of the same name)::
     report = normexport.optimize("model.pt", trust_pickle=True, input_shapes=["1,3,224,224"])
     report.parity.passed, report.fusions.counts["batchnorm_folded"], report.output
 
+    report = normexport.optimize(module, (torch.randn(1, 3, 224, 224),), output="m.onnx")
+
 ``import normexport`` is light: PyTorch, ONNX and ONNX Runtime are imported by the first call.
 """
 
@@ -29,6 +31,8 @@ __all__ = ["Options", "Report", "optimize"]
 
 def optimize(
     model: str | os.PathLike | Any,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
     *,
     output: str | os.PathLike | None = None,
     report: str | os.PathLike | None = None,
@@ -57,26 +61,21 @@ def optimize(
     Args:
         model: a model file (any kind the CLI takes) or an in-memory ``torch.nn.Module``
             (run in eval mode; its training flag is restored afterwards).
+        args, kwargs: an in-memory module's example arguments, as :func:`torch.onnx.export`
+            takes them (``model(*args, **kwargs)`` is exported; tensors become the inputs,
+            named after ``forward``'s parameters or their keywords; other values stay fixed),
+            instead of ``input_shapes`` / ``inputs``.
         output: the optimized model's path (``-o``); default: MODEL stem + ``.opt.onnx``
             beside the file. Required for an in-memory module.
         report: also write the JSON report here, and the latency chart beside it as ``.png``.
         input_shapes: one per input in ``forward()`` order (``--input-shape``), as
             ``"1,3,224,224"``, ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
         inputs: an ``.npz`` of example inputs by name (``--inputs``).
-        dynamic, opset, target, provider, exporter: as ``--dynamic`` etc.
+        dynamic, opset, target, provider, exporter, autotune, strict, trust_pickle,
+            model_class, precision, keep_io_types: as the flags (:class:`Options`).
         benchmark: time the variants (False: ``--no-benchmark``).
-        autotune: ``--autotune``.
-        atol, rtol: parity tolerances (None: :data:`normexport.verdict.parity.DEFAULT_ATOL` /
-            ``RTOL``); atol in the outputs' units, rtol times the oracle's largest magnitude.
-        strict: ``--strict``: a noise-ratio warning (``report.parity.warnings()``) fails.
-        budget_s: seconds of timed runs to aim for (``--budget``; None: the CLI's default).
-        trust_pickle, model_class: as ``--trust-pickle``, ``--model-class``.
+        atol, rtol, budget_s: ``--atol``, ``--rtol``, ``--budget`` (None: their defaults).
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
-        precision: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (``--precision``; bf16 raises
-            :class:`normexport.errors.UsageError` where the provider has no bfloat16 kernel for
-            the model's linear ops, as ONNX Runtime's CPU provider).
-        keep_io_types: with ``precision="fp16"``, float32 inputs and outputs
-            (``--keep-io-types``; ``"bf16"`` always keeps them).
 
     Returns:
         The :class:`normexport.report.Report`; ``report.to_dict()`` is the CLI's JSON and
@@ -128,6 +127,11 @@ def _options(given: dict[str, Any]) -> Options:
     if isinstance(values.get("model_kwargs"), Mapping):
         values["model_kwargs"] = json.dumps(dict(values["model_kwargs"]))
     if isinstance(model, str | os.PathLike):
+        if "args" in values or "kwargs" in values:
+            raise UsageError(
+                "args / kwargs are example arguments of an in-memory module; for a model file "
+                "give input_shapes or inputs"
+            )
         return Options(model=Path(model), **values)
     if not callable(getattr(model, "forward", None)):
         raise UsageError(
@@ -135,6 +139,12 @@ def _options(given: dict[str, Any]) -> Options:
         )
     if "output" not in values:
         raise UsageError("an in-memory module has no file to write beside: give output=PATH")
+    if ("args" in values or "kwargs" in values) and (values["input_shape"] or "inputs" in values):
+        raise UsageError("give the example inputs once: args / kwargs, or input_shapes / inputs")
+    if "args" in values:
+        values["args"] = tuple(values["args"])
+    if "kwargs" in values:
+        values["kwargs"] = dict(values["kwargs"])
     return Options(model=Path(f"<nn.Module {type(model).__name__}>"), module=model, **values)
 
 

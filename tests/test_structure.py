@@ -1,7 +1,8 @@
-"""The code's shape: no function over 60 lines and no import cycle in the shipped packages.
+"""The code's shape: no function over 60 lines, no module over 400, no import cycle in the
+shipped packages, and normexport's packages in layers (docs/architecture.md).
 
-Both read the source with :mod:`ast` (nothing is imported), so they are fast and fail on the
-first offender with its file and line.
+All read the source with :mod:`ast` (nothing is imported), so they are fast and fail naming
+every offender with its file and line.
 """
 
 from __future__ import annotations
@@ -14,6 +15,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("fusion", "normexport", "models")
 MAX_LINES = 60
+MAX_MODULE_LINES = 400
+#: normexport's parts from the bottom up: a module may import its own part and the parts of
+#: lower layers, nothing above it and nothing beside it (another part of its own layer). A part
+#: is a package (all its modules) or a module. ``fusion`` imports no part of normexport.
+LAYERS = (
+    ("errors",),
+    ("io", "runtime"),
+    ("precision",),
+    ("verdict",),
+    ("tuning",),
+    ("report",),
+    ("arguments",),
+    ("pipeline",),
+    ("bench",),
+    ("cli", ""),
+    ("__main__",),
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -54,6 +72,67 @@ def test_no_function_is_longer_than_60_lines():
                 if lines > MAX_LINES:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines})")
     assert not long, "functions over 60 lines:\n" + "\n".join(long)
+
+
+def test_no_module_is_longer_than_400_lines():
+    long = [
+        f"{path.relative_to(ROOT)} ({n})"
+        for name, path in _modules().items()
+        if name.startswith(("fusion", "normexport"))
+        and (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    ]
+    assert not long, "modules over 400 lines:\n" + "\n".join(long)
+
+
+def _part(module: str) -> str:
+    """``normexport.verdict.parity`` -> ``verdict``; ``normexport`` -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` (normexport module -> modules it imports) that goes up a layer
+    of :data:`LAYERS` or sideways to another part of its own layer."""
+    layer = {part: i for i, parts in enumerate(LAYERS) for part in parts}
+    wrong = []
+    for name, imported in sorted(graph.items()):
+        for other in sorted(m for m in imported if m.startswith("normexport")):
+            mine, theirs = _part(name), _part(other)
+            if mine != theirs and layer[theirs] >= layer[mine]:
+                wrong.append(f"{name} imports {other}")
+    return wrong
+
+
+def test_normexport_parts_are_in_layers():
+    modules = _modules()
+    parts = {_part(n) for n in modules if n.startswith("normexport")}
+    assert parts <= {p for layer in LAYERS for p in layer}, "parts not in LAYERS"
+    graph = {n: _imports(n, p, modules) for n, p in modules.items() if n.startswith("normexport")}
+    wrong = _layer_violations(graph)
+    assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def test_fusion_imports_nothing_of_normexport_or_models():
+    modules = _modules()
+    wrong = [
+        f"{name} imports {other}"
+        for name, path in modules.items()
+        if name.startswith("fusion")
+        for other in _imports(name, path, modules)
+        if not other.startswith("fusion")
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("graph", "wrong"),
+    [
+        ({"normexport.io.files": {"normexport.verdict.parity"}}, 1),  # up
+        ({"normexport.io.files": {"normexport.runtime"}}, 1),  # sideways
+        ({"normexport.verdict.parity": {"normexport.io.files", "normexport.verdict"}}, 0),
+    ],
+)
+def test_layer_check_finds_imports_up_and_sideways(graph, wrong):
+    assert len(_layer_violations(graph)) == wrong
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

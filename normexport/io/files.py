@@ -19,7 +19,7 @@ from pathlib import Path
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from normexport.errors import OutputPathError
+from normexport.errors import InputFileError, OutputPathError, UsageError
 
 #: Above this many bytes of tensors a model is written with external data even when its input
 #: had none: protobuf cannot serialize a message over 2 GiB, and the graph, its Constant nodes
@@ -199,17 +199,19 @@ def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
 
     With ``external_data``, every initializer of 1 KiB or more goes to
     :func:`data_path` (``path`` + ``.data``) and the .onnx file holds only the graph; large
-    Constant nodes are turned into initializers first so that they go there too; the model's
-    tensors themselves are not changed (onnx-ir restores them after writing). Without it,
-    every tensor is written into the .onnx file, external ones read into memory first.
+    Constant nodes are turned into initializers so that they go there too, in a copy of the graph
+    (:meth:`onnx_ir.Model.clone`, which shares the tensors): ``model`` itself is not changed
+    (its tensors neither: onnx-ir restores them after writing). Without it, every tensor is
+    written into the .onnx file, external ones read into memory first.
     """
     if external_data:
         lift = ir.passes.common.LiftConstantsToInitializersPass(
             lift_all_constants=False, size_limit=_INLINE_BYTES
         )
-        lift(model)
+        copy = model.clone()
+        lift(copy)
         ir.save(
-            model,
+            copy,
             path,
             external_data=data_path(path).name,
             size_threshold_bytes=_INLINE_BYTES,
@@ -257,3 +259,78 @@ def save_figure(fig, path: Path) -> None:
             fig.savefig(tmp, dpi=120, format="png")
     finally:
         plt.close(fig)
+
+
+def default_output(model_path: Path) -> Path:
+    """``dir/name.pt`` -> ``dir/name.opt.onnx``: the last suffix is replaced, so
+    ``ch_ppocr_mobile_v2.0_cls_infer.onnx`` -> ``ch_ppocr_mobile_v2.0_cls_infer.opt.onnx``."""
+    return model_path.with_name(model_path.stem + ".opt.onnx")
+
+
+def refuse_overwriting(inputs: list[Path], outputs: dict[str, list[Path]]) -> None:
+    """Refuse a run whose output files would land on its input files, or on each other.
+
+    Paths are compared after resolving (symbolic links, ``..``, a folder not made yet), so
+    ``-o new_dir/../m.onnx`` is caught as ``m.onnx``.
+
+    Args:
+        inputs: the files read (the model and its external data files).
+        outputs: the option that names them (``-o``, ``--report``) -> the files it writes.
+
+    Raises:
+        UsageError: an output is an input file, or two options write the same file.
+    """
+    read = {Path(os.path.realpath(p)): p for p in inputs}
+    seen: dict[Path, str] = {}
+    for flag, paths in outputs.items():
+        for path in paths:
+            real = Path(os.path.realpath(path))
+            if real in read:
+                raise UsageError(
+                    f"{flag} {path} would overwrite the input file {read[real]}; normexport "
+                    "never overwrites its input: choose another output path"
+                )
+            if real in seen and seen[real] != flag:
+                raise UsageError(f"{flag} {path} is also written by {seen[real]}: choose another")
+            seen[real] = flag
+
+
+def external_files(model: ir.Model) -> dict[Path, list[ir.Value]]:
+    """The external data files the initializers of ``model`` live in -> those initializers."""
+    found: dict[Path, list[ir.Value]] = {}
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if isinstance(tensor, ir.ExternalTensor):
+                found.setdefault(Path(tensor.base_dir) / tensor.location, []).append(value)
+    return found
+
+
+def input_files(path: Path, model: ir.Model | None) -> list[Path]:
+    """The files a run reads: the model file at ``path`` and, for an ONNX ``model``, the external
+    data files its tensors live in."""
+    return list(dict.fromkeys([Path(path), *(external_files(model) if model else {})]))
+
+
+def require_external_data(model: ir.Model, path: Path) -> None:
+    """Check that every external data file the ONNX model at ``path`` names is there, and big
+    enough for the tensors that say they live in it.
+
+    Raises:
+        InputFileError: one is missing or shorter than a tensor in it says.
+    """
+    for data, values in external_files(model).items():
+        size = data.stat().st_size if data.is_file() else -1
+        short = [
+            v.name
+            for v in values
+            if size < v.const_value.offset + (v.const_value.length or v.const_value.nbytes)
+        ]
+        if not short:
+            continue
+        what = "is missing" if not data.exists() else "is shorter than its tensors say"
+        raise InputFileError(
+            f"{path}: its external data file {data} {what} (tensors "
+            f"{', '.join(short[:3])}{', ...' if len(short) > 3 else ''}); keep the data file "
+            "that was written with the model beside it, under the name the model gives"
+        )

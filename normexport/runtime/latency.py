@@ -15,6 +15,7 @@ tighter than one computed from two independent medians on a machine whose speed 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -166,3 +167,12 @@ def time_interleaved(
             variants[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)
     return {name: Timing.from_samples(s) for name, s in samples.items()}
+
+
+def latency_threads() -> int:
+    """The thread count PyTorch and ONNX Runtime both get when timed: the cores this process
+    may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

@@ -15,6 +15,7 @@ import pytest
 import models
 from models.demo import EXPECTED, save_model_file
 from normexport import pipeline
+from normexport.io import files
 
 pytestmark = pytest.mark.slow  # runs the pipeline end to end on real models
 
@@ -39,4 +40,4 @@ def test_zoo_model_end_to_end(name, tmp_path):
     assert not report["parity"]["export_failures"] and report["rollback"] is None
     for description, holds in EXPECTED[name]:
         assert holds(report), f"{name}: {description}: {report['fusions']} {report['norm_ops']}"
-    assert pipeline.default_output(path).exists()
+    assert files.default_output(path).exists()

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from normexport import cli, runtime
-from normexport.pipeline import default_output
+from normexport.io.files import default_output
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,0 +1,144 @@
+"""The main job as a list of stages: plan the outputs, prepare (load, example inputs, export),
+take the reference, optimize and check, autotune, convert to half precision, publish, parity,
+latency, report (docs/architecture.md; the report: docs/report.md).
+
+Each stage lives in the module of its concern (:mod:`~normexport.pipeline.prepare`,
+:mod:`~normexport.pipeline.optimize`, :mod:`~normexport.pipeline.measure`) and takes what it
+needs: the run's fixed facts (:class:`~normexport.pipeline.job.Job`), the reference model, the
+staged output (:class:`~normexport.pipeline.optimize.Staged`, a new one from each stage that
+changes it) and the parity judge (:class:`normexport.verdict.references.Judge`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxruntime
+import torch
+
+import fusion
+from fusion._ir import opset_version
+from normexport import precision, runtime
+from normexport.arguments import Options
+from normexport.errors import UsageError
+from normexport.io import files
+from normexport.pipeline import job as job_mod
+from normexport.pipeline import measure, optimize
+from normexport.pipeline.prepare import Prepared, prepare
+from normexport.report import Fusions, InputInfo, Latency, NormOps, Report, Versions
+from normexport.verdict.parity import ParityResult
+from normexport.verdict.references import Judge
+
+__all__ = ["Options", "Prepared", "Report", "plan_outputs", "prepare", "run"]
+
+
+def run(opts: Options) -> Report:
+    """Run the main job and return the report.
+
+    Works from files: an ONNX input is read lazily (its external data stays on disk until a
+    pass needs it), the raw export and every intermediate model live in a scratch folder beside
+    the output, the checker and every ONNX Runtime session open files by path, and the output
+    is written with its own external data file (``OUT.onnx.data``) when the input had one or
+    the model is large (:func:`normexport.io.files.wants_external_data`); no model is ever one
+    protobuf in memory (the float16 converter alone takes one, and refuses models over 2 GiB).
+    The optimized model is written even when parity fails; ``report.parity.passed`` says
+    whether it did.
+
+    Raises:
+        UsageError: a user mistake: unreadable or invalid file, missing or bad option, an
+            output path that would overwrite the input.
+        normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
+    """
+    output, writes = plan_outputs(opts)
+    provider = runtime.resolve_provider(opts.provider)
+    prepared = prepare(opts)
+    loaded, raw = prepared.loaded, prepared.raw
+    files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
+    job = job_mod.start(opts, output, provider, prepared)
+    del prepared  # the passes change ``raw`` in place; nothing else holds it
+    with files.work_folder(output) as work:
+        ref = optimize.reference(job, raw, work)
+        judge = Judge(
+            loaded=loaded,
+            raw_path=ref.path,
+            raw_session=ref.session,
+            sets=job.sets,
+            feed_names=job.feed_names,
+            work=work,
+            provider=job.provider,
+            atol=opts.atol,
+            rtol=opts.rtol,
+            strict=opts.strict,
+        )
+        staged = optimize.optimize(job, raw, ref, judge, work)
+        del raw
+        if opts.autotune:
+            staged = optimize.autotune(job, ref, staged)
+        if opts.precision != "fp32":
+            staged = optimize.half(job, ref, staged, work)
+        written = files.publish_model(staged.path, output)
+        verdict = measure.parity(job, staged, judge)
+        if opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
+            measure.hidden_state_probe(job, ref, verdict, work)
+        latency = measure.latency(job, ref, staged) if opts.benchmark else None
+    return _report(job, staged, written, verdict, latency)
+
+
+def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
+    """The output path, and every file the run writes by the option that names it, checked
+    before any work: each writable, none on the input, none written twice.
+
+    Raises:
+        UsageError: see :func:`normexport.io.files.check_writable` and
+            :func:`normexport.io.files.refuse_overwriting`.
+    """
+    if opts.output is None and opts.module is not None:
+        raise UsageError("an in-memory module has no file to write beside: give output=PATH")
+    output = Path(opts.output) if opts.output else files.default_output(Path(opts.model))
+    writes = {"-o": [output, files.data_path(output)]}
+    if opts.report is not None:
+        writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
+    for flag, paths in writes.items():
+        for path in paths:
+            files.check_writable(path, flag, given=flag != "-o" or opts.output is not None)
+    if opts.module is None:
+        files.refuse_overwriting([Path(opts.model)], writes)  # before the export (minutes)
+    return output, writes
+
+
+def _report(
+    job: job_mod.Job,
+    staged: optimize.Staged,
+    written: list[Path],
+    parity: ParityResult,
+    latency: Latency | None,
+) -> Report:
+    """The typed report of a finished run."""
+    optimized = ir.load(job.output)
+    return Report(
+        model=str(job.opts.model),
+        kind=job.loaded.kind,
+        exporter=job.export.exporter,
+        exporter_fallback=job.export.fallback_reason,
+        exporter_warnings=list(job.export.warnings),
+        opset=opset_version(optimized),
+        target=job.opts.target,
+        output=job.output,
+        files_written=list(written),
+        inputs={k: InputInfo(list(v.shape), str(v.dtype)) for k, v in job.example.items()},
+        fusions=Fusions.from_fusion_report(staged.fusions, job.already),
+        norm_ops=NormOps(job.ops_before, fusion.norm_ops(optimized)),
+        onnxruntime_ops=fusion.onnxruntime_ops(optimized),
+        checker=staged.checker,
+        parity=parity,
+        provider=runtime.PROVIDERS[job.provider][0],
+        provider_note=job.provider_note,
+        notes=list(job.loaded.notes),
+        latency=latency,
+        autotune=staged.tuned,
+        precision=staged.precision,
+        versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
+        rollback=staged.rollback,
+    )

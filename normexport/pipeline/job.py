@@ -1,0 +1,77 @@
+"""What every stage of a run reads: the options, the paths, the provider, the prepared model's
+inputs and what the raw model held, fixed once the model is prepared (:class:`Job`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+import fusion
+from normexport import precision
+from normexport.arguments import Options
+from normexport.io import files
+from normexport.io import inputs as inputs_mod
+from normexport.io.load import LoadedModel
+from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
+from normexport.report.explain import already_fused
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One run's fixed facts, read by every stage (none of them changes it).
+
+    Attributes:
+        opts: what the user asked for.
+        output: the optimized model's path.
+        provider, provider_note: ``"cpu"`` or ``"cuda"``, and why where it is not the one asked
+            for (:func:`normexport.runtime.resolve_provider`).
+        loaded, example, export: as :func:`normexport.pipeline.prepare.prepare` gave them.
+        feed_names: the raw graph's inputs (initializers aside), in order.
+        sets: the parity input sets, name -> feeds (:func:`normexport.io.inputs.input_sets`;
+            with the overflow probe for half precision).
+        ops_before: the raw model's norm op counts (:func:`fusion.norm_ops`).
+        already: the norms the raw model already had as one op
+            (:func:`normexport.report.explain.already_fused`).
+        external: the output is written with external data
+            (:func:`normexport.io.files.wants_external_data`).
+    """
+
+    opts: Options
+    output: Path
+    provider: str
+    provider_note: str | None
+    loaded: LoadedModel
+    example: dict[str, np.ndarray]
+    export: ExportInfo
+    feed_names: list[str]
+    sets: dict[str, dict[str, np.ndarray]]
+    ops_before: dict[str, int]
+    already: list
+    external: bool
+
+
+def start(opts: Options, output: Path, provider: tuple[str, str | None], prepared: Prepared) -> Job:
+    """The :class:`Job` of a prepared model: feed names, the input sets for parity, what the raw
+    model holds (read before any pass changes it)."""
+    loaded, example, raw, export = prepared
+    feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
+    sets = inputs_mod.input_sets(
+        by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
+    )
+    if opts.precision != "fp32":
+        sets |= precision.overflow_set(sets["example"])
+    return Job(
+        opts,
+        output,
+        *provider,
+        loaded,
+        example,
+        export,
+        feed_names,
+        sets,
+        ops_before=fusion.norm_ops(raw),
+        already=already_fused(raw),
+        external=files.wants_external_data(raw),
+    )

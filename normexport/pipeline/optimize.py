@@ -1,0 +1,246 @@
+"""The stages that make the output: take the reference, run the passes (the rewrites that ONNX
+Runtime rejects or that change the function undone), autotune, convert to half precision.
+
+Every model lives on file in the run's scratch folder; each stage returns a new
+:class:`Staged` that names the file it stands for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+import fusion
+from fusion import registry
+from normexport import precision, runtime
+from normexport.errors import InputFileError, UsageError, one_line
+from normexport.io import files
+from normexport.pipeline.job import Job
+from normexport.tuning import autotune as autotune_mod
+from normexport.verdict import rollback
+from normexport.verdict.checker import Checker, check_output, checker_level
+from normexport.verdict.parity import ParityResult
+from normexport.verdict.references import Judge
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """The model the output is compared with, on file.
+
+    Attributes:
+        path: the input file (ONNX input) or the raw export saved in the scratch folder.
+        session: for ONNX input, its ONNX Runtime session with graph optimizations off (already
+            run once on the example inputs), else None.
+        checker: how far the ONNX checker accepts it, and its complaint
+            (:func:`normexport.verdict.checker.checker_level`; ``("full", None)`` for an export).
+    """
+
+    path: Path
+    session: Any = None
+    checker: tuple[str, str | None] = ("full", None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Staged:
+    """The output as it stands after a stage, in the scratch folder.
+
+    Attributes:
+        path: its file (with its external data file beside it, where it has one).
+        fusions: what the passes did to it (:class:`fusion.FusionReport`).
+        checker: the ONNX checker's levels for the input and it.
+        verified: its float32 verdict, while it is still the model that was judged, else None.
+        rollback: what the rollback undid, where it undid anything or could not explain a
+            failure (:class:`normexport.verdict.rollback.Outcome`), else None.
+        tuned: autotune's result, where it ran.
+        precision: the half-precision conversion's report, where it ran.
+    """
+
+    path: Path
+    fusions: fusion.FusionReport
+    checker: Checker
+    verified: ParityResult | None = None
+    rollback: rollback.Outcome | None = None
+    tuned: autotune_mod.AutotuneResult | None = None
+    precision: precision.PrecisionReport | None = None
+
+    @property
+    def disabled(self) -> tuple[str, ...]:
+        """ORT optimizers the output's sessions must disable (autotune's choice)."""
+        return self.tuned.disabled_optimizers if self.tuned else ()
+
+
+def reference(job: Job, raw: ir.Model, work: Path) -> Reference:
+    """The model the output is compared with, on file: for ONNX input the input itself (loaded
+    as written, run once, checked), else the raw export saved into ``work``.
+
+    Raises:
+        UsageError: ONNX Runtime cannot load or run the input file as given.
+    """
+    if job.loaded.kind != "onnx":
+        path = work / "raw.onnx"
+        files.save_model(raw, path, external_data=True)
+        return Reference(path)
+    path = Path(job.opts.model)
+    session = _input_session(path, job.provider)
+    _runs_as_given(session, job.sets["example"], path, job.opts.input_shape or job.opts.inputs)
+    return Reference(path, session, checker_level(path))
+
+
+def _input_session(path: Path, provider: str):
+    """The parity reference for an ONNX input: the file as given, run with ONNX Runtime's
+    graph optimizations off. A file ONNX Runtime cannot load is the user's to fix.
+
+    Raises:
+        InputFileError: ONNX Runtime cannot load ``path``.
+    """
+    try:
+        return runtime.make_session(
+            path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False
+        )
+    except runtime.ProviderUnavailable:
+        raise
+    except Exception as err:  # ORT raises its own error types for a bad file
+        raise InputFileError(
+            f"{path}: ONNX Runtime cannot load this model ({one_line(err)}); normexport "
+            "optimizes models that ONNX Runtime runs: fix or re-export it"
+        ) from None
+
+
+def _runs_as_given(session, feeds: dict[str, np.ndarray], path: Path, given: Any) -> None:
+    """Run the input file once on the example inputs, before anything is optimized: a model
+    that ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
+    user's to fix, not a parity failure. ``given``: whether the user gave the inputs.
+
+    Raises:
+        UsageError: ONNX Runtime fails on it, naming the inputs that were given.
+    """
+    try:
+        runtime.run(session, feeds, quiet=True)  # the failure is reported once, by us
+    except Exception as err:  # ORT's own error types
+        shapes = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
+        hint = "check --input-shape / --inputs against the model's inputs" if given else None
+        raise UsageError(
+            f"{path}: ONNX Runtime cannot run this model as given on inputs {shapes} "
+            f"({one_line(err)}); {hint or 'fix or re-export it'}"
+        ) from None
+
+
+def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -> Staged:
+    """Run the passes on ``raw`` in place, stage the result in ``work``, check it
+    (:func:`normexport.verdict.rollback.check`) and, where it fails, put the model without the
+    rewrites responsible in its place (:func:`normexport.verdict.rollback.roll_back`, each build
+    from ``ref.path``); the undone rewrites join the fusion report's refusals.
+
+    Raises:
+        normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
+    """
+    target, skip = job.opts.target, registry.skip_fusion(job.opts.target, job.provider)
+    fusions = fusion.optimize(raw, target=target, skip=skip)
+    staged = work / job.output.name
+    files.save_model(raw, staged, external_data=job.external)
+    builds = itertools.count(1)
+
+    def build(excluded):
+        model = ir.load(ref.path)
+        report = fusion.optimize(model, target=target, skip=skip, exclude=excluded)
+        path = work / f"rollback-{next(builds)}" / job.output.name
+        path.parent.mkdir()
+        files.save_model(model, path, external_data=job.external)
+        return path, report
+
+    verdicts: dict[Path, ParityResult] = {}
+
+    def check(path):
+        rejection, verdicts[path] = rollback.check(path, job.provider, ref.checker[0], judge)
+        return rejection
+
+    outcome = rollback.roll_back(staged, fusions, build, check)
+    if outcome.undone:
+        _move_onto(outcome.path, staged)
+        fusions = outcome.report
+        fusions.extend(rollback.refusals(outcome.undone))
+    level, problem = ref.checker
+    return Staged(
+        staged,
+        fusions,
+        # rollback.check has checked it at the input's level, where the input has one
+        check_output(staged, level, problem) if level == "none" else Checker(level, problem, level),
+        verdicts.get(outcome.path),
+        outcome if outcome.undone or outcome.unexplained else None,
+    )
+
+
+def autotune(job: Job, ref: Reference, staged: Staged) -> Staged:
+    """Time the exact alternatives of the staged output (and, where attention was fused, of the
+    model without it) and put the fastest in the staged model's place; the fusion report
+    becomes that of the model kept."""
+    opts, unfused_path, unfused_fusions = job.opts, None, None
+    if staged.fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
+        unfused = ir.load(ref.path)
+        skip = registry.skip_fusion(opts.target, job.provider)
+        unfused_fusions = fusion.optimize(unfused, target=opts.target, skip=skip, attention=False)
+        unfused_path = staged.path.with_name(autotune_mod.ATTENTION_UNFUSED + ".onnx")
+        files.save_model(unfused, unfused_path, external_data=True)
+    tuned = autotune_mod.autotune(
+        autotune_mod.candidates(staged.path, target=opts.target, attention_unfused=unfused_path),
+        job.sets["example"],
+        job.provider,
+        budget_s=opts.budget_s / 2,
+        atol=opts.atol,
+        rtol=opts.rtol,
+    )
+    changed = tuned.best != tuned.default
+    if changed:
+        _replace_staged(staged.path, ir.load(tuned.model), job.external)
+    unfused_kept = tuned.best.startswith(autotune_mod.ATTENTION_UNFUSED)
+    return dataclasses.replace(
+        staged,
+        fusions=unfused_fusions if unfused_kept else staged.fusions,
+        verified=None if changed else staged.verified,
+        tuned=tuned,
+    )
+
+
+def half(job: Job, ref: Reference, staged: Staged, work: Path) -> Staged:
+    """Convert the staged model to float16 or bfloat16 (:func:`normexport.precision.to_half`),
+    the norms the fusions refused kept in float32, and put it in the staged model's place,
+    checked."""
+    path = work / "half" / staged.path.name
+    path.parent.mkdir()
+    report = precision.to_half(
+        staged.path,
+        path,
+        precision=job.opts.precision,
+        provider=job.provider,
+        keep_io_types=job.opts.keep_io_types,
+        refused=staged.fusions.refused,
+        external_data=job.external,
+    )
+    _move_onto(path, staged.path)
+    checker = check_output(staged.path, *ref.checker)
+    return dataclasses.replace(staged, checker=checker, verified=None, precision=report)
+
+
+def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:
+    """Write ``chosen`` in the staged model's place (and its external data file's)."""
+    kept = staged.with_name("tuned") / staged.name
+    kept.parent.mkdir()
+    files.save_model(chosen, kept, external_data=external)
+    fusion.check(kept, full_check=False)
+    _move_onto(kept, staged)
+
+
+def _move_onto(source: Path, staged: Path) -> None:
+    """Move the model at ``source`` (and its external data file, named after it) onto
+    ``staged``: both have the same file name, so the data file's name in the model holds."""
+    for path in (staged, files.data_path(staged)):
+        path.unlink(missing_ok=True)
+    os.replace(source, staged)
+    if files.data_path(source).exists():
+        os.replace(files.data_path(source), files.data_path(staged))
