@@ -47,7 +47,7 @@ from rich.table import Table
 import normexport
 from normexport import runtime
 from normexport.io.files import save_figure
-from normexport.io.quiet import quiet, quiet_torch
+from normexport.io.quiet import quiet, quiet_torch, swallow_prints
 from normexport.runtime.latency import paired_ratio, time_interleaved
 
 MODELS = ("repvgg_a0", "mobileone_s0", "repvit_m0_9", "fastvit_t8")
@@ -85,7 +85,7 @@ def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
 
 def export(model: torch.nn.Module, path: Path) -> None:
     """``torch.onnx.export``'s defaults, quietly."""
-    with quiet("torch.onnx"), quiet_torch():
+    with quiet("torch.onnx"), quiet_torch(), swallow_prints("stdout", "stderr"):
         torch.onnx.export(model, (torch.randn(SHAPE),), path)
 
 

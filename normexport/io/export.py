@@ -23,7 +23,7 @@ import torch
 from fusion._ir import const_array, opset_version
 from fusion.cleanup import cleanup
 from normexport.errors import one_line, raise_if_interrupted
-from normexport.io.quiet import quiet, quiet_torch
+from normexport.io.quiet import quiet, quiet_torch, swallow_prints
 
 
 class ExportError(RuntimeError):
@@ -53,8 +53,8 @@ class Exported:
 
 @contextlib.contextmanager
 def _quiet():
-    """Silence the exporters' progress prints and warnings (they are not the user's concern),
-    and torch's loggers, which print tracebacks of the failures we report in one line."""
+    """Silence the exporters' warnings and loggers (they are not the user's concern), and
+    torch's loggers, which print tracebacks of the failures we report in one line."""
     with quiet("torch.onnx"), quiet_torch():
         yield
 
@@ -136,13 +136,16 @@ def export_module(
 
 def _dynamo(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes) -> ir.Model:
     """The dynamo exporter's model, cleaned up (see :func:`export_module`)."""
-    with _quiet(), torch.no_grad():
+    # verbose=False: no progress prints. torch.export prints a failed trace's partial graph to
+    # sys.stderr with no switch to stop it (torch 2.13 torch/export/_trace.py): that is swallowed.
+    with _quiet(), swallow_prints("stderr"), torch.no_grad():
         program = torch.onnx.export(
             module,
             args,
             kwargs=kwargs or None,
             dynamo=True,
             optimize=False,
+            verbose=False,
             opset_version=opset,
             input_names=input_names,
             dynamic_axes=dynamic_axes,

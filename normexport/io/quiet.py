@@ -2,8 +2,14 @@
 
 The exporters, optimizers and loaders that normexport calls report progress and failures in
 their own words; normexport reports what matters in one line of its own (see
-:mod:`normexport.errors`). Two context managers: :func:`quiet` for named loggers and anything
-printed, :func:`quiet_torch` for torch's loggers, whose errors it collects.
+:mod:`normexport.errors`). Three context managers, each undoing what it changed on exit:
+
+- :func:`quiet`: named loggers raised to ERROR, warnings ignored;
+- :func:`quiet_torch`: torch's loggers, whose errors it collects;
+- :func:`swallow_prints`: ``sys.stdout`` / ``sys.stderr`` swapped for a buffer. That is the
+  process's streams, for every thread, while the block runs; it is for the libraries that
+  ``print()`` with no switch to stop them, and used only around those (each use says which).
+  Where a library has a switch (``torch.onnx.export(verbose=False)``), the switch is used.
 """
 
 from __future__ import annotations
@@ -16,22 +22,41 @@ import warnings
 
 @contextlib.contextmanager
 def quiet(*loggers: str):
-    """Raise the named loggers to ERROR, ignore warnings and swallow anything printed to
-    stdout or stderr inside the block (progress prints, banners)."""
+    """Raise the named loggers to ERROR and ignore warnings inside the block; the levels and
+    the warning filters are put back afterwards. Nothing printed is touched: see
+    :func:`swallow_prints`."""
     saved = [(logger, logger.level) for logger in map(logging.getLogger, loggers)]
     for logger, _ in saved:
         logger.setLevel(logging.ERROR)
     try:
-        with (
-            warnings.catch_warnings(),
-            contextlib.redirect_stdout(io.StringIO()),
-            contextlib.redirect_stderr(io.StringIO()),
-        ):
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         for logger, level in saved:
             logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def swallow_prints(*streams: str):
+    """Swallow what is printed to the named streams (``"stdout"``, ``"stderr"``) inside the
+    block, by swapping ``sys.stdout`` / ``sys.stderr`` for a buffer until it ends.
+
+    The swap is process-wide while it lasts (another thread's prints are swallowed too), so it
+    is only for code that prints with no switch to stop it, such as torch.export's partial
+    graph of a failed trace or ONNX Runtime's transformer optimizer.
+
+    Raises:
+        ValueError: a stream is neither ``"stdout"`` nor ``"stderr"``.
+    """
+    redirect = {"stdout": contextlib.redirect_stdout, "stderr": contextlib.redirect_stderr}
+    unknown = set(streams) - set(redirect)
+    if unknown:
+        raise ValueError(f"streams {sorted(unknown)}: expected 'stdout' or 'stderr'")
+    with contextlib.ExitStack() as stack:
+        for stream in streams:
+            stack.enter_context(redirect[stream](io.StringIO()))
+        yield
 
 
 @contextlib.contextmanager

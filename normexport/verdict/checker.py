@@ -14,7 +14,7 @@ import fusion
 from normexport.errors import one_line
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Checker:
     """How far the ONNX checker accepts the input and the output.
 

@@ -80,290 +80,53 @@ candidates, the tests).
 
 A check is *weak* where the oracle's output varies by no more than ``atol`` (all zeros, or
 constant): any constant near it would pass, so the result says so.
+
+This module holds the rule (:func:`compare`, :func:`check_parity`); the numbers it uses
+(tolerances, factors) and :func:`closeness` are defined in :mod:`normexport.verdict.tolerance`,
+the result types in :mod:`normexport.verdict.result`, and all are importable from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-#: Default tolerances (float32 models). Folding BN and fusing norms reorders float32 sums, which
-#: moves results by a few ulps times the depth of the model; a wrong fold moves them by O(1).
-DEFAULT_ATOL = 1e-4
-DEFAULT_RTOL = 1e-3
-#: How much further from the oracle than the raw export the optimized model may be (where it
-#: is also beyond the tolerance) before it fails: float32 rounding in another order moves
-#: results by a small multiple of the export's own error; a wrong rewrite by orders of magnitude.
-NOISE_FACTOR = 4.0
-#: Relative L2 error per output allowed to a float16 model: float16 keeps 11 significant bits
-#: (unit roundoff 2**-11, about 4.9e-4); rounding every weight and activation, through a
-#: network of a few dozen layers, leaves errors of a few times 1e-3; a lost eps, a clamped
-#: weight or an overflow leaves errors of order 1.
-FP16_MAX_REL_L2 = 1e-2
-#: The same for a bfloat16 model: bfloat16 keeps 8 significant bits (unit roundoff 2**-8, about
-#: 3.9e-3, eight times float16's); the float16 bound scaled alike (about twenty unit roundoffs).
-#: A lost eps still leaves errors of order 1.
-BF16_MAX_REL_L2 = 8e-2
-#: The half-precision rule's bound by ``--precision`` value (float32 models: none).
-HALF_MAX_REL_L2 = {"fp16": FP16_MAX_REL_L2, "bf16": BF16_MAX_REL_L2}
-#: The raw model's error, as the noise ratio's denominator, is at least this many unit
-#: roundoffs of the output's type (float32: 2**-24) times ``max|oracle|``: rounding the
-#: output's last ops alone moves it that far.
-NOISE_FLOOR_ROUNDOFFS = 4
-#: Above this noise ratio (the optimized model's max abs error over the raw model's, floored)
-#: an output that passes is warned of, and fails with ``--strict``. An exact rewrite's error is
-#: another sample of the model's float32 rounding noise: over the gallery, the demo models and
-#: the peer files the largest ratio of an exact rewrite was under half this, and one weight
-#: channel scaled by 1.001 gave twice this or more on every demo model
-#: (``benchmarks/results/noise_ratio.json``, ``benchmarks/results/verdict.json``).
-NOISE_WARN_FACTOR = 8.0
+from normexport.verdict.result import OutputError, ParityResult
+from normexport.verdict.tolerance import (
+    BF16_MAX_REL_L2,
+    DEFAULT_ATOL,
+    DEFAULT_RTOL,
+    FP16_MAX_REL_L2,
+    HALF_MAX_REL_L2,
+    NOISE_FACTOR,
+    NOISE_FLOOR_ROUNDOFFS,
+    NOISE_WARN_FACTOR,
+    Closeness,
+    closeness,
+    error_metrics,
+)
 
-
-@dataclasses.dataclass
-class OutputError:
-    """Errors of one output on one input set, against the oracle.
-
-    Attributes:
-        max_abs_err, rel_l2_err, nonfinite_mismatch: of the optimized model.
-        max_abs_ref: ``max |oracle|``.
-        passed: the verdict (see the module docstring).
-        raw_max_abs_err, raw_rel_l2_err: of the raw model (None where none was run).
-        pytorch_max_abs_err: of PyTorch float32 (None where it is not run, or is the oracle).
-        weak: the oracle varies by no more than ``atol`` here (all zeros or constant), or the
-            half-precision allowance reaches 1.
-        rounding_rel_l2_err: the oracle's relative L2 change when the inputs are rounded to the
-            half type (None: a float32 model).
-        export_passed: whether the raw export agrees with PyTorch float32 here (see the module
-            docstring); None where no export is judged (ONNX input, a probe on cut models).
-        noise_ratio: ``max_abs_err`` over the raw model's, floored (see the module docstring);
-            None for a half-precision model or where the raw model is the reference itself.
-        warned: the output passes, and its noise ratio is above :data:`NOISE_WARN_FACTOR`.
-        ulp_sensitivity: float32 rule: the oracle's max abs change when each float input moves
-            by one ulp (:func:`ulp_perturbed`), part of the noise ratio's floor; None where the
-            model has no float input, or for half precision.
-    """
-
-    output: str
-    max_abs_err: float
-    rel_l2_err: float
-    max_abs_ref: float
-    nonfinite_mismatch: int
-    passed: bool
-    raw_max_abs_err: float | None = None
-    raw_rel_l2_err: float | None = None
-    pytorch_max_abs_err: float | None = None
-    weak: bool = False
-    rounding_rel_l2_err: float | None = None
-    export_passed: bool | None = None
-    noise_ratio: float | None = None
-    warned: bool = False
-    ulp_sensitivity: float | None = None
-
-
-@dataclasses.dataclass
-class ParityResult:
-    """The parity verdict over all input sets.
-
-    Attributes:
-        reference: where the reference comes from: ``"pytorch"`` or ``"onnx"``.
-        atol, rtol: the tolerances used.
-        probes: input set name -> list of :class:`OutputError`, one per output.
-        oracle: what the errors are measured against, e.g. ``"pytorch_float64"``,
-            ``"pytorch_float32"``, ``"onnx_float64"``, ``"onnx"`` (default: ``reference``).
-        noise_factor: see :data:`NOISE_FACTOR` (None: no raw model, tolerance only).
-        notes: why the oracle is not float64, where it is not.
-        max_rel_l2: the half-precision rule's bound on relative L2 error (None: float32 rule).
-        strict: a noise-ratio warning (:meth:`warnings`) fails the verdict (``--strict``).
-    """
-
-    reference: str
-    atol: float
-    rtol: float
-    probes: dict[str, list[OutputError]]
-    oracle: str | None = None
-    noise_factor: float | None = None
-    notes: list[str] = dataclasses.field(default_factory=list)
-    max_rel_l2: float | None = None
-    strict: bool = False
-
-    @property
-    def passed(self) -> bool:
-        """The verdict: every output passed the optimizer's rule on every input set, the
-        export was judged nowhere to differ from PyTorch, and with :attr:`strict` nothing was
-        warned of."""
-        return (
-            not self.failures()
-            and not self.export_failures()
-            and not (self.strict and self.warnings())
-        )
-
-    def add(self, other: ParityResult) -> None:
-        """Take in another verdict's input sets (a probe run on other models, e.g. cut ones):
-        its entries and its notes."""
-        self.probes.update(other.probes)
-        self.notes.extend(other.notes)
-
-    def worst(self) -> dict[str, OutputError]:
-        """Per output, the entry with the largest max abs error over all input sets."""
-        worst: dict[str, OutputError] = {}
-        for errors in self.probes.values():
-            for e in errors:
-                if e.output not in worst or (not e.passed, e.max_abs_err) > (
-                    not worst[e.output].passed,
-                    worst[e.output].max_abs_err,
-                ):
-                    worst[e.output] = e
-        return worst
-
-    def _where(self, test) -> list[tuple[str, OutputError]]:
-        return [(p, e) for p, errors in self.probes.items() for e in errors if test(e)]
-
-    def failures(self) -> list[tuple[str, OutputError]]:
-        """(input set, error) for every output that failed the optimizer's rule."""
-        return self._where(lambda e: not e.passed)
-
-    def export_failures(self) -> list[tuple[str, OutputError]]:
-        """(input set, error) for every output where the raw export differs from PyTorch."""
-        return self._where(lambda e: e.export_passed is False)
-
-    def warnings(self) -> list[tuple[str, OutputError]]:
-        """(input set, error) for every output that passed with a noise ratio above
-        :data:`NOISE_WARN_FACTOR`."""
-        return self._where(lambda e: e.warned)
-
-    def weak_checks(self) -> list[tuple[str, str]]:
-        """(input set, output) for every check whose oracle is all zeros or constant."""
-        return [(p, e.output) for p, e in self._where(lambda e: e.weak)]
-
-    def raw_worst(self) -> dict[str, float] | None:
-        """Per output, the raw model's largest max abs error over all input sets."""
-        if self.noise_factor is None:
-            return None
-        worst: dict[str, float] = {}
-        for errors in self.probes.values():
-            for e in errors:
-                if e.raw_max_abs_err is not None:
-                    worst[e.output] = max(worst.get(e.output, 0.0), e.raw_max_abs_err)
-        return worst
-
-    def to_dict(self) -> dict:
-        """JSON-ready form: the verdict, the worst entry per output (``outputs``), every
-        input set's entries (``sets``), the failures, the export's failures, the warnings and
-        the weak checks."""
-
-        def entries(found):
-            return [{"probe": p, **dataclasses.asdict(e)} for p, e in found]
-
-        return {
-            "passed": self.passed,
-            "reference": self.reference,
-            "oracle": self.oracle or self.reference,
-            "oracle_notes": list(self.notes),
-            "atol": self.atol,
-            "rtol": self.rtol,
-            "noise_factor": self.noise_factor,
-            "max_rel_l2": self.max_rel_l2,
-            "noise_warn_factor": NOISE_WARN_FACTOR,
-            "strict": self.strict,
-            "probes": list(self.probes),
-            "outputs": {k: dataclasses.asdict(v) for k, v in self.worst().items()},
-            "sets": {p: [dataclasses.asdict(e) for e in errs] for p, errs in self.probes.items()},
-            "failures": entries(self.failures()),
-            "export_failures": entries(self.export_failures()),
-            "warnings": entries(self.warnings()),
-            "weak_checks": [{"probe": p, "output": o} for p, o in self.weak_checks()],
-            "raw_export_max_abs_err": self.raw_worst(),
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class Closeness:
-    """How close an array is to a reference: the one definition of "close enough".
-
-    Attributes:
-        max_abs_err: ``max |got - ref|`` over the elements where ``ref`` is finite; ``inf``
-            where ``got`` is NaN or Inf at such an element (0 for empty arrays).
-        max_abs_ref: ``max |ref|`` over its finite elements.
-        nonfinite_mismatch: elements where ``ref`` is finite and ``got`` is NaN or Inf.
-        tolerance: ``atol + rtol * max_abs_ref``.
-    """
-
-    max_abs_err: float
-    max_abs_ref: float
-    nonfinite_mismatch: int
-    tolerance: float
-
-    @property
-    def within(self) -> bool:
-        """No NaN/Inf where the reference is finite, and ``max_abs_err <= tolerance``."""
-        return self.nonfinite_mismatch == 0 and self.max_abs_err <= self.tolerance
-
-    def describe(self) -> str:
-        """One line for an assertion or a report, e.g. ``max abs err 0.5 > 0.0004``."""
-        line = f"max abs err {self.max_abs_err:.3g} {'<=' if self.within else '>'} tolerance "
-        line += f"{self.tolerance:.3g} (max |ref| {self.max_abs_ref:.3g})"
-        if self.nonfinite_mismatch:
-            line += f", {self.nonfinite_mismatch} NaN/Inf where the reference is finite"
-        return line
-
-
-def closeness(
-    got: np.ndarray, ref: np.ndarray, *, atol: float = DEFAULT_ATOL, rtol: float = DEFAULT_RTOL
-) -> Closeness:
-    """Compare ``got`` with ``ref`` elementwise in float64: is it within
-    ``atol + rtol * max|ref|``, with no NaN/Inf where ``ref`` is finite?
-
-    Elements where ``ref`` itself is NaN or Inf are not compared. This is what "close enough"
-    means wherever outputs are compared; the parity verdict adds the raw export's noise on top
-    (:func:`compare`).
-
-    Args:
-        got, ref: arrays of the same shape, any real dtype.
-        atol: absolute tolerance (units of the output).
-        rtol: relative tolerance, times the reference's largest finite magnitude.
-
-    Raises:
-        ValueError: the shapes differ.
-    """
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    if got.shape != ref.shape:
-        raise ValueError(f"shape {got.shape} vs reference {ref.shape}")
-    finite = np.isfinite(ref)
-    mismatch = int(np.count_nonzero(finite & ~np.isfinite(got)))
-    diff = _abs_diff(got, ref, finite)
-    max_abs = float(diff.max()) if diff.size else 0.0
-    max_ref = float(np.abs(np.where(finite, ref, 0.0)).max()) if ref.size else 0.0
-    return Closeness(max_abs, max_ref, mismatch, atol + rtol * max_ref)
-
-
-def _abs_diff(got: np.ndarray, ref: np.ndarray, finite: np.ndarray) -> np.ndarray:
-    """``|got - ref|`` where ``ref`` is finite (0 elsewhere), NaN made ``inf``."""
-    diff = np.abs(np.where(finite, got - ref, 0.0))
-    return np.where(np.isnan(diff), np.inf, diff)
-
-
-def _errors(got, ref) -> tuple[float, float, float, int, float]:
-    """``(max abs err, rel L2 err, max |ref|, NaN/Inf where ref is finite, spread of ref)``.
-
-    Raises:
-        ValueError: the shapes differ.
-    """
-    close = closeness(got, ref, atol=0.0, rtol=0.0)
-    got = np.asarray(got, dtype=np.float64)
-    ref = np.asarray(ref, dtype=np.float64)
-    finite = np.isfinite(ref)
-    spread = float(np.ptp(ref[finite])) if finite.any() else 0.0
-    ref_norm = float(np.linalg.norm(np.where(finite, ref, 0.0)))
-    max_abs = close.max_abs_err
-    err_norm = (
-        float(np.linalg.norm(_abs_diff(got, ref, finite))) if np.isfinite(max_abs) else float("inf")
-    )
-    rel_l2 = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
-    return max_abs, rel_l2, close.max_abs_ref, close.nonfinite_mismatch, spread
-
+__all__ = [
+    "BF16_MAX_REL_L2",
+    "DEFAULT_ATOL",
+    "DEFAULT_RTOL",
+    "EXPORT_JUDGED",
+    "FP16_MAX_REL_L2",
+    "HALF_MAX_REL_L2",
+    "NOISE_FACTOR",
+    "NOISE_FLOOR_ROUNDOFFS",
+    "NOISE_WARN_FACTOR",
+    "Closeness",
+    "Model",
+    "OutputError",
+    "ParityResult",
+    "check_parity",
+    "closeness",
+    "compare",
+    "remembered",
+    "ulp_perturbed",
+]
 
 #: Which float32 run of a PyTorch model the export check judges against the oracle: the raw
 #: export (the oracle is PyTorch's: float64, or float32 itself) or PyTorch float32 (the oracle
@@ -396,10 +159,10 @@ def compare(
         ValueError: the shapes differ, or ``judge_export`` names a run that is not given.
     """
     try:
-        max_abs, rel_l2, max_ref, mismatch, spread = _errors(got, ref)
-        raw_err = _errors(raw, ref) if raw is not None else None
-        torch_err = _errors(pytorch, ref)[0] if pytorch is not None else None
-        moved = _errors(rounded, ref) if rounded is not None else None
+        max_abs, rel_l2, max_ref, mismatch, spread = error_metrics(got, ref)
+        raw_err = error_metrics(raw, ref) if raw is not None else None
+        torch_err = error_metrics(pytorch, ref)[0] if pytorch is not None else None
+        moved = error_metrics(rounded, ref) if rounded is not None else None
     except ValueError as err:
         raise ValueError(f"output {name!r}: {err}") from None
     half = max_rel_l2 is not None

@@ -80,6 +80,24 @@ def test_onnx_file_report_fields_and_files(tmp_path):
     assert not json_path.with_suffix(".png").exists()  # no latency, no chart
 
 
+def test_chart_leaves_the_callers_matplotlib_backend_alone(tmp_path):
+    """The chart is drawn on a Figure of its own: the backend the caller chose stays."""
+    model = _matmul_bn_onnx(tmp_path / "m.onnx")
+    code = (
+        "import sys, matplotlib; matplotlib.use('pdf'); import normexport\n"
+        "normexport.optimize(sys.argv[1], output=sys.argv[2], report=sys.argv[3], "
+        "provider='cpu', budget_s=0.2)\n"
+        "print(matplotlib.get_backend())"
+    )
+    files = [str(model), str(tmp_path / "o.onnx"), str(tmp_path / "r.json")]
+    out = subprocess.run(
+        [sys.executable, "-c", code, *files], cwd=ROOT, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "pdf"
+    assert (tmp_path / "r.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_every_report_key_is_documented(tmp_path):
     """docs/report.md names every key the JSON has (for a run without timing)."""
     report = normexport.optimize(

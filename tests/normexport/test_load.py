@@ -8,6 +8,7 @@ fresh Python process (the test process itself has imported transformers to build
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import os
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from normexport import cli
-from normexport.errors import UsageError
+from normexport.errors import InputFileError, UsageError
 from normexport.io.load import load_model
 
 pytestmark = pytest.mark.slow  # loads torch.export programs and runs the CLI on them
@@ -171,7 +172,7 @@ def test_stand_in_keys():
     """Keys from the saved context; a context that is not one key per child gives 0, 1, ..."""
     from torch.utils import _pytree as pytree
 
-    from normexport.io.load import StandIn, _stand_in
+    from normexport.io.program import StandIn, _stand_in
 
     leaf = {"type": None, "context": None, "children_spec": []}
 
@@ -266,7 +267,7 @@ def test_hostile_pickle_is_refused(tmp_path, capsys, where):
     marker = tmp_path / "pwned"
     path = make_hostile(tmp_path / "m.pt2", where, marker)
     env = dict(os.environ)
-    with pytest.raises(UsageError, match="--trust-pickle") as caught:
+    with pytest.raises(InputFileError, match="--trust-pickle") as caught:
         load_model(path)
     assert str(path) in str(caught.value) and "\n" not in str(caught.value)
     assert not marker.exists()
@@ -320,8 +321,78 @@ def unknown_namedtuple(rel: str, data: bytes) -> bytes:
 def test_unloadable_program_is_a_usage_error(tmp_path, edit, says):
     path = tiny_program(tmp_path / "m.pt2")
     rewrite(path, edit)
+    with pytest.raises(InputFileError, match=says):
+        load_model(path)
     result = python("-m", "normexport", str(path), "--no-benchmark", cwd=tmp_path)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
     assert lines[0].startswith(f"normexport: error: {path}") and says in lines[0]
+
+
+# --- the user's modules in the current folder ---------------------------------------------
+
+USER_MODULE = "normexport_test_user_net"
+
+USER_CODE = """
+from torch import nn
+
+
+class UserNet(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.lin = nn.Linear(width, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+"""
+
+
+@pytest.fixture
+def user_folder(tmp_path, monkeypatch):
+    """The current folder holds the user's module and a model saved whole (``whole.pt``) and
+    as a state_dict (``weights.pt``); no ``sys.path`` entry reaches it, as under the
+    ``normexport`` script."""
+    (tmp_path / f"{USER_MODULE}.py").write_text(USER_CODE)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        net = importlib.import_module(USER_MODULE).UserNet()
+        torch.save(net, tmp_path / "whole.pt")  # pickling, too, imports the class's module
+        torch.save(net.state_dict(), tmp_path / "weights.pt")
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(USER_MODULE, None)
+    monkeypatch.chdir(tmp_path)
+    away = [p for p in sys.path if p and Path(p).resolve() != tmp_path.resolve()]
+    monkeypatch.setattr(sys, "path", away)
+    yield tmp_path
+    sys.modules.pop(USER_MODULE, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "how"),
+    [
+        ("whole.pt", {"trust_pickle": True}),
+        ("weights.pt", {"model_class": f"{USER_MODULE}:UserNet", "model_kwargs": '{"width": 4}'}),
+    ],
+    ids=["pickled_module", "state_dict"],
+)
+def test_user_module_is_found_and_sys_path_is_left_as_it_was(user_folder, name, how):
+    before = list(sys.path)
+    loaded = load_model(name, **how)
+    assert sys.path == before
+    assert type(loaded.module).__name__ == "UserNet"
+    assert loaded.module(torch.ones(1, 4)).shape == (1, 2)
+
+
+def test_failed_load_leaves_sys_path_as_it_was(user_folder):
+    before = list(sys.path)
+    with pytest.raises(UsageError, match="cannot build it"):
+        load_model("weights.pt", model_class=f"{USER_MODULE}:UserNet", model_kwargs='{"x": 1}')
+    assert sys.path == before
+    sys.modules.pop(USER_MODULE, None)
+    (user_folder / f"{USER_MODULE}.py").unlink()
+    importlib.invalidate_caches()
+    with pytest.raises(InputFileError, match="cannot be imported here"):
+        load_model("whole.pt", trust_pickle=True)
+    assert sys.path == before

@@ -1,0 +1,170 @@
+"""The parity verdict's result types: :class:`OutputError` (one output on one input set) and
+:class:`ParityResult` (all of them, the verdict), whose ``to_dict`` is the report's ``parity``.
+
+How the errors are measured and judged: :mod:`normexport.verdict.parity`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from normexport.verdict.tolerance import NOISE_WARN_FACTOR
+
+
+@dataclasses.dataclass
+class OutputError:
+    """Errors of one output on one input set, against the oracle (the rule that judges them:
+    :mod:`normexport.verdict.parity`).
+
+    Attributes:
+        max_abs_err, rel_l2_err, nonfinite_mismatch: of the optimized model.
+        max_abs_ref: ``max |oracle|``.
+        passed: the verdict.
+        raw_max_abs_err, raw_rel_l2_err: of the raw model (None where none was run).
+        pytorch_max_abs_err: of PyTorch float32 (None where it is not run, or is the oracle).
+        weak: the oracle varies by no more than ``atol`` here (all zeros or constant), or the
+            half-precision allowance reaches 1.
+        rounding_rel_l2_err: the oracle's relative L2 change when the inputs are rounded to the
+            half type (None: a float32 model).
+        export_passed: whether the raw export agrees with PyTorch float32 here; None where no
+            export is judged (ONNX input, a probe on cut models).
+        noise_ratio: ``max_abs_err`` over the raw model's, floored; None for a half-precision
+            model or where the raw model is the reference itself.
+        warned: the output passes, and its noise ratio is above :data:`NOISE_WARN_FACTOR`.
+        ulp_sensitivity: float32 rule: the oracle's max abs change when each float input moves
+            by one ulp (:func:`normexport.verdict.parity.ulp_perturbed`), part of the noise
+            ratio's floor; None where the model has no float input, or for half precision.
+    """
+
+    output: str
+    max_abs_err: float
+    rel_l2_err: float
+    max_abs_ref: float
+    nonfinite_mismatch: int
+    passed: bool
+    raw_max_abs_err: float | None = None
+    raw_rel_l2_err: float | None = None
+    pytorch_max_abs_err: float | None = None
+    weak: bool = False
+    rounding_rel_l2_err: float | None = None
+    export_passed: bool | None = None
+    noise_ratio: float | None = None
+    warned: bool = False
+    ulp_sensitivity: float | None = None
+
+
+@dataclasses.dataclass
+class ParityResult:
+    """The parity verdict over all input sets.
+
+    Attributes:
+        reference: where the reference comes from: ``"pytorch"`` or ``"onnx"``.
+        atol, rtol: the tolerances used.
+        probes: input set name -> list of :class:`OutputError`, one per output.
+        oracle: what the errors are measured against, e.g. ``"pytorch_float64"``,
+            ``"pytorch_float32"``, ``"onnx_float64"``, ``"onnx"`` (default: ``reference``).
+        noise_factor: see :data:`normexport.verdict.tolerance.NOISE_FACTOR` (None: no raw model,
+            tolerance only).
+        notes: why the oracle is not float64, where it is not.
+        max_rel_l2: the half-precision rule's bound on relative L2 error (None: float32 rule).
+        strict: a noise-ratio warning (:meth:`warnings`) fails the verdict (``--strict``).
+    """
+
+    reference: str
+    atol: float
+    rtol: float
+    probes: dict[str, list[OutputError]]
+    oracle: str | None = None
+    noise_factor: float | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)
+    max_rel_l2: float | None = None
+    strict: bool = False
+
+    @property
+    def passed(self) -> bool:
+        """The verdict: every output passed the optimizer's rule on every input set, the
+        export was judged nowhere to differ from PyTorch, and with :attr:`strict` nothing was
+        warned of."""
+        return (
+            not self.failures()
+            and not self.export_failures()
+            and not (self.strict and self.warnings())
+        )
+
+    def add(self, other: ParityResult) -> None:
+        """Take in another verdict's input sets (a probe run on other models, e.g. cut ones):
+        its entries and its notes."""
+        self.probes.update(other.probes)
+        self.notes.extend(other.notes)
+
+    def worst(self) -> dict[str, OutputError]:
+        """Per output, the entry with the largest max abs error over all input sets."""
+        worst: dict[str, OutputError] = {}
+        for errors in self.probes.values():
+            for e in errors:
+                if e.output not in worst or (not e.passed, e.max_abs_err) > (
+                    not worst[e.output].passed,
+                    worst[e.output].max_abs_err,
+                ):
+                    worst[e.output] = e
+        return worst
+
+    def _where(self, test) -> list[tuple[str, OutputError]]:
+        return [(p, e) for p, errors in self.probes.items() for e in errors if test(e)]
+
+    def failures(self) -> list[tuple[str, OutputError]]:
+        """(input set, error) for every output that failed the optimizer's rule."""
+        return self._where(lambda e: not e.passed)
+
+    def export_failures(self) -> list[tuple[str, OutputError]]:
+        """(input set, error) for every output where the raw export differs from PyTorch."""
+        return self._where(lambda e: e.export_passed is False)
+
+    def warnings(self) -> list[tuple[str, OutputError]]:
+        """(input set, error) for every output that passed with a noise ratio above
+        :data:`NOISE_WARN_FACTOR`."""
+        return self._where(lambda e: e.warned)
+
+    def weak_checks(self) -> list[tuple[str, str]]:
+        """(input set, output) for every check whose oracle is all zeros or constant."""
+        return [(p, e.output) for p, e in self._where(lambda e: e.weak)]
+
+    def raw_worst(self) -> dict[str, float] | None:
+        """Per output, the raw model's largest max abs error over all input sets."""
+        if self.noise_factor is None:
+            return None
+        worst: dict[str, float] = {}
+        for errors in self.probes.values():
+            for e in errors:
+                if e.raw_max_abs_err is not None:
+                    worst[e.output] = max(worst.get(e.output, 0.0), e.raw_max_abs_err)
+        return worst
+
+    def to_dict(self) -> dict:
+        """JSON-ready form: the verdict, the worst entry per output (``outputs``), every
+        input set's entries (``sets``), the failures, the export's failures, the warnings and
+        the weak checks."""
+
+        def entries(found):
+            return [{"probe": p, **dataclasses.asdict(e)} for p, e in found]
+
+        return {
+            "passed": self.passed,
+            "reference": self.reference,
+            "oracle": self.oracle or self.reference,
+            "oracle_notes": list(self.notes),
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "noise_factor": self.noise_factor,
+            "max_rel_l2": self.max_rel_l2,
+            "noise_warn_factor": NOISE_WARN_FACTOR,
+            "strict": self.strict,
+            "probes": list(self.probes),
+            "outputs": {k: dataclasses.asdict(v) for k, v in self.worst().items()},
+            "sets": {p: [dataclasses.asdict(e) for e in errs] for p, errs in self.probes.items()},
+            "failures": entries(self.failures()),
+            "export_failures": entries(self.export_failures()),
+            "warnings": entries(self.warnings()),
+            "weak_checks": [{"probe": p, "output": o} for p, o in self.weak_checks()],
+            "raw_export_max_abs_err": self.raw_worst(),
+        }
