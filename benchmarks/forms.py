@@ -54,7 +54,7 @@ from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
 from normexport.io.export import export_module
 from normexport.io.files import save_figure
-from normexport.runtime.latency import paired_ratio, time_interleaved
+from normexport.runtime.latency import paired_ratio, runner, time_interleaved
 from normexport.tuning import variants
 from normexport.tuning.autotune import SKIP_FUSION
 
@@ -120,7 +120,7 @@ def time_forms(
         session = runtime.make_session(
             model, provider, spinning=False, disabled_optimizers=disabled, threads=threads
         )
-        runners[label] = runtime.runner(session, feeds, io_binding=True)[0]
+        runners[label] = runner(session, feeds, io_binding=True)[0]
         ran[label] = _ran(model, provider, disabled)
     timings = time_interleaved(runners, budget_s=budget_s)
     first, *_, floor = forms

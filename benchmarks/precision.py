@@ -75,7 +75,7 @@ from normexport.io.export import export_module
 from normexport.io.inputs import id_ranges, input_sets
 from normexport.pipeline.prepare import by_feed_name, prepare
 from normexport.runtime.latency import time_interleaved
-from normexport.verdict import hidden_probe, oracle, parity
+from normexport.verdict import hidden_probe, oracle, parity, reference_kernels
 
 #: Gallery entries benchmarked (dynamo exporter, opset 18).
 GALLERY_CASES = (
@@ -186,7 +186,7 @@ def _reference_run(path: Path, feeds: dict) -> tuple[list[np.ndarray], int]:
         k: v.astype(np.float16) if types.get(k) == onnx.TensorProto.FLOAT16 else v
         for k, v in feeds.items()
     }
-    evaluator = ReferenceEvaluator(model, new_ops=oracle.reference_ops())
+    evaluator = ReferenceEvaluator(model, new_ops=reference_kernels.reference_ops())
     with np.errstate(all="ignore"):
         values = evaluator.run(None, feeds, intermediate=True)
     inside = sum(
@@ -311,7 +311,7 @@ def _hidden_probe(
         if isinstance(path, Path) and "sets" in result[name]:
             cut[name] = work / f"{name}.onnx"
             try:
-                hidden_probe.cut(path, cut[name], values)
+                files.save_model(hidden_probe.cut(path, values), cut[name], external_data=True)
             except ValueError as err:  # a converter renamed or folded the lookup
                 result[name]["error_hidden_probe"] = one_line(err)
                 del cut[name]

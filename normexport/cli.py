@@ -98,10 +98,11 @@ def _subcommand(name: str | None) -> tuple[argparse.ArgumentParser, Command]:
 
 
 def _main(args: argparse.Namespace, console: Console) -> int:
-    from normexport import pipeline, report
+    from normexport import pipeline, progress, report
     from normexport.report import explain
 
-    result = pipeline.run(options_from_args(args))
+    with progress.shown(Console(stderr=True)):  # the stages as they run, on a terminal only
+        result = pipeline.run(options_from_args(args))
     report.render(result, console)
     if args.explain:
         fusions = result.fusions

@@ -20,7 +20,7 @@ MAX_MODULE_LINES = 400
 #: lower layers, nothing above it and nothing beside it (another part of its own layer). A part
 #: is a package (all its modules) or a module. ``fusion`` imports no part of normexport.
 LAYERS = (
-    ("errors",),
+    ("errors", "progress"),
     ("io", "runtime"),
     ("precision",),
     ("verdict",),

@@ -17,7 +17,7 @@ What is timed, and how (see :mod:`normexport.runtime.latency` for the statistics
 - PyTorch eager on the same device, ``torch.inference_mode``, followed by
   ``torch.cuda.synchronize()`` on CUDA so that the clock stops when the result is ready;
 - ``--io-binding`` (the default on CUDA): inputs copied to the device once and outputs kept
-  there (:class:`normexport.runtime.BoundRun`), so host-device copies are not timed;
+  there (:class:`normexport.runtime.latency.BoundRun`), so host-device copies are not timed;
   ``--cuda-graph`` adds CUDA graph capture and replay (one session per input shape);
 - all of them in one process, interleaved in rotated order, after a warm-up; per variant the
   median, p90, min-max and a 95% bootstrap interval of the median; ratios to normexport and to

@@ -13,7 +13,7 @@ from fusion.base import Op
 from fusion.registry import FUSED_NORM_OPS
 from normexport import runtime
 from normexport.bench.results import Floor
-from normexport.runtime.latency import paired_ratio, time_interleaved
+from normexport.runtime.latency import paired_ratio, runner, time_interleaved
 from normexport.tuning import variants
 
 
@@ -66,7 +66,7 @@ def norm_floor(
         ("elementwise", relu, {"x": norm_feeds[x]}),
     ):
         session = runtime.make_session(m, provider, spinning=False)
-        runners[name] = runtime.runner(session, f, io_binding=True)[0]
+        runners[name] = runner(session, f, io_binding=True)[0]
     t = time_interleaved(runners, budget_s=budget_s)
     return Floor(
         node=node.name,

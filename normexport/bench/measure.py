@@ -17,7 +17,7 @@ from normexport.bench.options import BenchOptions, sweep_points
 from normexport.bench.results import BenchResult, BenchVariant, Floor, Machine, Point, VsBest
 from normexport.errors import one_line
 from normexport.io.eager import Eager
-from normexport.runtime.latency import Ratio, Timing, paired_ratio, time_interleaved
+from normexport.runtime.latency import Ratio, Timing, paired_ratio, runner, time_interleaved
 from normexport.tuning import variants
 from normexport.verdict.parity import closeness
 
@@ -191,7 +191,7 @@ def _runners(
             if graphed or name not in sessions:  # a CUDA graph is captured for one shape
                 sessions[name] = _session(variant, opts.provider, graphed)
             io_binding = opts.io_binding or graphed
-            call, get = runtime.runner(sessions[name], feeds, io_binding=io_binding)
+            call, get = runner(sessions[name], feeds, io_binding=io_binding)
             outputs[name] = get()
             runners[name] = call
         except Exception as err:

@@ -20,14 +20,14 @@ import torch
 
 import fusion
 from fusion._ir import opset_version
-from normexport import precision, runtime
+from normexport import precision, progress, runtime
 from normexport.arguments import Options
 from normexport.errors import UsageError
 from normexport.io import files
 from normexport.pipeline import job as job_mod
 from normexport.pipeline import measure, optimize
 from normexport.pipeline.prepare import Prepared, prepare
-from normexport.report import Fusions, InputInfo, Latency, NormOps, Report, Versions
+from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
 
@@ -43,8 +43,10 @@ def run(opts: Options) -> Report:
     is written with its own external data file (``OUT.onnx.data``) when the input had one or
     the model is large (:func:`normexport.io.files.wants_external_data`); no model is ever one
     protobuf in memory (the float16 converter alone takes one, and refuses models over 2 GiB).
-    The optimized model is written even when parity fails; ``report.parity.passed`` says
-    whether it did.
+    One model's weights are in memory at a time where parity runs: each reference runs on
+    every input set and is freed before the next opens (docs/memory.md); the report's ``cost``
+    gives each stage's time and peak memory. The optimized model is written even when parity
+    fails; ``report.parity.passed`` says whether it did.
 
     Raises:
         UsageError: a user mistake: unreadable or invalid file, missing or bad option, an
@@ -52,38 +54,68 @@ def run(opts: Options) -> Report:
         normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
     """
     output, writes = plan_outputs(opts)
-    provider = runtime.resolve_provider(opts.provider)
-    prepared = prepare(opts)
-    loaded, raw = prepared.loaded, prepared.raw
-    files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
-    job = job_mod.start(opts, output, provider, prepared)
-    del prepared  # the passes change ``raw`` in place; nothing else holds it
-    with files.work_folder(output) as work:
+    with progress.recording() as stages:
+        with progress.stage("load"):
+            provider = runtime.resolve_provider(opts.provider)
+            prepared = prepare(opts)
+        loaded, raw = prepared.loaded, prepared.raw
+        files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
+        job = job_mod.start(opts, output, provider, prepared)
+        del prepared  # the passes change ``raw`` in place; nothing else holds it
+        with files.work_folder(output) as work:
+            ref, judge = _reference(job, raw, work)
+            weights = files.weight_bytes(ref.path)
+            with progress.stage("optimize"):
+                staged = optimize.optimize(job, raw, ref, judge, work)
+            del raw
+            if opts.autotune:
+                with progress.stage("autotune"):
+                    staged = optimize.autotune(job, ref, staged)
+            if opts.precision != "fp32":
+                with progress.stage(opts.precision):
+                    staged = optimize.half(job, ref, staged, work)
+            written = files.publish_model(staged.path, output)
+            verdict, latency = _measure(job, ref, staged, judge, work)
+    cost = Cost(stages, weights)
+    return _report(job, staged, written, verdict, latency, cost)
+
+
+def _reference(job: job_mod.Job, raw: ir.Model, work: Path) -> tuple[optimize.Reference, Judge]:
+    """The reference stage: the reference model on file, and the parity judge with every
+    reference run on every input set, one model at a time, each freed before the passes."""
+    with progress.stage("reference"):
         ref = optimize.reference(job, raw, work)
         judge = Judge(
-            loaded=loaded,
+            loaded=job.loaded,
+            raw=ref.raw,
             raw_path=ref.path,
-            raw_session=ref.session,
             sets=job.sets,
             feed_names=job.feed_names,
             work=work,
             provider=job.provider,
-            atol=opts.atol,
-            rtol=opts.rtol,
-            strict=opts.strict,
+            atol=job.opts.atol,
+            rtol=job.opts.rtol,
+            strict=job.opts.strict,
+            rule=job.computes_in,
         )
-        staged = optimize.optimize(job, raw, ref, judge, work)
-        del raw
-        if opts.autotune:
-            staged = optimize.autotune(job, ref, staged)
-        if opts.precision != "fp32":
-            staged = optimize.half(job, ref, staged, work)
-        written = files.publish_model(staged.path, output)
+        judge.record((job.output_rule,))
+    return ref, judge
+
+
+def _measure(
+    job: job_mod.Job, ref: optimize.Reference, staged: optimize.Staged, judge: Judge, work: Path
+) -> tuple[ParityResult, Latency | None]:
+    """The parity stage (with the hidden-state probe for half precision) and the latency
+    stage, where asked for."""
+    opts = job.opts
+    with progress.stage("parity"):
         verdict = measure.parity(job, staged, judge)
         if opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
             measure.hidden_state_probe(job, ref, verdict, work)
-        latency = measure.latency(job, ref, staged) if opts.benchmark else None
-    return _report(job, staged, written, verdict, latency)
+    if not opts.benchmark:
+        return verdict, None
+    with progress.stage("latency"):
+        return verdict, measure.latency(job, ref, staged)
 
 
 def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
@@ -114,6 +146,7 @@ def _report(
     written: list[Path],
     parity: ParityResult,
     latency: Latency | None,
+    cost: Cost,
 ) -> Report:
     """The typed report of a finished run."""
     optimized = ir.load(job.output)
@@ -141,4 +174,5 @@ def _report(
         precision=staged.precision,
         versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
         rollback=staged.rollback,
+        cost=cost,
     )

@@ -34,6 +34,9 @@ class Job:
         ops_before: the raw model's norm op counts (:func:`fusion.norm_ops`).
         already: the norms the raw model already had as one op
             (:func:`normexport.report.explain.already_fused`).
+        computes_in: the precision of the raw model's weights (``fp32``, ``fp16``, ``bf16``:
+            :func:`normexport.precision.computes_in`), whose rule judges a model that stays
+            in it.
         external: the output is written with external data
             (:func:`normexport.io.files.wants_external_data`).
     """
@@ -49,7 +52,14 @@ class Job:
     sets: dict[str, dict[str, np.ndarray]]
     ops_before: dict[str, int]
     already: list
+    computes_in: str
     external: bool
+
+    @property
+    def output_rule(self) -> str:
+        """The precision whose parity rule judges the output: ``--precision`` where it
+        converts, else the raw model's own (:attr:`computes_in`)."""
+        return self.opts.precision if self.opts.precision != "fp32" else self.computes_in
 
 
 def start(opts: Options, output: Path, provider: tuple[str, str | None], prepared: Prepared) -> Job:
@@ -73,5 +83,6 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         sets,
         ops_before=fusion.norm_ops(raw),
         already=already_fused(raw),
+        computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
     )

@@ -4,15 +4,17 @@ for half precision) and latency."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
 
-from normexport import precision, runtime
+from normexport import precision, progress, runtime
 from normexport.io.eager import Eager
 from normexport.pipeline.job import Job
 from normexport.pipeline.optimize import Reference, Staged
 from normexport.report import Latency
+from normexport.runtime import memory as runtime_memory
 from normexport.runtime.latency import latency_threads, time_interleaved
 from normexport.verdict import hidden_probe
 from normexport.verdict.parity import ParityResult
@@ -34,19 +36,18 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
     """
     if staged.verified is not None:
         return dataclasses.replace(staged.verified, strict=job.opts.strict)
-    session = runtime.make_session(
-        job.output,
-        job.provider,
-        optimization_level=runtime.AS_WRITTEN,
-        spinning=False,
-        disabled_optimizers=staged.disabled,
-    )
 
-    def candidate(feeds):
-        return runtime.run(session, precision.cast_feeds(session, feeds))
+    def candidate():  # opened once the references have run and been freed
+        session = runtime.check_session(
+            job.output, job.provider, disabled_optimizers=staged.disabled
+        )
 
-    names = [o.name for o in session.get_outputs()]
-    return judge(candidate, names, precision=job.opts.precision)
+        def run(feeds):
+            return runtime.run(session, precision.cast_feeds(session, feeds))
+
+        return run, [o.name for o in session.get_outputs()]
+
+    return judge(candidate, precision=job.output_rule)
 
 
 def hidden_state_probe(job: Job, ref: Reference, verdict: ParityResult, work: Path) -> None:
@@ -69,28 +70,42 @@ def hidden_state_probe(job: Job, ref: Reference, verdict: ParityResult, work: Pa
 def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
     """PyTorch eager (where there is a module), the raw model and the published output on the
     example inputs, timed interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms.
-    PyTorch and ONNX Runtime get the same number of threads
-    (:func:`normexport.runtime.latency.latency_threads`): each with its default beside the
-    other's pool oversubscribes the cores and times the contention."""
-    threads = latency_threads()
-    feeds, provider = job.sets["example"], job.provider
+    Where the two sessions would not fit in memory together
+    (:func:`normexport.runtime.memory.fit_together`), each is timed alone in turn, with half
+    the budget, and the report says so. PyTorch and ONNX Runtime get the same number of
+    threads (:func:`normexport.runtime.latency.latency_threads`): each with its default beside
+    the other's pool oversubscribes the cores and times the contention."""
+    threads, feeds, provider = latency_threads(), job.sets["example"], job.provider
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
-    raw_session = runtime.make_session(ref.path, provider, spinning=False, threads=threads)
-    opt_session = runtime.make_session(
-        job.output, provider, spinning=False, disabled_optimizers=staged.disabled, threads=threads
-    )
-    opt_feeds = precision.cast_feeds(opt_session, feeds)
-    timed = {
-        "ort_raw": lambda: runtime.run(raw_session, feeds),
-        "ort_optimized": lambda: runtime.run(opt_session, opt_feeds),
+    session = functools.partial(runtime.make_session, spinning=False, threads=threads)
+    opens = {
+        "ort_raw": lambda: session(ref.path, provider),
+        "ort_optimized": lambda: session(job.output, provider, disabled_optimizers=staged.disabled),
     }
+    apart = runtime_memory.fit_together([ref.path, job.output], provider)
+    groups = [list(opens)] if apart is None else [[name] for name in opens]
+    timed: dict = {}
     if job.loaded.module is not None:
         eager = Eager(job.loaded.module)
-        timed = {"pytorch_eager": lambda: eager([feeds[n] for n in job.feed_names])} | timed
+        timed["pytorch_eager"] = lambda: eager([feeds[n] for n in job.feed_names])
+    timings: dict = {}
+    for group in groups:
+        for name in group:
+            opened = opens[name]()
+            timed[name] = functools.partial(
+                runtime.run, opened, precision.cast_feeds(opened, feeds)
+            )
+        progress.step(", ".join(timed) + (", interleaved" if len(timed) > 1 else ""))
+        timings |= _timed(timed, threads, job.opts.budget_s / len(groups))
+        timed, opened = {}, None  # one group's sessions at a time
+    return Latency(timings, threads, threads, apart)
+
+
+def _timed(timed: dict, threads: int, budget_s: float) -> dict:
+    """:func:`time_interleaved` of ``timed`` with PyTorch on ``threads`` threads meanwhile."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        timings = time_interleaved(timed, budget_s=job.opts.budget_s)
+        return dict(time_interleaved(timed, budget_s=budget_s))
     finally:
         torch.set_num_threads(before)
-    return Latency(dict(timings), threads, threads)

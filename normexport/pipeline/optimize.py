@@ -18,14 +18,14 @@ import onnx_ir as ir
 
 import fusion
 from fusion import registry
-from normexport import precision, runtime
+from normexport import precision, progress, runtime
 from normexport.errors import InputFileError, UsageError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job
 from normexport.tuning import autotune as autotune_mod
 from normexport.verdict import rollback
 from normexport.verdict.checker import Checker, check_output, checker_level
-from normexport.verdict.parity import ParityResult
+from normexport.verdict.parity import ParityResult, Recorded
 from normexport.verdict.references import Judge
 
 
@@ -35,14 +35,14 @@ class Reference:
 
     Attributes:
         path: the input file (ONNX input) or the raw export saved in the scratch folder.
-        session: for ONNX input, its ONNX Runtime session with graph optimizations off (already
-            run once on the example inputs), else None.
+        raw: it, run as written (:func:`normexport.runtime.check_session`, opened on demand,
+            its outputs recorded per input set; ``raw.close()`` frees its session).
         checker: how far the ONNX checker accepts it, and its complaint
             (:func:`normexport.verdict.checker.checker_level`; ``("full", None)`` for an export).
     """
 
     path: Path
-    session: Any = None
+    raw: Recorded
     checker: tuple[str, str | None] = ("full", None)
 
 
@@ -77,32 +77,41 @@ class Staged:
 
 def reference(job: Job, raw: ir.Model, work: Path) -> Reference:
     """The model the output is compared with, on file: for ONNX input the input itself (loaded
-    as written, run once, checked), else the raw export saved into ``work``.
+    as written, run once on the example, checked; its session freed), else the raw export
+    saved into ``work``.
 
     Raises:
-        UsageError: ONNX Runtime cannot load or run the input file as given.
+        InputFileError: ONNX Runtime cannot load the input file.
+        UsageError: ONNX Runtime cannot run the input file as given.
     """
     if job.loaded.kind != "onnx":
         path = work / "raw.onnx"
         files.save_model(raw, path, external_data=True)
-        return Reference(path)
+        return Reference(path, _recorded(runtime.OnDemand(path, job.provider)))
     path = Path(job.opts.model)
-    session = _input_session(path, job.provider)
-    _runs_as_given(session, job.sets["example"], path, job.opts.input_shape or job.opts.inputs)
-    return Reference(path, session, checker_level(path))
+    session = runtime.OnDemand(path, job.provider)
+    _opens(session, path)
+    recorded = _recorded(session)
+    try:
+        _runs_as_given(recorded, job.sets["example"], path, job.opts.input_shape or job.opts.inputs)
+    finally:
+        recorded.close()
+    return Reference(path, recorded, checker_level(path))
 
 
-def _input_session(path: Path, provider: str):
-    """The parity reference for an ONNX input: the file as given, run with ONNX Runtime's
-    graph optimizations off. A file ONNX Runtime cannot load is the user's to fix.
+def _recorded(session: runtime.OnDemand) -> Recorded:
+    """The model of ``session`` run as written, its outputs recorded; ``close()`` frees it."""
+    return Recorded(lambda feeds: runtime.run(session.open(), feeds, quiet=True), session.close)
+
+
+def _opens(session: runtime.OnDemand, path: Path) -> None:
+    """Open the input file's session: a file ONNX Runtime cannot load is the user's to fix.
 
     Raises:
         InputFileError: ONNX Runtime cannot load ``path``.
     """
     try:
-        return runtime.make_session(
-            path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False
-        )
+        session.open()
     except runtime.ProviderUnavailable:
         raise
     except Exception as err:  # ORT raises its own error types for a bad file
@@ -112,7 +121,7 @@ def _input_session(path: Path, provider: str):
         ) from None
 
 
-def _runs_as_given(session, feeds: dict[str, np.ndarray], path: Path, given: Any) -> None:
+def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, given: Any) -> None:
     """Run the input file once on the example inputs, before anything is optimized: a model
     that ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
     user's to fix, not a parity failure. ``given``: whether the user gave the inputs.
@@ -121,7 +130,7 @@ def _runs_as_given(session, feeds: dict[str, np.ndarray], path: Path, given: Any
         UsageError: ONNX Runtime fails on it, naming the inputs that were given.
     """
     try:
-        runtime.run(session, feeds, quiet=True)  # the failure is reported once, by us
+        raw(feeds)  # the failure is reported once, by us
     except Exception as err:  # ORT's own error types
         shapes = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
         hint = "check --input-shape / --inputs against the model's inputs" if given else None
@@ -141,8 +150,10 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
         normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
     """
     target, skip = job.opts.target, registry.skip_fusion(job.opts.target, job.provider)
+    progress.step("the passes")
     fusions = fusion.optimize(raw, target=target, skip=skip)
     staged = work / job.output.name
+    progress.step("saving")
     files.save_model(raw, staged, external_data=job.external)
     builds = itertools.count(1)
 
@@ -157,6 +168,7 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
     verdicts: dict[Path, ParityResult] = {}
 
     def check(path):
+        progress.step(f"checking {path.relative_to(work)}")
         rejection, verdicts[path] = rollback.check(path, job.provider, ref.checker[0], judge)
         return rejection
 

@@ -50,7 +50,13 @@ The package's modules, by concern: :mod:`~normexport.precision.convert` (the con
 rounded to the half type). The names the rest of normexport uses are imported here.
 """
 
-from normexport.precision.convert import PrecisionReport, check_precision, model_bytes, to_half
+from normexport.precision.convert import (
+    PrecisionReport,
+    check_precision,
+    computes_in,
+    model_bytes,
+    to_half,
+)
 from normexport.precision.feeds import (
     OVERFLOW_PROBE,
     cast_feeds,
@@ -64,6 +70,7 @@ __all__ = [
     "PrecisionReport",
     "cast_feeds",
     "check_precision",
+    "computes_in",
     "model_bytes",
     "overflow_set",
     "rounded_feeds",

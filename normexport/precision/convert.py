@@ -12,6 +12,7 @@ reports no kernel for (:mod:`normexport.precision.kernels`) until the model load
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -70,6 +71,25 @@ def check_precision(precision: str) -> None:
     """
     if precision not in PRECISIONS:
         raise UsageError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+
+
+#: Half-precision initializer types, by the ``--precision`` name of their rule.
+_HALF_WEIGHTS = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
+
+
+def computes_in(model: ir.Model) -> str:
+    """The precision the model's weights are in: ``"fp16"`` or ``"bf16"`` where more than half
+    of its floating-point initializer bytes are of that type, else ``"fp32"`` (read from the
+    tensors' headers). A half-precision model's rounding noise is that of its type, and parity
+    judges it by that type's rule (:data:`normexport.verdict.tolerance.HALF_MAX_REL_L2`)."""
+    by_type: collections.Counter = collections.Counter()
+    for graph in model.graphs():
+        for value in graph.initializers.values():
+            tensor = value.const_value
+            if tensor is not None and tensor.dtype.is_floating_point():
+                by_type[tensor.dtype] += tensor.nbytes
+    total = sum(by_type.values())
+    return next((k for k, t in _HALF_WEIGHTS.items() if 2 * by_type[t] > total > 0), "fp32")
 
 
 def model_bytes(path: Path) -> int:

@@ -13,6 +13,7 @@ and units, is in ``docs/report.md``.
 from normexport.report.save import write_chart, write_json
 from normexport.report.schema import (
     Checker,
+    Cost,
     Fusions,
     InputInfo,
     Latency,
@@ -24,6 +25,7 @@ from normexport.report.terminal import render
 
 __all__ = [
     "Checker",
+    "Cost",
     "Fusions",
     "InputInfo",
     "Latency",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import fusion
 from fusion import FUSION_KINDS
+from normexport.progress import Stage
 from normexport.report.explain import AlreadyFused
 from normexport.runtime.latency import BUSY_SPREAD, Timing
 from normexport.verdict.checker import Checker
@@ -100,11 +101,14 @@ class Latency:
     Attributes:
         timings: variant (``pytorch_eager``, ``ort_raw``, ``ort_optimized``) -> its timing, ms.
         pytorch_threads, onnxruntime_threads: intra-op threads each was given (the same).
+        apart: why the ONNX Runtime variants were timed one at a time, not interleaved (their
+            sessions would not fit in memory together), or None.
     """
 
     timings: dict[str, Timing]
     pytorch_threads: int
     onnxruntime_threads: int
+    apart: str | None = None
 
     @property
     def busy(self) -> list[str]:
@@ -117,6 +121,7 @@ class Latency:
             "pytorch_threads": self.pytorch_threads,
             "onnxruntime_threads": self.onnxruntime_threads,
             "busy": self.busy,
+            "apart": self.apart,
         }
 
 
@@ -127,6 +132,37 @@ class Versions:
     torch: str
     onnx: str
     onnxruntime: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What the run took: wall time and peak resident memory, per stage and in all.
+
+    Attributes:
+        stages: each stage in the order it ran (:class:`normexport.progress.Stage`).
+        weight_bytes: bytes of the input model's initializers (of the raw export for a
+            PyTorch model): the yardstick of the memory figures.
+    """
+
+    stages: list[Stage]
+    weight_bytes: int
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        """The run's peak resident set (bytes), or None where the system does not say."""
+        peaks = [s.peak_rss_bytes for s in self.stages if s.peak_rss_bytes is not None]
+        return max(peaks, default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form (``docs/report.md``, ``cost``)."""
+        peak = self.peak_rss_bytes
+        return {
+            "wall_s": sum(s.wall_s for s in self.stages),
+            "peak_rss_bytes": peak,
+            "weight_bytes": self.weight_bytes,
+            "peak_over_weights": peak / self.weight_bytes if peak and self.weight_bytes else None,
+            "stages": [dataclasses.asdict(s) for s in self.stages],
+        }
 
 
 @dataclasses.dataclass
@@ -164,6 +200,7 @@ class Report:
         rollback: the rewrites undone because ONNX Runtime or the checker rejected them or
             they changed the function (:class:`normexport.verdict.rollback.Outcome`), or None where
             the optimized model passed its check as the passes made it.
+        cost: the run's wall time and peak memory per stage (:class:`Cost`), or None.
     """
 
     model: str
@@ -189,6 +226,7 @@ class Report:
     versions: Versions
     precision: PrecisionReport | None = None
     rollback: Outcome | None = None
+    cost: Cost | None = None
 
     @property
     def passed(self) -> bool:
@@ -230,4 +268,5 @@ class Report:
             "versions": dataclasses.asdict(self.versions),
             "precision": self.precision.to_dict() if self.precision else None,
             "rollback": self.rollback.to_dict() if self.rollback else None,
+            "cost": self.cost.to_dict() if self.cost else None,
         }

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from normexport.report.schema import Checker, Fusions, Latency, NormOps, Report
+from normexport.report.schema import Checker, Cost, Fusions, Latency, NormOps, Report
 from normexport.runtime.latency import BUSY_SPREAD
 from normexport.verdict.result import OutputError, ParityResult
 from normexport.verdict.tolerance import NOISE_WARN_FACTOR
@@ -257,6 +257,8 @@ def _render_latency(latency: Latency, console: Console) -> None:
             f"[yellow]the machine was busy[/]: p90 over {BUSY_SPREAD:g}x the median for "
             f"{', '.join(latency.busy)}; compare these numbers with care, or re-run"
         )
+    if latency.apart:
+        console.print(f"[yellow]note[/]: {latency.apart}")
 
 
 def _render_autotune(tuned: AutotuneResult, console: Console) -> None:
@@ -314,7 +316,28 @@ def render(report: Report, console: Console) -> None:
         _render_latency(report.latency, console)
     if report.autotune:
         _render_autotune(report.autotune, console)
+    if report.cost:
+        console.print(_cost(report.cost))
     console.print(_verdict(report.parity))
+
+
+#: The smallest weights (bytes) the peak memory is given as a multiple of.
+WEIGHTS_SHOWN = 2**26
+
+
+def _cost(cost: Cost) -> str:
+    """One line: the run's time, and its peak memory against the weights, with the stage."""
+    line = f"the run took {sum(s.wall_s for s in cost.stages):.1f} s"
+    peak = cost.peak_rss_bytes
+    if peak is not None:
+        where = max(cost.stages, key=lambda s: s.peak_rss_bytes or 0).name
+        line += f", peak memory {peak / 2**30:.2f} GiB (in {where})"
+        if (
+            cost.weight_bytes >= WEIGHTS_SHOWN
+        ):  # beside the interpreter's own, small ones say little
+            weights = cost.weight_bytes
+            line += f", {peak / weights:.2f}x the weights' {weights / 2**30:.2f} GiB"
+    return line
 
 
 def _verdict(parity: ParityResult) -> str:

@@ -26,7 +26,7 @@ import onnx_ir as ir
 from fusion.base import Op
 from fusion.registry import ORT_SKIP_FUSED_NORMS
 from normexport import runtime
-from normexport.runtime.latency import Ratio, Timing, paired_ratio, time_interleaved
+from normexport.runtime.latency import Ratio, Timing, paired_ratio, runner, time_interleaved
 from normexport.tuning import forms
 from normexport.verdict.parity import closeness
 
@@ -241,7 +241,7 @@ def _runners(
             session = runtime.make_session(
                 cand.model, provider, spinning=False, disabled_optimizers=cand.disabled_optimizers
             )
-            runners[name], get = runtime.runner(session, feeds, io_binding=io_binding)
+            runners[name], get = runner(session, feeds, io_binding=io_binding)
             outputs[name] = get()
         except Exception as err:  # a form ORT cannot load here is simply not a candidate
             if name == default:

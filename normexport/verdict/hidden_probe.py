@@ -24,7 +24,6 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from normexport import runtime
-from normexport.io import files
 from normexport.precision import OVERFLOW_PROBE, cast_feeds, rounded_feeds, with_outliers
 from normexport.verdict import oracle as oracle_mod
 from normexport.verdict import parity as parity_mod
@@ -74,10 +73,10 @@ def embedding_lookups(model: ir.Model) -> list[Lookup]:
     return found
 
 
-def cut(src: Path, dst: Path, values: Sequence[str]) -> None:
-    """Write a copy of the model at ``src`` to ``dst`` (external data beside it) in which each
-    of ``values`` is a graph input instead of the output of the node computing it; the graph
-    inputs, nodes and initializers no longer read are removed.
+def cut(src: Path, values: Sequence[str]) -> ir.Model:
+    """The model at ``src`` (loaded lazily: its external tensors still point into its
+    external data file) with each of ``values`` a graph input instead of the output of the
+    node computing it; the graph inputs, nodes and initializers no longer read are removed.
 
     Raises:
         ValueError: a value is not computed by any node of the model.
@@ -93,7 +92,16 @@ def cut(src: Path, dst: Path, values: Sequence[str]) -> None:
         out.replace_all_uses_with(fed, replace_graph_outputs=True)
         model.graph.inputs.append(fed)
     _drop_unread(model)
-    files.save_model(model, dst, external_data=True)
+    return model
+
+
+def _cut_run(model: ir.Model, src: Path, provider: str) -> parity_mod.Recorded:
+    """``model``, a cut of the model at ``src`` (:func:`cut`), run as written by a session
+    opened on demand on its graph alone, its weights read from ``src``'s own external data
+    file (nothing is copied); ``close()`` frees the session."""
+    graph = ir.to_proto(model).SerializeToString()  # the graph: its tensors stay on file
+    session = runtime.OnDemand(graph, provider, external_data_folder=src.parent)
+    return parity_mod.Recorded(lambda feeds: _run(session.open(), feeds), session.close)
 
 
 def _drop_unread(model: ir.Model) -> None:
@@ -153,26 +161,25 @@ def check(
         return None
     work.mkdir(exist_ok=True)
     values = [lookup.value for lookup in lookups]
-    cut(raw_path, work / "raw_cut.onnx", values)
-    cut(half_path, work / "half_cut.onnx", values)
-    raw_session, half_session = (
-        runtime.make_session(
-            work / f"{m}_cut.onnx", provider, optimization_level=runtime.AS_WRITTEN, spinning=False
-        )
-        for m in ("raw", "half")
-    )
-    read = {i.name for i in raw_session.get_inputs()}
+    raw_cut = cut(raw_path, values)
+    raw = _cut_run(raw_cut, raw_path, provider)
+    read = {v.name for v in raw_cut.graph.inputs}
     feeds = {k: v for k, v in hidden_states(lookups, example).items() if k in read}
-    raw, half = functools.partial(_run, raw_session), functools.partial(_run, half_session)
     where = ", ".join(repr(v) for v in values)
     what = f"the raw model cut at its embedding lookups ({where})"
-    found = oracle_mod.onnx_float64(work / "raw_cut.onnx", raw, feeds, work, what)
+    found = oracle_mod.onnx_float64(raw_cut, raw, feeds, work, what)  # widens raw_cut
+    round_inputs = parity_mod.Recorded(functools.partial(rounded_feeds, precision=precision))
+    oracle = parity_mod.Recorded(found.run, found.close) if found.run else raw
+    oracle.record([feeds, round_inputs(feeds)])  # one model at a time, each freed
+    raw.record([feeds])
+    half_cut = cut(half_path, values)
+    half = _cut_run(half_cut, half_path, provider)
     notes = [f"{OVERFLOW_PROBE}: hidden states with outliers fed at {where}, against {what}"]
-    return parity_mod.check_parity(
+    return parity_mod.check_parity(  # the half session is freed with ``half``, on return
         half,
-        found.run or raw,
+        oracle,
         {OVERFLOW_PROBE: feeds},
-        [o.name for o in half_session.get_outputs()],
+        [v.name for v in half_cut.graph.outputs],
         reference_kind="onnx",
         atol=atol,
         rtol=rtol,
@@ -180,7 +187,7 @@ def check(
         oracle_kind=found.kind or "onnx",
         notes=[*notes, *found.notes],
         max_rel_l2=parity_mod.HALF_MAX_REL_L2[precision],
-        round_inputs=functools.partial(rounded_feeds, precision=precision),
+        round_inputs=round_inputs,
     )
 
 

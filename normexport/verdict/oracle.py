@@ -42,6 +42,7 @@ from normexport.io import files
 from normexport.io import inputs as inputs_mod
 from normexport.io.eager import Eager
 from normexport.io.load import LoadedModel
+from normexport.verdict import reference_kernels
 from normexport.verdict.parity import closeness
 
 #: The largest share of physical memory the oracle's float64 copy of the weights may take.
@@ -62,11 +63,14 @@ class Oracle:
             built (the caller falls back to its float32 reference).
         kind: ``"pytorch_float64"``, ``"onnx_float64"``, or the fallback's kind.
         notes: how it was built or why it could not be, for the report.
+        close: frees what ``run`` holds (its ONNX Runtime session, the PyTorch copy); the
+            next run builds it again. None where it holds nothing worth freeing.
     """
 
     run: Run | None
     kind: str
     notes: list[str] = dataclasses.field(default_factory=list)
+    close: Callable[[], None] | None = None
 
 
 def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[str]) -> Oracle:
@@ -82,12 +86,14 @@ def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[
     needed, memory = _torch_float64_bytes(loaded.module), inputs_mod.memory_bytes()
     if memory is not None and needed > memory * MEMORY_SHARE:
         return Oracle(None, "pytorch_float32", [_no_room("the model", needed, memory)])
+    copy: dict[str, Eager] = {}  # the float64 copy, made on first use and freed by close
+
+    def run(feeds):
+        if not copy:
+            copy["eager"] = Eager(loaded.module, float64=True)
+        return copy["eager"]([feeds[name] for name in feed_names])
+
     try:
-        eager = Eager(loaded.module, float64=True)
-
-        def run(feeds):
-            return eager([feeds[name] for name in feed_names])
-
         outs = run(example)
     except Exception as err:  # whatever a model's float64 copy raises: fall back, and say so
         why = f"a float64 copy of the PyTorch model could not be run ({one_line(err)})"
@@ -96,18 +102,21 @@ def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[
     if narrow:
         why = f"the float64 copy of the PyTorch model returns {', '.join(narrow)} outputs"
         return Oracle(None, "pytorch_float32", [why])
-    return Oracle(run, "pytorch_float64")
+    return Oracle(run, "pytorch_float64", close=copy.clear)
 
 
-def onnx_float64(path: Path, as_written: Run, example: Mapping, work: Path, what: str) -> Oracle:
-    """The ONNX model at ``path`` in float64 (see the module docstring), checked on the example.
+def onnx_float64(
+    source: Path | ir.Model, as_written: Run, example: Mapping, work: Path, what: str
+) -> Oracle:
+    """The ONNX model at ``source`` (a file, or a model, widened in place) in float64 (see the
+    module docstring), checked on the example.
 
     The check: on the example, the float64 run must agree with the file run as written in
     float32 within :data:`SELF_CHECK` (``closeness``'s atol, rtol): a conversion or an engine
     that computes another function (``onnx.reference`` had such bugs) is never an oracle.
 
     Args:
-        path: the model file (its external data beside it).
+        source: the model file (its external data beside it), or the model.
         as_written: the same model in float32, as written (ONNX Runtime, optimizations off).
         example: feeds for the check (float inputs are cast to float64 on every run).
         work: a scratch folder for the float64 model (and its external data).
@@ -117,26 +126,55 @@ def onnx_float64(path: Path, as_written: Run, example: Mapping, work: Path, what
         an :class:`Oracle` of kind ``"onnx_float64"`` (the notes say which engine runs it), or
         with ``run`` None and the reason.
     """
-    model = ir.load(path)
+    model = source if isinstance(source, ir.Model) else ir.load(source)
     needed, memory = 2 * _float32_bytes(model), inputs_mod.memory_bytes()
     if memory is not None and needed > memory * MEMORY_SHARE:
         return Oracle(None, "", [_no_room(what, needed, memory)])
     to_float64(model)
-    oracle_path = work / "oracle_float64.onnx"
-    files.save_model(model, oracle_path, external_data=True)
+    session = _float64_session(model, work)
     try:
-        session = runtime.make_session(
-            oracle_path, "cpu", optimization_level=runtime.AS_WRITTEN, spinning=False
-        )
+        session.open()
     except Exception as err:  # ORT raises its own error types; NOT_IMPLEMENTED is the usual
         ort_error = one_line(err)
     else:
 
         def run(feeds):
-            return runtime.run(session, _widen(feeds))
+            return runtime.run(session.open(), _widen(feeds))
 
-        return _checked(run, as_written, example, what, "ONNX Runtime")
+        found = _checked(run, as_written, example, what, "ONNX Runtime")
+        session.close()
+        return dataclasses.replace(found, close=session.close if found.run else None)
     return _on_reference(model, needed, (as_written, example), what, ort_error)
+
+
+#: The most bytes of tensors held in memory (the widened ones, and any not on file) with which
+#: the float64 graph is opened from one protobuf, its other tensors read from the model's own
+#: external data file, rather than written out whole.
+INLINE_BYTES = 2**28
+
+
+def _float64_session(model: ir.Model, work: Path) -> runtime.OnDemand:
+    """A session of the widened ``model``, opened on demand. Where what the widening changed
+    is small (a float16 model: its norms' float32 parts) and the rest lies in one folder, the
+    graph is given as one protobuf with the widened tensors in it, and the tensors it did not
+    change are read from the model's own external data file: nothing is copied. Otherwise the
+    float64 model is written to ``work`` (``oracle_float64.onnx``, each tensor widened as it
+    is written)."""
+    on_file = [v.const_value for g in model.graphs() for v in g.initializers.values()]
+    on_file = [t for t in on_file if isinstance(t, ir.ExternalTensor)]
+    folders = {Path(t.base_dir).resolve() for t in on_file}
+    held = sum(
+        v.const_value.nbytes
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
+    )
+    if held <= INLINE_BYTES and len(folders) <= 1:
+        graph = ir.to_proto(model).SerializeToString()
+        return runtime.OnDemand(graph, "cpu", external_data_folder=next(iter(folders), None))
+    path = work / "oracle_float64.onnx"
+    files.save_model(model, path, external_data=True)
+    return runtime.OnDemand(path, "cpu")
 
 
 def _on_reference(model: ir.Model, needed: int, check, what: str, ort_error: str) -> Oracle:
@@ -152,7 +190,7 @@ def _on_reference(model: ir.Model, needed: int, check, what: str, ort_error: str
 
     ir.external_data.load_to_model(model)  # onnx.reference reads no external data
     proto = ir.serde.serialize_model(model)
-    evaluator = ReferenceEvaluator(proto, new_ops=reference_ops())
+    evaluator = ReferenceEvaluator(proto, new_ops=reference_kernels.reference_ops())
     outputs = [v.name for v in model.graph.outputs]
 
     def run(feeds):
@@ -189,92 +227,6 @@ def _checked(run: Run, as_written: Run, example, what: str, engine: str) -> Orac
 SELF_CHECK = (1e-3, 1e-2)
 
 
-def reference_ops() -> list[type]:
-    """Kernels for ``onnx.reference`` (its ``new_ops``) in place of its own where onnx 1.23's
-    are wrong or missing: see :func:`_reference_fixes` and :func:`_reference_norms`."""
-    return [*_reference_fixes(), *_reference_norms()]
-
-
-def _reference_fixes() -> list[type]:
-    """Kernels for ``onnx.reference`` in place of its own where onnx 1.23's are wrong.
-
-    - ``BatchNormalization`` in inference mode: the opset-9 kernel takes a ``momentum``
-      attribute for training mode and normalizes with the batch's statistics; exporters
-      (Paddle's among them) write ``momentum`` in inference models. A node with one output is
-      in inference mode at every opset (ONNX spec, BatchNormalization-9, -14, -15):
-      ``y = scale * (x - mean) / sqrt(var + epsilon) + B`` per channel (axis 1).
-    - ``GatherElements``: its kernel gathers with ``np.choose``, which takes at most 64
-      choices; along a longer axis it fails or, for 2-D data, gathers the wrong elements (a
-      BERT export's token-type buffer, 512 long). ONNX spec, GatherElements-13:
-      ``out[i][j] = data[index[i][j]][j]`` for axis 0, shaped as ``indices``; ``indices`` may
-      be shorter than ``data`` on any axis.
-    """
-    from onnx.reference.op_run import OpRun
-
-    class BatchNormalization(OpRun):
-        op_domain = ""
-
-        def _run(self, x, scale, bias, mean, var, epsilon=1e-5, **_):
-            if len(self.onnx_node.output) > 1:
-                raise NotImplementedError("BatchNormalization in training mode")
-            shape = (1, -1) + (1,) * (x.ndim - 2)
-            y = (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + epsilon)
-            return ((y * scale.reshape(shape) + bias.reshape(shape)).astype(x.dtype),)
-
-    class GatherElements(OpRun):
-        op_domain = ""
-
-        def _run(self, data, indices, axis=0):
-            axis %= data.ndim
-            window = tuple(
-                slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape)
-            )
-            indices = np.where(indices < 0, indices + data.shape[axis], indices)
-            return (np.take_along_axis(data[window], indices, axis=axis),)
-
-    return [BatchNormalization, GatherElements]
-
-
-def _reference_norms() -> list[type]:
-    """``LayerNormalization``, ``RMSNormalization`` and ONNX Runtime's
-    ``SimplifiedLayerNormalization`` (its RMSNorm, registered in the default domain) for
-    ``onnx.reference``: onnx 1.23's kernels refuse ``stash_type`` 11 (float64), which the
-    widened graph sets, and compute float16 input in float16 whatever ``stash_type`` says.
-    As the ONNX spec's function bodies define them (LayerNormalization-17, RMSNormalization-23):
-    statistics over the axes from ``axis`` on, in ``stash_type``; the normalized value cast back
-    to the input's type, then ``* scale (+ B)`` in that type.
-    """
-    from onnx.reference.op_run import OpRun
-
-    class LayerNormalization(OpRun):
-        op_domain = ""
-
-        def _run(self, x, scale, bias=None, axis=-1, epsilon=1e-5, stash_type=1):
-            return (_normalized(x, scale, bias, axis, epsilon, stash_type, centred=True),)
-
-    class RMSNormalization(OpRun):
-        op_domain = ""
-
-        def _run(self, x, scale, axis=-1, epsilon=1e-5, stash_type=1):
-            return (_normalized(x, scale, None, axis, epsilon, stash_type, centred=False),)
-
-    class SimplifiedLayerNormalization(RMSNormalization):
-        pass
-
-    return [LayerNormalization, RMSNormalization, SimplifiedLayerNormalization]
-
-
-def _normalized(x, scale, bias, axis, epsilon, stash_type, centred) -> np.ndarray:
-    """A LayerNorm (``centred``) or RMSNorm of ``x`` (see :func:`_reference_norms`)."""
-    wide = x.astype(np.float64 if stash_type == ir.DataType.DOUBLE else np.float32)
-    axes = tuple(range(axis % x.ndim, x.ndim))
-    if centred:
-        wide = wide - wide.mean(axis=axes, keepdims=True)
-    y = (wide / np.sqrt(np.square(wide).mean(axis=axes, keepdims=True) + epsilon)).astype(x.dtype)
-    y = y * scale
-    return (y + bias if bias is not None else y).astype(x.dtype)
-
-
 def _widen(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Float32 feeds as float64; every other feed as it is."""
     return {k: v.astype(np.float64) if v.dtype == np.float32 else v for k, v in feeds.items()}
@@ -302,9 +254,17 @@ def to_float64(model: ir.Model) -> None:
 
 
 def _widen_initializer(value: ir.Value) -> None:
+    """Make a float32 initializer float64, lazily: the cast runs when the tensor is read (as
+    the model is saved, one tensor at a time), so no float64 copy of the weights is ever
+    held whole."""
     tensor = value.const_value
     if tensor is not None and tensor.dtype == ir.DataType.FLOAT:
-        value.const_value = ir.tensor(tensor.numpy().astype(np.float64), name=value.name)
+        value.const_value = ir.LazyTensor(
+            lambda: ir.tensor(tensor.numpy().astype(np.float64)),
+            ir.DataType.DOUBLE,
+            tensor.shape,
+            name=value.name,
+        )
         value.dtype = ir.DataType.DOUBLE
 
 

@@ -88,10 +88,11 @@ the result types in :mod:`normexport.verdict.result`, and all are importable fro
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from normexport import progress
 from normexport.verdict.result import OutputError, ParityResult
 from normexport.verdict.tolerance import (
     BF16_MAX_REL_L2,
@@ -121,10 +122,10 @@ __all__ = [
     "Model",
     "OutputError",
     "ParityResult",
+    "Recorded",
     "check_parity",
     "closeness",
     "compare",
-    "remembered",
     "ulp_perturbed",
 ]
 
@@ -253,20 +254,38 @@ def ulp_perturbed(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 Model = Callable[[Mapping[str, np.ndarray]], Sequence[np.ndarray]]
 
 
-def remembered(model: Model) -> Model:
+class Recorded:
     """``model``, run once per feeds mapping (by identity): the oracle and the raw model give
     the same outputs on an input set however many candidates are compared with them (the
     optimized model, then that model without a rewrite, ...). Keeps each feeds mapping it saw,
-    so that no other mapping can take its identity."""
-    seen: dict[int, tuple[Mapping, Sequence[np.ndarray]]] = {}
+    so that no other mapping can take its identity.
 
-    def run(feeds):
-        hit = seen.get(id(feeds))
+    Args:
+        model: feeds -> outputs.
+        close: frees what runs ``model`` (an ONNX Runtime session, a PyTorch copy), where it
+            holds anything; the outputs stay recorded, and a later miss runs ``model`` again.
+    """
+
+    def __init__(self, model: Model, close: Callable[[], None] | None = None):
+        self._model, self._close = model, close
+        self._seen: dict[int, tuple[Mapping, Sequence[np.ndarray]]] = {}
+
+    def __call__(self, feeds: Mapping[str, np.ndarray]) -> Sequence[np.ndarray]:
+        hit = self._seen.get(id(feeds))
         if hit is None or hit[0] is not feeds:
-            hit = seen[id(feeds)] = (feeds, model(feeds))
+            hit = self._seen[id(feeds)] = (feeds, self._model(feeds))
         return hit[1]
 
-    return run
+    def record(self, sets: Iterable[Mapping[str, np.ndarray]]) -> None:
+        """Run the model on each feeds mapping of ``sets`` it has not seen, then free it."""
+        for feeds in sets:
+            self(feeds)
+        self.close()
+
+    def close(self) -> None:
+        """Free what runs the model (see ``close`` above)."""
+        if self._close is not None:
+            self._close()
 
 
 def check_parity(
@@ -319,6 +338,7 @@ def check_parity(
     rounded = _on_rounded(reference, round_inputs) if round_inputs is not None else None
     probes = {}
     for set_name, feeds in sets.items():
+        progress.step(f"input set {set_name}")
         got, ref, *others = _outputs(feeds, candidate, reference, raw, pytorch, rounded)
         probes[set_name] = [
             compare(n, g, r, atol, rtol, raw=w, pytorch=t, rounded=h, **rule)

@@ -10,13 +10,12 @@ the notes (:mod:`normexport.verdict.oracle`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from normexport import runtime
+from normexport import progress
 from normexport.io.eager import Eager
 from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
@@ -27,28 +26,38 @@ from normexport.verdict.parity import ParityResult, check_parity
 Run = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
 
 
+#: Opens the candidate model (its ONNX Runtime session) and returns how to run it and its
+#: output names; called once per verdict, after the references have run and been freed.
+Candidate = Callable[[], tuple[Run, Sequence[str]]]
+
+
 class Judge:
     """Judges candidate runs by :func:`normexport.verdict.parity.check_parity` against one run's
-    references, built on first use (:func:`references`) and kept for every later candidate.
+    references (:func:`references`), with one model's weights in memory at a time: each
+    reference runs on every input set it will be asked for (and is freed) before the candidate
+    opens, and its outputs are kept for every later candidate (docs/memory.md).
 
     Args:
         loaded: the model as loaded (its PyTorch module, where it has one, is a reference).
-        raw_path: the raw model on file: the input file, or the raw export.
-        raw_session: an ONNX Runtime session of ``raw_path`` with graph optimizations off, or
-            None to open one on first use.
+        raw: the raw model (the input file, or the raw export) run as written: a
+            :class:`~normexport.verdict.parity.Recorded` whose ``close`` frees its session.
+        raw_path: its file.
         sets: input set name -> feeds (graph input name -> array).
         feed_names: the graph's inputs, in the PyTorch model's ``forward()`` order.
         work: a scratch folder for the float64 copies.
         provider: ``"cpu"`` or ``"cuda"``.
         atol, rtol, strict: the tolerances and ``--strict``, as in ``check_parity``.
+        rule: the precision whose rule judges a candidate unless another is asked for: the
+            raw model's own (``"fp16"`` for a float16 model, whose float64 oracle keeps its
+            float16 arithmetic: any rewrite moves its rounding by float16's noise).
     """
 
     def __init__(
         self,
         *,
         loaded: LoadedModel,
+        raw: parity_mod.Recorded,
         raw_path: Path,
-        raw_session: Any,
         sets: dict[str, dict[str, np.ndarray]],
         feed_names: list[str],
         work: Path,
@@ -56,75 +65,104 @@ class Judge:
         atol: float,
         rtol: float,
         strict: bool,
+        rule: str = "fp32",
     ):
-        self.loaded, self.raw_path, self.raw_session = loaded, raw_path, raw_session
+        self.loaded, self.raw, self.raw_path, self.rule = loaded, raw, raw_path, rule
         self.sets, self.feed_names, self.work, self.provider = sets, feed_names, work, provider
         self.atol, self.rtol, self.strict = atol, rtol, strict
         self._references: dict | None = None
+        self._rounding: dict[str, dict] = {}
 
-    def __call__(
-        self, candidate: Run, output_names: list[str], precision: str = "fp32"
-    ) -> ParityResult:
-        """The verdict on ``candidate`` (feeds -> outputs named ``output_names``) by the rule
-        for ``precision`` (``"fp32"``, ``"fp16"``, ``"bf16"``).
+    def record(self, precisions: Sequence[str] = ()) -> None:
+        """Build the references where not yet built, and run each on every input set (the
+        oracle also on the sets rounded by the rule of :attr:`rule` and of each of
+        ``precisions``), one model at a time, freeing each before the next opens."""
+        if self._references is None:
+            self._references = references(self)
+            if self.rule != "fp32":
+                self._references["notes"].append(
+                    f"the model's weights are {self.rule}: judged by the {self.rule} rule"
+                )
+        precisions = (self.rule, *precisions)
+        refs, rounded = self._references, []
+        for precision in precisions:
+            round_inputs = self.rounding(precision).get("round_inputs", refs.get("round_inputs"))
+            for feeds in self.sets.values() if round_inputs is not None else ():
+                moved = round_inputs(feeds)  # as check_parity: only where a feed moved
+                changed = any(moved[k] is not feeds[k] for k in feeds)
+                if changed and all(moved is not seen for seen in rounded):
+                    rounded.append(moved)
+        oracle = refs["reference"]
+        progress.step(f"the oracle ({refs['oracle_kind']}) on every input set")
+        oracle.record([*self.sets.values(), *rounded])
+        for name, what in (("raw", "the raw model"), ("pytorch", "PyTorch float32")):
+            if refs.get(name) is not None and refs[name] is not oracle:
+                progress.step(f"{what} on every input set")
+                refs[name].record(self.sets.values())
+
+    def rounding(self, precision: str) -> dict:
+        """The half-precision rule's input rounding for ``precision`` as
+        :func:`check_parity`'s ``round_inputs`` (fp32: none; the references' own, the float32
+        rule's one-ulp move, stands), one function per precision (the oracle's outputs on
+        the rounded sets are recorded by their identity)."""
+        if precision == "fp32":
+            return {}
+        if precision not in self._rounding:
+            rounded = functools.partial(rounded_feeds, precision=precision)
+            self._rounding[precision] = {"round_inputs": parity_mod.Recorded(rounded)}
+        return self._rounding[precision]
+
+    def __call__(self, candidate: Candidate, precision: str | None = None) -> ParityResult:
+        """The verdict on ``candidate`` by the rule for ``precision`` (``"fp32"``, ``"fp16"``,
+        ``"bf16"``; None: :attr:`rule`); the candidate is opened once the references have run
+        and been freed.
 
         Raises:
             ValueError: the candidate returns other outputs (count or shapes) than the
                 references.
+            whatever ``candidate`` raises.
         """
-        if self._references is None:
-            self._references = references(self)
+        precision = precision or self.rule
+        self.record((precision,))
+        run, output_names = candidate()
         return check_parity(
-            candidate,
+            run,
             sets=self.sets,
             output_names=output_names,
             atol=self.atol,
             rtol=self.rtol,
             max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(precision),
             strict=self.strict,
-            **(self._references | _rounding(precision)),
+            **(self._references | self.rounding(precision)),
         )
-
-
-def _rounding(precision: str) -> dict:
-    """The half-precision parity rule's input rounding for ``precision`` as
-    :func:`check_parity`'s ``round_inputs`` (fp32: none; the references' own, the float32
-    rule's one-ulp move, stands)."""
-    if precision == "fp32":
-        return {}
-    return {"round_inputs": functools.partial(rounded_feeds, precision=precision)}
 
 
 def references(judge: Judge) -> dict:
     """:func:`check_parity`'s reference arguments: the oracle (``reference``), the raw model
     where it is not the oracle itself, PyTorch float32 where it is not, the notes, and which
     float32 run the export check judges (``judge_export``; None for ONNX input). Each model is
-    run once per input set however many candidates are compared with it
-    (:func:`normexport.verdict.parity.remembered`), the oracle on inputs moved by one ulp too (the
-    float32 rule's ``round_inputs``, :func:`normexport.verdict.parity.ulp_perturbed`)."""
-    raw_session = judge.raw_session or runtime.make_session(
-        judge.raw_path, judge.provider, optimization_level=runtime.AS_WRITTEN, spinning=False
-    )
-    raw = parity_mod.remembered(lambda feeds: runtime.run(raw_session, feeds))
-    example = judge.sets["example"]
+    a :class:`~normexport.verdict.parity.Recorded` run (once per input set however many
+    candidates are compared with it), the oracle on inputs moved by one ulp too (the float32
+    rule's ``round_inputs``, :func:`normexport.verdict.parity.ulp_perturbed`)."""
+    raw, example = judge.raw, judge.sets["example"]
     if judge.loaded.module is None:
         found = oracle_mod.onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph")
         if found.run is None:  # compared with the input file itself, tolerance only
             notes = [*found.notes, "the reference is the input file as written, in float32"]
             return dict(reference=raw, reference_kind="onnx", oracle_kind="onnx", notes=notes)
         return {
-            "reference": parity_mod.remembered(found.run),
+            "reference": parity_mod.Recorded(found.run, found.close),
             "reference_kind": "onnx",
             "raw": raw,
             "oracle_kind": found.kind,
             "notes": found.notes,
-            "round_inputs": parity_mod.remembered(parity_mod.ulp_perturbed),
+            "round_inputs": parity_mod.Recorded(parity_mod.ulp_perturbed),
         }
     eager = Eager(judge.loaded.module)
-    pytorch = parity_mod.remembered(lambda feeds: eager([feeds[n] for n in judge.feed_names]))
+    pytorch = parity_mod.Recorded(lambda feeds: eager([feeds[n] for n in judge.feed_names]))
     found = _pytorch_oracle(judge, raw)
     return {
-        "reference": parity_mod.remembered(found.run) if found.run else pytorch,
+        "reference": parity_mod.Recorded(found.run, found.close) if found.run else pytorch,
         "reference_kind": "pytorch",
         "raw": raw,
         "pytorch": pytorch if found.run else None,
@@ -132,7 +170,7 @@ def references(judge: Judge) -> dict:
         "notes": found.notes,
         # the oracle from the raw export judges PyTorch float32, any other the raw export
         "judge_export": "pytorch" if found.kind.startswith("onnx") else "raw",
-        "round_inputs": parity_mod.remembered(parity_mod.ulp_perturbed),
+        "round_inputs": parity_mod.Recorded(parity_mod.ulp_perturbed),
     }
 
 
@@ -148,4 +186,4 @@ def _pytorch_oracle(judge: Judge, raw: Run) -> oracle_mod.Oracle:
     if export.run is None:
         notes.append("the reference is PyTorch float32")
         return oracle_mod.Oracle(None, "pytorch_float32", notes)
-    return oracle_mod.Oracle(export.run, export.kind, notes)
+    return oracle_mod.Oracle(export.run, export.kind, notes, export.close)

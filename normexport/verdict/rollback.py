@@ -38,6 +38,7 @@ from fusion import Code, Fused, FusionReport
 from fusion.registry import PASSES
 from normexport import runtime
 from normexport.errors import one_line
+from normexport.io import files
 from normexport.verdict.parity import ParityResult
 
 
@@ -73,12 +74,15 @@ class RollbackFailed(RuntimeError):
 
 
 #: ``build(excluded) -> (model file, what the passes did)``: the model optimized again from
-#: the raw one with those rewrites left out.
+#: the raw one with those rewrites left out. :func:`roll_back` deletes each build (the file and
+#: its external data file) once it is of no more use: a large model's builds are GBs each.
 Build = Callable[[frozenset[Fused]], tuple[Path, FusionReport]]
 #: ``check(model file) -> why it fails, or None``.
 Check = Callable[[Path], Rejection | None]
-#: ``judge(candidate, output names) -> its float32 parity verdict`` against the references.
-Judge = Callable[[Callable, list[str]], ParityResult]
+#: ``judge(candidate) -> its float32 parity verdict`` against the references, where
+#: ``candidate()`` opens the model and returns how to run it and its output names
+#: (:class:`normexport.verdict.references.Judge`).
+Judge = Callable[[Callable[[], tuple[Callable, list[str]]]], ParityResult]
 
 
 @dataclasses.dataclass
@@ -133,24 +137,34 @@ def check(
             return Rejection(Code.REJECTED_BY_CHECKER, one_line(err)), None
     name = runtime.PROVIDERS[provider][0]
     try:
-        runtime.make_session(path, provider, spinning=False, quiet=True)  # as deployed
-        session = runtime.make_session(
-            path, provider, optimization_level=runtime.AS_WRITTEN, spinning=False, quiet=True
-        )
+        runtime.load_check(path, provider)
     except runtime.ProviderUnavailable:
         raise
     except Exception as err:  # ORT's own error types
         why = f"ONNX Runtime's {name} cannot load it: {runtime.message(err)}"
         return Rejection(Code.REJECTED_BY_RUNTIME, why), None
 
-    def candidate(feeds):
+    def candidate():  # opened by the judge once the references have run and been freed
         try:
-            return runtime.run(session, feeds, quiet=True)
+            session = runtime.check_session(path, provider, quiet=True)
+        except runtime.ProviderUnavailable:
+            raise
         except Exception as err:  # ORT's own error types
-            raise _RunFailed(runtime.message(err)) from None
+            raise _LoadFailed(runtime.message(err)) from None
+
+        def run(feeds):
+            try:
+                return runtime.run(session, feeds, quiet=True)
+            except Exception as err:  # ORT's own error types
+                raise _RunFailed(runtime.message(err)) from None
+
+        return run, [o.name for o in session.get_outputs()]
 
     try:
-        verdict = judge(candidate, [o.name for o in session.get_outputs()])
+        verdict = judge(candidate)
+    except _LoadFailed as err:
+        why = f"ONNX Runtime's {name} cannot load it: {err}"
+        return Rejection(Code.REJECTED_BY_RUNTIME, why), None
     except _RunFailed as err:
         return Rejection(
             Code.REJECTED_BY_RUNTIME, f"ONNX Runtime's {name} cannot run it: {err}"
@@ -158,6 +172,10 @@ def check(
     except ValueError as err:  # output count or shapes differ from the reference's
         return Rejection(Code.CHANGED_THE_FUNCTION, str(err)), None
     return _diverged(verdict), verdict
+
+
+class _LoadFailed(Exception):
+    """ONNX Runtime failed to load the candidate model as written (its message)."""
 
 
 class _RunFailed(Exception):
@@ -214,6 +232,7 @@ def roll_back(path: Path, report: FusionReport, build: Build, check: Check) -> O
             f"with no rewrite at all ({bare.message})"
         )
     excluded: dict[Fused, Rejection] = {}
+    first = path
     while rejection is not None:
         found = search.bad(report.fused, frozenset(excluded), rejection)
         # none found: the failure needs rewrites together that each pass alone; the model
@@ -222,7 +241,9 @@ def roll_back(path: Path, report: FusionReport, build: Build, check: Check) -> O
         if not found:  # no rewrite left to leave out, yet it fails where the bare one passed
             raise RollbackFailed(f"the model with no rewrite fails once: {rejection.message}")
         excluded.update(found)
-        path, report = build(frozenset(excluded))
+        previous, (path, report) = path, build(frozenset(excluded))
+        if previous != first:
+            _delete(previous)
         rejection = search.check(path)
     undone = [Undone(f, r) for f, r in excluded.items()]
     return Outcome(path, report, _in_pass_order(undone), search.checks)
@@ -241,8 +262,12 @@ class _Search:
         return self._check(path)
 
     def test(self, excluded: frozenset[Fused]) -> Rejection | None:
-        """Build without ``excluded`` and check it."""
-        return self.check(self._build(excluded)[0])
+        """Build without ``excluded``, check it and delete it."""
+        path = self._build(excluded)[0]
+        try:
+            return self.check(path)
+        finally:
+            _delete(path)
 
     def bare(self, report: FusionReport) -> Rejection | None:
         """Check the model built with no rewrite: without those of ``report``, and without
@@ -250,8 +275,11 @@ class _Search:
         excluded = frozenset(report.fused)
         while True:
             path, made = self._build(excluded)
-            if not made.fused:
-                return self.check(path)
+            try:
+                if not made.fused:
+                    return self.check(path)
+            finally:
+                _delete(path)
             excluded |= frozenset(made.fused)
 
     def bad(
@@ -296,6 +324,12 @@ class _Search:
         if why is not None:
             bad += self._bad_groups(second, known, why)
         return bad
+
+
+def _delete(path: Path) -> None:
+    """Delete a build of :func:`roll_back`: the model file and its external data file."""
+    for file in (path, files.data_path(path)):
+        file.unlink(missing_ok=True)
 
 
 def _pass_of(rewrite: Fused) -> type:

@@ -21,6 +21,7 @@ from normexport.bench.render import write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, EXIT_USAGE, UsageError
 from normexport.io.export import export_module
+from normexport.runtime.latency import runner
 from normexport.tuning import variants
 
 pytestmark = pytest.mark.slow  # exports PyTorch models
@@ -73,10 +74,10 @@ def test_bound_run_matches_plain_run_and_keeps_outputs():
     raw, example, _ = raw_export()
     session = runtime.make_session(raw, "cpu", spinning=False)
     plain = runtime.run(session, example)
-    run_once, outputs = runtime.runner(session, example, io_binding=True)
+    run_once, outputs = runner(session, example, io_binding=True)
     run_once()
     np.testing.assert_array_equal(outputs()[0], plain[0])
-    run_plain, outputs_plain = runtime.runner(session, example, io_binding=False)
+    run_plain, outputs_plain = runner(session, example, io_binding=False)
     np.testing.assert_array_equal(outputs_plain()[0], plain[0])
 
 

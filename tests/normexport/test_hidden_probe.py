@@ -59,16 +59,26 @@ def test_lookups_are_gathers_of_a_table_by_graph_input_ids(rng):
 
 
 def test_cut_makes_the_lookup_a_graph_input(rng, tmp_path):
-    src, dst = tmp_path / "m.onnx", tmp_path / "cut" / "m.onnx"
-    dst.parent.mkdir()
+    src = tmp_path / "m.onnx"
     files.save_model(_token_model(rng), src, external_data=True)
-    hidden_probe.cut(src, dst, ["embedding"])
-    cut = ir.load(dst)
+    cut = hidden_probe.cut(src, ["embedding"])
     assert [v.name for v in cut.graph.inputs] == ["mask", "embedding"]
     assert "Gather" not in [n.op_type for n in cut.graph]
     assert "table" not in cut.graph.initializers
     with pytest.raises(ValueError, match="no node computes value 'nothing'"):
-        hidden_probe.cut(src, dst, ["nothing"])
+        hidden_probe.cut(src, ["nothing"])
+
+
+def test_probe_copies_no_weights(rng, tmp_path):
+    """The cut models run from the graph alone, their weights read from the models' own
+    external data files, and so does the float64 oracle where little is widened: the probe
+    writes no copy of any model."""
+    raw, half, _ = _half(rng, tmp_path)
+    probe = tmp_path / "probe"
+    result = hidden_probe.check(raw, half, _example(rng), probe, **_RULE)
+    assert result is not None and result.passed, result
+    written = sorted(p.name for p in probe.rglob("*") if p.is_file())
+    assert written == [], written
 
 
 def _half(rng, tmp_path, **wrong) -> tuple:

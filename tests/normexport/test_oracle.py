@@ -53,6 +53,45 @@ def _layernorm_model(rng, d: int = 8) -> tuple[ir.Model, dict]:
     return model, weights
 
 
+@pytest.mark.parametrize("inline_bytes", [oracle.INLINE_BYTES, 0])
+def test_float64_graph_with_external_data_in_one_protobuf_or_written(
+    rng, tmp_path, monkeypatch, inline_bytes
+):
+    """A float16 model's oracle widens little: its graph opens from one protobuf, its float16
+    weights read from the model's own external data file, and nothing is written; with no room
+    for that (``INLINE_BYTES`` 0), the float64 model is written to the work folder. Same
+    outputs either way."""
+    monkeypatch.setattr(oracle, "INLINE_BYTES", inline_bytes)
+    d = 64
+    weights = {
+        "w": rng.standard_normal((d, d)).astype(np.float16),
+        "scale": rng.uniform(0.5, 1.5, d).astype(np.float32),
+    }
+    nodes = [
+        ("MatMul", ["x", "w"], ["h"], {}),
+        ("Cast", ["h"], ["h32"], {"to": ir.DataType.FLOAT}),
+        ("Mul", ["h32", "scale"], ["y"], {}),
+    ]
+    f16 = ir.DataType.FLOAT16
+    model = make_model(nodes, {"x": (f16, [2, d])}, {"y": (F, [2, d])}, weights)
+    path = tmp_path / "given" / "m.onnx"
+    path.parent.mkdir()
+    files.save_model(model, path, external_data=True)
+    session = runtime.make_session(path, "cpu", optimization_level=runtime.AS_WRITTEN)
+    x = rng.standard_normal((2, d)).astype(np.float16)
+    (tmp_path / "work").mkdir()
+    found = oracle.onnx_float64(
+        path, lambda f: runtime.run(session, f), {"x": x}, tmp_path / "work", "the input graph"
+    )
+    assert found.kind == "onnx_float64", found.notes
+    (y,) = found.run({"x": x})
+    h = (x.astype(np.float64) @ weights["w"].astype(np.float64)).astype(np.float16)
+    np.testing.assert_allclose(y, h.astype(np.float64) * weights["scale"], rtol=2e-3)
+    written = sorted(p.name for p in (tmp_path / "work").iterdir())
+    expected = ["oracle_float64.onnx", "oracle_float64.onnx.data"] if not inline_bytes else []
+    assert written == expected
+
+
 def _layernorm_exact(x, w) -> np.ndarray:
     h = x.astype(np.float64) @ w["w"].astype(np.float64)
     h = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5)

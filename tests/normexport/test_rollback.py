@@ -75,6 +75,29 @@ def test_the_bad_rewrites_and_only_they_are_undone(n, bad):
     assert outcome.checks <= 3 + len(bad) * (2 * np.log2(n) + 4), outcome.checks
 
 
+def test_builds_are_deleted_once_of_no_more_use(tmp_path):
+    """A large model's builds are GBs each: every build the search no longer needs (the group
+    tests, the model with no rewrite, a build replaced by a later one) is deleted with its
+    external data file; the first model and the one kept stay."""
+    rewrites = _rewrites(12)
+    stand_in = StandIn(rewrites, bad=[rewrites[i] for i in (2, 9)])
+
+    def build(excluded):
+        path, report = stand_in.build(excluded)
+        on_file = tmp_path / f"{path.name}.onnx"
+        stand_in.models[on_file] = stand_in.models.pop(path)
+        on_file.write_text("model")
+        Path(f"{on_file}.data").write_text("weights")
+        return on_file, report
+
+    first = build(frozenset())
+    outcome = roll_back(*first, build, stand_in.check)
+    assert outcome.undone and len(stand_in.models) > 3
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    expected = [first[0].name, f"{first[0].name}.data", outcome.path.name]
+    assert kept == sorted([*expected, f"{outcome.path.name}.data"])
+
+
 def test_a_model_that_passes_is_checked_once():
     stand_in = StandIn(_rewrites(8))
     outcome = roll_back(*stand_in.first(), stand_in.build, stand_in.check)

@@ -1,0 +1,168 @@
+"""What a run is doing and what it costs: its stages, each one's wall time and peak resident
+memory, and, while it runs, a live line on a terminal.
+
+The pipeline marks its stages (:func:`stage`) and, inside the long ones, the step in turn
+(:func:`step`: the input set, the variant being timed). :func:`recording` collects the stages
+of one run for the report; :func:`shown` (the CLI, on a terminal only) draws them with rich on
+stderr, transient, so nothing is left in the output, in logs or in pipes. Without either, both
+calls do nothing: the Python API stays silent.
+
+Peak memory is the process's resident set (RSS, Linux ``/proc/self``): a stage's peak is
+``VmHWM`` where the high-water mark rose during the stage (exact), else the largest RSS a
+sampling thread saw (every :data:`SAMPLE_S`). Where ``/proc`` is absent, memory is None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+#: Seconds between two RSS samples while a run is recorded.
+SAMPLE_S = 0.05
+
+
+@dataclasses.dataclass
+class Stage:
+    """One stage of a run.
+
+    Attributes:
+        name: e.g. ``"reference"``, ``"parity"``.
+        wall_s: its wall time (s).
+        peak_rss_bytes: the process's peak resident set during it (bytes), or None where the
+            system does not say.
+    """
+
+    name: str
+    wall_s: float
+    peak_rss_bytes: int | None
+
+
+def _status(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes, or None."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+class _Recorder:
+    """The stages of one run, with an RSS sampling thread while a stage is open."""
+
+    def __init__(self, display: _Display | None):
+        self.stages: list[Stage] = []
+        self.display = display
+        self._peak: int | None = None
+        self._stop = threading.Event()
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start, mark = time.perf_counter(), _status("VmHWM")
+        self._peak, self._stop = _status("VmRSS"), threading.Event()
+        sampler = threading.Thread(target=self._sample, args=(self._stop,), daemon=True)
+        sampler.start()
+        if self.display:
+            self.display.start(name)
+        try:
+            yield
+        finally:
+            self._stop.set()
+            sampler.join()
+            end_mark = _status("VmHWM")
+            rose = mark is not None and end_mark is not None and end_mark > mark
+            peak = end_mark if rose else self._peak
+            self.stages.append(Stage(name, time.perf_counter() - start, peak))
+            if self.display:
+                self.display.finish()
+
+    def _sample(self, stop: threading.Event) -> None:
+        while not stop.wait(SAMPLE_S):
+            rss = _status("VmRSS")
+            if rss is not None and (self._peak is None or rss > self._peak):
+                self._peak = rss
+
+
+class _Display:
+    """A transient rich display on stderr: a line per stage (spinner, name, step, elapsed)."""
+
+    def __init__(self, progress: Progress):
+        self.progress, self.task, self.name = progress, None, ""
+
+    def start(self, name: str) -> None:
+        self.name = name
+        self.task = self.progress.add_task(name, total=1)
+
+    def step(self, text: str) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, description=f"{self.name}: {text}")
+
+    def finish(self) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, description=self.name, completed=1)
+            self.task = None
+
+
+_display: contextvars.ContextVar[_Display | None] = contextvars.ContextVar(
+    "normexport_display", default=None
+)
+_recorder: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
+    "normexport_recorder", default=None
+)
+
+
+@contextlib.contextmanager
+def shown(console: Console) -> Iterator[None]:
+    """Draw the stages of the runs inside on ``console`` (use a stderr console) while they
+    run, where it is a terminal; elsewhere (a pipe, a log, ``TERM=dumb``) draw nothing."""
+    if not console.is_terminal or console.is_dumb_terminal:
+        yield
+        return
+    columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"))
+    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+        token = _display.set(_Display(bar))
+        try:
+            yield
+        finally:
+            _display.reset(token)
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[Stage]]:
+    """Record the stages marked inside (:func:`stage`); yields their list, filled as each
+    stage ends."""
+    recorder = _Recorder(_display.get())
+    token = _recorder.set(recorder)
+    try:
+        yield recorder.stages
+    finally:
+        _recorder.reset(token)
+
+
+@contextlib.contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Mark the code inside as stage ``name`` of the run being recorded (nothing otherwise)."""
+    recorder = _recorder.get()
+    if recorder is None:
+        yield
+        return
+    with recorder.stage(name):
+        yield
+
+
+def step(text: str) -> None:
+    """Say which step of the current stage runs now (an input set, a variant), on the display
+    where there is one."""
+    recorder = _recorder.get()
+    if recorder is not None and recorder.display is not None:
+        recorder.display.step(text)

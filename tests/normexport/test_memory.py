@@ -1,0 +1,163 @@
+"""Memory: one ONNX Runtime session at a time, the latency stage's plan, what a run reports it
+took, and the progress display (docs/memory.md).
+
+The models are small ONNX files built with onnx-ir (with external data, as large models come);
+the pipeline runs on them end to end on ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from rich.console import Console
+
+import normexport
+from normexport import progress, runtime
+from normexport.io import files
+from normexport.runtime import memory
+from normexport.verdict import tolerance
+from tests.graphs import make_model
+
+F = ir.DataType.FLOAT
+
+
+def _rmsnorm_model(path: Path, rng, dtype=np.float32) -> Path:
+    """x (2, 8, 64) -> MatMul -> a hand-written RMSNorm (computed in float32) -> MatMul, random
+    weights, saved with external data."""
+    d = 64
+    weights = {
+        "w1": rng.standard_normal((d, d)).astype(dtype) / 8,
+        "scale": rng.uniform(0.5, 1.5, d).astype(np.float32),
+        "w2": rng.standard_normal((d, d)).astype(dtype) / 8,
+        "two": np.array(2.0, np.float32),
+        "eps": np.array(1e-6, np.float32),
+    }
+    wide, narrow = ir.DataType.FLOAT, ir.DataType.from_numpy(np.dtype(dtype))
+    nodes = [
+        ("MatMul", ["x", "w1"], ["h"], {}),
+        ("Cast", ["h"], ["h32"], {"to": wide}),
+        ("Pow", ["h32", "two"], ["sq"], {}),
+        ("ReduceMean", ["sq"], ["ms"], {"axes": [-1], "keepdims": 1}),
+        ("Add", ["ms", "eps"], ["mse"], {}),
+        ("Sqrt", ["mse"], ["rms"], {}),
+        ("Div", ["h32", "rms"], ["n"], {}),
+        ("Mul", ["n", "scale"], ["ns"], {}),
+        ("Cast", ["ns"], ["nh"], {"to": narrow}),
+        ("MatMul", ["nh", "w2"], ["y"], {}),
+    ]
+    model = make_model(nodes, {"x": (narrow, [2, 8, d])}, {"y": (narrow, [2, 8, d])}, weights)
+    model.opset_imports[""] = 17
+    path.parent.mkdir(exist_ok=True)
+    files.save_model(model, path, external_data=True)
+    return path
+
+
+@pytest.fixture
+def sessions(monkeypatch):
+    """Every session the run makes, and how many others were alive when each was made."""
+    alive: weakref.WeakSet = weakref.WeakSet()
+    others: list[int] = []
+    make = runtime.make_session
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        others.append(len(alive))
+        session = make(*args, **kwargs)
+        alive.add(session)
+        return session
+
+    monkeypatch.setattr(runtime, "make_session", counted)
+    return others
+
+
+def test_parity_holds_one_session_at_a_time(tmp_path, rng, sessions):
+    """No session is opened while another is alive: the input as written, the float64 oracle,
+    the load check and the candidate each run alone (the old run held the input's session
+    through the whole run)."""
+    model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
+    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
+    assert report.passed and report.fusions.counts["rmsnorm_fused"] == 1
+    assert report.parity.oracle == "onnx_float64", report.parity.notes
+    assert len(sessions) >= 4 and max(sessions) == 0, sessions
+
+
+def test_the_report_says_what_each_stage_took(tmp_path, rng):
+    model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
+    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
+    names = [s.name for s in report.cost.stages]
+    assert names == ["load", "reference", "optimize", "parity"]
+    assert all(s.wall_s >= 0 and s.peak_rss_bytes > 2**20 for s in report.cost.stages)
+    weights = sum(v.const_value.nbytes for v in ir.load(model).graph.initializers.values())
+    assert report.cost.weight_bytes == weights
+    found = report.to_dict()["cost"]
+    assert found["peak_rss_bytes"] == max(s.peak_rss_bytes for s in report.cost.stages)
+
+
+def test_latency_apart_where_two_sessions_do_not_fit(tmp_path, rng, monkeypatch, sessions):
+    """With too little memory for both sessions (available memory faked small), the raw model
+    and the output are timed one after the other, never both open, and the report says why."""
+    model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
+    monkeypatch.setattr(memory, "available_bytes", lambda: 2**10)
+    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
+    assert set(report.latency.timings) == {"ort_raw", "ort_optimized"}
+    assert "timed one at a time" in report.latency.apart
+    assert report.to_dict()["latency_conditions"]["apart"] == report.latency.apart
+    assert max(sessions) == 0, sessions
+
+
+def test_latency_interleaved_where_they_fit(tmp_path, rng, sessions):
+    model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
+    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
+    assert report.latency.apart is None and max(sessions) == 1  # the two timed together
+
+
+def test_session_bytes_counts_half_weights_as_float32_on_cpu(tmp_path, rng):
+    model = _rmsnorm_model(tmp_path / "m.onnx", rng, dtype=np.float16)
+    half, rest = 2 * 64 * 64 * 2, 64 * 4 + 4 + 4
+    assert memory.session_bytes(model, "cpu") == 2 * half + rest
+    assert memory.session_bytes(model, "cuda") == half + rest
+
+
+def test_a_float16_model_is_judged_by_the_float16_rule(tmp_path, rng):
+    """Its float64 oracle keeps its float16 arithmetic: the float16 rule (relative L2) judges
+    it, and the report says so."""
+    model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng, dtype=np.float16)
+    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
+    assert report.passed and report.fusions.counts["rmsnorm_fused"] == 1
+    assert report.parity.max_rel_l2 == tolerance.FP16_MAX_REL_L2
+    assert any("judged by the fp16 rule" in n for n in report.parity.notes)
+
+
+def test_stages_are_shown_on_a_terminal_only(capsys):
+    """On a terminal the stage is drawn (and cleared at the end); elsewhere nothing."""
+    for terminal in (True, False):
+        console = Console(stderr=True, force_terminal=terminal, width=80)
+        with progress.shown(console), progress.recording() as stages, progress.stage("reference"):
+            progress.step("input set example")
+        assert [s.name for s in stages] == ["reference"]
+        err = capsys.readouterr().err
+        assert ("reference" in err) is terminal, err
+
+
+def test_nothing_is_recorded_outside_a_run():
+    with progress.stage("load"):
+        progress.step("nothing listens")
+    with progress.recording() as stages:
+        pass
+    assert stages == []
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_check_session_maps_the_weights(tmp_path, rng, dtype):
+    """The verdict's sessions read their weights from the external data file in place
+    (prepacking off): the same outputs as a prepacked session, to float rounding."""
+    model = _rmsnorm_model(tmp_path / "m.onnx", rng, dtype=dtype)
+    x = {"x": rng.standard_normal((2, 8, 64)).astype(dtype)}
+    lean = runtime.run(runtime.check_session(model), x)[0]
+    packed = runtime.run(runtime.make_session(model, optimization_level=runtime.AS_WRITTEN), x)
+    np.testing.assert_allclose(lean, packed[0], rtol=1e-2 if dtype == np.float16 else 1e-5)
