@@ -98,6 +98,7 @@ def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
         progress.step(", ".join(timed) + (", interleaved" if len(timed) > 1 else ""))
         timings |= _timed(timed, threads, job.opts.budget_s / len(groups))
         timed, opened = {}, None  # one group's sessions at a time
+        runtime_memory.give_back()
     return Latency(timings, threads, threads, apart)
 
 

@@ -8,6 +8,7 @@ Every model lives on file in the run's scratch folder; each stage returns a new
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from pathlib import Path
@@ -101,7 +102,8 @@ def reference(job: Job, raw: ir.Model, work: Path) -> Reference:
 
 def _recorded(session: runtime.OnDemand) -> Recorded:
     """The model of ``session`` run as written, its outputs recorded; ``close()`` frees it."""
-    return Recorded(lambda feeds: runtime.run(session.open(), feeds, quiet=True), session.close)
+    run = functools.partial(runtime.run, quiet=True, kept=True)
+    return Recorded(lambda feeds: run(session.open(), feeds), session.close)
 
 
 def _opens(session: runtime.OnDemand, path: Path) -> None:

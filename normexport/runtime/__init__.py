@@ -22,6 +22,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from normexport.errors import EnvironmentProblem
+from normexport.runtime.memory import give_back
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -165,6 +166,7 @@ def load_check(path: str | os.PathLike, provider: str = "cpu") -> None:
         prepacking=False,
         disabled_optimizers=[FP16_INITIALIZERS_TO_FP32],
     )
+    give_back()
 
 
 class OnDemand:
@@ -196,8 +198,11 @@ class OnDemand:
         return self._session
 
     def close(self) -> None:
-        """Free the session (its weights and buffers); the next use opens it again."""
-        self._session = None
+        """Free the session (its weights and buffers, handed back to the system:
+        :func:`normexport.runtime.memory.give_back`); the next use opens it again."""
+        if self._session is not None:
+            self._session = None
+            give_back()
 
 
 def _check_provider(session: ort.InferenceSession, provider: str) -> None:
@@ -345,12 +350,21 @@ def message(err: BaseException) -> str:
 
 
 def run(
-    session: ort.InferenceSession, feeds: Mapping[str, np.ndarray], *, quiet: bool = False
+    session: ort.InferenceSession,
+    feeds: Mapping[str, np.ndarray],
+    *,
+    quiet: bool = False,
+    kept: bool = False,
 ) -> list[np.ndarray]:
     """Run ``session`` on ``feeds`` (input name -> array) and return its outputs in order;
-    ``quiet``: ONNX Runtime logs nothing of a failure (the caller reports it)."""
-    if not quiet:
-        return session.run(None, dict(feeds))
-    options = ort.RunOptions()
-    options.log_severity_level = 4  # fatal only
-    return session.run(None, dict(feeds), options)
+    ``quiet``: ONNX Runtime logs nothing of a failure (the caller reports it); ``kept``: the
+    outputs are copies that own their memory, for outputs kept after the session is freed
+    (ONNX Runtime's outputs live in the session's memory arena and keep the whole arena
+    alive: 0.4 GiB per session on a 0.6 GB float16 model)."""
+    if quiet:
+        options = ort.RunOptions()
+        options.log_severity_level = 4  # fatal only
+        outputs = session.run(None, dict(feeds), options)
+    else:
+        outputs = session.run(None, dict(feeds))
+    return [np.array(o, copy=True) for o in outputs] if kept else outputs

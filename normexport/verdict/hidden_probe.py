@@ -196,4 +196,4 @@ def _run(session, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     declares."""
     wanted = {i.name for i in session.get_inputs()}
     read = {k: v for k, v in feeds.items() if k in wanted}
-    return runtime.run(session, cast_feeds(session, read))
+    return runtime.run(session, cast_feeds(session, read), kept=True)

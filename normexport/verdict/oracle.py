@@ -139,7 +139,7 @@ def onnx_float64(
     else:
 
         def run(feeds):
-            return runtime.run(session.open(), _widen(feeds))
+            return runtime.run(session.open(), _widen(feeds), kept=True)
 
         found = _checked(run, as_written, example, what, "ONNX Runtime")
         session.close()

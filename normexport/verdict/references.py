@@ -19,6 +19,7 @@ from normexport import progress
 from normexport.io.eager import Eager
 from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
+from normexport.runtime.memory import give_back
 from normexport.verdict import oracle as oracle_mod
 from normexport.verdict import parity as parity_mod
 from normexport.verdict.parity import ParityResult, check_parity
@@ -125,7 +126,7 @@ class Judge:
         precision = precision or self.rule
         self.record((precision,))
         run, output_names = candidate()
-        return check_parity(
+        verdict = check_parity(
             run,
             sets=self.sets,
             output_names=output_names,
@@ -135,6 +136,9 @@ class Judge:
             strict=self.strict,
             **(self._references | self.rounding(precision)),
         )
+        del run  # the candidate's session, handed back before the next one opens
+        give_back()
+        return verdict
 
 
 def references(judge: Judge) -> dict:
