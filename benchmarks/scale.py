@@ -1,30 +1,37 @@
-"""Memory and time of normexport on large models: per stage, and against ONNX Runtime's own
-offline optimizer on the same file.
+"""Memory and time of normexport on large models: the whole CLI per stage, ONNX Runtime's session
+options, the passes alone, and ONNX Runtime's own offline optimizer on the same file.
 
 Builds LLaMA-architecture decoders (transformers ``LlamaModel``, random weights, RMSNorm
 scales randomized) in a temporary folder, deleted afterwards, exports each the way users do
 (``torch.onnx.export`` with its defaults: dynamo, external data) and measures, each in a fresh
 process so that nothing from the build or export is counted:
 
-- normexport's stages on the file, in the order the CLI runs them: ``load`` (``onnx_ir.load``,
-  lazy), ``optimize`` (:func:`fusion.optimize`, target ort), ``save`` (with external data,
-  :func:`normexport.io.files.save_model`), ``check`` (:func:`fusion.check` on the saved file) and
-  ``sessions`` (the two ONNX Runtime sessions parity opens: input and output, optimizations
-  off); wall time (s) and peak resident memory (bytes) of each stage, the peak reset between
-  stages (``/proc/self/clear_refs``), and the peak over load + optimize + save + check;
+- normexport's passes on the file (in-process): ``load`` (``onnx_ir.load``, lazy),
+  ``optimize`` (:func:`fusion.optimize`, target ort), ``save`` (with external data,
+  :func:`normexport.io.files.save_model`), ``check`` (:func:`fusion.check` on the saved file);
+  wall time (s) and peak resident memory (bytes) of each, the peak reset between them
+  (``/proc/self/clear_refs``);
 - ONNX Runtime's offline optimizer on the same file (an ORT_ENABLE_ALL CPU session writing its
   optimized model with external data), wall time and peak RSS;
-- for the largest model, the whole CLI run (``normexport MODEL --no-benchmark --provider cpu``)
-  in a subprocess: exit code, wall time, peak RSS.
+- for the large models, the whole CLI run from another folder (``normexport MODEL -o OUT
+  --provider cpu --report R.json``), parity on and latency off (``--no-benchmark``), then with
+  latency: exit code, wall time, the process's peak RSS (its ``VmHWM`` at exit), and the
+  report's ``cost`` (each stage's wall time and peak RSS, :mod:`normexport.progress`);
+- for the large models, one ONNX Runtime session under each set of options
+  (:data:`SESSION_OPTIONS`): load time, first run, peak RSS with its anonymous and file-backed
+  parts, in a process capped at :data:`CAP_SHARE` of the machine's memory (a set that needs
+  more fails there instead of starving the machine).
 
-Two families: ``layers`` (hidden 64, 2 to 128 layers: does time per node stay flat?) and
-``1b`` (hidden 2048, 22 layers, intermediate 5632, 32 heads sharing 4 key/value heads, vocabulary
-32000: TinyLlama's shape, 1.03 B parameters, 4.1 GB of float32 weights).
+Families: ``layers`` (hidden 64, 2 to 128 layers: does time per node stay flat?), ``1b``
+(hidden 2048, 22 layers, intermediate 5632, 32 heads sharing 4 key/value heads, vocabulary
+32000: TinyLlama's shape, 1.03 B parameters, 4.1 GB of float32 weights) and ``3b-fp16`` (hidden
+3072, 30 layers, intermediate 8192, 24 heads sharing 8, vocabulary 32000: 3.1 B parameters,
+6.2 GB of float16 weights).
 
-    python benchmarks/scale.py [--layers 2,8,32,128] [--no-1b] [--out benchmarks/results]
+    python benchmarks/scale.py [--layers 2,8,32,128] [--big 1b,3b-fp16] [--out benchmarks/results]
 
-Writes ``scale.json`` and ``scale.png``. Needs about 20 GB of memory and of disk for the 1 B
-model.
+Writes ``scale.json`` and ``scale.png``. Needs about 20 GB of memory, and 25 GB of disk for
+the 3 B model (its file, the optimized copy, the run's scratch folder).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -53,8 +61,48 @@ LLAMA_SMALL = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
 }
-LAYERS_1B = 22
+LLAMA_3B = {
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "vocab_size": 32000,
+}
+#: The large models: name -> (config, layers, weight dtype).
+BIG = {
+    "1b": (LLAMA_1B, 22, "float32"),
+    "3b-fp16": (LLAMA_3B, 30, "float16"),
+}
 SEQ = 16
+#: ONNX Runtime session options measured on the large models: name -> how the session is made
+#: (``level``: graph optimization level; ``prepacking``; ``priority``: the priority-based
+#: execution order; ``arena``: the CPU memory arena). ``deployed`` is what latency times,
+#: ``as_written`` what parity opened before, ``check`` what it opens now
+#: (:func:`normexport.runtime.check_session`).
+SESSION_OPTIONS = {
+    "deployed": {"level": "ORT_ENABLE_ALL", "prepacking": True, "priority": False, "arena": True},
+    "as_written": {
+        "level": "ORT_DISABLE_ALL",
+        "prepacking": True,
+        "priority": False,
+        "arena": True,
+    },
+    "no_prepacking": {
+        "level": "ORT_DISABLE_ALL",
+        "prepacking": False,
+        "priority": False,
+        "arena": True,
+    },
+    "check": {"level": "ORT_DISABLE_ALL", "prepacking": False, "priority": True, "arena": True},
+    "check_no_arena": {
+        "level": "ORT_DISABLE_ALL",
+        "prepacking": False,
+        "priority": True,
+        "arena": False,
+    },
+}
+#: The share of the machine's memory a session-options process may take (RLIMIT_AS).
+CAP_SHARE = 0.8
 
 
 def _peak_rss() -> int:
@@ -87,12 +135,10 @@ def _stage(results: dict, name: str, fn):
 
 
 def run_stages(model_path: Path, out_dir: Path) -> dict:
-    """normexport's stages on ``model_path`` in this process (see the module docstring)."""
+    """normexport's passes on ``model_path`` in this process (see the module docstring)."""
     import onnx_ir as ir
-    import onnxruntime as ort
 
     import fusion
-    from normexport import runtime
     from normexport.io import files
 
     out = out_dir / "model.opt.onnx"
@@ -112,12 +158,6 @@ def run_stages(model_path: Path, out_dir: Path) -> dict:
         results["load_to_check"]["peak_rss_bytes"], results["check"]["peak_rss_bytes"]
     )
     del held["model"]
-    off = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    _stage(
-        results,
-        "sessions",
-        lambda: [runtime.make_session(p, "cpu", optimization_level=off) for p in (model_path, out)],
-    )
     results["total_s"] = time.perf_counter() - start
     results["nodes"] = nodes
     results["fusions"] = {k: v for k, v in report.counts.items() if v}
@@ -128,51 +168,128 @@ def run_ort_offline(model_path: Path, out_dir: Path) -> dict:
     """ONNX Runtime's offline optimizer on ``model_path`` in this process."""
     from normexport import runtime
 
+    cap = _cap()
     baseline = _peak_rss()
     _reset_peak()
     start = time.perf_counter()
-    runtime.make_session(model_path, "cpu", optimized_model_path=str(out_dir / "ort.onnx"))
-    return {
-        "wall_s": time.perf_counter() - start,
-        "peak_rss_bytes": _peak_rss(),
-        "baseline_rss_bytes": baseline,
+    result = {"cap_bytes": cap, "baseline_rss_bytes": baseline}
+    try:
+        runtime.make_session(model_path, "cpu", optimized_model_path=str(out_dir / "ort.onnx"))
+    except Exception as err:  # ORT's own error types: out of memory under the cap
+        result["error"] = " ".join(str(err).split())[-300:]
+    return result | {"wall_s": time.perf_counter() - start, "peak_rss_bytes": _peak_rss()}
+
+
+def _cap() -> int:
+    """Cap this process's address space at :data:`CAP_SHARE` of the machine's memory: a
+    measurement that needs more fails here (an allocation error) instead of starving the
+    machine. Returns the cap in bytes."""
+    cap = int(CAP_SHARE * os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    return cap
+
+
+def run_session(model_path: Path, name: str) -> dict:
+    """One ONNX Runtime session of ``model_path`` under :data:`SESSION_OPTIONS` ``name``, in
+    this process capped at :data:`CAP_SHARE` of the machine's memory: load time, first run,
+    peak RSS and its anonymous and file-backed parts after the run (bytes)."""
+    import numpy as np
+    import onnxruntime as ort
+
+    chosen = SESSION_OPTIONS[name]
+    cap = _cap()
+    options = ort.SessionOptions()
+    options.graph_optimization_level = getattr(ort.GraphOptimizationLevel, chosen["level"])
+    options.enable_cpu_mem_arena = chosen["arena"]
+    if not chosen["prepacking"]:
+        options.add_session_config_entry("session.disable_prepacking", "1")
+    if chosen["priority"]:
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    result = {"cap_bytes": cap}
+    try:
+        start = time.perf_counter()
+        session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        result["load_s"] = time.perf_counter() - start
+        ids = np.zeros((1, SEQ), dtype=np.int64)
+        start = time.perf_counter()
+        session.run(None, {"input_ids": ids})
+        result["first_run_s"] = time.perf_counter() - start
+    except Exception as err:  # ORT's own error types: out of memory under the cap
+        result["error"] = " ".join(str(err).split())[-300:]
+    status = Path("/proc/self/status").read_text().splitlines()
+    fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in status if "kB" in line}
+    result |= {
+        "peak_rss_bytes": fields["VmHWM"],
+        "anon_rss_bytes": fields["RssAnon"],
+        "file_rss_bytes": fields["RssFile"],
     }
+    return result
 
 
-def _in_subprocess(kind: str, model_path: Path, out_dir: Path) -> dict:
-    """Run :func:`run_stages` or :func:`run_ort_offline` in a fresh Python process."""
+def _in_subprocess(kind: str, *args) -> dict:
+    """Run :func:`run_stages`, :func:`run_ort_offline` or :func:`run_session` in a fresh
+    Python process."""
     result = subprocess.run(
-        [sys.executable, __file__, f"--_{kind}", str(model_path), str(out_dir)],
-        check=True,
-        capture_output=True,
-        text=True,
+        [sys.executable, __file__, f"--_{kind}", *map(str, args)], capture_output=True, text=True
     )
+    if result.returncode != 0:  # killed, or aborted by an allocation under the cap
+        last = (result.stderr.strip() or "no output").splitlines()[-1]
+        return {"error": f"exit code {result.returncode}: {last}"}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _cli(model_path: Path, out_dir: Path) -> dict:
-    """The whole CLI run (parity included, latency off) in a subprocess."""
+def run_cli(hwm_file: Path, argv: list[str]) -> int:
+    """The CLI (:func:`normexport.cli.main`) on ``argv`` in this process; at the end its peak
+    resident set (``VmHWM``) is written to ``hwm_file``. A child's ``wait4`` peak is no
+    measure here: Linux carries the parent's peak across ``exec`` into it."""
+    from normexport import cli
+
+    try:
+        return cli.main(argv)
+    finally:
+        hwm_file.write_text(str(_peak_rss()))
+
+
+def _cli(model_path: Path, folder: Path, benchmark: bool) -> dict:
+    """The whole CLI run in a subprocess, from ``folder`` (not the model's), its output
+    written there and deleted afterwards: exit code, wall time, the process's peak RSS, the
+    report's ``cost`` and verdict."""
+    out = folder / "cli"
+    out.mkdir()
+    argv = [str(model_path), "-o", str(out / "m.onnx"), "--provider", "cpu"]
+    argv += ["--report", str(out / "report.json")] + ([] if benchmark else ["--no-benchmark"])
+    hwm = out / "peak_rss"
     start = time.perf_counter()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    result = subprocess.run(
-        [sys.executable, "-m", "normexport", str(model_path)]
-        + ["-o", str(out_dir / "cli.opt.onnx"), "--no-benchmark", "--provider", "cpu"],
+    child = subprocess.run(
+        [sys.executable, __file__, "--_cli", str(hwm), *argv],
+        cwd=folder,
         capture_output=True,
         text=True,
     )
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return {
-        "exit_code": result.returncode,
+    output = (child.stdout + child.stderr).strip()
+    entry = {
+        "latency": benchmark,
+        "exit_code": child.returncode,
         "wall_s": time.perf_counter() - start,
-        # ru_maxrss of children is the largest child so far: exact when it is this one.
-        "peak_rss_bytes": peak * 1024 if peak > before else None,
-        "last_line": (result.stdout.strip() or result.stderr.strip()).splitlines()[-1],
+        "peak_rss_bytes": int(hwm.read_text()) if hwm.exists() else None,
+        "last_line": output.splitlines()[-1] if output else "",
     }
+    report = out / "report.json"
+    if report.exists():
+        found = json.loads(report.read_text())
+        entry["cost"] = found["cost"]
+        entry["parity_passed"] = found["parity"]["passed"]
+        entry["latency_apart"] = (found["latency_conditions"] or {}).get("apart")
+    shutil.rmtree(out)
+    return entry
 
 
-def build_and_export(config: dict, layers: int, folder: Path) -> tuple[Path, int, int]:
-    """Export a random-weight LlamaModel of ``layers`` layers to ``folder/model.onnx`` (+ its
-    external data) with torch.onnx.export's defaults.
+def build_and_export(
+    config: dict, layers: int, folder: Path, dtype: str = "float32"
+) -> tuple[Path, int, int]:
+    """Export a random-weight LlamaModel of ``layers`` layers with ``dtype`` weights
+    (``"float32"`` or ``"float16"``, built in that type: no float32 copy is ever held) to
+    ``folder/model.onnx`` (+ its external data) with torch.onnx.export's defaults.
 
     Returns:
         ``(path, parameters, weight bytes of the ONNX file)``.
@@ -182,7 +299,12 @@ def build_and_export(config: dict, layers: int, folder: Path) -> tuple[Path, int
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**config, num_hidden_layers=layers, use_cache=False)
-    model = transformers.LlamaModel(cfg).eval()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        model = transformers.LlamaModel(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
     with torch.no_grad():
         for module in model.modules():
             if type(module).__name__ == "LlamaRMSNorm":
@@ -198,6 +320,7 @@ def build_and_export(config: dict, layers: int, folder: Path) -> tuple[Path, int
 
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, config["vocab_size"], (1, SEQ))
+    folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
     with torch.no_grad():
         torch.onnx.export(Hidden(model).eval(), (ids,), str(path), input_names=["input_ids"])
@@ -205,15 +328,19 @@ def build_and_export(config: dict, layers: int, folder: Path) -> tuple[Path, int
     return path, params, data.stat().st_size if data.exists() else path.stat().st_size
 
 
-def measure(name: str, config: dict, layers: int, cli: bool) -> dict:
-    """Build, export and measure one model; its folder is deleted afterwards."""
+def measure(
+    name: str, config: dict, layers: int, dtype: str = "float32", big: bool = False
+) -> dict:
+    """Build, export and measure one model; its folder is deleted afterwards. ``big``: the
+    session options and the whole CLI too."""
     with tempfile.TemporaryDirectory(prefix=f"scale-{name}-") as tmp:
         folder = Path(tmp)
         start = time.perf_counter()
-        path, params, weight_bytes = build_and_export(config, layers, folder)
+        path, params, weight_bytes = build_and_export(config, layers, folder / "model", dtype)
         entry = {
             "name": name,
             "layers": layers,
+            "dtype": dtype,
             "parameters": params,
             "weight_bytes": weight_bytes,
             "export_s": time.perf_counter() - start,
@@ -223,60 +350,71 @@ def measure(name: str, config: dict, layers: int, cli: bool) -> dict:
             out = folder / kind
             out.mkdir()
             entry[kind] = _in_subprocess(kind, path, out)
+            shutil.rmtree(out)
             print(f"{name}: {kind} done", file=sys.stderr)
-        if cli:
-            entry["cli"] = _cli(path, folder)
+        if big:
+            entry["sessions"] = {o: _in_subprocess("session", path, o) for o in SESSION_OPTIONS}
+            entry["cli"] = [_cli(path, folder, benchmark=b) for b in (False, True)]
+            print(f"{name}: sessions and CLI done", file=sys.stderr)
         stages = entry["stages"]
         entry["optimize_us_per_node"] = stages["optimize"]["wall_s"] / stages["nodes"] * 1e6
-        entry["load_to_check_rss_over_weights"] = (
-            stages["load_to_check"]["peak_rss_bytes"] / weight_bytes
-        )
+        offline = entry["ort_offline"]
         entry["ort_offline_rss_over_weights"] = (
-            entry["ort_offline"]["peak_rss_bytes"] / weight_bytes
+            None if "error" in offline else offline["peak_rss_bytes"] / weight_bytes
         )
-        entry["load_to_check_s_over_ort_offline"] = (
-            stages["load_to_check"]["wall_s"] / entry["ort_offline"]["wall_s"]
-        )
+        for run in entry.get("cli", []):
+            run["rss_over_weights"] = (run["peak_rss_bytes"] or 0) / weight_bytes
         return entry
 
 
 def write_chart(result: dict, path: Path) -> None:
-    """Per-stage time and peak RSS of the largest model beside ORT's offline optimizer, and
-    optimize time per node against layer count."""
+    """For each large model, the whole CLI's peak RSS per stage (parity only, and with
+    latency) against the weights and the targets; the session options' peak RSS; and the
+    passes' time per node against layer count."""
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
 
     from normexport.io.files import save_figure
 
     models = result["models"]
-    big = max(models, key=lambda m: m["parameters"])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    names = ["load", "optimize", "save", "check", "sessions"]
-    stages = big["stages"]
-    labels = [*names, "ORT offline"]
-    walls = [stages[n]["wall_s"] for n in names] + [big["ort_offline"]["wall_s"]]
-    rss = [stages[n]["peak_rss_bytes"] / 2**30 for n in names]
-    rss.append(big["ort_offline"]["peak_rss_bytes"] / 2**30)
-    colors = ["tab:blue"] * len(names) + ["tab:gray"]
-    axes[0].bar(labels, walls, color=colors)
-    axes[0].set_ylabel("wall time (s)")
-    axes[1].bar(labels, rss, color=colors)
-    axes[1].axhline(big["weight_bytes"] / 2**30, color="k", ls="--", label="weights")
-    axes[1].axhline(1.5 * big["weight_bytes"] / 2**30, color="r", ls=":", label="1.5x weights")
-    axes[1].set_ylabel("peak RSS (GiB)")
-    axes[1].legend()
-    for ax in axes[:2]:
-        ax.set_title(f"{big['name']}: {big['parameters'] / 1e9:.2f} B parameters")
-        ax.tick_params(axis="x", rotation=30)
+    big = [m for m in models if "cli" in m]
+    fig = Figure(figsize=(5 * (len(big) + 2), 4.5))
+    axes = fig.subplots(1, len(big) + 2)
+    for ax, model in zip(axes, big, strict=False):
+        weights = model["weight_bytes"] / 2**30
+        for offset, run in zip((-0.2, 0.2), model["cli"], strict=True):
+            stages = run.get("cost", {}).get("stages", [])
+            label = "with latency" if run["latency"] else "parity only"
+            xs = [i + offset for i in range(len(stages))]
+            ax.bar(xs, [s["peak_rss_bytes"] / 2**30 for s in stages], width=0.4, label=label)
+            ax.set_xticks(range(len(stages)), [s["name"] for s in stages], rotation=30)
+        for factor, style in ((1.0, "--"), (1.5, ":"), (2.0, "-.")):
+            ax.axhline(factor * weights, color="k", ls=style, lw=1, label=f"{factor:g}x weights")
+        ax.set_ylabel("peak RSS (GiB)")
+        ax.set_title(f"normexport CLI, {model['name']} ({model['parameters'] / 1e9:.2f} B)")
+        ax.legend(fontsize=7)
+    ax = axes[len(big)]
+    for i, model in enumerate(big):
+        names = list(model["sessions"])
+        peaks = [model["sessions"][n].get("peak_rss_bytes", 0) for n in names]
+        peaks = [peak / model["weight_bytes"] for peak in peaks]
+        ax.bar(
+            [j + 0.4 * i - 0.2 for j in range(len(names))], peaks, width=0.4, label=model["name"]
+        )
+        ax.set_xticks(range(len(names)), names, rotation=30)
+    ax.set_ylabel("one session's peak RSS / weights")
+    ax.set_title("ONNX Runtime session options (CPU)")
+    ax.legend(fontsize=7)
+    ax = axes[-1]
     small = sorted((m for m in models if m["name"].startswith("layers")), key=lambda m: m["layers"])
-    axes[2].plot([m["layers"] for m in small], [m["optimize_us_per_node"] for m in small], "o-")
-    axes[2].set_xscale("log", base=2)
-    axes[2].set_xlabel("layers (hidden 64)")
-    axes[2].set_ylabel("optimize time per node (µs)")
-    axes[2].set_ylim(bottom=0)
-    axes[2].set_title("fusion.optimize scaling")
+    ax.plot([m["layers"] for m in small], [m["optimize_us_per_node"] for m in small], "o-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("layers (hidden 64)")
+    ax.set_ylabel("optimize time per node (µs)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("fusion.optimize scaling")
     fig.tight_layout()
     save_figure(fig, path)
 
@@ -284,16 +422,21 @@ def write_chart(result: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", default="2,8,32,128", help="layer counts of the hidden-64 family")
-    p.add_argument("--no-1b", action="store_true", help="skip the 1 B-parameter model")
+    p.add_argument("--big", default=",".join(BIG), help=f"large models to run, of {list(BIG)}")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument("--_stages", nargs=2, type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_ort_offline", nargs=2, type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--_session", nargs=2, help=argparse.SUPPRESS)
+    p.add_argument("--_cli", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args._stages:
-        print(json.dumps(run_stages(*args._stages)))
-        return 0
-    if args._ort_offline:
-        print(json.dumps(run_ort_offline(*args._ort_offline)))
+    if args._cli:
+        return run_cli(Path(args._cli[0]), args._cli[1:])
+    for kind, fn in (("_stages", run_stages), ("_ort_offline", run_ort_offline)):
+        if getattr(args, kind):
+            print(json.dumps(fn(*getattr(args, kind))))
+            return 0
+    if args._session:
+        print(json.dumps(run_session(Path(args._session[0]), args._session[1])))
         return 0
 
     import onnxruntime
@@ -301,7 +444,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from normexport import report
 
-    models = []
+    out = args.out / "scale.json"
+    measured = [f"layers{n}" for n in args.layers.split(",") if n]
+    measured += [f"llama-{n}" for n in args.big.split(",") if n]
+    earlier = json.loads(out.read_text())["models"] if out.exists() else []
+    models = [m for m in earlier if m["name"] not in measured]  # kept from an earlier run
     result = {
         "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "versions": {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__},
@@ -314,21 +461,23 @@ def main(argv: list[str] | None = None) -> int:
         report.write_json(result, args.out / "scale.json")
 
     for layers in (int(n) for n in args.layers.split(",") if n):
-        models.append(measure(f"layers{layers}", LLAMA_SMALL, layers, cli=False))
+        models.append(measure(f"layers{layers}", LLAMA_SMALL, layers))
         save()
-    if not args.no_1b:
-        models.append(measure("llama-1b", LLAMA_1B, LAYERS_1B, cli=True))
+    for name in (n for n in args.big.split(",") if n):
+        config, layers, dtype = BIG[name]
+        models.append(measure(f"llama-{name}", config, layers, dtype, big=True))
         save()
     write_chart(result, args.out / "scale.png")
     for m in models:
-        s = m["stages"]
-        print(
-            f"{m['name']:>10}: {m['parameters'] / 1e6:8.1f} M params, {s['nodes']} nodes; "
-            f"load..check {s['load_to_check']['wall_s']:.1f} s at "
-            f"{m['load_to_check_rss_over_weights']:.2f}x weights RSS; ORT offline "
-            f"{m['ort_offline']['wall_s']:.1f} s at {m['ort_offline_rss_over_weights']:.2f}x; "
-            f"optimize {m['optimize_us_per_node']:.0f} us/node"
-        )
+        line = f"{m['name']:>14}: {m['parameters'] / 1e6:8.1f} M params, {m['stages']['nodes']} "
+        line += f"nodes; optimize {m['optimize_us_per_node']:.0f} us/node; ORT offline "
+        offline = m["ort_offline_rss_over_weights"]
+        line += f"{offline:.2f}x the weights" if offline else m["ort_offline"]["error"][:60]
+        for run in m.get("cli", []):
+            what = "with latency" if run["latency"] else "parity only"
+            line += f"; CLI {what}: exit {run['exit_code']}, {run['wall_s']:.1f} s at "
+            line += f"{run['rss_over_weights']:.2f}x the weights"
+        print(line)
     return 0
 
 
