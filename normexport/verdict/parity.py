@@ -276,9 +276,13 @@ class Recorded:
             hit = self._seen[id(feeds)] = (feeds, self._model(feeds))
         return hit[1]
 
-    def record(self, sets: Iterable[Mapping[str, np.ndarray]]) -> None:
-        """Run the model on each feeds mapping of ``sets`` it has not seen, then free it."""
-        for feeds in sets:
+    def record(self, sets: Iterable[Mapping[str, np.ndarray]], what: str = "") -> None:
+        """Run the model on each feeds mapping of ``sets`` it has not seen (saying so on the
+        progress display as ``what``, where there is one), then free it."""
+        missing = [f for f in sets if self._seen.get(id(f), (None,))[0] is not f]
+        if missing and what:
+            progress.step(what)
+        for feeds in missing:
             self(feeds)
         self.close()
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 
-from normexport import progress
 from normexport.io.eager import Eager
 from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
@@ -94,12 +93,10 @@ class Judge:
                 if changed and all(moved is not seen for seen in rounded):
                     rounded.append(moved)
         oracle = refs["reference"]
-        progress.step(f"the oracle ({refs['oracle_kind']}) on every input set")
-        oracle.record([*self.sets.values(), *rounded])
+        oracle.record([*self.sets.values(), *rounded], f"the oracle ({refs['oracle_kind']})")
         for name, what in (("raw", "the raw model"), ("pytorch", "PyTorch float32")):
             if refs.get(name) is not None and refs[name] is not oracle:
-                progress.step(f"{what} on every input set")
-                refs[name].record(self.sets.values())
+                refs[name].record(self.sets.values(), f"{what} on every input set")
 
     def rounding(self, precision: str) -> dict:
         """The half-precision rule's input rounding for ``precision`` as

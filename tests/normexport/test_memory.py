@@ -20,7 +20,7 @@ import normexport
 from normexport import progress, runtime
 from normexport.io import files
 from normexport.runtime import memory
-from normexport.verdict import tolerance
+from normexport.verdict import parity, tolerance
 from tests.graphs import make_model
 
 F = ir.DataType.FLOAT
@@ -161,3 +161,17 @@ def test_check_session_maps_the_weights(tmp_path, rng, dtype):
     lean = runtime.run(runtime.check_session(model), x)[0]
     packed = runtime.run(runtime.make_session(model, optimization_level=runtime.AS_WRITTEN), x)
     np.testing.assert_allclose(lean, packed[0], rtol=1e-2 if dtype == np.float16 else 1e-5)
+
+
+def test_a_recorded_model_runs_and_says_so_once(monkeypatch):
+    """Recording runs the model only on feeds it has not seen, and names the step only when
+    it runs; the session is freed after each recording."""
+    said, calls, closed = [], [], []
+    monkeypatch.setattr(progress, "step", said.append)
+    recorded = parity.Recorded(lambda f: calls.append(f) or [np.zeros(1)], lambda: closed.append(1))
+    first, second = {"x": np.ones(1)}, {"x": np.zeros(1)}
+    recorded.record([first], "the oracle")
+    recorded.record([first, second], "the oracle again")
+    recorded.record([first, second], "nothing to run")
+    assert calls == [first, second] and len(closed) == 3
+    assert said == ["the oracle", "the oracle again"]
