@@ -9,6 +9,7 @@ and users' models are bigger).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import os
 import shutil
@@ -151,14 +152,47 @@ def work_folder(near: Path) -> Iterator[Path]:
         OutputPathError: the folder cannot be created.
     """
     folder = _writable_folder(Path(near))
+    _remove_stale(folder, _temp_prefix(Path(near)))
     try:
         work = Path(tempfile.mkdtemp(dir=folder, prefix=_temp_prefix(Path(near)), suffix=".work"))
+        (work / OWNER).write_text(_owner(os.getpid()) or "")
     except OSError as err:
         raise OutputPathError(f"cannot write in {folder}: {err.strerror}") from None
     try:
         yield work
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+#: The file in a work folder that names the process it belongs to: its PID and start time
+#: (``/proc/PID/stat`` field 22, clock ticks since boot), so that a reused PID is told apart.
+OWNER = "owner"
+
+
+def _owner(pid: int) -> str | None:
+    """``"PID START"`` of a running process, or None where it is gone (or there is no
+    ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"  # fields after the command name
+
+
+def _remove_stale(folder: Path, prefix: str) -> None:
+    """Remove the work folders of earlier runs on the same output whose process is gone (a
+    run killed by the kernel or the user leaves its folder, GBs for a large model). Folders
+    of running processes, and folders with no owner file, are left alone; without ``/proc``
+    nothing is removed."""
+    if _owner(os.getpid()) is None:
+        return
+    for work in folder.glob(f"{glob.escape(prefix)}*.work"):
+        try:
+            owner = (work / OWNER).read_text().split()
+        except OSError:  # no owner file (another tool's, or an older normexport's): not ours
+            continue
+        if len(owner) == 2 and owner[0].isdigit() and _owner(int(owner[0])) != " ".join(owner):
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def tensor_bytes(model: ir.Model) -> int:

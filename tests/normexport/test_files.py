@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -248,3 +250,29 @@ def test_outputs_never_land_on_the_input(exported_with_external_data, monkeypatc
     err = capsys.readouterr().err
     assert "Traceback" not in err and ("overwrite the input" in err or "also written" in err)
     assert {p.name: p.read_bytes() for p in model.parent.iterdir()} == before
+
+
+def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path):
+    """A work folder whose process is gone (a run killed: the kernel's OOM killer, kill -9) is
+    removed when the next run on the same output starts; a running process's folder, one
+    without an owner file, and another output's are left alone."""
+    output = tmp_path / "m.onnx"
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = f"{gone.pid} 1"  # a process that has exited (start time 1: never a reused PID's)
+    folders = {
+        "killed": (".m.onnx.killed.work", dead),
+        "running": (".m.onnx.running.work", files._owner(os.getpid())),
+        "unowned": (".m.onnx.unowned.work", None),
+        "other": (".n.onnx.other.work", dead),
+    }
+    for name, owner in folders.values():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.onnx.data").write_bytes(b"weights")
+        if owner is not None:
+            (tmp_path / name / files.OWNER).write_text(owner)
+    with files.work_folder(output) as work:
+        assert (work / files.OWNER).read_text() == files._owner(os.getpid())
+        left = sorted(p.name for p in tmp_path.iterdir() if p != work)
+    kept = [folders[k][0] for k in ("running", "unowned", "other")]
+    assert left == sorted(kept) and not work.exists()
