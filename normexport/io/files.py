@@ -214,18 +214,6 @@ def has_external_data(model: ir.Model) -> bool:
     )
 
 
-def weight_bytes(path: Path) -> int:
-    """Bytes of the initializers of the model at ``path`` (all its graphs), read from the
-    tensors' headers: the external data stays on disk."""
-    model = ir.load(path)
-    return sum(
-        v.const_value.nbytes
-        for graph in model.graphs()
-        for v in graph.initializers.values()
-        if v.const_value is not None
-    )
-
-
 def data_path(model_path: Path) -> Path:
     """The external data file written beside ``model_path``: ``out.onnx`` -> ``out.onnx.data``
     (what torch.onnx.export writes too). Where that name would pass

@@ -64,7 +64,7 @@ def run(opts: Options) -> Report:
         del prepared  # the passes change ``raw`` in place; nothing else holds it
         with files.work_folder(output) as work:
             ref, judge = _reference(job, raw, work)
-            weights = files.weight_bytes(ref.path)
+            weights = files.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
                 staged = optimize.optimize(job, raw, ref, judge, work)
             del raw

@@ -271,15 +271,18 @@ class Recorded:
         self._seen: dict[int, tuple[Mapping, Sequence[np.ndarray]]] = {}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> Sequence[np.ndarray]:
-        hit = self._seen.get(id(feeds))
-        if hit is None or hit[0] is not feeds:
-            hit = self._seen[id(feeds)] = (feeds, self._model(feeds))
-        return hit[1]
+        if not self._has(feeds):
+            self._seen[id(feeds)] = (feeds, self._model(feeds))
+        return self._seen[id(feeds)][1]
+
+    def _has(self, feeds: Mapping[str, np.ndarray]) -> bool:
+        """Whether the outputs on this very mapping (its identity) are recorded."""
+        return self._seen.get(id(feeds), (None,))[0] is feeds
 
     def record(self, sets: Iterable[Mapping[str, np.ndarray]], what: str = "") -> None:
         """Run the model on each feeds mapping of ``sets`` it has not seen (saying so on the
         progress display as ``what``, where there is one), then free it."""
-        missing = [f for f in sets if self._seen.get(id(f), (None,))[0] is not f]
+        missing = [f for f in sets if not self._has(f)]
         if missing and what:
             progress.step(what)
         for feeds in missing:
