@@ -75,7 +75,7 @@ from normexport.io.export import export_module
 from normexport.io.inputs import id_ranges, input_sets
 from normexport.pipeline.prepare import by_feed_name, prepare
 from normexport.runtime.latency import time_interleaved
-from normexport.verdict import hidden_probe, oracle, parity, reference_kernels
+from normexport.verdict import blocks, hidden_probe, oracle, parity, reference_kernels
 
 #: Gallery entries benchmarked (dynamo exporter, opset 18).
 GALLERY_CASES = (
@@ -311,7 +311,7 @@ def _hidden_probe(
         if isinstance(path, Path) and "sets" in result[name]:
             cut[name] = work / f"{name}.onnx"
             try:
-                files.save_model(hidden_probe.cut(path, values), cut[name], external_data=True)
+                files.save_model(blocks.cut(path, values), cut[name], external_data=True)
             except ValueError as err:  # a converter renamed or folded the lookup
                 result[name]["error_hidden_probe"] = one_line(err)
                 del cut[name]

@@ -121,20 +121,38 @@ _recorder: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
 )
 
 
+_console: contextvars.ContextVar[Console | None] = contextvars.ContextVar(
+    "normexport_console", default=None
+)
+
+
 @contextlib.contextmanager
 def shown(console: Console) -> Iterator[None]:
     """Draw the stages of the runs inside on ``console`` (use a stderr console) while they
-    run, where it is a terminal; elsewhere (a pipe, a log, ``TERM=dumb``) draw nothing."""
-    if not console.is_terminal or console.is_dumb_terminal:
-        yield
-        return
-    columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"))
-    with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
-        token = _display.set(_Display(bar))
-        try:
+    run, where it is a terminal; elsewhere (a pipe, a log, ``TERM=dumb``) draw nothing. What
+    the runs :func:`say` is printed on it either way."""
+    said = _console.set(console)
+    try:
+        if not console.is_terminal or console.is_dumb_terminal:
             yield
-        finally:
-            _display.reset(token)
+            return
+        columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"))
+        with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:
+            token = _display.set(_Display(bar))
+            try:
+                yield
+            finally:
+                _display.reset(token)
+    finally:
+        _console.reset(said)
+
+
+def say(text: str) -> None:
+    """Print one line now, before the run's report, on the console of :func:`shown` (where a
+    run is shown: the CLI; the Python API says nothing)."""
+    console = _console.get()
+    if console is not None:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from normexport.pipeline import job as job_mod
 from normexport.pipeline import measure, optimize
 from normexport.pipeline.prepare import Prepared, prepare
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
+from normexport.runtime import plan
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
 
@@ -62,8 +63,13 @@ def run(opts: Options) -> Report:
         files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
         job = job_mod.start(opts, output, provider, prepared)
         del prepared  # the passes change ``raw`` in place; nothing else holds it
+        memory = plan.plan(
+            raw, str(opts.model), job.provider, latency=opts.benchmark, autotune=opts.autotune
+        )
+        if memory.said:
+            progress.say(memory.line)
         with files.work_folder(output) as work:
-            ref, judge = _reference(job, raw, work)
+            ref, judge = _reference(job, raw, work, memory.block_bytes)
             weights = files.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
                 staged = optimize.optimize(job, raw, ref, judge, work)
@@ -75,14 +81,17 @@ def run(opts: Options) -> Report:
                 with progress.stage(opts.precision):
                     staged = optimize.half(job, ref, staged, work)
             written = files.publish_model(staged.path, output)
-            verdict, latency = _measure(job, ref, staged, judge, work)
+            verdict, latency = _measure(job, ref, staged, judge, work, memory.latency)
     cost = Cost(stages, weights)
-    return _report(job, staged, written, verdict, latency, cost)
+    return _report(job, staged, written, verdict, latency, cost, memory)
 
 
-def _reference(job: job_mod.Job, raw: ir.Model, work: Path) -> tuple[optimize.Reference, Judge]:
+def _reference(
+    job: job_mod.Job, raw: ir.Model, work: Path, block_bytes: int | None
+) -> tuple[optimize.Reference, Judge]:
     """The reference stage: the reference model on file, and the parity judge with every
-    reference run on every input set, one model at a time, each freed before the passes."""
+    reference run on every input set, one model (or one block: ``block_bytes``, the memory
+    plan's) at a time, each freed before the passes."""
     with progress.stage("reference"):
         ref = optimize.reference(job, raw, work)
         judge = Judge(
@@ -97,16 +106,23 @@ def _reference(job: job_mod.Job, raw: ir.Model, work: Path) -> tuple[optimize.Re
             rtol=job.opts.rtol,
             strict=job.opts.strict,
             rule=job.computes_in,
+            block_bytes=block_bytes,
         )
         judge.record((job.output_rule,))
     return ref, judge
 
 
 def _measure(
-    job: job_mod.Job, ref: optimize.Reference, staged: optimize.Staged, judge: Judge, work: Path
+    job: job_mod.Job,
+    ref: optimize.Reference,
+    staged: optimize.Staged,
+    judge: Judge,
+    work: Path,
+    skipped: str | None,
 ) -> tuple[ParityResult, Latency | None]:
     """The parity stage (with the hidden-state probe for half precision) and the latency
-    stage, where asked for."""
+    stage, where asked for; ``skipped``: why the latency cannot be timed (the memory plan's),
+    or None."""
     opts = job.opts
     with progress.stage("parity"):
         verdict = measure.parity(job, staged, judge)
@@ -114,6 +130,8 @@ def _measure(
             measure.hidden_state_probe(job, ref, verdict, work)
     if not opts.benchmark:
         return verdict, None
+    if skipped is not None:
+        return verdict, Latency({}, 0, 0, skipped)
     with progress.stage("latency"):
         return verdict, measure.latency(job, ref, staged)
 
@@ -147,6 +165,7 @@ def _report(
     parity: ParityResult,
     latency: Latency | None,
     cost: Cost,
+    memory: plan.MemoryPlan,
 ) -> Report:
     """The typed report of a finished run."""
     optimized = ir.load(job.output)
@@ -175,4 +194,5 @@ def _report(
         versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
         rollback=staged.rollback,
         cost=cost,
+        memory=memory,
     )

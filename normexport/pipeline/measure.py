@@ -37,9 +37,9 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
     if staged.verified is not None:
         return dataclasses.replace(staged.verified, strict=job.opts.strict)
 
-    def candidate():  # opened once the references have run and been freed
+    def candidate(model, folder):  # opened once the references have run and been freed
         session = runtime.check_session(
-            job.output, job.provider, disabled_optimizers=staged.disabled
+            model, job.provider, disabled_optimizers=staged.disabled, external_data_folder=folder
         )
 
         def run(feeds):
@@ -47,7 +47,7 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
 
         return run, [o.name for o in session.get_outputs()]
 
-    return judge(candidate, precision=job.output_rule)
+    return judge(job.output, candidate, precision=job.output_rule)
 
 
 def hidden_state_probe(job: Job, ref: Reference, verdict: ParityResult, work: Path) -> None:

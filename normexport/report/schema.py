@@ -14,6 +14,7 @@ from fusion import FUSION_KINDS
 from normexport.progress import Stage
 from normexport.report.explain import AlreadyFused
 from normexport.runtime.latency import BUSY_SPREAD, Timing
+from normexport.runtime.plan import MemoryPlan
 from normexport.verdict.checker import Checker
 from normexport.verdict.result import ParityResult
 
@@ -201,6 +202,8 @@ class Report:
             they changed the function (:class:`normexport.verdict.rollback.Outcome`), or None where
             the optimized model passed its check as the passes made it.
         cost: the run's wall time and peak memory per stage (:class:`Cost`), or None.
+        memory: the memory plan made before the first session
+            (:class:`normexport.runtime.plan.MemoryPlan`), or None.
     """
 
     model: str
@@ -227,6 +230,7 @@ class Report:
     precision: PrecisionReport | None = None
     rollback: Outcome | None = None
     cost: Cost | None = None
+    memory: MemoryPlan | None = None
 
     @property
     def passed(self) -> bool:
@@ -269,4 +273,5 @@ class Report:
             "precision": self.precision.to_dict() if self.precision else None,
             "rollback": self.rollback.to_dict() if self.rollback else None,
             "cost": self.cost.to_dict() if self.cost else None,
+            "memory": self.memory.to_dict() if self.memory else None,
         }

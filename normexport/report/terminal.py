@@ -101,6 +101,8 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
     console.print(_parity_table(parity))
     for note in parity.notes:
         console.print(f"[yellow]note[/]: {note}")
+    if parity.blocks:
+        console.print(f"[yellow]note[/]: {_blocks(parity)}")
     weak: dict[str, list[str]] = {}
     for probe, output in parity.weak_checks():
         weak.setdefault(output, []).append(probe)
@@ -129,6 +131,21 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
             f"within {NOISE_WARN_FACTOR:g}x (float32 rounding), so a rewrite may have changed "
             "the function a little" + ("" if parity.strict else "; --strict makes this a failure")
         )
+
+
+def _blocks(parity: ParityResult) -> str:
+    """One line: parity ran block by block, and its worst block."""
+    line = f"parity ran block by block ({len(parity.blocks)} blocks)"
+    worst = parity.worst_block()
+    if worst is None:
+        return line
+    e, block = worst.worst_local(), worst.block
+    raw = "" if e.raw_rel_l2_err is None else f" (the input file's {e.raw_rel_l2_err:.3g})"
+    return (
+        f"{line}; the worst, block {block['index'] + 1} ({block['nodes']} nodes, "
+        f"{block['weight_bytes'] / 2**30:.2f} GiB of weights, {worst.seconds:.1f} s): rel L2 "
+        f"{e.rel_l2_err:.3g}{raw} on {e.output!r} fed the oracle's inputs"
+    )
 
 
 def _render_export(report: Report, console: Console) -> None:
@@ -314,6 +331,8 @@ def render(report: Report, console: Console) -> None:
         console.print(f"[yellow]{report.provider_note}[/]")
     if report.latency and report.latency.timings:
         _render_latency(report.latency, console)
+    elif report.latency and report.latency.apart:
+        console.print(f"[yellow]note[/]: {report.latency.apart}")
     if report.autotune:
         _render_autotune(report.autotune, console)
     if report.cost:

@@ -47,8 +47,15 @@ def give_back() -> None:
 
 def available_bytes() -> int | None:
     """The memory this process can still take without swapping or being killed (bytes): the
-    kernel's ``MemAvailable`` (free memory and the page cache it can drop); None where the
-    system does not say (not Linux)."""
+    smaller of the kernel's ``MemAvailable`` (free memory and the page cache it can drop) and
+    what every memory cgroup the process is in still allows (:func:`cgroup_available`); None
+    where the system says neither (not Linux)."""
+    found = [b for b in (_meminfo_available(), cgroup_available()) if b is not None]
+    return min(found) if found else None
+
+
+def _meminfo_available() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (bytes), or None."""
     try:
         text = Path("/proc/meminfo").read_text()
     except OSError:
@@ -59,21 +66,83 @@ def available_bytes() -> int | None:
     return None
 
 
+#: A cgroup v1 ``memory.limit_in_bytes`` at or above this is "no limit" (the kernel writes
+#: ``PAGE_COUNTER_MAX`` pages: 9223372036854771712 on 4 KiB pages).
+_UNLIMITED = 2**62
+
+
+def cgroup_available(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
+) -> int | None:
+    """What the memory cgroups this process is in still allow it (bytes): over the process's
+    group and each group above it that has a limit, the smallest ``limit - working set``,
+    where the working set is the usage less the inactive file cache the kernel reclaims first
+    (cAdvisor's and the kubelet's definition, the figure they evict on). cgroup v1 (the
+    ``memory`` controller: ``memory.limit_in_bytes``, ``memory.usage_in_bytes``,
+    ``memory.stat``'s ``total_inactive_file``) and v2 (``memory.max``, ``memory.current``,
+    ``inactive_file``). None where no group has a limit or the files cannot be read.
+
+    Args:
+        proc_cgroup: the process's cgroup membership file.
+        root: where the cgroup file systems are mounted.
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    found = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            found += _group_room(root / "memory", path, "v1")
+        elif controllers == "" and (root / "cgroup.controllers").exists():
+            found += _group_room(root, path, "v2")
+    return min(found) if found else None
+
+
+#: Per cgroup version: the limit file, the usage file, the inactive file cache's key in
+#: ``memory.stat`` (v1's ``total_``: this group and its children).
+_FILES = {
+    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+    "v2": ("memory.max", "memory.current", "inactive_file"),
+}
+
+
+def _group_room(mount: Path, path: str, version: str) -> list[int]:
+    """``limit - working set`` of the group at ``path`` under ``mount`` and of each group
+    above it that has a limit (bytes)."""
+    limit_file, usage_file, inactive_key = _FILES[version]
+    rooms, group = [], mount / path.strip("/")
+    while True:
+        try:
+            limit = (group / limit_file).read_text().strip()
+            if limit != "max" and int(limit) < _UNLIMITED:
+                usage = int((group / usage_file).read_text())
+                stat = dict(
+                    line.split() for line in (group / "memory.stat").read_text().splitlines()
+                )
+                rooms.append(max(0, int(limit) - usage + int(stat.get(inactive_key, 0))))
+        except (OSError, ValueError):
+            pass  # a level we may not read, or none mounted here
+        if group == mount or mount not in group.parents:
+            return rooms
+        group = group.parent
+
+
 def session_bytes(path: Path, provider: str) -> int:
     """The memory an ``ORT_ENABLE_ALL`` session of the model at ``path`` holds for its weights
-    on ``provider`` (bytes; host memory on CPU, device memory on CUDA): the initializers'
-    bytes, half-precision ones counted as float32 on CPU (see the module docstring). Read from
-    the tensors' headers; the external data stays on disk."""
+    on ``provider`` (bytes: :func:`weights_in_session`). Read from the tensors' headers; the
+    external data stays on disk."""
     model = ir.load(path)
-    total = 0
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if tensor is None:
-                continue
-            widened = provider == "cpu" and tensor.dtype in _HALF
-            total += tensor.nbytes * (2 if widened else 1)
-    return total
+    tensors = [v.const_value for g in model.graphs() for v in g.initializers.values()]
+    return weights_in_session([t for t in tensors if t is not None], provider)
+
+
+def weights_in_session(tensors: list[ir.TensorProtocol], provider: str) -> int:
+    """The memory an ``ORT_ENABLE_ALL`` session holds for ``tensors`` on ``provider`` (bytes;
+    host memory on CPU, device memory on CUDA): their bytes, half-precision ones counted as
+    float32 on CPU (see the module docstring)."""
+    return sum(t.nbytes * (2 if provider == "cpu" and t.dtype in _HALF else 1) for t in tensors)
 
 
 def fit_together(paths: list[Path], provider: str) -> str | None:

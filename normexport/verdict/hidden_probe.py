@@ -21,12 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnx_ir.passes.common
 
 from normexport import runtime
 from normexport.precision import OVERFLOW_PROBE, cast_feeds, rounded_feeds, with_outliers
 from normexport.verdict import oracle as oracle_mod
 from normexport.verdict import parity as parity_mod
+from normexport.verdict.blocks import cut
 from normexport.verdict.parity import ParityResult
 
 
@@ -73,43 +73,13 @@ def embedding_lookups(model: ir.Model) -> list[Lookup]:
     return found
 
 
-def cut(src: Path, values: Sequence[str]) -> ir.Model:
-    """The model at ``src`` (loaded lazily: its external tensors still point into its
-    external data file) with each of ``values`` a graph input instead of the output of the
-    node computing it; the graph inputs, nodes and initializers no longer read are removed.
-
-    Raises:
-        ValueError: a value is not computed by any node of the model.
-    """
-    model = ir.load(src)
-    producers = {out.name: node for node in model.graph for out in node.outputs}
-    for name in values:
-        node = producers.get(name)
-        if node is None:
-            raise ValueError(f"{src}: no node computes value {name!r}")
-        out = next(o for o in node.outputs if o.name == name)
-        fed = ir.Value(name=name, type=out.type, shape=out.shape)
-        out.replace_all_uses_with(fed, replace_graph_outputs=True)
-        model.graph.inputs.append(fed)
-    _drop_unread(model)
-    return model
-
-
 def _cut_run(model: ir.Model, src: Path, provider: str) -> parity_mod.Recorded:
-    """``model``, a cut of the model at ``src`` (:func:`cut`), run as written by a session
-    opened on demand on its graph alone, its weights read from ``src``'s own external data
-    file (nothing is copied); ``close()`` frees the session."""
+    """``model``, a cut of the model at ``src`` (:func:`normexport.verdict.blocks.cut`), run
+    as written by a session opened on demand on its graph alone, its weights read from
+    ``src``'s own external data file (nothing is copied); ``close()`` frees the session."""
     graph = ir.to_proto(model).SerializeToString()  # the graph: its tensors stay on file
     session = runtime.OnDemand(graph, provider, external_data_folder=src.parent)
     return parity_mod.Recorded(lambda feeds: _run(session.open(), feeds), session.close)
-
-
-def _drop_unread(model: ir.Model) -> None:
-    """Remove the nodes and initializers nothing reads (onnx-ir's dead code elimination), then
-    the graph inputs no node reads."""
-    ir.passes.common.RemoveUnusedNodesPass()(model)
-    outputs = {id(v) for v in model.graph.outputs}
-    model.graph.inputs[:] = [v for v in model.graph.inputs if v.uses() or id(v) in outputs]
 
 
 def hidden_states(

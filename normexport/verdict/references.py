@@ -19,6 +19,7 @@ from normexport.io.eager import Eager
 from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
 from normexport.runtime.memory import give_back
+from normexport.verdict import by_blocks
 from normexport.verdict import oracle as oracle_mod
 from normexport.verdict import parity as parity_mod
 from normexport.verdict.parity import ParityResult, check_parity
@@ -26,9 +27,11 @@ from normexport.verdict.parity import ParityResult, check_parity
 Run = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
 
 
-#: Opens the candidate model (its ONNX Runtime session) and returns how to run it and its
-#: output names; called once per verdict, after the references have run and been freed.
-Candidate = Callable[[], tuple[Run, Sequence[str]]]
+#: ``open(model, folder)``: opens the candidate model as it runs (its ONNX Runtime session):
+#: its file (``folder`` None), or one block of it as a serialized graph whose tensors lie in
+#: the external data file in ``folder``; returns how to run it and its output names. Called
+#: once per verdict (once per block), after the references have run and been freed.
+Candidate = Callable[[Path | bytes, Path | None], tuple[Run, Sequence[str]]]
 
 
 class Judge:
@@ -50,6 +53,9 @@ class Judge:
         rule: the precision whose rule judges a candidate unless another is asked for: the
             raw model's own (``"fp16"`` for a float16 model, whose float64 oracle keeps its
             float16 arithmetic: any rewrite moves its rounding by float16's noise).
+        block_bytes: take the verdict block by block, each block reading at most this many
+            bytes of weights (:mod:`normexport.verdict.by_blocks`; ONNX input only: a PyTorch
+            model is in memory whole anyway); None: the whole model at once.
     """
 
     def __init__(
@@ -66,19 +72,23 @@ class Judge:
         rtol: float,
         strict: bool,
         rule: str = "fp32",
+        block_bytes: int | None = None,
     ):
         self.loaded, self.raw, self.raw_path, self.rule = loaded, raw, raw_path, rule
+        by_parts = block_bytes is not None and loaded.module is None
+        self.chains = by_blocks.Chains(raw_path, block_bytes, work, provider) if by_parts else None
         self.sets, self.feed_names, self.work, self.provider = sets, feed_names, work, provider
         self.atol, self.rtol, self.strict = atol, rtol, strict
         self._references: dict | None = None
         self._rounding: dict[str, dict] = {}
+        self._chain_notes: list[str] = []
 
     def record(self, precisions: Sequence[str] = ()) -> None:
         """Build the references where not yet built, and run each on every input set (the
         oracle also on the sets rounded by the rule of :attr:`rule` and of each of
         ``precisions``), one model at a time, freeing each before the next opens."""
         if self._references is None:
-            self._references = references(self)
+            self._references = references(self) if self.chains is None else self._by_blocks()
             if self.rule != "fp32":
                 self._references["notes"].append(
                     f"the model's weights are {self.rule}: judged by the {self.rule} rule"
@@ -92,11 +102,30 @@ class Judge:
                 changed = any(moved[k] is not feeds[k] for k in feeds)
                 if changed and all(moved is not seen for seen in rounded):
                     rounded.append(moved)
+        if self.chains is not None:
+            self.chains.record(list(self.sets.values()), rounded)
+            others = [n for n in refs["notes"] if n not in self._chain_notes]
+            self._chain_notes = [self.chains.oracle_note, *self.chains.fallbacks]
+            refs["notes"] = [*self._chain_notes, *others]
+            return
         oracle = refs["reference"]
         oracle.record([*self.sets.values(), *rounded], f"the oracle ({refs['oracle_kind']})")
         for name, what in (("raw", "the raw model"), ("pytorch", "PyTorch float32")):
             if refs.get(name) is not None and refs[name] is not oracle:
                 refs[name].record(self.sets.values(), f"{what} on every input set")
+
+    def _by_blocks(self) -> dict:
+        """:func:`check_parity`'s reference arguments where the references run block by
+        block: the oracle's and the raw model's chains (recorded by :meth:`record`)."""
+        chains = self.chains
+        return {
+            "reference": parity_mod.Recorded(chains.final(chains.oracle)),
+            "reference_kind": "onnx",
+            "raw": parity_mod.Recorded(chains.final(chains.raw)),
+            "oracle_kind": "onnx_float64",
+            "notes": [],
+            "round_inputs": parity_mod.Recorded(parity_mod.ulp_perturbed),
+        }
 
     def rounding(self, precision: str) -> dict:
         """The half-precision rule's input rounding for ``precision`` as
@@ -110,10 +139,13 @@ class Judge:
             self._rounding[precision] = {"round_inputs": parity_mod.Recorded(rounded)}
         return self._rounding[precision]
 
-    def __call__(self, candidate: Candidate, precision: str | None = None) -> ParityResult:
-        """The verdict on ``candidate`` by the rule for ``precision`` (``"fp32"``, ``"fp16"``,
-        ``"bf16"``; None: :attr:`rule`); the candidate is opened once the references have run
-        and been freed.
+    def __call__(
+        self, path: Path, candidate: Candidate, precision: str | None = None
+    ) -> ParityResult:
+        """The verdict on the model at ``path``, opened by ``candidate``, by the rule for
+        ``precision`` (``"fp32"``, ``"fp16"``, ``"bf16"``; None: :attr:`rule`); the candidate
+        is opened once the references have run and been freed (block by block, where they
+        ran so).
 
         Raises:
             ValueError: the candidate returns other outputs (count or shapes) than the
@@ -122,18 +154,20 @@ class Judge:
         """
         precision = precision or self.rule
         self.record((precision,))
-        run, output_names = candidate()
-        verdict = check_parity(
-            run,
-            sets=self.sets,
-            output_names=output_names,
-            atol=self.atol,
-            rtol=self.rtol,
-            max_rel_l2=parity_mod.HALF_MAX_REL_L2.get(precision),
-            strict=self.strict,
+        rule = {
+            "sets": self.sets,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "max_rel_l2": parity_mod.HALF_MAX_REL_L2.get(precision),
+            "strict": self.strict,
             **(self._references | self.rounding(precision)),
-        )
-        del run  # the candidate's session, handed back before the next one opens
+        }
+        if self.chains is not None:
+            verdict = self.chains.judge(path, candidate, **rule)
+        else:
+            run, output_names = candidate(path, None)
+            verdict = check_parity(run, output_names=output_names, **rule)
+            del run  # the candidate's session, handed back before the next one opens
         give_back()
         return verdict
 

@@ -54,6 +54,59 @@ class OutputError:
 
 
 @dataclasses.dataclass
+class BlockVerdict:
+    """One block of a verdict taken block by block (:mod:`normexport.verdict.by_blocks`): the
+    optimized model's block against the oracle's, on each input set, on the float values the
+    block hands on.
+
+    Attributes:
+        block: the block (:class:`normexport.verdict.blocks.Block`) as a dict: index, inputs,
+            outputs, nodes, weight bytes, how many of the reference's blocks it spans.
+        seconds: wall time of the optimized model's block (s): opening its session and its runs.
+        local: input set -> errors of the block fed the oracle's values at its inputs (the
+            error this block makes), judged with the raw model's block fed alike as the noise.
+        chained: input set -> errors of the block fed its own previous blocks' outputs (the
+            error accumulated so far), judged with the raw model's chain as the noise.
+    """
+
+    block: dict
+    seconds: float
+    local: dict[str, list[OutputError]]
+    chained: dict[str, list[OutputError]]
+
+    def failures(self) -> list[tuple[str, OutputError]]:
+        """(where, error) of every value that failed, ``where`` naming the input set, the block
+        and how it was fed."""
+        index = self.block["index"]
+        return [
+            (f"{probe}, block {index} ({how})", e)
+            for how, found in (("fed the oracle's inputs", self.local), ("chained", self.chained))
+            for probe, errors in found.items()
+            for e in errors
+            if not e.passed
+        ]
+
+    def worst_local(self) -> OutputError | None:
+        """The local entry with the largest relative L2 error (None: no float value)."""
+        entries = [e for errors in self.local.values() for e in errors]
+        return max(entries, key=lambda e: e.rel_l2_err, default=None)
+
+    def to_dict(self) -> dict:
+        """JSON form: the block, its time, whether it passed, its worst local entry and its
+        worst chained one (by relative L2 error)."""
+        chained = [e for errors in self.chained.values() for e in errors]
+        worst = max(chained, key=lambda e: e.rel_l2_err, default=None)
+        local = self.worst_local()
+        return {
+            **self.block,
+            "seconds": self.seconds,
+            "passed": not self.failures(),
+            "worst_local": dataclasses.asdict(local) if local else None,
+            "worst_chained": dataclasses.asdict(worst) if worst else None,
+        }
+
+
+@dataclasses.dataclass
 class ParityResult:
     """The parity verdict over all input sets.
 
@@ -68,6 +121,7 @@ class ParityResult:
         notes: why the oracle is not float64, where it is not.
         max_rel_l2: the half-precision rule's bound on relative L2 error (None: float32 rule).
         strict: a noise-ratio warning (:meth:`warnings`) fails the verdict (``--strict``).
+        blocks: where the verdict was taken block by block, each block's; else None.
     """
 
     reference: str
@@ -79,6 +133,7 @@ class ParityResult:
     notes: list[str] = dataclasses.field(default_factory=list)
     max_rel_l2: float | None = None
     strict: bool = False
+    blocks: list[BlockVerdict] | None = None
 
     @property
     def passed(self) -> bool:
@@ -113,8 +168,16 @@ class ParityResult:
         return [(p, e) for p, errors in self.probes.items() for e in errors if test(e)]
 
     def failures(self) -> list[tuple[str, OutputError]]:
-        """(input set, error) for every output that failed the optimizer's rule."""
-        return self._where(lambda e: not e.passed)
+        """(input set, error) for every output that failed the optimizer's rule, and (where,
+        error) for every value of a block that did (:meth:`BlockVerdict.failures`)."""
+        found = self._where(lambda e: not e.passed)
+        return found + [f for block in self.blocks or () for f in block.failures()]
+
+    def worst_block(self) -> BlockVerdict | None:
+        """The block whose optimized model strays furthest from the oracle's when fed the
+        oracle's inputs (the largest relative L2 error); None where there are no blocks."""
+        found = [b for b in self.blocks or () if b.worst_local() is not None]
+        return max(found, key=lambda b: b.worst_local().rel_l2_err, default=None)
 
     def export_failures(self) -> list[tuple[str, OutputError]]:
         """(input set, error) for every output where the raw export differs from PyTorch."""
@@ -167,4 +230,6 @@ class ParityResult:
             "warnings": entries(self.warnings()),
             "weak_checks": [{"probe": p, "output": o} for p, o in self.weak_checks()],
             "raw_export_max_abs_err": self.raw_worst(),
+            "blocks": [b.to_dict() for b in self.blocks] if self.blocks is not None else None,
+            "worst_block": self.worst_block().block["index"] if self.worst_block() else None,
         }

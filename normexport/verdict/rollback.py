@@ -79,10 +79,10 @@ class RollbackFailed(RuntimeError):
 Build = Callable[[frozenset[Fused]], tuple[Path, FusionReport]]
 #: ``check(model file) -> why it fails, or None``.
 Check = Callable[[Path], Rejection | None]
-#: ``judge(candidate) -> its float32 parity verdict`` against the references, where
-#: ``candidate()`` opens the model and returns how to run it and its output names
-#: (:class:`normexport.verdict.references.Judge`).
-Judge = Callable[[Callable[[], tuple[Callable, list[str]]]], ParityResult]
+#: ``judge(path, candidate) -> its float32 parity verdict`` against the references, where
+#: ``candidate(model, folder)`` opens the model at ``path`` (or a block of it) and returns how
+#: to run it and its output names (:class:`normexport.verdict.references.Judge`).
+Judge = Callable[[Path, Callable], ParityResult]
 
 
 @dataclasses.dataclass
@@ -144,9 +144,11 @@ def check(
         why = f"ONNX Runtime's {name} cannot load it: {runtime.message(err)}"
         return Rejection(Code.REJECTED_BY_RUNTIME, why), None
 
-    def candidate():  # opened by the judge once the references have run and been freed
+    def candidate(model, folder):  # opened by the judge once the references have run
         try:
-            session = runtime.check_session(path, provider, quiet=True)
+            session = runtime.check_session(
+                model, provider, quiet=True, external_data_folder=folder
+            )
         except runtime.ProviderUnavailable:
             raise
         except Exception as err:  # ORT's own error types
@@ -161,7 +163,7 @@ def check(
         return run, [o.name for o in session.get_outputs()]
 
     try:
-        verdict = judge(candidate)
+        verdict = judge(path, candidate)
     except _LoadFailed as err:
         why = f"ONNX Runtime's {name} cannot load it: {err}"
         return Rejection(Code.REJECTED_BY_RUNTIME, why), None

@@ -14,7 +14,7 @@ from onnx import TensorProto
 import fusion
 from normexport import cli, precision
 from normexport.io import files
-from normexport.verdict import hidden_probe
+from normexport.verdict import blocks, hidden_probe
 from tests.fusion.norm_graphs import Graph, layernorm
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -61,12 +61,12 @@ def test_lookups_are_gathers_of_a_table_by_graph_input_ids(rng):
 def test_cut_makes_the_lookup_a_graph_input(rng, tmp_path):
     src = tmp_path / "m.onnx"
     files.save_model(_token_model(rng), src, external_data=True)
-    cut = hidden_probe.cut(src, ["embedding"])
+    cut = blocks.cut(src, ["embedding"])
     assert [v.name for v in cut.graph.inputs] == ["mask", "embedding"]
     assert "Gather" not in [n.op_type for n in cut.graph]
     assert "table" not in cut.graph.initializers
     with pytest.raises(ValueError, match="no node computes value 'nothing'"):
-        hidden_probe.cut(src, ["nothing"])
+        blocks.cut(src, ["nothing"])
 
 
 def test_probe_copies_no_weights(rng, tmp_path):

@@ -1,0 +1,151 @@
+"""The memory plan: before the first session opens, what each stage needs, what the machine
+has, and how the run goes about it (docs/memory.md).
+
+What the stages hold, read from the tensors' headers (nothing is loaded):
+
+- the passes and every session's working memory: a few tensors at a time (a BatchNorm fold
+  reads a weight and writes its folded copy; the CPU provider casts a half-precision weight to
+  float32 just before its node runs, in the verdict's priority order), so about
+  :data:`WORKING_TENSORS` times the largest tensor in float32, plus the graph. Where even that
+  does not fit, the run stops before any work (exit 2) with what it needs and what there is;
+- parity: each session runs every node on every input set, so its weights (memory-mapped from
+  the external data file: page cache the kernel can drop, not a copy) must stay resident or be
+  read from disk again on every run; the largest is the float64 oracle's (float32 tensors
+  twice). Where that and the working memory exceed :data:`~normexport.runtime.memory.
+  SESSIONS_SHARE` of what is available, parity goes block by block
+  (:mod:`normexport.verdict.by_blocks`), each block reading at most what fits;
+- latency: a deployed session prepacks its weights (anonymous memory; half precision in
+  float32 on CPU: :func:`normexport.runtime.memory.session_bytes`). Where one does not fit, the
+  latency is not timed and the report says why; ``--autotune``, which times deployed sessions,
+  stops the run before any work instead (it was asked for by name).
+
+What is available: :func:`normexport.runtime.memory.available_bytes` (``MemAvailable`` and
+every memory cgroup's limit over the process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from normexport.errors import EnvironmentProblem
+from normexport.runtime import memory
+
+#: The largest tensor, in float32, times this: the working memory of the passes and of a
+#: session besides its weights.
+WORKING_TENSORS = 3
+#: Below this many bytes of weights, and where everything fits, the plan is not said.
+QUIET_BYTES = 2**26
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """What the run needs and how it goes about it (bytes).
+
+    Attributes:
+        available_bytes: what the process can take now (None: the system does not say).
+        weight_bytes: the initializers' bytes on file.
+        working_bytes: the passes' and a session's working memory (see the module docstring).
+        parity_bytes: what whole-model parity keeps resident: the float64 oracle's weights
+            and the working memory.
+        block_bytes: parity goes block by block, each block reading at most this many bytes
+            of weights on file; None: the whole model at once.
+        latency: why the latency is not timed (a deployed session does not fit); None: it is.
+        line: the plan in one line, as said before the run (``memory: ...``).
+    """
+
+    available_bytes: int | None
+    weight_bytes: int
+    working_bytes: int
+    parity_bytes: int
+    block_bytes: int | None
+    latency: str | None
+    line: str
+
+    @property
+    def said(self) -> bool:
+        """Whether the plan is worth a line before the run: large weights, or a change."""
+        changed = self.block_bytes is not None or self.latency is not None
+        return changed or self.weight_bytes >= QUIET_BYTES
+
+    def to_dict(self) -> dict:
+        """The report's ``memory``."""
+        return dataclasses.asdict(self)
+
+
+def plan(
+    model: ir.Model, source: str, provider: str, *, latency: bool, autotune: bool
+) -> MemoryPlan:
+    """The memory plan of the raw ``model`` (its initializers read from their headers), named
+    ``source`` in messages, on ``provider``; ``latency``, ``autotune``: whether they run.
+
+    Raises:
+        EnvironmentProblem: not even the passes fit (exit 2), or ``autotune`` was asked for
+            and a deployed session does not fit; the message gives what is needed and what
+            there is.
+    """
+    tensors = [
+        v.const_value
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None
+    ]
+    weights = sum(t.nbytes for t in tensors)
+    widest = max((t.size * 4 for t in tensors), default=0)
+    working = WORKING_TENSORS * widest + _graph_bytes(model)
+    oracle = weights + sum(t.nbytes for t in tensors if t.dtype == ir.DataType.FLOAT)
+    available = memory.available_bytes()
+    share = memory.SESSIONS_SHARE * available if available is not None else None
+    have = f"{_gib(available)} available{_where(available)}" if available is not None else ""
+    if share is not None and working > share:
+        raise EnvironmentProblem(
+            f"{source}: not enough memory to optimize this model: the passes need about "
+            f"{_gib(working)} (the largest tensor, {_gib(widest)} in float32, "
+            f"{WORKING_TENSORS} times, and the graph), {have}; run it where more memory is free"
+        )
+    blocks = None
+    if share is not None and oracle + working > share:
+        blocks = max(int((share - working) * weights / max(oracle, 1)), widest)
+    deployed = memory.weights_in_session(tensors, provider)
+    skipped = None
+    if latency and share is not None and deployed > share:
+        skipped = (
+            f"latency not timed: a deployed session (ORT_ENABLE_ALL, weights prepacked) holds "
+            f"about {_gib(deployed)}, over {memory.SESSIONS_SHARE:.0%} of the {have}"
+        )
+        if autotune:
+            raise EnvironmentProblem(f"{source}: --autotune times deployed sessions: {skipped}")
+    line = f"memory: {_gib(weights)} of weights, {have or 'available memory unknown'}: "
+    if blocks is None:
+        line += "whole-model parity fits"
+    else:
+        line += (
+            f"whole-model parity needs about {_gib(oracle + working)}, so parity runs block "
+            f"by block, each reading at most {_gib(blocks)} of weights"
+        )
+    line += f"; {skipped}" if skipped else ""
+    return MemoryPlan(available, weights, working, oracle + working, blocks, skipped, line)
+
+
+def _graph_bytes(model: ir.Model) -> int:
+    """A bound on the graph's own memory: its nodes (about 2 KiB each in onnx-ir) and the
+    tensors held in the file (not external data)."""
+    held = sum(
+        v.const_value.nbytes
+        for g in model.graphs()
+        for v in g.initializers.values()
+        if v.const_value is not None and not isinstance(v.const_value, ir.ExternalTensor)
+    )
+    nodes = sum(1 for g in model.graphs() for _ in g)
+    return 2048 * nodes + held
+
+
+def _where(available: int) -> str:
+    """`` (a cgroup's limit)`` where a memory cgroup, not the machine, sets ``available``."""
+    cgroup = memory.cgroup_available()
+    return " (under a memory cgroup's limit)" if cgroup is not None and cgroup <= available else ""
+
+
+def _gib(n: float | None) -> str:
+    return f"{n / 2**30:.2f} GiB" if n is not None else "?"

@@ -1,0 +1,207 @@
+"""Parity block by block, for a model whose whole-model parity does not fit in memory
+(docs/memory.md; the plan that decides: :mod:`normexport.pipeline.plan`).
+
+The input graph is cut into blocks (:mod:`normexport.verdict.blocks`). Each block of the
+references runs as its own ONNX Runtime session on every input set, and is freed before the
+next opens, so that one block's weights are in memory at a time:
+
+- the **oracle**: the block in float64 (:func:`normexport.verdict.oracle.onnx_float64`, its
+  self-check on the block's example inputs; where it cannot be built, the block as written,
+  and the notes say which), fed the oracle's previous blocks' outputs (a chain);
+- the **raw** model's block as written, fed its own previous blocks' outputs (its chain: what
+  the whole raw model computes) and fed the oracle's (its local rounding noise).
+
+A candidate (the optimized model, or a rollback build) is cut at the same boundaries (a
+boundary that a rewrite spans is dropped for it: :func:`normexport.verdict.blocks.blocks`),
+and each of its blocks runs fed its own previous outputs (its chain: what the whole model
+computes) and fed the oracle's (the error this block makes, apart from what it was fed). The
+verdict: the final outputs of the chains by the usual rule
+(:func:`normexport.verdict.parity.check_parity`), and every float value each block hands on,
+fed either way, by the same rule (:class:`normexport.verdict.result.BlockVerdict`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from normexport import progress, runtime
+from normexport.precision import cast_feeds
+from normexport.runtime.memory import give_back
+from normexport.verdict import blocks as blocks_mod
+from normexport.verdict import oracle as oracle_mod
+from normexport.verdict.parity import Recorded, check_parity, compare
+from normexport.verdict.result import BlockVerdict, ParityResult
+
+Run = Callable[[Mapping[str, np.ndarray]], Sequence[np.ndarray]]
+#: Opens a model given as its serialized graph (its tensors read from the external data file
+#: in the folder given) as the candidate runs; returns how to run it and its output names.
+Opener = Callable[[bytes, Path], tuple[Run, Sequence[str]]]
+#: Values of one input set's run: value name -> array, keyed by the feeds' identity.
+Store = dict[int, dict[str, np.ndarray]]
+
+
+class Chains:
+    """The references of a model run block by block (see the module docstring).
+
+    Args:
+        raw_path: the raw model (the input file), its external data beside it.
+        max_bytes: the most bytes of weights (on file) a block reads
+            (:func:`normexport.verdict.blocks.boundaries`).
+        work: a scratch folder for the float64 blocks.
+        provider: runs the raw model's blocks (the oracle runs on the CPU).
+    """
+
+    def __init__(self, raw_path: Path, max_bytes: int, work: Path, provider: str):
+        self.raw_path, self.work, self.provider = raw_path, work, provider
+        self.cuts = blocks_mod.boundaries(ir.load(raw_path), max_bytes)
+        self.blocks = blocks_mod.blocks(ir.load(raw_path), self.cuts)
+        self.outputs = [v.name for v in ir.load(raw_path).graph.outputs]
+        self.oracle: Store = {}
+        self.raw: Store = {}
+        self.raw_local: Store = {}
+        self._kept: list[Mapping] = []  # every feeds mapping seen: no other takes its identity
+        self.fallbacks: list[str] = []  # per block whose oracle is the block as written, why
+        self.oracle_note = ""
+
+    def record(self, sets: Sequence[Mapping], oracle_sets: Sequence[Mapping]) -> None:
+        """Run the references block by block: the raw model on ``sets`` it has not seen
+        (chained, and fed the oracle's values), the oracle on ``sets`` and ``oracle_sets``
+        (inputs rounded or moved by one ulp) it has not seen."""
+        raw_new = [f for f in sets if id(f) not in self.raw]
+        oracle_new = [f for f in (*sets, *oracle_sets) if id(f) not in self.oracle]
+        oracle_new = list({id(f): f for f in oracle_new}.values())
+        if not raw_new and not oracle_new:
+            return
+        self._kept += [*raw_new, *oracle_new]
+        for store in (self.raw, self.raw_local):
+            store.update({id(f): {} for f in raw_new})
+        self.oracle.update({id(f): {} for f in oracle_new})
+        seconds = 0.0
+        for block in self.blocks:
+            progress.step(f"the references, block {block.index + 1} of {len(self.blocks)}")
+            start = time.perf_counter()
+            self._record_block(block, sets, raw_new, oracle_new)
+            seconds += time.perf_counter() - start
+            give_back()
+        kind = "in float64" if not self.fallbacks else "in float64 where it could be built"
+        self.oracle_note = (
+            f"the oracle is the input graph {kind}, run block by block: {len(self.blocks)} "
+            f"blocks, {seconds / max(len(oracle_new), 1):.1f} s per input set"
+        )
+
+    def _record_block(self, block: blocks_mod.Block, sets, raw_new, oracle_new) -> None:
+        """One block of the references, on the new sets: the raw model's (chained, and fed
+        the oracle's values), then the oracle's, self-checked on the example set."""
+        model = blocks_mod.cut(self.raw_path, block.inputs, block.outputs)
+        session = runtime.OnDemand(
+            _graph(model), self.provider, external_data_folder=self.raw_path.parent
+        )
+        raw = Recorded(lambda feeds: _run(session.open(), feeds), session.close)
+        for feeds in raw_new:
+            _keep(block, raw(_fed(block, feeds, self.raw)), self.raw[id(feeds)])
+            _keep(block, raw(_fed(block, feeds, self.oracle)), self.raw_local[id(feeds)])
+        example = _fed(block, sets[0], self.oracle)
+        if oracle_new:
+            raw(example)  # the oracle's self-check compares with it
+        raw.close()
+        if not oracle_new:
+            return
+        what = f"block {block.index + 1} of the input graph"
+        found = oracle_mod.onnx_float64(model, raw, example, self.work, what)
+        if found.run is None:
+            self.fallbacks.append(f"{what}: {'; '.join(found.notes)}; as written instead")
+        oracle = Recorded(found.run, found.close) if found.run else raw
+        for feeds in oracle_new:
+            _keep(block, oracle(_fed(block, feeds, self.oracle)), self.oracle[id(feeds)])
+        oracle.close()
+
+    def final(self, store: Store) -> Run:
+        """The final outputs of a chain recorded in ``store``, by the feeds' identity."""
+        return lambda feeds: [store[id(feeds)][name] for name in self.outputs]
+
+    def judge(
+        self, path: Path, opener: Opener, sets: Mapping[str, Mapping], **rule
+    ) -> ParityResult:
+        """The verdict on the model at ``path`` (see the module docstring), opened block by
+        block by ``opener``. ``rule``: :func:`check_parity`'s keywords but ``output_names``
+        (tolerances, the references as :meth:`final` runs, the rule's bound)."""
+        found = blocks_mod.blocks(ir.load(path), self.cuts)
+        chain: Store = {id(f): {} for f in sets.values()}
+        local: Store = {id(f): {} for f in sets.values()}
+        verdicts = []
+        for block in found:
+            progress.step(f"block {block.index + 1} of {len(found)}")
+            start = time.perf_counter()
+            run, _ = opener(_graph(blocks_mod.cut(path, block.inputs, block.outputs)), path.parent)
+            for feeds in sets.values():
+                _keep(block, run(_fed(block, feeds, chain)), chain[id(feeds)])
+                _keep(block, run(_fed(block, feeds, self.oracle)), local[id(feeds)])
+            del run
+            give_back()
+            seconds = time.perf_counter() - start
+            verdicts.append(self._block_verdict(block, seconds, sets, chain, local, rule))
+        result = check_parity(self.final(chain), sets=sets, output_names=self.outputs, **rule)
+        result.blocks = verdicts
+        return result
+
+    def _block_verdict(
+        self, block, seconds: float, sets: Mapping, chain: Store, local: Store, rule: dict
+    ) -> BlockVerdict:
+        """One block's verdict: each float value it hands on, fed the oracle's values (noise:
+        the raw block fed alike, where the block is one of the reference's) and chained
+        (noise: the raw model's chain)."""
+        judged = {"rtol": rule["rtol"], "max_rel_l2": rule.get("max_rel_l2")}
+        atol, same = rule["atol"], block.spans == 1 and block.outputs in _outputs(self.blocks)
+        found: dict[str, dict] = {"local": {}, "chained": {}}
+        for set_name, feeds in sets.items():
+            key = id(feeds)
+            for how, got, noise in (
+                ("local", local[key], self.raw_local[key] if same else None),
+                ("chained", chain[key], self.raw[key]),
+            ):
+                found[how][set_name] = [
+                    compare(n, got[n], self.oracle[key][n], atol, raw=_get(noise, n), **judged)
+                    for n in block.outputs
+                    if _is_float(self.oracle[key][n])
+                ]
+        described = {**vars(block), "inputs": list(block.inputs), "outputs": list(block.outputs)}
+        return BlockVerdict(described, seconds, found["local"], found["chained"])
+
+
+def _outputs(found: Sequence[blocks_mod.Block]) -> list[tuple[str, ...]]:
+    return [b.outputs for b in found]
+
+
+def _get(store: Mapping[str, np.ndarray] | None, name: str) -> np.ndarray | None:
+    return None if store is None else store.get(name)
+
+
+def _is_float(array: np.ndarray) -> bool:
+    return np.asarray(array).dtype.kind == "f"
+
+
+def _graph(model: ir.Model) -> bytes:
+    """The serialized graph of a cut model: its tensors stay in the model's external data."""
+    return ir.to_proto(model).SerializeToString()
+
+
+def _fed(block: blocks_mod.Block, feeds: Mapping, store: Store) -> dict[str, np.ndarray]:
+    """The block's inputs: the values ``store`` recorded for ``feeds``, else the feeds."""
+    values = store[id(feeds)]
+    return {n: values[n] if n in values else feeds[n] for n in block.inputs}
+
+
+def _keep(block: blocks_mod.Block, outputs: Sequence[np.ndarray], into: dict) -> None:
+    """Record the block's outputs into ``into`` by name."""
+    into.update(zip(block.outputs, outputs, strict=True))
+
+
+def _run(session, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+    """``session`` on ``feeds``, each float cast to the type it declares; outputs kept (copies:
+    the session is freed before they are read)."""
+    return runtime.run(session, cast_feeds(session, feeds), quiet=True, kept=True)
