@@ -20,14 +20,24 @@ HALF_TYPES = {"fp16": ir.DataType.FLOAT16, "bf16": ir.DataType.BFLOAT16}
 
 def cast_feeds(session, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``feeds`` with each float array cast to the float type ``session`` declares for it
-    (float16 inputs of a converted model without ``--keep-io-types``)."""
-    types = {i.name: i.type for i in session.get_inputs()}
+    (float16 inputs of a converted model without ``--keep-io-types``; float32 inputs of a
+    block fed the float64 oracle's values)."""
+    types = {i.name: _FLOAT_TYPES.get(i.type) for i in session.get_inputs()}
     out = {}
     for name, array in feeds.items():
-        if types.get(name) == "tensor(float16)" and array.dtype != np.float16:
-            array = array.astype(np.float16)
+        wanted = types.get(name)
+        if wanted is not None and array.dtype.kind == "f" and array.dtype != wanted:
+            array = array.astype(wanted)
         out[name] = array
     return out
+
+
+#: ONNX Runtime's names of the float input types numpy has.
+_FLOAT_TYPES = {
+    "tensor(float16)": np.dtype(np.float16),
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(double)": np.dtype(np.float64),
+}
 
 
 #: The overflow probe's input set name.

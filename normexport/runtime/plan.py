@@ -109,7 +109,7 @@ def plan(
         blocks = max(int((share - working) * weights / max(oracle, 1)), widest)
     deployed = memory.weights_in_session(tensors, provider)
     skipped = None
-    if latency and share is not None and deployed > share:
+    if (latency or autotune) and share is not None and deployed > share:
         skipped = (
             f"latency not timed: a deployed session (ORT_ENABLE_ALL, weights prepacked) holds "
             f"about {_gib(deployed)}, over {memory.SESSIONS_SHARE:.0%} of the {have}"
@@ -124,7 +124,8 @@ def plan(
             f"whole-model parity needs about {_gib(oracle + working)}, so parity runs block "
             f"by block, each reading at most {_gib(blocks)} of weights"
         )
-    line += f"; {skipped}" if skipped else ""
+    line += f"; {skipped}" if skipped and latency else ""
+    skipped = skipped if latency else None
     return MemoryPlan(available, weights, working, oracle + working, blocks, skipped, line)
 
 

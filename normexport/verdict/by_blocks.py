@@ -137,10 +137,12 @@ class Chains:
         for block in found:
             progress.step(f"block {block.index + 1} of {len(found)}")
             start = time.perf_counter()
-            run, _ = opener(_graph(blocks_mod.cut(path, block.inputs, block.outputs)), path.parent)
+            model = blocks_mod.cut(path, block.inputs, block.outputs)
+            run, _ = opener(_graph(model), path.parent)
             for feeds in sets.values():
-                _keep(block, run(_fed(block, feeds, chain)), chain[id(feeds)])
-                _keep(block, run(_fed(block, feeds, self.oracle)), local[id(feeds)])
+                own = _fed(block, feeds, chain)
+                _keep(block, run(own), chain[id(feeds)])
+                _keep(block, run(_like(own, _fed(block, feeds, self.oracle))), local[id(feeds)])
             del run
             give_back()
             seconds = time.perf_counter() - start
@@ -194,6 +196,14 @@ def _fed(block: blocks_mod.Block, feeds: Mapping, store: Store) -> dict[str, np.
     """The block's inputs: the values ``store`` recorded for ``feeds``, else the feeds."""
     values = store[id(feeds)]
     return {n: values[n] if n in values else feeds[n] for n in block.inputs}
+
+
+def _like(own: dict[str, np.ndarray], oracle: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The oracle's values (float64) in the types of the candidate's own (``own``)."""
+    return {
+        n: v.astype(own[n].dtype, copy=False) if v.dtype.kind == "f" else v
+        for n, v in oracle.items()
+    }
 
 
 def _keep(block: blocks_mod.Block, outputs: Sequence[np.ndarray], into: dict) -> None:

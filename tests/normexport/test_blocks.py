@@ -1,0 +1,227 @@
+"""Parity block by block (normexport.verdict.blocks, normexport.verdict.by_blocks) and the
+memory plan that chooses it (normexport.runtime.plan).
+
+The models are small pre-norm residual stacks built with onnx-ir (a hand-written RMSNorm and a
+MatMul per layer, random weights), saved with external data as large models come; every block
+runs on ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import normexport
+from normexport import cli, runtime
+from normexport.errors import EXIT_USAGE
+from normexport.io import files
+from normexport.runtime import memory
+from normexport.runtime import plan as plan_mod
+from normexport.verdict import blocks, by_blocks, parity
+from tests.graphs import make_model
+
+F = ir.DataType.FLOAT
+D = 64
+
+
+def _stack(path: Path, rng, layers: int = 4, *, scaled: int | None = None, d: int = D) -> Path:
+    """x (2, 8, d) through ``layers`` pre-norm residual layers (x + MatMul(RMSNorm(x))), with
+    random norm weights and matrices; ``scaled``: that layer's matrix is 1.01 times what it is
+    in the model with the same ``rng`` (a rewrite that changes the function a little)."""
+    weights, nodes, x = (
+        {"two": np.array(2.0, np.float32), "eps": np.array(1e-6, np.float32)},
+        [],
+        "x",
+    )
+    for i in range(layers):
+        w = (rng.standard_normal((d, d)) / np.sqrt(d)).astype(np.float32)
+        weights[f"w{i}"] = w * (1.01 if i == scaled else 1.0)
+        weights[f"g{i}"] = rng.uniform(0.5, 1.5, d).astype(np.float32)
+        nodes += [
+            ("Pow", [x, "two"], [f"sq{i}"], {}),
+            ("ReduceMean", [f"sq{i}"], [f"ms{i}"], {"axes": [-1], "keepdims": 1}),
+            ("Add", [f"ms{i}", "eps"], [f"mse{i}"], {}),
+            ("Sqrt", [f"mse{i}"], [f"rms{i}"], {}),
+            ("Div", [x, f"rms{i}"], [f"n{i}"], {}),
+            ("Mul", [f"n{i}", f"g{i}"], [f"ns{i}"], {}),
+            ("MatMul", [f"ns{i}", f"w{i}"], [f"h{i}"], {}),
+            ("Add", [x, f"h{i}"], [f"r{i}"], {}),
+        ]
+        x = f"r{i}"
+    nodes.append(("Identity", [x], ["y"], {}))
+    model = make_model(nodes, {"x": (F, [2, 8, d])}, {"y": (F, [2, 8, d])}, weights)
+    model.opset_imports[""] = 17
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.save_model(model, path, external_data=True)
+    return path
+
+
+LAYER_BYTES = D * D * 4 + D * 4 + 8  # a matrix, a norm weight, and "two" and "eps" once
+
+
+def test_boundaries_fall_on_the_residual_stream(tmp_path, rng):
+    """Blocks of at most two layers' weights: the boundaries are the residual values alone
+    (one value crosses there, two inside a layer), and the blocks partition the nodes."""
+    model = ir.load(_stack(tmp_path / "m.onnx", rng, layers=6))
+    cuts = blocks.boundaries(model, 2 * LAYER_BYTES)
+    assert cuts and all(len(c) == 1 and c[0].startswith("r") for c in cuts), cuts
+    found = blocks.blocks(ir.load(tmp_path / "m.onnx"), cuts)
+    assert sum(b.nodes for b in found) == len(list(model.graph))
+    assert all(b.weight_bytes <= 2 * LAYER_BYTES + 8 for b in found)
+    assert [b.inputs for b in found[1:]] == [c for c in cuts]
+
+
+def test_blocks_chained_compute_the_model(tmp_path, rng):
+    """Each block cut from the file runs as its own session on the previous one's outputs;
+    the chain's output is the whole model's."""
+    path = _stack(tmp_path / "m.onnx", rng)
+    x = {"x": rng.standard_normal((2, 8, D)).astype(np.float32)}
+    whole = runtime.run(runtime.check_session(path), x)[0]
+    values = dict(x)
+    for block in blocks.blocks(ir.load(path), blocks.boundaries(ir.load(path), LAYER_BYTES)):
+        session = runtime.check_session(blocks.cut(path, block.inputs, block.outputs))
+        outputs = runtime.run(session, {n: values[n] for n in block.inputs})
+        values |= zip(block.outputs, outputs, strict=True)
+    np.testing.assert_allclose(values["y"], whole, rtol=1e-6, atol=1e-6)
+
+
+def test_a_boundary_a_node_reads_across_is_dropped(tmp_path, rng):
+    """A candidate in which a node reads, across a boundary, a value the boundary does not hand
+    on (a rewrite that spans it) runs the two blocks around it as one."""
+    path = _stack(tmp_path / "m.onnx", rng, layers=4)
+    cuts = blocks.boundaries(ir.load(path), LAYER_BYTES)
+    model = ir.load(path)
+    values = {o.name: o for n in model.graph for o in n.outputs}
+    last = next(n for n in model.graph if n.op_type == "MatMul" and n.inputs[0].name == "ns3")
+    extra = ir.node("Add", [last.outputs[0], values["ns0"]])  # layer 3 reads layer 0's norm
+    model.graph.insert_after(last, extra)
+    last.outputs[0].replace_all_uses_with(extra.outputs[0])
+    extra.replace_input_with(0, last.outputs[0])
+    found = blocks.blocks(model, cuts)
+    assert len(found) < len(cuts) + 1 and max(b.spans for b in found) > 1
+    assert sum(b.nodes for b in found) == len(list(model.graph))
+
+
+def _chains(path: Path, rng, work: Path) -> tuple[by_blocks.Chains, dict, dict]:
+    sets = {f"s{i}": {"x": rng.standard_normal((2, 8, D)).astype(np.float32)} for i in range(2)}
+    chains = by_blocks.Chains(path, LAYER_BYTES, work, "cpu")
+    moved = parity.Recorded(parity.ulp_perturbed)
+    chains.record(list(sets.values()), [moved(f) for f in sets.values()])
+    rule = {
+        "reference": parity.Recorded(chains.final(chains.oracle)),
+        "raw": parity.Recorded(chains.final(chains.raw)),
+        "reference_kind": "onnx",
+        "round_inputs": moved,
+        "atol": parity.DEFAULT_ATOL,
+        "rtol": parity.DEFAULT_RTOL,
+    }
+    return chains, sets, rule
+
+
+def _opener(model, folder):
+    session = runtime.check_session(model, external_data_folder=folder)
+    return (lambda feeds: runtime.run(session, feeds)), [o.name for o in session.get_outputs()]
+
+
+def test_a_changed_layer_fails_its_own_block(tmp_path, rng):
+    """The model with layer 2's matrix scaled by 1.01: its block fails fed the oracle's inputs,
+    the blocks before it pass, and the verdict fails; the model itself passes every block."""
+    path = _stack(tmp_path / "m" / "m.onnx", rng)
+    chains, sets, rule = _chains(path, rng, tmp_path)
+    same = chains.judge(path, _opener, sets, **rule)
+    assert same.passed and len(same.blocks) == 4
+    wrong = _stack(tmp_path / "w" / "m.onnx", np.random.default_rng(0), scaled=2)
+    verdict = chains.judge(wrong, _opener, sets, **rule)
+    assert not verdict.passed
+    local = [b.block["index"] for b in verdict.blocks if any(b.failures())]
+    assert local and local[0] == 2, local
+    assert all(not b.failures() for b in verdict.blocks[:2])
+    assert verdict.worst_block().block["index"] == 2
+
+
+def _fake_budget(monkeypatch, path: Path, share_of_whole: float) -> None:
+    """Available memory faked at ``share_of_whole`` of what whole-model parity needs."""
+    needed = plan_mod.plan(ir.load(path), "m", "cpu", latency=False, autotune=False).parity_bytes
+    available = int(share_of_whole * needed / memory.SESSIONS_SHARE)
+    monkeypatch.setattr(memory, "available_bytes", lambda: available)
+
+
+def test_a_small_budget_goes_block_by_block_with_the_same_verdict(tmp_path, rng, monkeypatch):
+    """The same model, optimized with room for whole-model parity and with half of it: the
+    second says so, runs parity by blocks, and gives the same verdict and final errors."""
+    path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6)
+    whole = normexport.optimize(path, output=tmp_path / "a" / "m.onnx", benchmark=False)
+    _fake_budget(monkeypatch, path, 0.6)
+    parted = normexport.optimize(path, output=tmp_path / "b" / "m.onnx", benchmark=False)
+    assert whole.parity.blocks is None and whole.memory.block_bytes is None
+    assert parted.memory.block_bytes is not None and len(parted.parity.blocks) >= 2
+    assert whole.fusions.counts["rmsnorm_fused"] == parted.fusions.counts["rmsnorm_fused"] == 6
+    assert whole.passed and parted.passed
+    for a, b in zip(whole.parity.probes["example"], parted.parity.probes["example"], strict=True):
+        np.testing.assert_allclose(b.max_abs_err, a.max_abs_err, rtol=0.5, atol=1e-7)
+    assert "block by block" in parted.to_dict()["memory"]["line"]
+
+
+def _room_to_optimize_only(monkeypatch, path: Path) -> None:
+    """Available memory faked between what the passes need and a deployed session's weights."""
+    found = plan_mod.plan(ir.load(path), "m", "cpu", latency=True, autotune=False)
+    assert found.working_bytes < found.weight_bytes
+    share = (found.working_bytes + found.weight_bytes) / 2
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(share / memory.SESSIONS_SHARE))
+
+
+def test_latency_is_not_timed_where_a_deployed_session_does_not_fit(tmp_path, rng, monkeypatch):
+    """Room for the passes but not for a deployed session (its prepacked weights): parity
+    runs, the latency is not timed, and the report says why."""
+    path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6, d=256)
+    _room_to_optimize_only(monkeypatch, path)
+    report = normexport.optimize(path, output=tmp_path / "o" / "m.onnx", budget_s=0.2)
+    assert report.latency.timings == {} and "latency not timed" in report.latency.apart
+    assert report.passed and report.parity.blocks
+
+
+@pytest.mark.parametrize("autotune", [False, True])
+def test_no_room_to_optimize_is_one_line_and_exit_2(tmp_path, rng, monkeypatch, capsys, autotune):
+    """Where not even the passes fit (or --autotune's deployed sessions do not), the run stops
+    before any work: exit 2, one line naming the file, what it needs and what there is."""
+    path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6, d=256)
+    if autotune:
+        _room_to_optimize_only(monkeypatch, path)
+    else:
+        _fake_budget(monkeypatch, path, 0.05)
+    out = tmp_path / "o" / "m.onnx"
+    code = cli.main([str(path), "-o", str(out), *(["--autotune"] if autotune else [])])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USAGE and len(err) == 1 and str(path) in err[0], err
+    assert ("--autotune" in err[0]) == autotune and "available" in err[0]
+    assert not out.exists()
+
+
+def test_cgroup_limits_are_read_v1_and_v2(tmp_path):
+    """The tightest group on the path wins; a group's working set leaves out its inactive
+    file cache; no limit anywhere is None."""
+    v1 = tmp_path / "v1"
+    for group, limit, usage in (("", 2**63 - 4096, 10), ("a", 8 * 2**30, 2**30), ("a/b", 2**62, 1)):
+        folder = v1 / "memory" / group
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
+        (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
+        (folder / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {2**29}\n")
+    proc = tmp_path / "cgroup1"
+    proc.write_text("9:cpu:/\n4:memory:/a/b\n0::/\n")
+    assert memory.cgroup_available(proc, v1) == 8 * 2**30 - 2**30 + 2**29
+    v2 = tmp_path / "v2"
+    (v2 / "c").mkdir(parents=True)
+    (v2 / "cgroup.controllers").write_text("memory\n")
+    (v2 / "c" / "memory.max").write_text(f"{4 * 2**30}\n")
+    (v2 / "c" / "memory.current").write_text(f"{2**30}\n")
+    (v2 / "c" / "memory.stat").write_text("anon 1\ninactive_file 0\n")
+    (v2 / "memory.max").write_text("max\n")
+    proc2 = tmp_path / "cgroup2"
+    proc2.write_text("0::/c\n")
+    assert memory.cgroup_available(proc2, v2) == 3 * 2**30
+    (v2 / "c" / "memory.max").write_text("max\n")
+    assert memory.cgroup_available(proc2, v2) is None
