@@ -17,6 +17,10 @@ process so that nothing from the build or export is counted:
   --provider cpu --report R.json``), parity on and latency off (``--no-benchmark``), then with
   latency: exit code, wall time, the process's peak RSS (its ``VmHWM`` at exit), and the
   report's ``cost`` (each stage's wall time and peak RSS, :mod:`normexport.progress`);
+- for the large models, the whole CLI again (latency asked for) in a memory cgroup limited
+  below the weights (:data:`LIMIT`, ``--limit``; :mod:`cgroup`, as root): the memory plan,
+  parity block by block (each block's time and worst error), the group's peak usage and OOM
+  kills;
 - for the large models, one ONNX Runtime session under each set of options
   (:data:`SESSION_OPTIONS`): load time, first run, peak RSS with its anonymous and file-backed
   parts, in a process capped at :data:`CAP_SHARE` of the machine's memory (a set that needs
@@ -26,9 +30,10 @@ Families: ``layers`` (hidden 64, 2 to 128 layers: does time per node stay flat?)
 (hidden 2048, 22 layers, intermediate 5632, 32 heads sharing 4 key/value heads, vocabulary
 32000: TinyLlama's shape, 1.03 B parameters, 4.1 GB of float32 weights) and ``3b-fp16`` (hidden
 3072, 30 layers, intermediate 8192, 24 heads sharing 8, vocabulary 32000: 3.1 B parameters,
-6.2 GB of float16 weights).
+6.2 GB of float16 weights), ``2.7b-fp16`` (the same with 26 layers: 2.7 B parameters, 5.4 GB).
 
-    python benchmarks/scale.py [--layers 2,8,32,128] [--big 1b,3b-fp16] [--out benchmarks/results]
+    python benchmarks/scale.py [--layers 2,8,32,128] [--big 1b,3b-fp16,2.7b-fp16]
+        [--limit 4000000000] [--out benchmarks/results]
 
 Writes ``scale.json`` and ``scale.png``. Needs about 20 GB of memory, and 25 GB of disk for
 the 3 B model (its file, the optimized copy, the run's scratch folder).
@@ -72,7 +77,10 @@ LLAMA_3B = {
 BIG = {
     "1b": (LLAMA_1B, 22, "float32"),
     "3b-fp16": (LLAMA_3B, 30, "float16"),
+    "2.7b-fp16": (LLAMA_3B, 26, "float16"),
 }
+#: The memory limit (bytes) of the CLI run in a memory cgroup, below the large models' weights.
+LIMIT = 4 * 10**9
 SEQ = 16
 #: ONNX Runtime session options measured on the large models: name -> how the session is made
 #: (``level``: graph optimization level; ``prepacking``; ``priority``: the priority-based
@@ -250,10 +258,11 @@ def run_cli(hwm_file: Path, argv: list[str]) -> int:
         hwm_file.write_text(str(_peak_rss()))
 
 
-def _cli(model_path: Path, folder: Path, benchmark: bool) -> dict:
+def _cli(model_path: Path, folder: Path, benchmark: bool, group=None) -> dict:
     """The whole CLI run in a subprocess, from ``folder`` (not the model's), its output
     written there and deleted afterwards: exit code, wall time, the process's peak RSS, the
-    report's ``cost`` and verdict."""
+    report's ``cost``, memory plan and verdict (with each block's, where parity ran by
+    blocks); ``group``: a :class:`cgroup.Group` the subprocess runs in."""
     out = folder / "cli"
     out.mkdir()
     argv = [str(model_path), "-o", str(out / "m.onnx"), "--provider", "cpu"]
@@ -265,6 +274,7 @@ def _cli(model_path: Path, folder: Path, benchmark: bool) -> dict:
         cwd=folder,
         capture_output=True,
         text=True,
+        preexec_fn=group.enter if group else None,
     )
     output = (child.stdout + child.stderr).strip()
     entry = {
@@ -280,8 +290,27 @@ def _cli(model_path: Path, folder: Path, benchmark: bool) -> dict:
         entry["cost"] = found["cost"]
         entry["parity_passed"] = found["parity"]["passed"]
         entry["latency_apart"] = (found["latency_conditions"] or {}).get("apart")
+        entry["memory"] = found["memory"]
+        entry["blocks"] = [
+            {k: b[k] for k in ("index", "nodes", "weight_bytes", "spans", "seconds", "passed")}
+            | {"worst_local_rel_l2": (b["worst_local"] or {}).get("rel_l2_err")}
+            for b in found["parity"]["blocks"] or []
+        ]
     shutil.rmtree(out)
     return entry
+
+
+def _cli_limited(model_path: Path, folder: Path, limit: int) -> dict:
+    """:func:`_cli` (latency asked for) in a memory cgroup limited to ``limit`` bytes
+    (:mod:`cgroup`), with the group's peak usage and OOM kills; or why it could not run."""
+    import cgroup
+
+    try:
+        with cgroup.limited(limit) as group:
+            entry = _cli(model_path, folder, benchmark=True, group=group)
+            return entry | {"cgroup": group.stats()}
+    except OSError as err:
+        return {"error": str(err)}
 
 
 def build_and_export(
@@ -329,10 +358,11 @@ def build_and_export(
 
 
 def measure(
-    name: str, config: dict, layers: int, dtype: str = "float32", big: bool = False
+    name: str, config: dict, layers: int, dtype: str = "float32", big: int | None = None
 ) -> dict:
-    """Build, export and measure one model; its folder is deleted afterwards. ``big``: the
-    session options and the whole CLI too."""
+    """Build, export and measure one model; its folder is deleted afterwards. ``big`` (a
+    memory limit, bytes): the session options and the whole CLI too, and the CLI under that
+    memory limit."""
     with tempfile.TemporaryDirectory(prefix=f"scale-{name}-") as tmp:
         folder = Path(tmp)
         start = time.perf_counter()
@@ -355,6 +385,7 @@ def measure(
         if big:
             entry["sessions"] = {o: _in_subprocess("session", path, o) for o in SESSION_OPTIONS}
             entry["cli"] = [_cli(path, folder, benchmark=b) for b in (False, True)]
+            entry["cli_limited"] = _cli_limited(path, folder, big)
             print(f"{name}: sessions and CLI done", file=sys.stderr)
         stages = entry["stages"]
         entry["optimize_us_per_node"] = stages["optimize"]["wall_s"] / stages["nodes"] * 1e6
@@ -384,11 +415,16 @@ def write_chart(result: dict, path: Path) -> None:
     axes = fig.subplots(1, len(big) + 2)
     for ax, model in zip(axes, big, strict=False):
         weights = model["weight_bytes"] / 2**30
-        for offset, run in zip((-0.2, 0.2), model["cli"], strict=True):
+        limited = model.get("cli_limited", {})
+        runs = [*model["cli"], *([limited] if "cost" in limited else [])]
+        for k, run in enumerate(runs):
             stages = run.get("cost", {}).get("stages", [])
             label = "with latency" if run["latency"] else "parity only"
-            xs = [i + offset for i in range(len(stages))]
-            ax.bar(xs, [s["peak_rss_bytes"] / 2**30 for s in stages], width=0.4, label=label)
+            if "cgroup" in run:
+                label = f"under a {run['cgroup']['limit_bytes'] / 1e9:g} GB cgroup"
+                ax.axhline(run["cgroup"]["limit_bytes"] / 2**30, color="r", lw=1, label="limit")
+            xs = [i + (k - 1) * 0.27 for i in range(len(stages))]
+            ax.bar(xs, [s["peak_rss_bytes"] / 2**30 for s in stages], width=0.27, label=label)
             ax.set_xticks(range(len(stages)), [s["name"] for s in stages], rotation=30)
         for factor, style in ((1.0, "--"), (1.5, ":"), (2.0, "-.")):
             ax.axhline(factor * weights, color="k", ls=style, lw=1, label=f"{factor:g}x weights")
@@ -424,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", default="2,8,32,128", help="layer counts of the hidden-64 family")
     p.add_argument("--big", default=",".join(BIG), help=f"large models to run, of {list(BIG)}")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument(
+        "--limit", type=int, default=LIMIT, help="memory cgroup limit (bytes) of the last CLI run"
+    )
     p.add_argument("--_stages", nargs=2, type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_ort_offline", nargs=2, type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_session", nargs=2, help=argparse.SUPPRESS)
@@ -465,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         save()
     for name in (n for n in args.big.split(",") if n):
         config, layers, dtype = BIG[name]
-        models.append(measure(f"llama-{name}", config, layers, dtype, big=True))
+        models.append(measure(f"llama-{name}", config, layers, dtype, big=args.limit))
         save()
     write_chart(result, args.out / "scale.png")
     for m in models:
@@ -477,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
             what = "with latency" if run["latency"] else "parity only"
             line += f"; CLI {what}: exit {run['exit_code']}, {run['wall_s']:.1f} s at "
             line += f"{run['rss_over_weights']:.2f}x the weights"
+        limited = m.get("cli_limited", {})
+        if "exit_code" in limited:
+            line += f"; under {limited['cgroup']['limit_bytes'] / 1e9:.1f} GB: exit "
+            line += f"{limited['exit_code']}, {limited['wall_s']:.1f} s, "
+            line += f"{len(limited.get('blocks', []))} blocks"
         print(line)
     return 0
 

@@ -64,7 +64,12 @@ def run(opts: Options) -> Report:
         job = job_mod.start(opts, output, provider, prepared)
         del prepared  # the passes change ``raw`` in place; nothing else holds it
         memory = plan.plan(
-            raw, str(opts.model), job.provider, latency=opts.benchmark, autotune=opts.autotune
+            raw,
+            str(opts.model),
+            job.provider,
+            latency=opts.benchmark,
+            autotune=opts.autotune,
+            by_blocks=job.loaded.module is None,
         )
         if memory.said:
             progress.say(memory.line)

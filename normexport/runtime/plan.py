@@ -66,7 +66,8 @@ class MemoryPlan:
     @property
     def said(self) -> bool:
         """Whether the plan is worth a line before the run: large weights, or a change."""
-        changed = self.block_bytes is not None or self.latency is not None
+        changed = self.parity_bytes > memory.SESSIONS_SHARE * (self.available_bytes or 2**62)
+        changed = changed or self.latency is not None
         return changed or self.weight_bytes >= QUIET_BYTES
 
     def to_dict(self) -> dict:
@@ -75,22 +76,26 @@ class MemoryPlan:
 
 
 def plan(
-    model: ir.Model, source: str, provider: str, *, latency: bool, autotune: bool
+    model: ir.Model,
+    source: str,
+    provider: str,
+    *,
+    latency: bool,
+    autotune: bool,
+    by_blocks: bool = True,
 ) -> MemoryPlan:
     """The memory plan of the raw ``model`` (its initializers read from their headers), named
-    ``source`` in messages, on ``provider``; ``latency``, ``autotune``: whether they run.
+    ``source`` in messages, on ``provider``; ``latency``, ``autotune``: whether they run;
+    ``by_blocks``: whether parity can run block by block (ONNX input: a PyTorch model is in
+    memory whole, and its parity runs whole).
 
     Raises:
         EnvironmentProblem: not even the passes fit (exit 2), or ``autotune`` was asked for
             and a deployed session does not fit; the message gives what is needed and what
             there is.
     """
-    tensors = [
-        v.const_value
-        for g in model.graphs()
-        for v in g.initializers.values()
-        if v.const_value is not None
-    ]
+    tensors = [v.const_value for g in model.graphs() for v in g.initializers.values()]
+    tensors = [t for t in tensors if t is not None]
     weights = sum(t.nbytes for t in tensors)
     widest = max((t.size * 4 for t in tensors), default=0)
     working = WORKING_TENSORS * widest + _graph_bytes(model)
@@ -104,8 +109,8 @@ def plan(
             f"{_gib(working)} (the largest tensor, {_gib(widest)} in float32, "
             f"{WORKING_TENSORS} times, and the graph), {have}; run it where more memory is free"
         )
-    blocks = None
-    if share is not None and oracle + working > share:
+    blocks, fits = None, share is None or oracle + working <= share
+    if not fits and by_blocks:
         blocks = max(int((share - working) * weights / max(oracle, 1)), widest)
     deployed = memory.weights_in_session(tensors, provider)
     skipped = None
@@ -117,16 +122,25 @@ def plan(
         if autotune:
             raise EnvironmentProblem(f"{source}: --autotune times deployed sessions: {skipped}")
     line = f"memory: {_gib(weights)} of weights, {have or 'available memory unknown'}: "
-    if blocks is None:
-        line += "whole-model parity fits"
-    else:
-        line += (
-            f"whole-model parity needs about {_gib(oracle + working)}, so parity runs block "
-            f"by block, each reading at most {_gib(blocks)} of weights"
-        )
+    line += _parity_line(fits, blocks, oracle + working)
     line += f"; {skipped}" if skipped and latency else ""
     skipped = skipped if latency else None
     return MemoryPlan(available, weights, working, oracle + working, blocks, skipped, line)
+
+
+def _parity_line(fits: bool, blocks: int | None, needed: int) -> str:
+    """How parity runs, in words: whole, whole though it does not fit, or block by block."""
+    if fits:
+        return "whole-model parity fits"
+    if blocks is None:
+        return (
+            f"whole-model parity needs about {_gib(needed)}, and a PyTorch model's runs whole: "
+            "its sessions read their weights from disk on every run"
+        )
+    return (
+        f"whole-model parity needs about {_gib(needed)}, so parity runs block by block, each "
+        f"reading at most {_gib(blocks)} of weights"
+    )
 
 
 def _graph_bytes(model: ir.Model) -> int:

@@ -54,13 +54,20 @@ class Chains:
             (:func:`normexport.verdict.blocks.boundaries`).
         work: a scratch folder for the float64 blocks.
         provider: runs the raw model's blocks (the oracle runs on the CPU).
+
+    Raises:
+        ValueError: a graph output is not computed by a node (a graph input or an initializer
+            passed through): the chains hand on computed values only.
     """
 
     def __init__(self, raw_path: Path, max_bytes: int, work: Path, provider: str):
         self.raw_path, self.work, self.provider = raw_path, work, provider
         self.cuts = blocks_mod.boundaries(ir.load(raw_path), max_bytes)
         self.blocks = blocks_mod.blocks(ir.load(raw_path), self.cuts)
-        self.outputs = [v.name for v in ir.load(raw_path).graph.outputs]
+        graph = ir.load(raw_path).graph
+        self.outputs = [v.name for v in graph.outputs]
+        if any(v.producer() is None for v in graph.outputs):
+            raise ValueError(f"{raw_path}: a graph output is not computed by any node")
         self.oracle: Store = {}
         self.raw: Store = {}
         self.raw_local: Store = {}

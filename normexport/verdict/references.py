@@ -75,8 +75,9 @@ class Judge:
         block_bytes: int | None = None,
     ):
         self.loaded, self.raw, self.raw_path, self.rule = loaded, raw, raw_path, rule
-        by_parts = block_bytes is not None and loaded.module is None
-        self.chains = by_blocks.Chains(raw_path, block_bytes, work, provider) if by_parts else None
+        self.chains = None
+        if block_bytes is not None and loaded.module is None:
+            self.chains = _chains(raw_path, block_bytes, work, provider)
         self.sets, self.feed_names, self.work, self.provider = sets, feed_names, work, provider
         self.atol, self.rtol, self.strict = atol, rtol, strict
         self._references: dict | None = None
@@ -170,6 +171,15 @@ class Judge:
             del run  # the candidate's session, handed back before the next one opens
         give_back()
         return verdict
+
+
+def _chains(raw_path: Path, block_bytes: int, work: Path, provider: str):
+    """:class:`by_blocks.Chains` of the model, or None where it cannot be cut (its parity then
+    runs whole, its sessions reading their weights from disk on every run)."""
+    try:
+        return by_blocks.Chains(raw_path, block_bytes, work, provider)
+    except ValueError:
+        return None
 
 
 def references(judge: Judge) -> dict:

@@ -225,3 +225,24 @@ def test_cgroup_limits_are_read_v1_and_v2(tmp_path):
     assert memory.cgroup_available(proc2, v2) == 3 * 2**30
     (v2 / "c" / "memory.max").write_text("max\n")
     assert memory.cgroup_available(proc2, v2) is None
+
+
+def test_a_pytorch_model_runs_whole_and_the_plan_says_so(tmp_path, rng, monkeypatch):
+    """A PyTorch model is in memory whole: with too little room for whole-model parity, it
+    still runs whole (its sessions read their weights from disk), and the plan says so."""
+    import torch
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.LayerNorm(256)).eval()
+    with torch.no_grad():
+        module[1].weight.uniform_(0.5, 1.5)
+        module[1].bias.normal_()
+    x = torch.randn(2, 256)
+    exported = tmp_path / "raw.onnx"
+    torch.onnx.export(module, (x,), str(exported), dynamo=False, input_names=["x"])
+    needed = plan_mod.plan(ir.load(exported), "m", "cpu", latency=False, autotune=False)
+    available = int(0.9 * needed.parity_bytes / memory.SESSIONS_SHARE)
+    monkeypatch.setattr(memory, "available_bytes", lambda: available)
+    report = normexport.optimize(module, (x,), output=tmp_path / "o" / "m.onnx", benchmark=False)
+    assert report.memory.block_bytes is None and report.parity.blocks is None
+    assert "runs whole" in report.memory.line and report.passed
