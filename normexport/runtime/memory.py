@@ -75,12 +75,14 @@ def cgroup_available(
     proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
 ) -> int | None:
     """What the memory cgroups this process is in still allow it (bytes): over the process's
-    group and each group above it that has a limit, the smallest ``limit - working set``,
-    where the working set is the usage less the inactive file cache the kernel reclaims first
-    (cAdvisor's and the kubelet's definition, the figure they evict on). cgroup v1 (the
-    ``memory`` controller: ``memory.limit_in_bytes``, ``memory.usage_in_bytes``,
-    ``memory.stat``'s ``total_inactive_file``) and v2 (``memory.max``, ``memory.current``,
-    ``inactive_file``). None where no group has a limit or the files cannot be read.
+    group and each group above it that has a limit, the smallest ``limit - usage + file
+    cache``, the file cache (active and inactive) being what the kernel reclaims before it
+    kills, as ``MemAvailable`` counts it (a model file read by an earlier run stays in the
+    group's cache, charged to it). cgroup v1 (the ``memory`` controller:
+    ``memory.limit_in_bytes``, ``memory.usage_in_bytes``, ``memory.stat``'s
+    ``total_inactive_file`` and ``total_active_file``) and v2 (``memory.max``,
+    ``memory.current``, ``inactive_file`` and ``active_file``). None where no group has a
+    limit or the files cannot be read.
 
     Args:
         proc_cgroup: the process's cgroup membership file.
@@ -100,18 +102,22 @@ def cgroup_available(
     return min(found) if found else None
 
 
-#: Per cgroup version: the limit file, the usage file, the inactive file cache's key in
+#: Per cgroup version: the limit file, the usage file, the file cache's keys in
 #: ``memory.stat`` (v1's ``total_``: this group and its children).
 _FILES = {
-    "v1": ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
-    "v2": ("memory.max", "memory.current", "inactive_file"),
+    "v1": (
+        "memory.limit_in_bytes",
+        "memory.usage_in_bytes",
+        ("total_inactive_file", "total_active_file"),
+    ),
+    "v2": ("memory.max", "memory.current", ("inactive_file", "active_file")),
 }
 
 
 def _group_room(mount: Path, path: str, version: str) -> list[int]:
-    """``limit - working set`` of the group at ``path`` under ``mount`` and of each group
-    above it that has a limit (bytes)."""
-    limit_file, usage_file, inactive_key = _FILES[version]
+    """``limit - usage + file cache`` of the group at ``path`` under ``mount`` and of each
+    group above it that has a limit (bytes)."""
+    limit_file, usage_file, cache_keys = _FILES[version]
     rooms, group = [], mount / path.strip("/")
     while True:
         try:
@@ -121,7 +127,8 @@ def _group_room(mount: Path, path: str, version: str) -> list[int]:
                 stat = dict(
                     line.split() for line in (group / "memory.stat").read_text().splitlines()
                 )
-                rooms.append(max(0, int(limit) - usage + int(stat.get(inactive_key, 0))))
+                cache = sum(int(stat.get(key, 0)) for key in cache_keys)
+                rooms.append(max(0, int(limit) - usage + cache))
         except (OSError, ValueError):
             pass  # a level we may not read, or none mounted here
         if group == mount or mount not in group.parents:

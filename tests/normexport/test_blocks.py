@@ -201,28 +201,29 @@ def test_no_room_to_optimize_is_one_line_and_exit_2(tmp_path, rng, monkeypatch, 
 
 
 def test_cgroup_limits_are_read_v1_and_v2(tmp_path):
-    """The tightest group on the path wins; a group's working set leaves out its inactive
-    file cache; no limit anywhere is None."""
+    """The tightest group on the path wins; its file cache (active and inactive) counts as
+    available; no limit anywhere is None."""
     v1 = tmp_path / "v1"
     for group, limit, usage in (("", 2**63 - 4096, 10), ("a", 8 * 2**30, 2**30), ("a/b", 2**62, 1)):
         folder = v1 / "memory" / group
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
         (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
-        (folder / "memory.stat").write_text(f"cache 5\ntotal_inactive_file {2**29}\n")
+        stat = f"cache 5\ntotal_inactive_file {2**29}\ntotal_active_file {2**28}\n"
+        (folder / "memory.stat").write_text(stat)
     proc = tmp_path / "cgroup1"
     proc.write_text("9:cpu:/\n4:memory:/a/b\n0::/\n")
-    assert memory.cgroup_available(proc, v1) == 8 * 2**30 - 2**30 + 2**29
+    assert memory.cgroup_available(proc, v1) == 8 * 2**30 - 2**30 + 2**29 + 2**28
     v2 = tmp_path / "v2"
     (v2 / "c").mkdir(parents=True)
     (v2 / "cgroup.controllers").write_text("memory\n")
     (v2 / "c" / "memory.max").write_text(f"{4 * 2**30}\n")
     (v2 / "c" / "memory.current").write_text(f"{2**30}\n")
-    (v2 / "c" / "memory.stat").write_text("anon 1\ninactive_file 0\n")
+    (v2 / "c" / "memory.stat").write_text("anon 1\ninactive_file 0\nactive_file 5\n")
     (v2 / "memory.max").write_text("max\n")
     proc2 = tmp_path / "cgroup2"
     proc2.write_text("0::/c\n")
-    assert memory.cgroup_available(proc2, v2) == 3 * 2**30
+    assert memory.cgroup_available(proc2, v2) == 3 * 2**30 + 5
     (v2 / "c" / "memory.max").write_text("max\n")
     assert memory.cgroup_available(proc2, v2) is None
 
