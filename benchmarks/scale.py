@@ -425,7 +425,8 @@ def write_chart(result: dict, path: Path) -> None:
                 ax.axhline(run["cgroup"]["limit_bytes"] / 2**30, color="r", lw=1, label="limit")
             xs = [i + (k - 1) * 0.27 for i in range(len(stages))]
             ax.bar(xs, [s["peak_rss_bytes"] / 2**30 for s in stages], width=0.27, label=label)
-            ax.set_xticks(range(len(stages)), [s["name"] for s in stages], rotation=30)
+        longest = max((r.get("cost", {}).get("stages", []) for r in runs), key=len)
+        ax.set_xticks(range(len(longest)), [s["name"] for s in longest], rotation=30)
         for factor, style in ((1.0, "--"), (1.5, ":"), (2.0, "-.")):
             ax.axhline(factor * weights, color="k", ls=style, lw=1, label=f"{factor:g}x weights")
         ax.set_ylabel("peak RSS (GiB)")
@@ -436,9 +437,9 @@ def write_chart(result: dict, path: Path) -> None:
         names = list(model["sessions"])
         peaks = [model["sessions"][n].get("peak_rss_bytes", 0) for n in names]
         peaks = [peak / model["weight_bytes"] for peak in peaks]
-        ax.bar(
-            [j + 0.4 * i - 0.2 for j in range(len(names))], peaks, width=0.4, label=model["name"]
-        )
+        width = 0.8 / len(big)
+        xs = [j + (i - (len(big) - 1) / 2) * width for j in range(len(names))]
+        ax.bar(xs, peaks, width=width, label=model["name"])
         ax.set_xticks(range(len(names)), names, rotation=30)
     ax.set_ylabel("one session's peak RSS / weights")
     ax.set_title("ONNX Runtime session options (CPU)")
