@@ -18,7 +18,7 @@ nothing is copied.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import onnx_ir as ir
@@ -91,11 +91,18 @@ def blocks(model: ir.Model, cuts: Sequence[Boundary]) -> list[Block]:
         del kept[found]  # the boundary before block ``found + 1`` does not cut this model
 
 
-def cut(src: Path, inputs: Sequence[str], outputs: Sequence[str] | None = None) -> ir.Model:
+def cut(
+    src: Path,
+    inputs: Sequence[str],
+    outputs: Sequence[str] | None = None,
+    types: Mapping[str, ir.DataType] | None = None,
+) -> ir.Model:
     """The model at ``src`` (loaded lazily: its external tensors still point into its external
     data file) with each of ``inputs`` a graph input instead of the output of the node computing
     it, and ``outputs`` (default: its own) as its graph outputs; the graph inputs, nodes and
-    initializers no longer read are removed.
+    initializers no longer read are removed. ``types``: the element type of an input whose
+    value the file does not annotate (a graph input must have one; exporters annotate only
+    some intermediate values).
 
     Raises:
         ValueError: a value of ``inputs`` is not computed by any node of the model, or a value of
@@ -113,7 +120,8 @@ def cut(src: Path, inputs: Sequence[str], outputs: Sequence[str] | None = None) 
                 continue
             raise ValueError(f"{src}: no node computes value {name!r}")
         out = next(o for o in node.outputs if o.name == name)
-        fed = ir.Value(name=name, type=out.type, shape=out.shape)
+        known = out.type or (ir.TensorType(types[name]) if types and name in types else None)
+        fed = ir.Value(name=name, type=known, shape=out.shape)
         out.replace_all_uses_with(fed, replace_graph_outputs=True)
         model.graph.inputs.append(fed)
         values[name] = fed

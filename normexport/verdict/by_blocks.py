@@ -104,7 +104,8 @@ class Chains:
     def _record_block(self, block: blocks_mod.Block, sets, raw_new, oracle_new) -> None:
         """One block of the references, on the new sets: the raw model's (chained, and fed
         the oracle's values), then the oracle's, self-checked on the example set."""
-        model = blocks_mod.cut(self.raw_path, block.inputs, block.outputs)
+        types = _types(block, sets[0], self.raw)
+        model = blocks_mod.cut(self.raw_path, block.inputs, block.outputs, types)
         session = runtime.OnDemand(
             _graph(model), self.provider, external_data_folder=self.raw_path.parent
         )
@@ -144,7 +145,8 @@ class Chains:
         for block in found:
             progress.step(f"block {block.index + 1} of {len(found)}")
             start = time.perf_counter()
-            model = blocks_mod.cut(path, block.inputs, block.outputs)
+            types = _types(block, next(iter(sets.values())), chain)
+            model = blocks_mod.cut(path, block.inputs, block.outputs, types)
             run, _ = opener(_graph(model), path.parent)
             for feeds in sets.values():
                 own = _fed(block, feeds, chain)
@@ -203,6 +205,12 @@ def _fed(block: blocks_mod.Block, feeds: Mapping, store: Store) -> dict[str, np.
     """The block's inputs: the values ``store`` recorded for ``feeds``, else the feeds."""
     values = store[id(feeds)]
     return {n: values[n] if n in values else feeds[n] for n in block.inputs}
+
+
+def _types(block: blocks_mod.Block, feeds: Mapping, store: Store) -> dict[str, ir.DataType]:
+    """The element types of the block's inputs, as the previous blocks computed them."""
+    values = store[id(feeds)]
+    return {n: ir.DataType.from_numpy(values[n].dtype) for n in block.inputs if n in values}
 
 
 def _like(own: dict[str, np.ndarray], oracle: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
