@@ -28,7 +28,7 @@ from normexport.pipeline import job as job_mod
 from normexport.pipeline import measure, optimize
 from normexport.pipeline.prepare import Prepared, prepare
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
-from normexport.runtime import plan
+from normexport.runtime import cuda_kernels, plan
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
 
@@ -200,4 +200,5 @@ def _report(
         rollback=staged.rollback,
         cost=cost,
         memory=memory,
+        cuda_fallbacks=cuda_kernels.without_kernel(optimized) if job.provider == "cuda" else None,
     )

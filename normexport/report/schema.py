@@ -13,6 +13,7 @@ import fusion
 from fusion import FUSION_KINDS
 from normexport.progress import Stage
 from normexport.report.explain import AlreadyFused
+from normexport.runtime.cuda_kernels import Fallback
 from normexport.runtime.latency import BUSY_SPREAD, Timing
 from normexport.runtime.plan import MemoryPlan
 from normexport.verdict.checker import Checker
@@ -204,6 +205,9 @@ class Report:
         cost: the run's wall time and peak memory per stage (:class:`Cost`), or None.
         memory: the memory plan made before the first session
             (:class:`normexport.runtime.plan.MemoryPlan`), or None.
+        cuda_fallbacks: on the CUDA provider, the nodes of the output it has no kernel for
+            (ONNX Runtime runs them on the CPU: :func:`normexport.runtime.cuda_kernels.
+            without_kernel`); None on the CPU provider.
     """
 
     model: str
@@ -231,6 +235,7 @@ class Report:
     rollback: Outcome | None = None
     cost: Cost | None = None
     memory: MemoryPlan | None = None
+    cuda_fallbacks: list[Fallback] | None = None
 
     @property
     def passed(self) -> bool:
@@ -274,4 +279,9 @@ class Report:
             "rollback": self.rollback.to_dict() if self.rollback else None,
             "cost": self.cost.to_dict() if self.cost else None,
             "memory": self.memory.to_dict() if self.memory else None,
+            "cuda_fallbacks": (
+                None
+                if self.cuda_fallbacks is None
+                else [dataclasses.asdict(f) for f in self.cuda_fallbacks]
+            ),
         }

@@ -133,6 +133,18 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
         )
 
 
+def _cuda_note(fallbacks: list) -> str:
+    """One line: every node has a CUDA kernel, or which ones ONNX Runtime runs on the CPU."""
+    if not fallbacks:
+        return "every node has a CUDA kernel (ONNX Runtime's kernel table)"
+    shown = "; ".join(f"{f.node} ({f.op}): {f.why}" for f in fallbacks[:5])
+    more = f"; and {len(fallbacks) - 5} more" if len(fallbacks) > 5 else ""
+    return (
+        f"[yellow]note[/]: {len(fallbacks)} node(s) have no CUDA kernel, and ONNX Runtime runs "
+        f"them on the CPU, copying their tensors across: {shown}{more}"
+    )
+
+
 def _blocks(parity: ParityResult) -> str:
     """One line: parity ran block by block, and its worst block."""
     line = f"parity ran block by block ({len(parity.blocks)} blocks)"
@@ -329,6 +341,8 @@ def render(report: Report, console: Console) -> None:
     console.print(f"provider: [bold]{report.provider}[/]")
     if report.provider_note:
         console.print(f"[yellow]{report.provider_note}[/]")
+    if report.cuda_fallbacks is not None:
+        console.print(_cuda_note(report.cuda_fallbacks))
     if report.latency and report.latency.timings:
         _render_latency(report.latency, console)
     elif report.latency and report.latency.apart:

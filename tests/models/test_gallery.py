@@ -29,7 +29,7 @@ from fusion.registry import KINDS
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
 from normexport.io.export import export_module
 from normexport.io.inputs import input_sets
-from normexport.runtime import make_session, run
+from normexport.runtime import cuda_kernels, make_session, run
 from normexport.verdict.parity import check_parity
 
 pytestmark = pytest.mark.slow  # exports every gallery entry
@@ -97,6 +97,11 @@ def _check_expectation(entry: Entry, opset: int, raw: Counter, model: ir.Model, 
             assert node.attributes.get_int("stash_type", 1) == 1
 
 
+def _fallbacks(model: ir.Model) -> Counter:
+    """The ops of ``model`` the CUDA provider has no kernel for, with their node counts."""
+    return Counter(f.op for f in cuda_kernels.without_kernel(model))
+
+
 def _runner(model: ir.Model):
     """``model`` (as it is now) run on ONNX Runtime's CPU provider as written; None where ORT
     has no kernel for its ops there (the bfloat16 entries' Mul, before the passes)."""
@@ -116,10 +121,13 @@ def test_gallery_entry(entry: Entry, exporter: str, opset: int):
     ).model
     raw = _ops(model)
     raw_run = _runner(model)  # before the passes
+    raw_fallbacks = _fallbacks(model)
 
     report = fusion.optimize(model)
 
     _check_expectation(entry, opset, raw, model, report)
+    # what the passes wrote runs on CUDA wherever the export did (ONNX Runtime's kernel table)
+    assert _fallbacks(model) <= raw_fallbacks, cuda_kernels.without_kernel(model)
     fusion.check(model)
     make_session(model, "cpu")  # loads as deployed, under ORT's own optimizations
     # Parity of the model as written: ORT's session fusions would judge ORT (they turn the
