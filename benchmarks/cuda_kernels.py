@@ -127,9 +127,8 @@ def _cases(scratch: Path):
 
 
 def write_chart(rows: list[dict], path: Path) -> None:
-    """Left: fallbacks as exported and after the passes, per model that has any (float32).
-    Right: per precision, the nodes without a CUDA kernel fully converted and after the
-    conversion keeps what lacks one in float32, summed over the converted models."""
+    """Nodes without a CUDA kernel summed per kind of model, as exported and after the passes
+    (float32), and per precision fully converted and after the conversion."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,27 +136,29 @@ def write_chart(rows: list[dict], path: Path) -> None:
 
     from normexport.io.files import save_figure
 
-    shown = [r for r in rows if r["before"] or r["after"]] or rows[:10]
-    fig = Figure(figsize=(max(9, 0.5 * len(shown) + 5), 4.5))
-    ax, half = fig.subplots(1, 2, width_ratios=[max(2, len(shown)), 3])
-    xs = range(len(shown))
-    ax.bar([x - 0.2 for x in xs], [r["before"] for r in shown], width=0.4, label="as exported")
-    ax.bar([x + 0.2 for x in xs], [r["after"] for r in shown], width=0.4, label="normexport")
-    ax.set_xticks(list(xs), [r["name"] for r in shown], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("nodes without a CUDA kernel")
-    ax.set_title(f"float32: {len(rows)} models, those with a fallback shown")
-    ax.legend()
-    for i, precision in enumerate(("fp16", "bf16")):
+    bars = []  # (label, before, after, models)
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        mine = [r for r in rows if r["kind"] == kind]
+        bars.append((f"{kind}\nfp32", sum(r["before"] for r in mine), sum(r["after"] for r in mine),
+                     f"{len(mine)} models"))  # fmt: skip
+    for precision in ("fp16", "bf16"):
         found = [r[precision] for r in rows if precision in r]
-        full = sum(f["fully_converted"] or 0 for f in found)
-        after = sum(f.get("after", 0) for f in found)
         refused = sum("refused" in f for f in found)
-        half.bar([i - 0.2], [full], width=0.4, color="C0", label="fully converted" if i else None)
-        half.bar([i + 0.2], [after], width=0.4, color="C1", label="normexport" if i else None)
-        half.annotate(f"{len(found)} models, {refused} refused", (i, max(full, after)), ha="center")
-    half.set_xticks([0, 1], ["fp16", "bf16"])
-    half.set_title("half precision for CUDA (the table answers the kernel question)")
-    half.legend()
+        full = sum(f["fully_converted"] or 0 for f in found if "refused" not in f)
+        after = sum(f.get("after", 0) for f in found)
+        bars.append((f"demo + gallery\n{precision}", full, after,
+                     f"{len(found)} models, {refused} refused"))  # fmt: skip
+    fig = Figure(figsize=(9, 4.5))
+    ax = fig.subplots()
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, label="as exported / fully")
+    ax.bar([x + 0.2 for x in xs], [b[2] for b in bars], width=0.4, label="normexport's output")
+    for x, bar in zip(xs, bars, strict=True):
+        ax.annotate(bar[3], (x, max(bar[1], bar[2])), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("nodes without a CUDA kernel")
+    ax.set_title("ONNX Runtime's CUDA kernel table, checked without a GPU")
+    ax.legend()
     fig.tight_layout()
     save_figure(fig, path)
 
