@@ -37,6 +37,7 @@ def optimize(
     output: str | os.PathLike | None = None,
     report: str | os.PathLike | None = None,
     input_shapes: Sequence[str | Sequence[int]] = (),
+    dims: Mapping[str, int] | None = None,
     inputs: str | os.PathLike | None = None,
     dynamic: str | None = None,
     opset: int | None = None,
@@ -70,6 +71,8 @@ def optimize(
         report: also write the JSON report here, and the latency chart beside it as ``.png``.
         input_shapes: one per input in ``forward()`` order (``--input-shape``), as
             ``"1,3,224,224"``, ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
+        dims: symbolic axis name -> size, for every input axis of that name (``--dim``;
+            ONNX input).
         inputs: an ``.npz`` of example inputs by name (``--inputs``).
         dynamic, opset, target, provider, exporter, autotune, strict, trust_pickle,
             model_class, precision, keep_io_types: as the flags (:class:`Options`).
@@ -124,6 +127,7 @@ def _options(given: dict[str, Any]) -> Options:
         if key in values:
             values[key] = Path(values[key])
     values["input_shape"] = [_shape_spec(s) for s in values.pop("input_shapes")]
+    values["dim"] = [f"{k}={v}" for k, v in values.pop("dims", {}).items()]
     if isinstance(values.get("model_kwargs"), Mapping):
         values["model_kwargs"] = json.dumps(dict(values["model_kwargs"]))
     if isinstance(model, str | os.PathLike):

@@ -33,6 +33,8 @@ class Options:
         report: where the caller will write the JSON report (and ``.png`` chart beside it), or
             None; checked up front so that no output lands on the input or on another.
         input_shape: ``--input-shape`` specs, see :mod:`normexport.io.inputs`.
+        dim: ``--dim`` values, ``NAME=SIZE``: the size of every input axis of that symbolic
+            name (ONNX input; :mod:`normexport.io.dims`).
         inputs: an ``.npz`` file of example inputs by name (real data), or None.
         dynamic: ``--dynamic`` axes, e.g. ``batch``, ``batch,sequence`` or ``x:0,2``.
         opset: ai.onnx opset to export at (None: the exporter's default).
@@ -67,6 +69,7 @@ class Options:
     output: Path | None = None
     report: Path | None = None
     input_shape: list[str] = dataclasses.field(default_factory=list)
+    dim: list[str] = dataclasses.field(default_factory=list)
     inputs: Path | None = None
     dynamic: str | None = None
     opset: int | None = None
@@ -116,6 +119,13 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SHAPE",
         help="one per input, in forward() order: 1,3,224,224 or input_ids=2x16:int64",
+    )
+    p.add_argument(
+        "--dim",
+        action="append",
+        default=[],
+        metavar="NAME=SIZE",
+        help="size of every input axis of that symbolic name, e.g. sequence_length=16 (ONNX)",
     )
     p.add_argument("--inputs", type=Path, help=".npz of example inputs by name (real data)")
     p.add_argument(

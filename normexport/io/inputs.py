@@ -10,11 +10,13 @@ import dataclasses
 import math
 import os
 import re
+from collections.abc import Mapping
 
 import numpy as np
 import onnx_ir as ir
 
 from normexport.errors import UsageError
+from normexport.io import dims as dims_mod
 
 _SPEC = re.compile(
     r"^(?:(?P<name>[A-Za-z_][\w.:/-]*)=)?(?P<dims>\d+(?:[x,]\d+)*)(?::(?P<dtype>\w+))?$"
@@ -177,15 +179,18 @@ def _has_numpy(dtype: ir.DataType) -> bool:
     return True
 
 
-def onnx_input_specs(model: ir.Model, given: list[InputSpec], path: str) -> list[InputSpec]:
-    """Concrete specs for an ONNX model's graph inputs.
+def onnx_input_specs(
+    model: ir.Model, given: list[InputSpec], path: str, dims: Mapping[str, int] | None = None
+) -> tuple[list[InputSpec], dict[str, int]]:
+    """Concrete specs for an ONNX model's graph inputs, and the usual axis names given their
+    default size (:data:`normexport.io.dims.USUAL`), for the report.
 
     Each input's shape comes from ``given`` (matched by name, else by position) or from the
-    graph; a symbolic first axis (batch) becomes 1. Any other symbolic axis needs a spec.
+    graph, its symbolic axes sized by ``dims`` (``--dim``) and :mod:`normexport.io.dims`.
 
     Raises:
-        UsageError: an input has a symbolic axis other than the first and no spec, or a named
-            spec matches no graph input.
+        UsageError: a named spec or a ``--dim`` matches no graph input or axis; an input has no
+            shape; symbolic axes have no size (one error naming every input's axes).
     """
     inputs = [v for v in model.graph.inputs if not v.is_initializer()]
     names = {v.name for v in inputs}
@@ -194,9 +199,11 @@ def onnx_input_specs(model: ir.Model, given: list[InputSpec], path: str) -> list
             raise UsageError(
                 f"--input-shape names {spec.name!r}, but {path} has inputs {sorted(names)}"
             )
+    sizes = dict(dims or {})
+    dims_mod.check_given(sizes, inputs, path)
     by_name = {s.name: s for s in given if s.name is not None}
     unnamed = [s for s in given if s.name is None]
-    specs = []
+    specs, defaulted, unknown, nameless = [], {}, [], []
     for i, value in enumerate(inputs):
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype("float32")
         spec = by_name.get(value.name) or (unnamed[i] if i < len(unnamed) else None)
@@ -208,21 +215,17 @@ def onnx_input_specs(model: ir.Model, given: list[InputSpec], path: str) -> list
                 f"{path}: input {value.name!r} has no shape in the file; give it, e.g. "
                 f"--input-shape {value.name}=1,3,224,224"
             )
-        dims = list(value.shape)
         shape = []
-        for axis, dim in enumerate(dims):
-            if isinstance(dim, int):
-                shape.append(dim)
-            elif axis == 0:
-                shape.append(1)
-            else:
-                example = "x".join(str(d) if isinstance(d, int) else "1" for d in dims)
-                raise UsageError(
-                    f"{path}: input {value.name!r} has symbolic axis {axis} ({dim}); give "
-                    f"its shape, e.g. --input-shape {value.name}={example}"
-                )
+        for axis, dim in enumerate(value.shape):
+            found = dims_mod.size(dim, sizes, defaulted)
+            if found is None and axis > 0:
+                unknown += [n for n in dims_mod.names(dim) if n not in sizes]
+                nameless += [value] if not dims_mod.names(dim) else []
+            shape.append(found or 1)  # a first axis of another name: a batch of 1
         specs.append(InputSpec(value.name, tuple(shape), dtype))
-    return specs
+    if unknown or nameless:
+        raise dims_mod.missing(path, inputs, unknown, list(dict.fromkeys(nameless)))
+    return specs, defaulted
 
 
 #: Probe name -> how it transforms a random float input. Probes hit eps: a constant input

@@ -14,7 +14,7 @@ import torch
 from fusion._ir import opset_version
 from normexport.arguments import Options, check_options, dynamic_axes
 from normexport.errors import InputFileError, UsageError
-from normexport.io import examples, files
+from normexport.io import dims, examples, files
 from normexport.io import inputs as inputs_mod
 from normexport.io.export import ExportError, export_module
 from normexport.io.load import LoadedModel, load_model
@@ -93,8 +93,19 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
         expected = inputs_mod.declared_dtypes(model, arrays)
         return inputs_mod.conform(arrays, expected, f"--inputs {opts.inputs}")
     rng = np.random.default_rng(0)
+    if opts.dim and loaded.kind != "onnx":
+        raise UsageError(
+            f"--dim sizes the symbolic axes of an ONNX file's inputs; {loaded.path} is a "
+            "PyTorch model: give its inputs with --input-shape"
+        )
     if loaded.kind == "onnx":
-        specs = inputs_mod.onnx_input_specs(loaded.onnx_model, specs, str(loaded.path))
+        sizes = dims.parse(opts.dim)
+        specs, defaulted = inputs_mod.onnx_input_specs(
+            loaded.onnx_model, specs, str(loaded.path), sizes
+        )
+        if defaulted:
+            given = ", ".join(f"{k}={v}" for k, v in defaulted.items())
+            loaded.notes.append(f"symbolic axes given their usual size: {given} (--dim to choose)")
     elif not specs and loaded.example_inputs is not None:
         return dict(loaded.example_inputs)
     elif not specs:

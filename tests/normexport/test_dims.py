@@ -1,0 +1,115 @@
+"""Symbolic axes sized by name (normexport.io.dims): ``--dim NAME=SIZE``, the usual names'
+defaults, expressions of names, and the one error that names every input's axes.
+
+The model is built with onnx-ir the way Optimum writes a decoder's inputs (``batch_size``,
+``sequence_length``, ``past_sequence_length + sequence_length``), and run through the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from normexport import cli
+from normexport.errors import EXIT_OK, EXIT_USAGE
+from normexport.io import dims, files
+from tests.graphs import make_model
+
+F = ir.DataType.FLOAT
+
+
+def _decoder_inputs(path, rng, mask_axis="past_sequence_length + sequence_length"):
+    """x (batch_size, sequence_length, 8) and mask (batch_size, ``mask_axis``): y = the mean
+    of x over its last axis times a randomized weight, plus the mask's mean (shape (batch,))."""
+    weights = {"w": rng.uniform(0.5, 1.5, 8).astype(np.float32)}
+    nodes = [
+        ("Mul", ["x", "w"], ["xw"], {}),
+        ("ReduceMean", ["xw"], ["mx"], {"axes": [1, 2], "keepdims": 0}),
+        ("ReduceMean", ["mask"], ["mm"], {"axes": [1], "keepdims": 0}),
+        ("Add", ["mx", "mm"], ["y"], {}),
+    ]
+    inputs = {
+        "x": (F, ["batch_size", "sequence_length", 8]),
+        "mask": (F, ["batch_size", mask_axis]),
+    }
+    model = make_model(nodes, inputs, {"y": (F, ["batch_size"])}, weights)
+    model.opset_imports[""] = 17
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.save_model(model, path, external_data=False)
+    return path
+
+
+def _run(argv, tmp_path):
+    report = tmp_path / "r.json"
+    code = cli.main([*argv, "--no-benchmark", "--provider", "cpu", "--report", str(report)])
+    return code, json.loads(report.read_text()) if report.exists() else None
+
+
+def test_usual_names_get_their_defaults_and_the_report_says_so(tmp_path, rng):
+    path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
+    code, report = _run([str(path), "-o", str(tmp_path / "o" / "m.onnx")], tmp_path)
+    assert code == EXIT_OK
+    assert report["inputs"]["x"]["shape"] == [1, 16, 8]
+    assert report["inputs"]["mask"]["shape"] == [1, 32]  # 16 + 16
+    note = next(n for n in report["notes"] if "usual size" in n)
+    assert "sequence_length=16" in note and "past_sequence_length=16" in note
+
+
+def test_dim_sets_every_axis_of_that_name_and_their_sums(tmp_path, rng):
+    path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
+    given = ["--dim", "sequence_length=3", "--dim", "past_sequence_length=5", "--dim",
+             "batch_size=2"]  # fmt: skip
+    code, report = _run([str(path), "-o", str(tmp_path / "o" / "m.onnx"), *given], tmp_path)
+    assert code == EXIT_OK
+    assert report["inputs"]["x"]["shape"] == [2, 3, 8]
+    assert report["inputs"]["mask"]["shape"] == [2, 8]
+    assert not [n for n in report["notes"] if "usual size" in n]
+
+
+def test_unknown_axes_are_one_error_with_a_command_that_works(tmp_path, rng, capsys):
+    """An axis of a name with no default: exit 2, one line naming every input and its axes,
+    and the command it prints runs."""
+    path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng, mask_axis="n_memory + n_text")
+    out = tmp_path / "o" / "m.onnx"
+    code, _ = _run([str(path), "-o", str(out)], tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USAGE and len(err) == 1, err
+    line = err[0]
+    assert "x (batch_size, sequence_length, 8)" in line
+    assert "mask (batch_size, n_memory + n_text)" in line
+    command = shlex.split(line.split("e.g.: ", 1)[1])
+    assert command[:2] == ["normexport", str(path)]
+    assert "--dim" in command and "n_memory=16" in command and "n_text=16" in command
+    code, report = _run([*command[1:], "-o", str(out)], tmp_path)
+    assert code == EXIT_OK and report["inputs"]["mask"]["shape"] == [1, 32]
+
+
+@pytest.mark.parametrize(
+    ("flag", "words"),
+    [
+        ("seq=4", "no input of"),
+        ("sequence_length", "expected NAME=SIZE"),
+        ("sequence_length=0", "expected NAME=SIZE"),
+    ],
+)
+def test_a_bad_dim_is_one_line_naming_it(tmp_path, rng, capsys, flag, words):
+    path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
+    code, _ = _run([str(path), "-o", str(tmp_path / "o" / "m.onnx"), "--dim", flag], tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USAGE and len(err) == 1 and words in err[0] and "--dim" in err[0]
+
+
+def test_axis_expressions():
+    used: dict[str, int] = {}
+    assert dims.size(ir.SymbolicDim("a + b"), {"a": 2, "b": 5}, used) == 7
+    assert dims.size(ir.SymbolicDim("2 * a - 1"), {"a": 3}, used) == 5
+    assert dims.size(ir.SymbolicDim("total_sequence_length"), {}, used) == 32
+    assert used == {"total_sequence_length": 32}
+    assert dims.size(ir.SymbolicDim("mystery"), {}, used) is None
+    assert dims.size(ir.SymbolicDim("a - a"), {"a": 3}, used) is None  # not a size
+    assert dims.size(ir.SymbolicDim(None), {}, used) is None
+    assert dims.names(ir.SymbolicDim("a + b * 2")) == ["a", "b"]
