@@ -62,11 +62,11 @@ class Chains:
 
     def __init__(self, raw_path: Path, max_bytes: int, work: Path, provider: str):
         self.raw_path, self.work, self.provider = raw_path, work, provider
-        self.cuts = blocks_mod.boundaries(ir.load(raw_path), max_bytes)
-        self.blocks = blocks_mod.blocks(ir.load(raw_path), self.cuts)
-        graph = ir.load(raw_path).graph
-        self.outputs = [v.name for v in graph.outputs]
-        if any(v.producer() is None for v in graph.outputs):
+        model = ir.load(raw_path)  # the graph; its tensors stay on file
+        self.cuts = blocks_mod.boundaries(model, max_bytes)
+        self.blocks = blocks_mod.blocks(model, self.cuts)
+        self.outputs = [v.name for v in model.graph.outputs]
+        if any(v.producer() is None for v in model.graph.outputs):
             raise ValueError(f"{raw_path}: a graph output is not computed by any node")
         self.oracle: Store = {}
         self.raw: Store = {}
