@@ -55,17 +55,23 @@ class Fallback:
 
 
 @functools.cache
+def _table() -> dict:
+    """:data:`TABLE`, read once."""
+    return json.loads(TABLE.read_text())
+
+
+@functools.cache
 def kernels() -> dict[tuple[str, str], list[dict]]:
     """The CUDA kernels of :data:`TABLE` by (domain, op type)."""
     found: dict[tuple[str, str], list[dict]] = {}
-    for kernel in json.loads(TABLE.read_text())["kernels"]:
+    for kernel in _table()["kernels"]:
         found.setdefault((kernel["domain"], kernel["op"]), []).append(kernel)
     return found
 
 
 def source() -> dict:
     """Where :data:`TABLE` comes from (repository, path, commit, ONNX Runtime version)."""
-    return json.loads(TABLE.read_text())["source"]
+    return _table()["source"]
 
 
 @functools.cache

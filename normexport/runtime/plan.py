@@ -49,6 +49,8 @@ class MemoryPlan:
         working_bytes: the passes' and a session's working memory (see the module docstring).
         parity_bytes: what whole-model parity keeps resident: the float64 oracle's weights
             and the working memory.
+        parity_fits: whether that fits in :data:`~normexport.runtime.memory.SESSIONS_SHARE`
+            of what is available (True where the system does not say).
         block_bytes: parity goes block by block, each block reading at most this many bytes
             of weights on file; None: the whole model at once.
         latency: why the latency is not timed (a deployed session does not fit); None: it is.
@@ -59,6 +61,7 @@ class MemoryPlan:
     weight_bytes: int
     working_bytes: int
     parity_bytes: int
+    parity_fits: bool
     block_bytes: int | None
     latency: str | None
     line: str
@@ -66,8 +69,7 @@ class MemoryPlan:
     @property
     def said(self) -> bool:
         """Whether the plan is worth a line before the run: large weights, or a change."""
-        changed = self.parity_bytes > memory.SESSIONS_SHARE * (self.available_bytes or 2**62)
-        changed = changed or self.latency is not None
+        changed = not self.parity_fits or self.latency is not None
         return changed or self.weight_bytes >= QUIET_BYTES
 
     def to_dict(self) -> dict:
@@ -125,7 +127,7 @@ def plan(
     line += _parity_line(fits, blocks, oracle + working)
     line += f"; {skipped}" if skipped and latency else ""
     skipped = skipped if latency else None
-    return MemoryPlan(available, weights, working, oracle + working, blocks, skipped, line)
+    return MemoryPlan(available, weights, working, oracle + working, fits, blocks, skipped, line)
 
 
 def _parity_line(fits: bool, blocks: int | None, needed: int) -> str:

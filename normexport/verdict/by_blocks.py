@@ -1,5 +1,5 @@
 """Parity block by block, for a model whose whole-model parity does not fit in memory
-(docs/memory.md; the plan that decides: :mod:`normexport.pipeline.plan`).
+(docs/memory.md; the plan that decides: :mod:`normexport.runtime.plan`).
 
 The input graph is cut into blocks (:mod:`normexport.verdict.blocks`). Each block of the
 references runs as its own ONNX Runtime session on every input set, and is freed before the
@@ -167,29 +167,22 @@ class Chains:
         the raw block fed alike, where the block is one of the reference's) and chained
         (noise: the raw model's chain)."""
         judged = {"rtol": rule["rtol"], "max_rel_l2": rule.get("max_rel_l2")}
-        atol, same = rule["atol"], block.spans == 1 and block.outputs in _outputs(self.blocks)
+        ours = [b.outputs for b in self.blocks]
+        atol, same = rule["atol"], block.spans == 1 and block.outputs in ours
         found: dict[str, dict] = {"local": {}, "chained": {}}
         for set_name, feeds in sets.items():
             key = id(feeds)
             for how, got, noise in (
-                ("local", local[key], self.raw_local[key] if same else None),
+                ("local", local[key], self.raw_local[key] if same else {}),
                 ("chained", chain[key], self.raw[key]),
             ):
                 found[how][set_name] = [
-                    compare(n, got[n], self.oracle[key][n], atol, raw=_get(noise, n), **judged)
+                    compare(n, got[n], self.oracle[key][n], atol, raw=noise.get(n), **judged)
                     for n in block.outputs
                     if _is_float(self.oracle[key][n])
                 ]
         described = {**vars(block), "inputs": list(block.inputs), "outputs": list(block.outputs)}
         return BlockVerdict(described, seconds, found["local"], found["chained"])
-
-
-def _outputs(found: Sequence[blocks_mod.Block]) -> list[tuple[str, ...]]:
-    return [b.outputs for b in found]
-
-
-def _get(store: Mapping[str, np.ndarray] | None, name: str) -> np.ndarray | None:
-    return None if store is None else store.get(name)
 
 
 def _is_float(array: np.ndarray) -> bool:
