@@ -5,8 +5,8 @@ kernel table (normexport.runtime.cuda_kernels, docs/cuda.md).
 Each model is loaded and exported as the pipeline does it (``normexport.pipeline.prepare``:
 the demo models as ``make demo`` saves them, the float32 gallery entries through each exporter
 they have, the ONNX files as they are), checked as exported (``before``), then optimized with
-the passes a CUDA run makes (``fusion.optimize(target="ort", skip=...)`` as
-``registry.skip_fusion("ort", "cuda")`` says) and checked again (``after``). Then the demo
+the passes a CUDA run makes (``fusion.optimize(target="ort", ...)`` with the options
+``registry.provider_options("ort", "cuda")`` say) and checked again (``after``). Then the demo
 models and the gallery entries (dynamo) are converted to float16 and to bfloat16 as
 ``--precision`` converts them for CUDA (:func:`normexport.precision.convert.to_half`), except
 that its question "which op has no kernel of this type?" is answered from the table instead of
@@ -42,7 +42,7 @@ def _check(raw: ir.Model, half: Path | None) -> dict:
     from normexport.runtime import cuda_kernels
 
     before = cuda_kernels.without_kernel(raw)
-    report = fusion.optimize(raw, target="ort", skip=registry.skip_fusion("ort", "cuda"))
+    report = fusion.optimize(raw, target="ort", **registry.provider_options("ort", "cuda"))
     after = cuda_kernels.without_kernel(raw)
     halves = {} if half is None else _halves(raw, report.refused, half, len(after))
     return halves | {

@@ -76,6 +76,7 @@ def optimize(
     target: str = "ort",
     skip: bool = False,
     attention: bool | None = None,
+    gqa: bool | None = None,
     exclude: Collection[Fused] = (),
 ) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
@@ -84,9 +85,8 @@ def optimize(
     dead nodes), :class:`FillShapes` (ONNX shape inference for the values that carry no shape,
     as the TorchScript exporter leaves them; :class:`DropShapes` takes them off again after the
     passes), then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
-    and the options (FoldBatchNorm, MergeBranches, FuseInstanceNorm, FuseGroupNorm,
-    FuseChannelsFirstLayerNorm, FuseLayerNorm, FuseRMSNorm, FuseAttention, FuseSkip), then
-    clean-up again. The model's opset is never raised: an op is only emitted where the model's
+    and the options, in the registry's order (FoldBatchNorm first, FuseSkip last), then
+    clean-up again. The opset is never raised: an op is only emitted where the model's
     opset (or, for ``target="ort"``, ONNX Runtime) has it.
 
     Args:
@@ -95,8 +95,9 @@ def optimize(
         skip: also fuse residual Add + norm into com.microsoft Skip(Simplified)LayerNormalization
             (:mod:`fusion.fuse_skip`): a speed choice per execution provider, not an exactness
             one. Needs ``target="ort"``.
-        attention: fuse attention and GELU into com.microsoft ops with onnxscript's rules
-            (:mod:`fusion.fuse_attention`). None (default): for ``target="ort"`` only.
+        attention, gqa: fuse attention and GELU into com.microsoft ops with onnxscript's rules
+            (:mod:`fusion.fuse_attention`); decoder attention into GroupQueryAttention
+            (:mod:`fusion.fuse_gqa`). None (default): for ``target="ort"`` only.
         exclude: rewrites to leave out, as an earlier run on the same model reported them
             (their ``kind`` and ``node``): the pass that makes that kind skips the candidate
             anchored there, and records nothing for it (see :class:`FusionPass`).
@@ -105,12 +106,12 @@ def optimize(
         What was fused, and what was refused with the reason, in pass order.
 
     Raises:
-        ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip`` or ``attention``
-            without ``"ort"``.
+        ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip``, ``attention`` or
+            ``gqa`` without ``"ort"``.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
-    options = {"skip": skip, "attention": attention}
+    options = {"skip": skip, "attention": attention, "gqa": gqa}
     for name, wanted in options.items():
         if wanted and target != "ort":
             raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from fusion.base import FusionPass, Kind, Op
 from fusion.fold_batchnorm import FoldBatchNorm, algebra
 from fusion.fuse_attention import FuseAttention
+from fusion.fuse_gqa import FuseGroupQueryAttention
 from fusion.fuse_groupnorm import FuseGroupNorm
 from fusion.fuse_instancenorm import FuseInstanceNorm
 from fusion.fuse_layernorm import FuseLayerNorm
@@ -33,6 +34,7 @@ PASSES = (
     FuseChannelsFirstLayerNorm,
     FuseLayerNorm,
     FuseRMSNorm,
+    FuseGroupQueryAttention,
     FuseAttention,
     FuseSkip,
 )
@@ -102,6 +104,22 @@ def skip_fusion(target: str, provider: str) -> bool:
     :data:`SKIP_PROVIDERS` only. The run, ``bench``'s normexport variant and ``explain`` all
     ask this."""
     return target in FuseSkip.targets and provider in SKIP_PROVIDERS
+
+
+#: The execution providers on which a run fuses decoder attention into GroupQueryAttention
+#: (:func:`provider_options`): ONNX Runtime's CUDA kernel of the op takes float16 and bfloat16
+#: only (its kernel table, :mod:`normexport.runtime.cuda_kernels`), and the passes run on the
+#: float32 model.
+GQA_PROVIDERS = ("cpu",)
+
+
+def provider_options(target: str, provider: str) -> dict[str, bool]:
+    """The :func:`fusion.optimize` keywords that are a choice per execution provider, for a run
+    for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``): ``skip``
+    (:func:`skip_fusion`) and ``gqa`` (on :data:`GQA_PROVIDERS`). The run, ``bench``'s
+    normexport variant and ``explain`` all ask this."""
+    gqa = target in FuseGroupQueryAttention.targets and provider in GQA_PROVIDERS
+    return {"skip": skip_fusion(target, provider), "gqa": gqa}
 
 
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.

@@ -151,9 +151,9 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
     Raises:
         normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
     """
-    target, skip = job.opts.target, registry.skip_fusion(job.opts.target, job.provider)
+    target, options = job.opts.target, registry.provider_options(job.opts.target, job.provider)
     progress.step("the passes")
-    fusions = fusion.optimize(raw, target=target, skip=skip)
+    fusions = fusion.optimize(raw, target=target, **options)
     staged = work / job.output.name
     progress.step("saving")
     files.save_model(raw, staged, external_data=job.external)
@@ -161,7 +161,7 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
 
     def build(excluded):
         model = ir.load(ref.path)
-        report = fusion.optimize(model, target=target, skip=skip, exclude=excluded)
+        report = fusion.optimize(model, target=target, exclude=excluded, **options)
         path = work / f"rollback-{next(builds)}" / job.output.name
         path.parent.mkdir()
         files.save_model(model, path, external_data=job.external)
@@ -195,10 +195,11 @@ def autotune(job: Job, ref: Reference, staged: Staged) -> Staged:
     model without it) and put the fastest in the staged model's place; the fusion report
     becomes that of the model kept."""
     opts, unfused_path, unfused_fusions = job.opts, None, None
-    if staged.fusions.counts["attention_fused"]:  # fused attention is a speed choice per shape
+    counts = staged.fusions.counts
+    if counts["attention_fused"] or counts["gqa_fused"]:  # a speed choice per shape
         unfused = ir.load(ref.path)
-        skip = registry.skip_fusion(opts.target, job.provider)
-        unfused_fusions = fusion.optimize(unfused, target=opts.target, skip=skip, attention=False)
+        options = registry.provider_options(opts.target, job.provider) | {"gqa": False}
+        unfused_fusions = fusion.optimize(unfused, target=opts.target, attention=False, **options)
         unfused_path = staged.path.with_name(autotune_mod.ATTENTION_UNFUSED + ".onnx")
         files.save_model(unfused, unfused_path, external_data=True)
     tuned = autotune_mod.autotune(

@@ -4,7 +4,7 @@ The question users ask most about these tools is "why wasn't my LayerNorm fused?
 for one model, each candidate the passes found: the norms the exporter already emitted as one
 op, each rewrite (what it became), and each candidate left alone with its reason. The passes run
 as a run of the main command on the same provider runs them (the fusions its policies choose,
-:func:`fusion.registry.skip_fusion`), so the two never disagree.
+:func:`fusion.registry.provider_options`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -88,14 +88,14 @@ def explain(model: ir.Model, target: str = "ort", provider: str = "cpu") -> list
         target: one of :data:`fusion.TARGETS`.
         provider: ``"cpu"`` or ``"cuda"``, the execution provider as the run resolves it
             (:func:`normexport.runtime.resolve_provider`): it decides the fusions that are a
-            speed choice per provider (:func:`fusion.registry.skip_fusion`).
+            speed choice per provider (:func:`fusion.registry.provider_options`).
 
     Raises:
         ValueError: ``target`` is unknown.
     """
     already = already_fused(model)
-    skip = fusion.registry.skip_fusion(target, provider)
-    outcomes = fusion.optimize(model, target=target, skip=skip)
+    options = fusion.registry.provider_options(target, provider)
+    outcomes = fusion.optimize(model, target=target, **options)
     return from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
 
 

@@ -1,0 +1,269 @@
+"""The pieces of a decoder's attention as the exporters write them, traced back from the
+attention's Softmax: what :mod:`fusion.fuse_gqa` fuses.
+
+Each function takes a value of the graph and returns what it is made of, or None when it is
+not that piece. The shapes named below are the conventional ones of transformers' attention
+(``LlamaAttention`` and the models that copy it): ``B`` batch, ``S`` query length, ``T`` key
+length, ``N`` query heads, ``K`` key/value heads, ``H`` head size.
+
+* :func:`heads`: ``Transpose(y, perm=[0, 2, 1, 3])`` of a ``(B, S, n, H)`` value ``y``, the
+  projection split into heads (``view(B, S, -1, H).transpose(1, 2)``).
+* :func:`rotary`: the rotary position embedding of RoFormer (Su et al., 2021, eq. 34, the
+  non-interleaved form of transformers' ``apply_rotary_pos_emb``),
+  ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = Concat(-x[..., H/2:], x[..., :H/2])``.
+* :func:`repeat_kv`: transformers' ``repeat_kv``, ``K`` heads each repeated ``N / K`` times:
+  ``Reshape(Expand(Unsqueeze(x, [2]), (B, K, r, T, H)), (B, K * r, T, H))``.
+* :func:`transposed_key`: ``k`` with its last two axes swapped, as ``Transpose(perm=[0, 1, 3,
+  2])`` or as the dynamo exporter's ``Reshape(Transpose(Reshape(k, (B*N, T, H)), [0, 2, 1]),
+  (B, N, H, T))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import const_array, other_input, producer, scalar_const
+
+
+@dataclasses.dataclass
+class Heads:
+    """A ``(B, n, L, H)`` tensor of heads and where it comes from.
+
+    Attributes:
+        split: ``y``, the ``(B, L, n, H)`` value transposed into heads.
+        count: ``n``, the number of heads.
+        size: ``H``, the head size.
+        nodes: the nodes between ``y`` and the heads (the Transpose, and the rotary embedding or
+            the repetition when traced through them).
+    """
+
+    split: ir.Value
+    count: int
+    size: int
+    nodes: list[ir.Node]
+
+
+def dims(value: ir.Value | None) -> list[int | ir.SymbolicDim] | None:
+    """The dimensions of ``value``'s shape, or None where its shape is unknown."""
+    shape = value.shape if value is not None else None
+    return None if shape is None else list(shape.dims)
+
+
+def heads(value: ir.Value) -> Heads | None:
+    """``value`` as ``Transpose(y, perm=[0, 2, 1, 3])`` of a rank-4 ``y`` whose head count and
+    head size (axes 2 and 3) are known numbers, or None."""
+    transpose = producer(value, "Transpose")
+    if transpose is None or list(transpose.attributes.get_ints("perm", ())) != [0, 2, 1, 3]:
+        return None
+    split = dims(transpose.inputs[0])
+    if split is None or len(split) != 4 or not all(isinstance(d, int) for d in split[2:]):
+        return None
+    return Heads(transpose.inputs[0], split[2], split[3], [transpose])
+
+
+@dataclasses.dataclass
+class Rotary:
+    """A rotary embedding ``x * cos + rotate_half(x) * sin`` (see the module docstring).
+
+    Attributes:
+        x: the heads rotated, ``(B, n, L, H)``.
+        cos, sin: the values multiplied (broadcast to ``x``).
+        nodes: the embedding's nodes (Mul, Mul, Add, Concat, Neg, Slice, Slice).
+    """
+
+    x: ir.Value
+    cos: ir.Value
+    sin: ir.Value
+    nodes: list[ir.Node]
+
+
+def _slice_last(node: ir.Node | None, rank: int) -> tuple[int, int] | None:
+    """``(start, end)`` of a Slice of step 1 along the last of ``rank`` axes, or None."""
+    if node is None or node.op_type != "Slice" or len(node.inputs) < 4:
+        return None
+    parts = [const_array(v) for v in node.inputs[1:]]
+    if any(p is None or p.size != 1 for p in parts):
+        return None
+    start, end, axis = (int(p.reshape(-1)[0]) for p in parts[:3])
+    step = int(parts[3].reshape(-1)[0]) if len(parts) > 3 else 1
+    return (start, end) if step == 1 and axis in (-1, rank - 1) else None
+
+
+def _rotate_half(value: ir.Value, x: ir.Value, head_size: int) -> list[ir.Node] | None:
+    """The nodes of ``Concat(Neg(x[..., H/2:]), x[..., :H/2], axis=-1)`` when ``value`` is that
+    of ``x``, else None."""
+    concat = producer(value, "Concat")
+    if (
+        concat is None
+        or len(concat.inputs) != 2
+        or concat.attributes.get_int("axis")
+        not in (
+            -1,
+            3,
+        )
+    ):
+        return None
+    neg = producer(concat.inputs[0], "Neg")
+    upper = neg.inputs[0].producer() if neg is not None else None
+    lower = concat.inputs[1].producer()
+    half = head_size // 2
+    if head_size % 2 or upper is None or lower is None:
+        return None
+    if upper.inputs[0] is not x or lower.inputs[0] is not x:
+        return None
+    up, low = _slice_last(upper, 4), _slice_last(lower, 4)
+    if up is None or low is None or up[0] != half or up[1] < head_size or low != (0, half):
+        return None
+    return [concat, neg, upper, lower]
+
+
+def rotary(value: ir.Value, head_size: int) -> Rotary | None:
+    """``value`` as a rotary embedding of a ``(B, n, L, head_size)`` tensor, or None."""
+    add = producer(value, "Add")
+    if add is None:
+        return None
+    products = [producer(v, "Mul") for v in add.inputs]
+    if None in products:
+        return None
+    for plain, rotated in (products, products[::-1]):
+        for x, cos in (plain.inputs, plain.inputs[::-1]):
+            for half, sin in (rotated.inputs, rotated.inputs[::-1]):
+                nodes = _rotate_half(half, x, head_size)
+                if nodes is not None:
+                    return Rotary(x, cos, sin, [add, plain, rotated, *nodes])
+    return None
+
+
+def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
+    """``(x, r, nodes)`` when ``value`` is ``x`` of shape ``(B, K, T, H)`` with each head
+    repeated ``r`` times (see the module docstring): ``(B, K * r, T, H)``, or the
+    ``(B, K, r, T, H)`` Expand before its Reshape (which the dynamo exporter merges into the
+    Reshape of :func:`transposed_key`); else None."""
+    reshape = producer(value, "Reshape")
+    expand = producer(reshape.inputs[0] if reshape is not None else value, "Expand")
+    unsqueeze = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if unsqueeze is None or len(unsqueeze.inputs) < 2:
+        return None
+    axes = const_array(unsqueeze.inputs[1])
+    x = unsqueeze.inputs[0]
+    source, expanded = dims(x), dims(expand.outputs[0])
+    if axes is None or axes.reshape(-1).tolist() != [2] or None in (source, expanded):
+        return None
+    if len(source) != 4 or len(expanded) != 5 or expanded[:2] + expanded[3:] != source:
+        return None
+    repeats = expanded[2]
+    if not isinstance(repeats, int) or not isinstance(source[1], int):
+        return None
+    if reshape is None:
+        return x, repeats, [expand, unsqueeze]
+    out = dims(value)
+    if out is None or out != [source[0], source[1] * repeats, *source[2:]]:
+        return None
+    return x, repeats, [reshape, expand, unsqueeze]
+
+
+def transposed_key(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """``(k, nodes)`` when ``value`` is ``k`` with its last two axes swapped: a rank-4 ``k``
+    transposed, or the dynamo exporter's Reshape-Transpose-Reshape of a rank-4 ``k`` or of a
+    rank-5 ``(B, K, r, T, H)`` one (:func:`repeat_kv`), its axes 1 and 2 merged."""
+    transpose = producer(value, "Transpose")
+    if transpose is not None:
+        if list(transpose.attributes.get_ints("perm", ())) == [0, 1, 3, 2]:
+            return transpose.inputs[0], [transpose]
+        return None
+    outer = producer(value, "Reshape")
+    transpose = producer(outer.inputs[0], "Transpose") if outer is not None else None
+    inner = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
+    if inner is None or list(transpose.attributes.get_ints("perm", ())) != [0, 2, 1]:
+        return None
+    key, folded, out = dims(inner.inputs[0]), dims(inner.outputs[0]), dims(value)
+    if key is None or folded is None or out is None or len(folded) != 3 or len(out) != 4:
+        return None
+    if len(key) == 5 and all(isinstance(d, int) for d in key[1:3]):
+        key = [key[0], key[1] * key[2], *key[3:]]
+    if len(key) != 4 or out != [key[0], key[1], key[3], key[2]] or folded[1:] != key[2:]:
+        return None
+    return inner.inputs[0], [outer, transpose, inner]
+
+
+def scaled(value: ir.Value) -> tuple[ir.Value, float, list[ir.Node]]:
+    """``(x, c, nodes)`` for ``value = x * c`` or ``x / (1 / c)`` with ``c`` a scalar constant
+    (repeatedly), ``(value, 1.0, [])`` when it is neither."""
+    factor, nodes = 1.0, []
+    while True:
+        node = value.producer()
+        if node is None or node.domain != "" or node.op_type not in ("Mul", "Div"):
+            return value, factor, nodes
+        consts = [scalar_const(v) for v in node.inputs]
+        if node.op_type == "Mul" and any(c is not None for c in consts):
+            index = 0 if consts[0] is not None else 1
+            factor *= consts[index]
+            value = other_input(node, node.inputs[index])
+        elif node.op_type == "Div" and consts[1] is not None and consts[1] != 0:
+            factor /= consts[1]
+            value = node.inputs[0]
+        else:
+            return value, factor, nodes
+        nodes.append(node)
+
+
+def rotary_tables(cos: np.ndarray, sin: np.ndarray, head_size: int) -> tuple | None:
+    """The ``(max_positions, H/2)`` cos and sin caches of GroupQueryAttention's rotary
+    embedding (ContribOperators.md, ``cos_cache``) that compute ``x * cos + rotate_half(x) *
+    sin`` for the constant tables ``cos``, ``sin`` (broadcast ``(..., L, H)``, row ``i`` for
+    position ``i``), or None where they cannot: a table that differs between batches or heads,
+    or whose two halves differ (the op multiplies both halves of a head by one row)."""
+    tables = []
+    for table in (cos, sin):
+        if table.ndim < 2 or table.shape[-1] != head_size:
+            return None
+        rows = table.reshape(-1, *table.shape[-2:])
+        if not (rows == rows[:1]).all():
+            return None
+        row = rows[0]
+        half = head_size // 2
+        if not np.array_equal(row[:, :half], row[:, half:]):
+            return None
+        tables.append(np.ascontiguousarray(row[:, :half], dtype=table.dtype))
+    return tuple(tables)
+
+
+def evaluate(value: ir.Value, opset: int, max_nodes: int = 16) -> np.ndarray | None:
+    """The value of ``value`` where it is computed from constants alone (at most ``max_nodes``
+    nodes of the standard domain), by the ONNX reference implementation; else None.
+
+    The constant folder leaves such a subgraph when its tensors are over its size limit (an
+    exported causal mask of ``(1, 1, S, S)`` booleans, for one).
+    """
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    constants: dict[str, np.ndarray] = {}
+    nodes: set[ir.Node] = set()
+    pending = [value]
+    while pending:
+        current = pending.pop()
+        array = const_array(current)
+        if array is not None:
+            constants[current.name] = array
+            continue
+        node = current.producer()
+        if node is None or node.domain != "" or node.graph is None or len(nodes) >= max_nodes:
+            return None
+        if node not in nodes:
+            nodes.add(node)
+            pending.extend(v for v in node.inputs if v is not None)
+    if not nodes:
+        return constants[value.name]
+    graph = onnx.helper.make_graph(
+        [ir.serde.serialize_node(n) for n in value.producer().graph if n in nodes],
+        "constant",
+        [],
+        [onnx.helper.make_empty_tensor_value_info(value.name)],
+        [onnx.numpy_helper.from_array(a, name) for name, a in constants.items()],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
+    return np.asarray(ReferenceEvaluator(model).run(None, {})[0])

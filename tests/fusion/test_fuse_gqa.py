@@ -1,0 +1,186 @@
+"""FuseGroupQueryAttention: decoder attention with its rotary embedding made one
+com.microsoft GroupQueryAttention, run on ONNX Runtime against PyTorch."""
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+import transformers
+
+import fusion
+from fusion.registry import provider_options
+from normexport.io.export import export_module
+from normexport.runtime import make_session, run
+
+pytestmark = pytest.mark.slow
+
+HIDDEN, HEADS, KV_HEADS, HEAD = 64, 4, 2, 16
+COMMON = {
+    "hidden_size": HIDDEN,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": KV_HEADS,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaModel, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model, {"head_dim": HEAD}),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaModel, {"head_dim": HEAD}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3Model, {"pad_token_id": 0}),
+}
+IDS = np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(2, 16))
+
+
+class Hidden(torch.nn.Module):
+    """A transformers decoder returning its last hidden state, every norm weight random."""
+
+    def __init__(self, family: str):
+        super().__init__()
+        config, model, extra = FAMILIES[family]
+        torch.manual_seed(0)
+        self.model = model(config(**COMMON, **extra)).eval()
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if "norm" in name:  # Gemma scales by 1 + w, the others by w
+                    p.copy_(0.3 * torch.randn_like(p) + (family != "gemma"))
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids).last_hidden_state
+
+
+def _export(module, args, names, **kwargs) -> ir.Model:
+    tensors = [torch.from_numpy(a) for a in args]
+    return export_module(module, tensors, input_names=names, exporter="dynamo", **kwargs).model
+
+
+def _gqa_nodes(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+
+
+def _assert_matches_torch(module, model, feeds):
+    with torch.no_grad():
+        expected = module(*(torch.from_numpy(a) for a in feeds.values())).numpy()
+    (got,) = run(make_session(model, "cpu"), feeds)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_decoders_exported_at_a_fixed_length_get_one_op_per_layer_and_are_exact(family):
+    module = Hidden(family)
+    model = _export(module, [IDS], ["input_ids"])
+    report = fusion.optimize(model, target="ort")
+    nodes = _gqa_nodes(model)
+    assert report.counts["gqa_fused"] == len(nodes) == COMMON["num_hidden_layers"], report
+    assert not [n for n in model.graph if n.op_type in ("Softmax", "MultiHeadAttention")]
+    for node in nodes:
+        attributes = {k: a.value for k, a in node.attributes.items()}
+        assert attributes["num_heads"] == HEADS and attributes["kv_num_heads"] == KV_HEADS
+        assert attributes["do_rotary"] == 1 and attributes["causal"] == 1
+        assert math.isclose(attributes["scale"], HEAD**-0.5, rel_tol=1e-6)
+    _assert_matches_torch(module, model, {"input_ids": IDS})
+
+
+def test_dynamic_axes_are_left_to_multihead_attention():
+    module = Hidden("llama")
+    axes = {"input_ids": {0: "batch", 1: "sequence"}}
+    model = _export(module, [IDS], ["input_ids"], dynamic_axes=axes)
+    report = fusion.optimize(model, target="ort")
+    assert report.counts["gqa_fused"] == 0
+    assert {r.kind for r in report.refused} == {"gqa"}  # each attention, with its reason
+    assert report.counts["attention_fused"] == 2  # MultiHeadAttention, the rotation outside
+    _assert_matches_torch(module, model, {"input_ids": IDS[:1, :9]})
+
+
+def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():
+    for target, options in (("ort", {"gqa": False}), ("onnx", {})):
+        model = _export(Hidden("llama"), [IDS], ["input_ids"])
+        report = fusion.optimize(model, target=target, attention=False, **options)
+        assert report.counts["gqa_fused"] == 0 and not _gqa_nodes(model)
+    assert provider_options("ort", "cpu")["gqa"] and not provider_options("ort", "cuda")["gqa"]
+    with pytest.raises(ValueError, match="target='ort'"):
+        fusion.optimize(_export(Hidden("llama"), [IDS], ["input_ids"]), target="onnx", gqa=True)
+
+
+class HandAttention(torch.nn.Module):
+    """Attention written out as the transformers models write it, with rotary tables and a
+    mask given as constants: ``cos``/``sin`` ``(S, H)``, ``mask`` ``(S, S)`` additive or None.
+    """
+
+    def __init__(self, cos, sin, mask):
+        super().__init__()
+        torch.manual_seed(1)
+        self.q = torch.nn.Linear(HIDDEN, HEADS * HEAD)
+        self.k = torch.nn.Linear(HIDDEN, KV_HEADS * HEAD, bias=False)
+        self.v = torch.nn.Linear(HIDDEN, KV_HEADS * HEAD, bias=False)
+        self.register_buffer("cos", torch.as_tensor(cos))
+        self.register_buffer("sin", torch.as_tensor(sin))
+        self.mask = None if mask is None else torch.as_tensor(mask)
+
+    @staticmethod
+    def _rotate_half(x):
+        return torch.cat((-x[..., HEAD // 2 :], x[..., : HEAD // 2]), dim=-1)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, HEADS, HEAD).transpose(1, 2)
+        k = self.k(x).view(b, s, KV_HEADS, HEAD).transpose(1, 2)
+        v = self.v(x).view(b, s, KV_HEADS, HEAD).transpose(1, 2)
+        q = q * self.cos + self._rotate_half(q) * self.sin
+        k = k * self.cos + self._rotate_half(k) * self.sin
+        repeat = HEADS // KV_HEADS
+        k = k[:, :, None].expand(b, KV_HEADS, repeat, s, HEAD).reshape(b, HEADS, s, HEAD)
+        v = v[:, :, None].expand(b, KV_HEADS, repeat, s, HEAD).reshape(b, HEADS, s, HEAD)
+        scores = q @ k.transpose(-1, -2) * HEAD**-0.5
+        if self.mask is not None:
+            scores = scores + self.mask
+        out = torch.softmax(scores, dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, s, HEADS * HEAD)
+
+
+SEQ = 12
+_angles = np.arange(SEQ)[:, None] / 10000 ** (np.arange(0, HEAD, 2) / HEAD)
+ROPE = [np.concatenate([f(_angles)] * 2, axis=-1).astype(np.float32) for f in (np.cos, np.sin)]
+CAUSAL = np.triu(np.full((SEQ, SEQ), np.finfo(np.float32).min, np.float32), 1)
+WINDOW = CAUSAL + np.tril(np.full((SEQ, SEQ), -np.inf, np.float32), -4)
+X = np.random.default_rng(2).standard_normal((2, SEQ, HIDDEN)).astype(np.float32)
+
+
+def _hand(cos, sin, mask):
+    module = HandAttention(cos, sin, mask).eval()
+    model = _export(module, [X], ["x"])
+    return module, model, fusion.optimize(model, target="ort")
+
+
+@pytest.mark.parametrize(
+    ("mask", "causal", "bias"),
+    [(CAUSAL, 1, False), (None, 0, False), (WINDOW, 0, True)],
+    ids=["causal", "no_mask", "sliding_window"],
+)
+def test_the_mask_becomes_causal_or_none_or_the_ops_bias(mask, causal, bias):
+    module, model, report = _hand(*ROPE, mask)
+    (node,) = _gqa_nodes(model)
+    assert report.counts["gqa_fused"] == 1
+    assert node.attributes["causal"].value == causal
+    assert (len(node.inputs) > 10 and node.inputs[10] is not None) == bias
+    _assert_matches_torch(module, model, {"x": X})
+
+
+def test_rotary_tables_whose_halves_differ_are_not_the_ops_rotation():
+    rng = np.random.default_rng(3)
+    cos, sin = (rng.standard_normal((SEQ, HEAD)).astype(np.float32) for _ in range(2))
+    module, model, report = _hand(cos, sin, CAUSAL)
+    assert report.counts["gqa_fused"] == 0 and not _gqa_nodes(model)
+    assert [(r.kind, r.code) for r in report.refused] == [("gqa", "not_per_channel")]
+    _assert_matches_torch(module, model, {"x": X})
+
+
+def test_a_mask_with_a_row_all_masked_is_left_alone():
+    mask = CAUSAL.copy()
+    mask[3] = -np.inf  # softmax of that row is NaN in the model; the op would differ
+    _, model, report = _hand(*ROPE, mask)
+    assert report.counts["gqa_fused"] == 0
+    assert [(r.kind, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
