@@ -55,7 +55,7 @@ EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
     ],
     "llama-tiny": [
         ("5 RMSNorm fused", lambda r: r["fusions"]["rmsnorm_fused"] == 5),
-        ("2 attention fused", lambda r: r["fusions"]["attention_fused"] == 2),
+        ("2 attention fused (GroupQueryAttention)", lambda r: r["fusions"]["gqa_fused"] == 2),
     ],
     "crepe-tiny": [
         (

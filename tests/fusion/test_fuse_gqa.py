@@ -84,15 +84,21 @@ def test_decoders_exported_at_a_fixed_length_get_one_op_per_layer_and_are_exact(
     _assert_matches_torch(module, model, {"input_ids": IDS})
 
 
-def test_dynamic_axes_are_left_to_multihead_attention():
-    module = Hidden("llama")
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_symbolic_lengths_get_the_models_own_rotation_and_are_exact_at_other_sizes(family):
+    module = Hidden(family)
     axes = {"input_ids": {0: "batch", 1: "sequence"}}
     model = _export(module, [IDS], ["input_ids"], dynamic_axes=axes)
     report = fusion.optimize(model, target="ort")
-    assert report.counts["gqa_fused"] == 0
-    assert {r.kind for r in report.refused} == {"gqa"}  # each attention, with its reason
-    assert report.counts["attention_fused"] == 2  # MultiHeadAttention, the rotation outside
-    _assert_matches_torch(module, model, {"input_ids": IDS[:1, :9]})
+    assert report.counts["gqa_fused"] == len(_gqa_nodes(model)) == 2, report.refused
+    assert not [n for n in model.graph if n.op_type in ("Softmax", "LessOrEqual")]  # mask gone
+    session = make_session(model, "cpu")
+    for batch, length in ((2, 16), (1, 5), (3, 23)):  # 23: longer than the export's
+        ids = np.random.default_rng(length).integers(0, COMMON["vocab_size"], (batch, length))
+        with torch.no_grad():
+            expected = module(torch.from_numpy(ids)).numpy()
+        (got,) = run(session, {"input_ids": ids})
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():

@@ -144,11 +144,15 @@ def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
     Reshape of :func:`transposed_key`); else None."""
     reshape = producer(value, "Reshape")
     expand = producer(reshape.inputs[0] if reshape is not None else value, "Expand")
-    unsqueeze = producer(expand.inputs[0], "Unsqueeze") if expand is not None else None
+    if expand is None:
+        return None
+    expanded_input, slices = whole_slices(expand.inputs[0])
+    unsqueeze = producer(expanded_input, "Unsqueeze")
     if unsqueeze is None or len(unsqueeze.inputs) < 2:
         return None
     axes = const_array(unsqueeze.inputs[1])
-    x = unsqueeze.inputs[0]
+    x, more = whole_slices(unsqueeze.inputs[0])
+    slices += more
     source, expanded = dims(x), dims(expand.outputs[0])
     if axes is None or axes.reshape(-1).tolist() != [2] or None in (source, expanded):
         return None
@@ -158,11 +162,34 @@ def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
     if not isinstance(repeats, int) or not isinstance(source[1], int):
         return None
     if reshape is None:
-        return x, repeats, [expand, unsqueeze]
+        return x, repeats, [expand, unsqueeze, *slices]
     out = dims(value)
     if out is None or out != [source[0], source[1] * repeats, *source[2:]]:
         return None
-    return x, repeats, [reshape, expand, unsqueeze]
+    return x, repeats, [reshape, expand, unsqueeze, *slices]
+
+
+#: A Slice end at least this takes every element to the end of its axis (torch writes
+#: ``x[:, :]`` with INT64_MAX).
+_TO_THE_END = 2**62
+
+
+def whole_slices(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
+    """``(x, slices)``: ``value`` traced back through Slices of step 1 from 0 to the end of their
+    axes (no-ops, which the dynamo exporter writes around ``repeat_kv`` of a symbolic-length
+    model); ``(value, [])`` where there are none."""
+    slices: list[ir.Node] = []
+    while (node := producer(value, "Slice")) is not None and len(node.inputs) >= 3:
+        parts = [const_array(v) for v in node.inputs[1:]]
+        if any(p is None for p in parts):
+            break
+        starts, ends = parts[0].reshape(-1), parts[1].reshape(-1)
+        steps = parts[3].reshape(-1) if len(parts) > 3 else np.ones_like(starts)
+        if (starts != 0).any() or (ends < _TO_THE_END).any() or (steps != 1).any():
+            break
+        slices.append(node)
+        value = node.inputs[0]
+    return value, slices
 
 
 def transposed_key(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
@@ -231,39 +258,38 @@ def rotary_tables(cos: np.ndarray, sin: np.ndarray, head_size: int) -> tuple | N
     return tuple(tables)
 
 
-def evaluate(value: ir.Value, opset: int, max_nodes: int = 16) -> np.ndarray | None:
-    """The value of ``value`` where it is computed from constants alone (at most ``max_nodes``
-    nodes of the standard domain), by the ONNX reference implementation; else None.
+#: Ops that map each element to one element and keep the axes: the way from ``cat(f, f)`` to
+#: ``cos`` (transformers scales it by ``attention_scaling`` and casts it).
+_ELEMENTWISE = ("Cos", "Sin", "Cast", "Neg", "Identity")
 
-    The constant folder leaves such a subgraph when its tensors are over its size limit (an
-    exported causal mask of ``(1, 1, S, S)`` booleans, for one).
-    """
-    import onnx
-    from onnx.reference import ReferenceEvaluator
 
-    constants: dict[str, np.ndarray] = {}
-    nodes: set[ir.Node] = set()
-    pending = [value]
-    while pending:
-        current = pending.pop()
-        array = const_array(current)
-        if array is not None:
-            constants[current.name] = array
-            continue
-        node = current.producer()
-        if node is None or node.domain != "" or node.graph is None or len(nodes) >= max_nodes:
-            return None
-        if node not in nodes:
-            nodes.add(node)
-            pending.extend(v for v in node.inputs if v is not None)
-    if not nodes:
-        return constants[value.name]
-    graph = onnx.helper.make_graph(
-        [ir.serde.serialize_node(n) for n in value.producer().graph if n in nodes],
-        "constant",
-        [],
-        [onnx.helper.make_empty_tensor_value_info(value.name)],
-        [onnx.numpy_helper.from_array(a, name) for name, a in constants.items()],
-    )
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-    return np.asarray(ReferenceEvaluator(model).run(None, {})[0])
+def runtime_table(value: ir.Value, heads: Heads) -> bool:
+    """Whether ``value``, a rotary ``cos`` or ``sin`` computed at run time, is one row per
+    position of the ``(B, L, n, H)`` split ``heads``, alike for every batch and head (its
+    leading axes are 1), with equal halves: it is ``cat(f, f)`` on the last axis put through
+    elementwise ops, scalar factors and Unsqueezes of other axes (transformers'
+    ``LlamaRotaryEmbedding``). Then its row ``i`` is the rotation of the ``i``-th position of
+    the call."""
+    shape = dims(value)
+    if shape is None or len(shape) < 2 or shape[-1] != heads.size:
+        return False
+    if any(d != 1 for d in shape[:-2]) or shape[-2] != dims(heads.split)[1]:
+        return False
+    while (node := value.producer()) is not None and node.domain == "":
+        if node.op_type == "Concat":
+            axis = node.attributes.get_int("axis")
+            last = axis in (-1, len(dims(value) or ()) - 1)
+            return last and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]
+        if node.op_type in _ELEMENTWISE:
+            value = node.inputs[0]
+        elif node.op_type == "Mul" and any(scalar_const(v) is not None for v in node.inputs):
+            value = next(v for v in node.inputs if scalar_const(v) is None)
+        elif node.op_type == "Unsqueeze" and len(node.inputs) == 2:
+            axes = const_array(node.inputs[1])
+            rank = len(dims(node.outputs[0]) or ())
+            if axes is None or rank == 0 or (axes.reshape(-1) % rank == rank - 1).any():
+                return False
+            value = node.inputs[0]
+        else:
+            return False
+    return False

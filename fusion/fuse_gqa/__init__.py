@@ -1,0 +1,271 @@
+"""Fuse a decoder's attention, with its rotary embedding, into ONNX Runtime's
+``GroupQueryAttention`` (com.microsoft, ContribOperators.md).
+
+The math
+--------
+Scaled dot-product attention (Vaswani et al., 2017, eq. 1) over ``N`` query heads that share
+``K`` key/value heads, each ``N / K`` times (Ainslie et al., 2023, "GQA"), with the rotary
+position embedding of RoFormer (Su et al., 2021) applied to the queries and keys::
+
+    out = softmax(scale * rope(q) @ rope(k)^T + mask) @ v
+
+``GroupQueryAttention`` computes this from the projections before they are split into heads
+(``query (B, S, N*H)``, ``key`` and ``value (B, T, K*H)``): it splits them, rotates ``q`` and
+``k`` with rows of its ``cos_cache`` / ``sin_cache`` (``do_rotary=1``), repeats the key/value
+heads itself, and masks causally (``causal=1``) or adds ``attention_bias``.
+
+What is fused, as ``torch.onnx.export`` (dynamo) writes transformers' ``LlamaAttention`` and
+the models that copy it (Qwen2/3, Mistral, Gemma, Phi-3), at a fixed length or with symbolic
+axes (:mod:`.parts` for each piece, :mod:`.core` for the Softmax's surroundings):
+``Softmax(scale * Q @ K^T [+ mask])`` anchored at the Softmax, the NaN guard of the dynamo export
+(``Where(IsNaN(p), 0, p)``: no row of the masks fused here is all masked, so no NaN arises),
+``@ V``, and the merge of the heads back into ``(B, S, N*H)``; ``Q`` a split into heads,
+rotated; ``K`` the same with its heads repeated; ``V`` likewise; and the nodes that only feed
+these (the ``Shape`` arithmetic of a symbolic-length export). Attention with no rotation and no
+causal mask (an encoder's) is left to :mod:`fusion.fuse_attention`. The op runs in float32 on
+ONNX Runtime's CPU provider; its CUDA kernel takes float16 and bfloat16 only, so the pass is off
+for CUDA runs (:func:`fusion.registry.provider_options`).
+
+Exactness. There is no past: the query at position ``i`` of the call reads row ``i`` of the
+op's caches. So the rotation is the op's own exactly when the model's ``cos`` and ``sin`` have
+one row per position of the call, alike for every batch and head, with equal halves
+(``cat(freqs, freqs)``, as transformers builds them): constant tables (the first halves become
+the caches), or values computed at run time whose leading axes are 1 and which are
+``cat(f, f)`` put through elementwise ops (:func:`.parts.runtime_table`; the caches are then
+sliced from the model's own values, so the op rotates by the very numbers the model does). The
+mask (:mod:`.masks`) is evaluated where it comes from constants and the inputs' shapes alone:
+0 on and below the diagonal and masked above it (``-inf``, or at most ``-1e30``, as
+transformers' ``finfo.min``) gives ``causal=1``; all zeros, ``causal=0``; another constant mask
+with no row all masked becomes ``attention_bias`` with ``causal=0``. The scale is the product of
+every scalar factor on ``Q``, ``K`` and the scores.
+
+Left intact, with the reason in the report: a mask that reads the model's inputs (an
+``attention_mask`` input, a KV cache: ``GroupQueryAttention`` masks by sequence lengths), or
+computed from their sizes and neither causal nor absent; ``cos``/``sin`` not of the form above;
+only one of ``Q`` and ``K`` rotated; a value inside read elsewhere (a ``present`` output); a
+value head size other than the key's; head counts that do not group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import (
+    add_initializer,
+    const_array,
+    escaping_value,
+    label,
+    opset_version,
+    remove_nodes,
+    replace_output,
+)
+from fusion.base import MS_DOMAIN, CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion.fuse_gqa import build, core, masks, parts
+
+
+@dataclasses.dataclass
+class GQAMatch:
+    """One attention to fuse (see the module docstring).
+
+    Attributes:
+        query, key, value: the heads, traced back to their split (:class:`parts.Heads`).
+        scale: the factor on ``Q @ K^T``.
+        tables: the op's ``(cos_cache, sin_cache)`` as arrays, or the model's run-time ``cos``
+            and ``sin`` values they are cut from, or None where nothing is rotated.
+        causal: the op's ``causal``.
+        bias: the op's ``attention_bias``, or None.
+        output: the ``(B, S, N*H)`` value the op's output replaces.
+        nodes: the nodes it replaces.
+    """
+
+    query: parts.Heads
+    key: parts.Heads
+    value: parts.Heads
+    scale: float
+    tables: tuple[np.ndarray, np.ndarray] | tuple[ir.Value, ir.Value] | None
+    causal: bool
+    bias: np.ndarray | None
+    output: ir.Value
+    nodes: list[ir.Node]
+
+
+def _side(value: ir.Value, rotated: bool) -> tuple[parts.Heads, parts.Rotary | None]:
+    """The heads behind ``value`` (rotated first when ``rotated``).
+
+    Raises:
+        CannotFuse: ``value`` is not a split into heads of known size.
+    """
+    rank4 = value.shape is not None and len(value.shape) == 4
+    size = value.shape[3] if rank4 else None
+    rotation = parts.rotary(value, size) if rotated and isinstance(size, int) else None
+    found = parts.heads(rotation.x if rotation else value)
+    if found is None:
+        raise CannotFuse(Code.UNKNOWN_SHAPE, "a query, key or value that is no split into heads")
+    if rotation is not None:
+        found.nodes += rotation.nodes
+    return found, rotation
+
+
+def _repeated(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
+    """``repeat_kv``'s input, its repeat count and nodes; ``(value, 1, [])`` where there is
+    none."""
+    found = parts.repeat_kv(value)
+    return found if found is not None else (value, 1, [])
+
+
+def _tables(q: parts.Rotary | None, k: parts.Rotary | None, heads: parts.Heads):
+    """The op's ``(cos_cache, sin_cache)`` for the rotations of ``q`` and ``k`` (arrays where
+    the tables are constants; the model's own ``cos`` and ``sin`` values where they are computed
+    at run time), None where neither is rotated.
+
+    Raises:
+        CannotFuse: one is rotated and the other is not, their tables differ, or the tables
+            are not of the form the op computes.
+    """
+    if q is None and k is None:
+        return None
+    if q is None or k is None:
+        raise CannotFuse(Code.NOT_CONSTANT, "only one of the query and the key is rotated")
+    arrays = [const_array(v) for v in (q.cos, q.sin, k.cos, k.sin)]
+    runtime = all(a is None for a in arrays) and (q.cos, q.sin) == (k.cos, k.sin)
+    if runtime and all(parts.runtime_table(v, heads) for v in (q.cos, q.sin)):
+        return q.cos, q.sin
+    if any(a is None for a in arrays):
+        raise CannotFuse(
+            Code.NOT_CONSTANT,
+            "the rotary cos/sin are computed at run time, other than as one row per position "
+            "alike for every batch with equal halves",
+        )
+    if not (np.array_equal(arrays[0], arrays[2]) and np.array_equal(arrays[1], arrays[3])):
+        raise CannotFuse(Code.NOT_CONSTANT, "the query and the key are rotated by other tables")
+    tables = parts.rotary_tables(arrays[0], arrays[1], heads.size)
+    if tables is None:
+        raise CannotFuse(
+            Code.NOT_PER_CHANNEL,
+            "the rotary tables differ between batches or heads, or their two halves differ: "
+            "not the rotation GroupQueryAttention computes",
+        )
+    return tables
+
+
+def _trace(qk: ir.Node, pv: ir.Node):
+    """The heads of ``Q @ K^T`` (``qk``) and of ``P @ V`` (``pv``) traced back to their splits:
+    ``((query, key, value), (query's rotation, key's), other nodes, factor on Q @ K^T)``, or
+    None where the key is not transposed.
+
+    Raises:
+        CannotFuse: a split of unknown size, or head counts that do not group.
+    """
+    q_value, q_factor, q_nodes = parts.scaled(qk.inputs[0])
+    k_value, k_factor, k_nodes = parts.scaled(qk.inputs[1])
+    transposed = parts.transposed_key(k_value)
+    if transposed is None:
+        return None
+    key4, key_nodes = transposed
+    key4, k_repeats, repeat_k = _repeated(key4)
+    value4, v_repeats, repeat_v = _repeated(pv.inputs[1])
+    query, q_rot = _side(q_value, True)
+    key, k_rot = _side(key4, True)
+    value, _ = _side(value4, False)
+    counts = (query.count, key.count, value.count)
+    if key.count * k_repeats != query.count or (k_repeats, key.count) != (v_repeats, value.count):
+        raise CannotFuse(Code.SHAPE_MISMATCH, f"head counts {counts} do not group")
+    if not query.size == key.size == value.size:
+        raise CannotFuse(Code.SHAPE_MISMATCH, "value heads of another size than the key's")
+    nodes = [*q_nodes, *k_nodes, *key_nodes, *repeat_k, *repeat_v]
+    return (query, key, value), (q_rot, k_rot), nodes, q_factor * k_factor
+
+
+class FuseGroupQueryAttention(NodeFusionPass):
+    """Replace each decoder attention of the main graph by one ``GroupQueryAttention`` (see the
+    module docstring); counted as ``"gqa_fused"``, refusals under ``"gqa"``.
+
+    Runs for ``target="ort"``, by default or when ``optimize(gqa=True)``.
+    """
+
+    kinds = (Kind("gqa_fused", "gqa", (Op("GroupQueryAttention", MS_DOMAIN),), norm=False),)
+    targets = ("ort",)
+    option = "gqa"
+    on_by_default = ("ort",)
+
+    def match(self, model: ir.Model, node: ir.Node) -> GQAMatch | None:
+        """The attention whose Softmax is ``node``, or None.
+
+        Raises:
+            CannotFuse: see the module docstring.
+        """
+        if node.op_type != "Softmax" or node.domain != "":
+            return None
+        scores, after = core.scores(node), core.weights_reader(node)
+        if scores is None or after is None:
+            return None
+        qk, mask, factor, nodes = scores
+        pv, guard = after
+        traced = _trace(qk, pv)
+        if traced is None:
+            return None
+        (query, key, value), (q_rot, k_rot), more, qk_factor = traced
+        merged = core.merged(pv, query.count * query.size)
+        if merged is None:
+            return None
+        output, merge = merged
+        tables = _tables(q_rot, k_rot, query)
+        try:
+            causal, bias = masks.classify(mask, opset_version(model))
+        except CannotFuse:
+            if tables is None:  # neither rotated nor causal: an encoder's, FuseAttention's
+                return None
+            raise
+        if tables is None and not causal:
+            return None
+        matched = [node, *nodes, *more, *guard, pv, *query.nodes, *key.nodes, *value.nodes, *merge]
+        matched = core.with_helpers(matched)
+        if escaping_value(matched, output) is not None:
+            raise CannotFuse(Code.SHARED_OUTPUT, "a value inside the attention is read elsewhere")
+        return GQAMatch(
+            query, key, value, factor * qk_factor, tables, causal, bias, output, matched
+        )
+
+    def apply(self, model: ir.Model) -> bool:
+        """Fuse in place (see :class:`fusion.base.NodeFusionPass`); layers whose rotary tables
+        are the same share the op's caches."""
+        self._shared: dict = {}
+        return super().apply(model)
+
+    def rewrite(self, model: ir.Model, match: GQAMatch) -> str:
+        """Insert the op before the heads' merge, move the readers over, drop the old nodes."""
+        graph = model.graph
+        anchor = match.nodes[-1]
+        name = label(match.nodes[0])
+        inserted: list[ir.Node] = []
+        flat = [build.flat(graph, h, inserted) for h in (match.query, match.key, match.value)]
+        seqlens, total = build.lengths(graph, flat[0], inserted)
+        inputs: list[ir.Value | None] = [*flat, None, None, seqlens, total]
+        attributes = {
+            "num_heads": match.query.count,
+            "kv_num_heads": match.key.count,
+            "scale": match.scale,
+            "causal": int(match.causal),
+        }
+        if match.tables is not None:
+            inputs += build.caches(graph, match.tables, match.query.size, inserted, self._shared)
+            attributes["do_rotary"] = 1
+        if match.bias is not None:
+            inputs += [None] * (10 - len(inputs)) + [
+                add_initializer(graph, f"{name}_bias", match.bias)
+            ]
+        fused = ir.node(
+            "GroupQueryAttention",
+            inputs,
+            attributes,
+            domain=MS_DOMAIN,
+            name=f"{name}_GroupQueryAttention",
+        )
+        graph.insert_before(anchor, [*inserted, fused])
+        replace_output(graph, match.output, fused.outputs[0])
+        fused.outputs[0].type = match.output.type
+        remove_nodes(graph, match.nodes[::-1])
+        return "GroupQueryAttention" + (" (rotary inside)" if match.tables is not None else "")

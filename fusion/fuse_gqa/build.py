@@ -1,0 +1,76 @@
+"""The inputs GroupQueryAttention takes that the model has in other forms: the projections
+before their split into heads, and the sequence lengths (:mod:`fusion.fuse_gqa`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import add_initializer, producer
+from fusion.fuse_gqa import parts
+
+
+def flat(graph: ir.Graph, heads: parts.Heads, inserted: list[ir.Node]) -> ir.Value:
+    """The ``(B, L, n*H)`` value the op takes for ``heads``: the split's own input where it is
+    one, else a Reshape of the split (appended to ``inserted``)."""
+    split = heads.split
+    width = heads.count * heads.size
+    reshape = producer(split, "Reshape")
+    source = parts.dims(reshape.inputs[0]) if reshape is not None else None
+    if source is not None and source[2:] == [width] and source[:2] == parts.dims(split)[:2]:
+        return reshape.inputs[0]
+    shape = add_initializer(graph, "gqa_flat_shape", np.array([0, 0, width], np.int64))
+    node = ir.node("Reshape", [split, shape])
+    inserted.append(node)
+    return node.outputs[0]
+
+
+def lengths(graph: ir.Graph, query: ir.Value, inserted: list[ir.Node]) -> tuple[ir.Value, ir.Value]:
+    """``(seqlens_k, total_sequence_length)`` for attention with no past: ``S - 1`` for each of
+    the ``B`` rows (int32, ``(B,)``) and ``S`` (int32 scalar), from the shape of the
+    ``(B, S, .)`` ``query`` (nodes appended to ``inserted``; the constant folder folds them
+    where the shape is static)."""
+
+    def const(hint: str, array: np.ndarray) -> ir.Value:
+        return add_initializer(graph, hint, array)
+
+    shape = ir.node("Shape", [query])
+    batch = ir.node("Gather", [shape.outputs[0], const("gqa_batch_axis", np.array([0]))])
+    length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
+    total = ir.node("Cast", [length.outputs[0]], {"to": int(ir.DataType.INT32)})
+    last = ir.node("Sub", [total.outputs[0], const("gqa_one", np.array(1, np.int32))])
+    seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
+    inserted += [shape, batch, length, total, last, seqlens]
+    return seqlens.outputs[0], total.outputs[0]
+
+
+def caches(
+    graph: ir.Graph, tables: tuple, size: int, inserted: list[ir.Node], shared: dict
+) -> list[ir.Value]:
+    """The op's ``cos_cache`` and ``sin_cache`` ``(positions, size/2)`` for ``tables``: the
+    arrays as initializers, or for the model's run-time ``cos`` and ``sin`` values of one row
+    per position (``(..., L, size)``) the first halves of the rows,
+    ``Slice(Reshape(cos, (-1, size)), [0, size/2))`` (nodes appended to ``inserted``). Made
+    once per pair of tables, kept in ``shared``."""
+    cos, sin = tables
+    constant = isinstance(cos, np.ndarray)
+    key = (cos.tobytes(), sin.tobytes()) if constant else (id(cos), id(sin))
+    if key in shared:
+        return shared[key]
+    if constant:
+        shared[key] = [
+            add_initializer(graph, f"gqa_{n}_cache", t)
+            for n, t in zip(("cos", "sin"), tables, strict=True)
+        ]
+        return shared[key]
+    rows = add_initializer(graph, "gqa_rows", np.array([-1, size], np.int64))
+    bounds = [add_initializer(graph, "gqa_half", np.array([v])) for v in (0, size // 2)]
+    axis = add_initializer(graph, "gqa_last_axis", np.array([1]))
+    out = []
+    for table in tables:
+        reshape = ir.node("Reshape", [table, rows])
+        half = ir.node("Slice", [reshape.outputs[0], *bounds, axis])
+        inserted += [reshape, half]
+        out.append(half.outputs[0])
+    shared[key] = out
+    return out
