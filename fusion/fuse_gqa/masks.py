@@ -4,11 +4,11 @@ shapes of the model's inputs alone, and what GroupQueryAttention makes of it
 
 A mask of an export at a fixed length is a constant subgraph the constant folder leaves (its
 ``(1, 1, S, S)`` booleans are over the folder's size limit). With symbolic axes it is computed
-from ``Shape`` of an input (``Range``, ``LessOrEqual``, ``Where``: transformers' causal mask),
-and reads nothing else of it: then it is evaluated, by the ONNX reference implementation, at
-every assignment of :data:`SIZES` to the symbolic axes, and must be causal (or absent) at each.
-That is a check at those sizes, not a proof for every size; the run's parity check adds the
-sizes it runs.
+from the ``Shape`` of values (``Range``, ``LessOrEqual``, ``Where``: transformers' causal mask)
+and nothing else: where every axis of those values is a number or a named symbol, the mask is
+evaluated, by the ONNX reference implementation, at every assignment of :data:`SIZES` to the
+symbols, and must be causal (or absent) at each. That is a check at those sizes, not a proof for
+every size; the run's parity check adds the sizes it runs.
 """
 
 from __future__ import annotations
@@ -29,80 +29,78 @@ MASKED = -1e30
 #: axis name takes the row's k-th size (cycling).
 SIZES = ((1,), (2, 5, 3), (3, 7, 2), (1, 9, 4))
 
-#: Ops that read only the shape of their input.
-_SHAPE_OPS = ("Shape", "Size")
-
 
 def _subgraph(value: ir.Value, max_nodes: int):
-    """``(nodes, constants, inputs)`` computing ``value``, or None where a graph input is read
-    other than by its shape, a node is not ai.onnx, or there are over ``max_nodes``."""
+    """``(nodes, constants, shapes)`` computing ``value``: its nodes, the constants they read,
+    and the ``Shape`` nodes among them whose input's shape is known axis by axis (a number or a
+    named symbol), which are not followed further; None where the value reads anything else
+    (an input's elements, a node outside ai.onnx) or takes over ``max_nodes`` nodes."""
     nodes: set[ir.Node] = set()
     constants: dict[str, np.ndarray] = {}
-    inputs: dict[str, ir.Value] = {}
+    shapes: set[ir.Node] = set()
     pending = [value]
     while pending:
         current = pending.pop()
         array = const_array(current)
         if array is not None:
             constants[current.name] = array
-        elif current.is_graph_input():
-            inputs[current.name] = current
-        else:
-            node = current.producer()
-            if node is None or node.domain != "" or len(nodes) >= max_nodes:
-                return None
-            if node not in nodes:
-                nodes.add(node)
-                pending.extend(v for v in node.inputs if v is not None)
-    for value_in in inputs.values():
-        if any(u.node in nodes and u.node.op_type not in _SHAPE_OPS for u in value_in.uses()):
+            continue
+        node = current.producer()
+        if node is None or node.domain != "" or len(nodes) >= max_nodes:
             return None
-    return nodes, constants, inputs
+        if node in nodes or node in shapes:
+            continue
+        if node.op_type == "Shape":
+            shape = node.inputs[0].shape
+            if shape is None or any(not isinstance(d, int) and d.value is None for d in shape):
+                return None
+            shapes.add(node)
+        else:
+            nodes.add(node)
+            pending.extend(v for v in node.inputs if v is not None)
+    return nodes, constants, shapes
 
 
-def _feeds(inputs: dict[str, ir.Value], sizes: tuple[int, ...]) -> dict[str, np.ndarray] | None:
-    """Zeros of each input's shape with its symbolic axes given ``sizes``; None where an axis
-    has no name or a type is unknown."""
+def _shape_feeds(shapes: set[ir.Node], sizes: tuple[int, ...]) -> dict[str, np.ndarray]:
+    """Each ``Shape`` node's output with the symbolic axes given ``sizes``: the k-th distinct
+    axis name, in the order met, takes ``sizes[k % len(sizes)]``."""
     names: dict[str, int] = {}
     feeds = {}
-    for name, value in inputs.items():
-        if value.shape is None or value.dtype is None:
-            return None
-        dims = []
-        for dim in value.shape:
-            if isinstance(dim, int):
-                dims.append(dim)
-            elif dim.value is None:
-                return None
-            else:
-                dims.append(names.setdefault(dim.value, sizes[len(names) % len(sizes)]))
-        feeds[name] = np.zeros(dims, dtype=value.dtype.numpy())
+    for node in sorted(shapes, key=lambda n: n.outputs[0].name):
+        dims = [
+            d if isinstance(d, int) else names.setdefault(d.value, sizes[len(names) % len(sizes)])
+            for d in node.inputs[0].shape
+        ]
+        start = node.attributes.get_int("start", 0)
+        end = node.attributes.get_int("end", len(dims))
+        feeds[node.outputs[0].name] = np.array(dims[start:end], np.int64)
     return feeds
 
 
-def evaluate(value: ir.Value, opset: int, max_nodes: int = 32) -> list[np.ndarray] | None:
-    """``value`` at each assignment of :data:`SIZES` (one array when it reads no input), where
-    it is computed from constants and the shapes of inputs alone (see the module docstring);
-    else None."""
+def evaluate(value: ir.Value, opset: int, max_nodes: int = 256) -> list[np.ndarray] | None:
+    """``value`` at each assignment of :data:`SIZES` (one array when it reads no shape), where
+    it is computed from constants and shapes alone (see the module docstring); else None."""
     found = _subgraph(value, max_nodes)
     if found is None:
         return None
-    nodes, constants, inputs = found
+    nodes, constants, shapes = found
+    assignments = [_shape_feeds(shapes, sizes) for sizes in SIZES] if shapes else [{}]
     if not nodes:
-        return [constants[value.name]]
+        return [constants[value.name]] if not shapes else list(assignments[0].values())
     graph = onnx.helper.make_graph(
         [ir.serde.serialize_node(n) for n in value.producer().graph if n in nodes],
         "mask",
-        [onnx.helper.make_tensor_value_info(n, v.dtype.value, None) for n, v in inputs.items()],
+        [onnx.helper.make_tensor_value_info(n.outputs[0].name, onnx.TensorProto.INT64, None)
+         for n in shapes],
         [onnx.helper.make_empty_tensor_value_info(value.name)],
         [onnx.numpy_helper.from_array(a, name) for name, a in constants.items()],
-    )
+    )  # fmt: skip
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", opset)])
-    evaluator = ReferenceEvaluator(model)
-    assignments = [_feeds(inputs, sizes) for sizes in SIZES] if inputs else [{}]
-    if any(feeds is None for feeds in assignments):
+    try:
+        evaluator = ReferenceEvaluator(model)
+        return [np.asarray(evaluator.run(None, feeds)[0]) for feeds in assignments]
+    except Exception:  # a size the model cannot run at (an export specialized to batch 1)
         return None
-    return [np.asarray(evaluator.run(None, feeds)[0]) for feeds in assignments]
 
 
 def classify(mask: ir.Value | None, opset: int) -> tuple[bool, np.ndarray | None]:

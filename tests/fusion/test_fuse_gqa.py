@@ -101,6 +101,32 @@ def test_symbolic_lengths_get_the_models_own_rotation_and_are_exact_at_other_siz
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
+class Logits(torch.nn.Module):
+    """transformers' LlamaForCausalLM's logits, no cache: its mask also derives the positions
+    from the sizes (a subgraph of some 60 nodes), and an export at batch 1 specializes it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**COMMON)
+        self.model = transformers.LlamaForCausalLM(config).eval()
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def test_a_causal_lm_mask_is_evaluated_at_sizes_and_a_batch_1_export_is_left_alone():
+    module = Logits()
+    axes = {"input_ids": {0: "batch", 1: "sequence"}}
+    model = _export(module, [IDS], ["input_ids"], dynamic_axes=axes)
+    assert fusion.optimize(model, target="ort").counts["gqa_fused"] == 2
+    _assert_matches_torch(module, model, {"input_ids": IDS[:, :9].repeat(2, 0)})
+    one = _export(module, [IDS[:1]], ["input_ids"], dynamic_axes=axes)  # runs at batch 1 only
+    report = fusion.optimize(one, target="ort")
+    assert report.counts["gqa_fused"] == 0
+    assert {(r.kind, r.code) for r in report.refused} == {("gqa", "not_constant")}
+
+
 def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():
     for target, options in (("ort", {"gqa": False}), ("onnx", {})):
         model = _export(Hidden("llama"), [IDS], ["input_ids"])
