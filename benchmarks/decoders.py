@@ -60,12 +60,19 @@ COMMON = {
     "num_key_value_heads": 4,
     "vocab_size": 1000,
     "max_position_embeddings": 2048,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
 }
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 32}),
-    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+    "phi3": (
+        transformers.Phi3Config,
+        transformers.Phi3ForCausalLM,
+        {"original_max_position_embeddings": 2048},  # the builder's short-RoPE Phi-3
+    ),
 }
 #: The optimizers' variants timed (see the module docstring).
 VARIANTS = ("ort_raw", "onnxscript_ort", "ort_transformers", "normexport")

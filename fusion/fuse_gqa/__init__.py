@@ -242,6 +242,10 @@ class FuseGroupQueryAttention(NodeFusionPass):
         name = label(match.nodes[0])
         inserted: list[ir.Node] = []
         flat = [build.flat(graph, h, inserted) for h in (match.query, match.key, match.value)]
+        widths = [h.count * h.size for h in (match.query, match.key, match.value)]
+        qkv = build.packed(flat, widths)
+        if qkv is not None:
+            flat = [qkv, None, None]
         seqlens, total = build.lengths(graph, flat[0], inserted)
         inputs: list[ir.Value | None] = [*flat, None, None, seqlens, total]
         attributes = {

@@ -74,3 +74,23 @@ def caches(
         out.append(half.outputs[0])
     shared[key] = out
     return out
+
+
+def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:
+    """The ``(B, S, (N + 2K) * H)`` tensor the query, key and value were sliced from, in that
+    order and back to back along the last axis (Phi-3's ``qkv_proj``), which the op takes as
+    its packed ``query`` with no key and value; else None."""
+    slices = [producer(v, "Slice") for v in flat]
+    if None in slices or len({id(s.inputs[0]) for s in slices}) != 1:
+        return None
+    source = slices[0].inputs[0]
+    shape = parts.dims(source)
+    if shape is None or len(shape) != 3 or shape[2] != sum(widths):
+        return None
+    start = 0
+    for node, width in zip(slices, widths, strict=True):
+        bounds = parts.slice_last(node, 3)
+        if bounds is None or bounds[0] != start or min(bounds[1], shape[2]) != start + width:
+            return None
+        start += width
+    return source

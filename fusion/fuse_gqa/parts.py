@@ -80,7 +80,7 @@ class Rotary:
     nodes: list[ir.Node]
 
 
-def _slice_last(node: ir.Node | None, rank: int) -> tuple[int, int] | None:
+def slice_last(node: ir.Node | None, rank: int) -> tuple[int, int] | None:
     """``(start, end)`` of a Slice of step 1 along the last of ``rank`` axes, or None."""
     if node is None or node.op_type != "Slice" or len(node.inputs) < 4:
         return None
@@ -114,7 +114,7 @@ def _rotate_half(value: ir.Value, x: ir.Value, head_size: int) -> list[ir.Node] 
         return None
     if upper.inputs[0] is not x or lower.inputs[0] is not x:
         return None
-    up, low = _slice_last(upper, 4), _slice_last(lower, 4)
+    up, low = slice_last(upper, 4), slice_last(lower, 4)
     if up is None or low is None or up[0] != half or up[1] < head_size or low != (0, half):
         return None
     return [concat, neg, upper, lower]

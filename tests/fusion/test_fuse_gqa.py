@@ -81,6 +81,8 @@ def test_decoders_exported_at_a_fixed_length_get_one_op_per_layer_and_are_exact(
         assert attributes["num_heads"] == HEADS and attributes["kv_num_heads"] == KV_HEADS
         assert attributes["do_rotary"] == 1 and attributes["causal"] == 1
         assert math.isclose(attributes["scale"], HEAD**-0.5, rel_tol=1e-6)
+        packed = node.inputs[1] is None and node.inputs[2] is None  # Phi-3's qkv_proj as is
+        assert packed == (family == "phi3"), node.inputs[:3]
     _assert_matches_torch(module, model, {"input_ids": IDS})
 
 
