@@ -41,7 +41,8 @@ every scalar factor on ``Q``, ``K`` and the scores.
 
 Left intact, with the reason in the report: a mask that reads the model's inputs (an
 ``attention_mask`` input, a KV cache: ``GroupQueryAttention`` masks by sequence lengths), or
-computed from their sizes and neither causal nor absent; ``cos``/``sin`` not of the form above;
+computed from their sizes and neither causal nor absent, or computed with an integer constant
+beyond the sizes it is checked at (a sliding window of 4096 is causal below 4096 tokens); ``cos``/``sin`` not of the form above;
 only one of ``Q`` and ``K`` rotated; a value inside read elsewhere (a ``present`` output); a
 value head size other than the key's; head counts that do not group.
 """

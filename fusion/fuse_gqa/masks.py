@@ -77,13 +77,36 @@ def _shape_feeds(shapes: set[ir.Node], sizes: tuple[int, ...]) -> dict[str, np.n
     return feeds
 
 
+def _beyond_sizes(constants: dict[str, np.ndarray]) -> int | None:
+    """An integer constant larger than every size of :data:`SIZES` (the ``2**63 - 1`` of "to
+    the end" aside) among ``constants``, or None: with one, a mask checked at those sizes may
+    still differ at larger ones (a sliding window of 4096 is causal below 4096)."""
+    limit = max(max(sizes) for sizes in SIZES)
+    for array in constants.values():
+        if array.dtype.kind in "iu" and array.size <= 64:
+            big = [int(v) for v in array.reshape(-1) if limit < abs(int(v)) < 2**62]
+            if big:
+                return big[0]
+    return None
+
+
 def evaluate(value: ir.Value, opset: int, max_nodes: int = 256) -> list[np.ndarray] | None:
     """``value`` at each assignment of :data:`SIZES` (one array when it reads no shape), where
-    it is computed from constants and shapes alone (see the module docstring); else None."""
+    it is computed from constants and shapes alone (see the module docstring); else None.
+
+    Raises:
+        CannotFuse: it reads shapes and holds an integer constant beyond those sizes.
+    """
     found = _subgraph(value, max_nodes)
     if found is None:
         return None
     nodes, constants, shapes = found
+    if shapes and (big := _beyond_sizes(constants)) is not None:
+        raise CannotFuse(
+            Code.NOT_CONSTANT,
+            f"the attention mask is computed with the constant {big}, beyond the sizes it can be "
+            "checked at (a sliding window?): it may differ at longer sequences",
+        )
     assignments = [_shape_feeds(shapes, sizes) for sizes in SIZES] if shapes else [{}]
     if not nodes:
         return [constants[value.name]] if not shapes else list(assignments[0].values())

@@ -30,6 +30,7 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaModel, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model, {"head_dim": HEAD}),
     "gemma": (transformers.GemmaConfig, transformers.GemmaModel, {"head_dim": HEAD}),
+    "mistral": (transformers.MistralConfig, transformers.MistralModel, {"sliding_window": 4096}),
     "phi3": (transformers.Phi3Config, transformers.Phi3Model, {"pad_token_id": 0}),
 }
 IDS = np.random.default_rng(0).integers(0, COMMON["vocab_size"], size=(2, 16))
@@ -101,6 +102,16 @@ def test_symbolic_lengths_get_the_models_own_rotation_and_are_exact_at_other_siz
             expected = module(torch.from_numpy(ids)).numpy()
         (got,) = run(session, {"input_ids": ids})
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_sliding_window_beyond_the_sizes_checked_is_not_taken_for_causal():
+    module = Hidden("mistral")  # its window of 4096: causal below 4096 tokens, not above
+    axes = {"input_ids": {0: "batch", 1: "sequence"}}
+    model = _export(module, [IDS], ["input_ids"], dynamic_axes=axes)
+    report = fusion.optimize(model, target="ort")
+    assert report.counts["gqa_fused"] == 0
+    assert {(r.kind, r.code) for r in report.refused} == {("gqa", "not_constant")}
+    assert all("constant 4096" in r.detail for r in report.refused)
 
 
 class Logits(torch.nn.Module):
