@@ -42,9 +42,11 @@ every scalar factor on ``Q``, ``K`` and the scores.
 Left intact, with the reason in the report: a mask that reads the model's inputs (an
 ``attention_mask`` input, a KV cache: ``GroupQueryAttention`` masks by sequence lengths), or
 computed from their sizes and neither causal nor absent, or computed with an integer constant
-beyond the sizes it is checked at (a sliding window of 4096 is causal below 4096 tokens); ``cos``/``sin`` not of the form above;
-only one of ``Q`` and ``K`` rotated; a value inside read elsewhere (a ``present`` output); a
-value head size other than the key's; head counts that do not group.
+beyond the sizes it is checked at (a sliding window of 4096 is causal below 4096 tokens);
+``cos``/``sin`` not of the form above; only one of ``Q`` and ``K`` rotated; a value inside read
+elsewhere (a ``present`` output); a split into heads of unknown count or size (the TorchScript
+exporter's ``-1`` heads); a value head size other than the key's; head counts that do not
+group.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ def _side(value: ir.Value, rotated: bool) -> tuple[parts.Heads, parts.Rotary | N
     rotation = parts.rotary(value, size) if rotated and isinstance(size, int) else None
     found = parts.heads(rotation.x if rotation else value)
     if found is None:
-        raise CannotFuse(Code.UNKNOWN_SHAPE, "a query, key or value that is no split into heads")
+        raise CannotFuse(
+            Code.UNKNOWN_SHAPE, "the query, key or value is no split into heads of known count"
+        )
     if rotation is not None:
         found.nodes += rotation.nodes
     return found, rotation
