@@ -1,28 +1,37 @@
-"""Decoders at the speed of the best tool (issue 25): prefill latency of small LLaMA, Qwen3,
-Gemma and Phi-3 models against every other way a user would get an ONNX model of them.
+"""Decoders at the speed of the best tool (issue 25): prefill and decode-step latency of small
+LLaMA, Qwen3, Gemma and Phi-3 models against every other way a user would get an ONNX model of
+them.
 
 Each family is transformers' ``*ForCausalLM`` at a small configuration (hidden 256, 4 layers,
 8 query heads sharing 4 key/value heads, vocabulary 1000), random weights, every norm weight
-random. It is exported the way users do, ``torch.onnx.export`` (dynamo) with symbolic batch
-and sequence, logits out, no cache, and timed on ONNX Runtime's CPU provider (2 intra-op
-threads, spinning off, interleaved, per-round paired ratios with 95% intervals) as:
+random. It is exported the way users do, ``torch.onnx.export`` (dynamo) with symbolic axes:
+
+- prefill: logits of ``input_ids`` (batch, sequence), no cache;
+- decode: one step with the KV cache as tensors (:class:`WithPast`: ``input_ids``,
+  ``attention_mask``, ``past_key_values.N.key/value`` in; ``logits``, ``present.N.key/value``
+  out, as Optimum and onnxruntime-genai name them), at a past length, sequence 1, random cache;
+
+and timed on ONNX Runtime's CPU provider (2 intra-op threads, spinning off, interleaved,
+per-round paired ratios with 95% intervals) as:
 
 - ``ort_raw``, ``onnxscript_ort``, ``ort_transformers``, ``normexport``: the export as is and
   after each optimizer (:func:`normexport.tuning.variants.build_variants`; normexport's is
   ``fusion.optimize`` as a CPU run makes it);
 - ``genai``: onnxruntime-genai's model builder on the same weights
   (``python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p fp32 -e cpu`` on a
-  ``save_pretrained`` folder with a throwaway tokenizer), fed an all-ones attention mask and an
-  empty KV cache; skipped, and said so, where ``onnxruntime_genai`` is not installed
+  ``save_pretrained`` folder with a throwaway tokenizer); for prefill fed an all-ones mask and
+  an empty cache; skipped, and said so, where ``onnxruntime_genai`` is not installed
   (``pip install --no-deps onnxruntime-genai``: its dependencies would put the CPU onnxruntime
   over onnxruntime-gpu).
 
-Every variant's logits are compared with PyTorch's at each point (max abs difference).
-Targets: normexport's model no slower than the best other variant (the interval of other /
-normexport reaches 1.0 or above) and never slower than the raw export.
+Every variant's outputs (logits, and the present cache of a decode step) are compared by name
+with PyTorch's at each point (max abs difference). Targets: normexport's model no slower than
+the best other variant (the interval of other / normexport reaches 1.0 or above) and never
+slower than the raw export.
 
-    python benchmarks/decoders.py [--families llama,qwen3,gemma,phi3] [--batch 1,4]
-                                  [--seq 128,512] [--budget 8] [--out DIR]
+    python benchmarks/decoders.py [--families llama,qwen3,gemma,phi3]
+                                  [--prefill 1,4:128,512] [--decode 1,4:128,1024]
+                                  [--budget 8] [--out DIR]
 
 Writes ``decoders_cpu.json`` and ``decoders_cpu.png`` to ``--out`` (default
 ``benchmarks/results``).
@@ -46,8 +55,7 @@ from rich.table import Table
 
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
-from normexport.io.export import export_module
-from normexport.io.files import save_figure, save_model
+from normexport.io.files import save_figure
 from normexport.runtime import make_session
 from normexport.runtime.latency import paired_ratio, runner, time_interleaved
 from normexport.tuning import variants
@@ -120,6 +128,72 @@ def _genai(model: torch.nn.Module, folder: Path) -> tuple[Path | None, str | Non
     return out / "model.onnx", None
 
 
+class WithPast(torch.nn.Module):
+    """One decode step of a causal LM with its KV cache as tensors, as a deployment exports it:
+    ``(input_ids (B, S), attention_mask (B, P + S), past key, past value per layer (B, K, P,
+    H))`` -> ``(logits, present key, present value per layer (B, K, P + S, H))``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, *past):
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            use_cache=True,
+        )  # fmt: skip
+        layers = out.past_key_values.layers
+        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
+
+
+def _cache_names(kind: str) -> list[str]:
+    """The KV cache's input (``"past_key_values"``) or output (``"present"``) names, as Optimum
+    and onnxruntime-genai name them."""
+    return [
+        f"{kind}.{i}.{kv}" for i in range(COMMON["num_hidden_layers"]) for kv in ("key", "value")
+    ]
+
+
+def _head_size() -> int:
+    return COMMON["hidden_size"] // COMMON["num_attention_heads"]
+
+
+def _decode_inputs(rng, batch: int, past: int) -> dict[str, np.ndarray]:
+    """One decode step's inputs: a token, an all-ones mask over ``past + 1``, a random cache."""
+    cache = (batch, COMMON["num_key_value_heads"], past, _head_size())
+    feeds = {
+        "input_ids": rng.integers(0, COMMON["vocab_size"], (batch, 1)),
+        "attention_mask": np.ones((batch, past + 1), np.int64),
+    }
+    for name in _cache_names("past_key_values"):
+        feeds[name] = rng.standard_normal(cache).astype(np.float32)
+    return feeds
+
+
+def _export_with_past(model: torch.nn.Module, path: Path) -> None:
+    """``torch.onnx.export`` (dynamo) of :class:`WithPast` with symbolic batch, sequence, past
+    and total lengths."""
+    example = _decode_inputs(np.random.default_rng(1), 2, 5)
+    example["input_ids"] = example["input_ids"].repeat(3, 1)  # sequence 3: no 1 to specialize
+    example["attention_mask"] = np.ones((2, 8), np.int64)
+    dims = {n: torch.export.Dim(n) for n in ("batch", "sequence", "past", "total")}
+    cache_dims = tuple({0: dims["batch"], 2: dims["past"]} for _ in _cache_names("present"))
+    shapes = {
+        "input_ids": {0: dims["batch"], 1: dims["sequence"]},
+        "attention_mask": {0: dims["batch"], 1: dims["total"]},
+        "past": cache_dims,
+    }
+    program = torch.onnx.export(
+        WithPast(model).eval(), tuple(torch.from_numpy(a) for a in example.values()),
+        dynamo=True, dynamic_shapes=shapes, input_names=list(example),
+        output_names=["logits", *_cache_names("present")],
+    )  # fmt: skip
+    program.save(str(path), external_data=True)
+
+
 def _feeds(session, ids: np.ndarray) -> dict[str, np.ndarray]:
     """``ids`` and, for the builder's model, an all-ones mask and an empty KV cache."""
     feeds = {}
@@ -129,59 +203,82 @@ def _feeds(session, ids: np.ndarray) -> dict[str, np.ndarray]:
         elif spec.name == "attention_mask":
             feeds[spec.name] = np.ones(ids.shape, np.int64)
         else:  # past_key_values.*: (batch, kv heads, 0, head size)
-            heads, size = spec.shape[1], COMMON["hidden_size"] // COMMON["num_attention_heads"]
-            feeds[spec.name] = np.zeros((ids.shape[0], heads, 0, size), np.float32)
+            heads = COMMON["num_key_value_heads"]
+            feeds[spec.name] = np.zeros((ids.shape[0], heads, 0, _head_size()), np.float32)
     return feeds
 
 
-def bench_family(family: str, points, budget_s: float, console: Console) -> dict:
-    """Build, check and time one family at each (batch, sequence) point; its JSON entry."""
+def _variants(raw_path: Path, folder: Path, genai: Path | None) -> tuple[dict, dict]:
+    """The optimizers' variants of ``raw_path`` (and the builder's model): their sessions and
+    their JSON."""
+    out = folder / "variants"
+    out.mkdir()
+    built = variants.build_variants(raw_path, "cpu", out, only=VARIANTS)
+    paths = {k: v.model for k, v in built.items() if v.model is not None}
+    if genai is not None:
+        paths["genai"] = genai
+    sessions = {k: make_session(p, "cpu", spinning=False) for k, p in paths.items()}
+    return sessions, {k: v.to_dict() for k, v in built.items()}
+
+
+def bench_family(family: str, points, decode, budget_s: float, console: Console) -> dict:
+    """Build, check and time one family: prefill at each (batch, sequence) of ``points``, one
+    decode step at each (batch, past) of ``decode``; its JSON entry."""
     model = build_model(family)
     module = Logits(model)
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="decoders-") as tmp:
         folder = Path(tmp)
-        ids = rng.integers(0, COMMON["vocab_size"], (2, 16))  # batch 1 would specialize it
-        raw = export_module(
-            module, [torch.from_numpy(ids)], input_names=["input_ids"], exporter="dynamo",
-            dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
-        ).model  # fmt: skip
-        raw_path = folder / "raw" / "model.onnx"
-        raw_path.parent.mkdir()
-        save_model(raw, raw_path, external_data=True)
-        (folder / "variants").mkdir()
-        built = variants.build_variants(raw_path, "cpu", folder / "variants", only=VARIANTS)
-        paths = {k: v.model for k, v in built.items() if v.model is not None}
         genai, genai_error = _genai(model, folder)
-        if genai is not None:
-            paths["genai"] = genai
-        entry = {
-            "variants": {k: v.to_dict() for k, v in built.items()},
-            "genai_error": genai_error,
-            "points": [],
-        }
-        sessions = {k: make_session(p, "cpu", spinning=False) for k, p in paths.items()}
+        entry = {"genai_error": genai_error}
+        ids = rng.integers(0, COMMON["vocab_size"], (2, 16))  # batch 1 would specialize it
+        (folder / "prefill").mkdir()
+        program = torch.onnx.export(
+            module, (torch.from_numpy(ids),), dynamo=True, input_names=["input_ids"],
+            output_names=["logits"], dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
+        )  # fmt: skip
+        program.save(str(folder / "prefill" / "model.onnx"), external_data=True)
+        sessions, built = _variants(folder / "prefill" / "model.onnx", folder / "prefill", genai)
+        entry["prefill"] = {"variants": built, "points": []}
         for batch, seq in points:
             ids = rng.integers(0, COMMON["vocab_size"], (batch, seq))
-            entry["points"].append(_point(module, sessions, ids, budget_s))
-            console.print(f"{family} batch {batch} sequence {seq}: done")
+            feeds = {k: _feeds(session, ids) for k, session in sessions.items()}
+            entry["prefill"]["points"].append(_point(module, sessions, feeds, budget_s))
+            console.print(f"{family} prefill batch {batch} sequence {seq}: done")
+        if decode:
+            (folder / "decode").mkdir()
+            _export_with_past(model, folder / "decode" / "model.onnx")
+            sessions, built = _variants(folder / "decode" / "model.onnx", folder / "decode", genai)
+            entry["decode"] = {"variants": built, "points": []}
+            for batch, past in decode:
+                inputs = _decode_inputs(rng, batch, past)
+                feeds = dict.fromkeys(sessions, inputs)
+                point = _point(WithPast(model), sessions, feeds, budget_s)
+                entry["decode"]["points"].append(point | {"past": past})
+                console.print(f"{family} decode batch {batch} past {past}: done")
     return entry
 
 
-def _point(module, sessions: dict, ids: np.ndarray, budget_s: float) -> dict:
-    """Time every session on ``ids``, interleaved; ratios to normexport, errors vs PyTorch."""
+def _point(module, sessions: dict, feeds: dict, budget_s: float) -> dict:
+    """Time every session on its ``feeds``, interleaved; ratios to normexport, the largest
+    difference from PyTorch's outputs (every output: logits and the present cache)."""
+    first = next(iter(feeds.values()))
     with torch.no_grad():
-        expected = module(torch.from_numpy(ids)).numpy()
+        out = module(*(torch.from_numpy(a) for a in first.values()))
+    out = out if isinstance(out, tuple) else (out,)
+    names = ["logits", *_cache_names("present")][: len(out)]
+    expected = dict(zip(names, (t.numpy() for t in out), strict=True))
     runners, errors = {}, {}
     for name, session in sessions.items():
-        call, outputs = runner(session, _feeds(session, ids), io_binding=False)
-        errors[name] = float(np.abs(outputs()[0] - expected).max())
+        call, outputs = runner(session, feeds[name], io_binding=False)
+        got = dict(zip((o.name for o in session.get_outputs()), outputs(), strict=True))
+        errors[name] = max(float(np.abs(got[k] - e).max()) for k, e in expected.items())
         runners[name] = call
     timings = time_interleaved(runners, budget_s=budget_s, min_runs=10)
     base = timings["normexport"]
     return {
-        "batch": int(ids.shape[0]),
-        "sequence": int(ids.shape[1]),
+        "batch": int(first["input_ids"].shape[0]),
+        "sequence": int(first["input_ids"].shape[1]),
         "median_ms": {k: t.median_ms for k, t in timings.items()},
         "ratio_to_normexport": {
             k: paired_ratio(t, base).to_dict() for k, t in timings.items() if k != "normexport"
@@ -201,49 +298,69 @@ def _targets(point: dict) -> dict:
     }
 
 
+PHASES = ("prefill", "decode")
+
+
+def _points(results: dict):
+    """``(family, phase, point)`` for every point measured."""
+    for family, entry in results["families"].items():
+        for phase in PHASES:
+            for point in entry.get(phase, {}).get("points", []):
+                yield family, phase, point
+
+
+def _label(phase: str, point: dict) -> str:
+    """``b4 s512`` for a prefill point, ``b4 past1024`` for a decode step."""
+    size = f"past{point['past']}" if phase == "decode" else f"s{point['sequence']}"
+    return f"b{point['batch']} {size}"
+
+
 def _chart(results: dict, path: Path) -> None:
-    """Each variant's time over normexport's, per family and point (above 1: normexport is
-    faster)."""
+    """Each variant's time over normexport's, per family, phase and point (above 1: normexport
+    is faster)."""
     import matplotlib.pyplot as plt
 
     labels, series = [], {}
-    for family, entry in results["families"].items():
-        for point in entry["points"]:
-            labels.append(f"{family}\nb{point['batch']} s{point['sequence']}")
-            for name, ratio in point["ratio_to_normexport"].items():
-                series.setdefault(name, []).append(ratio["median"])
-    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.9), 4.5))
+    for family, phase, point in _points(results):
+        labels.append(f"{family} {phase}\n{_label(phase, point)}")
+        for name, ratio in point["ratio_to_normexport"].items():
+            series.setdefault(name, []).append(ratio["median"])
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 0.7), 4.5))
     width = 0.8 / max(1, len(series))
     for i, (name, values) in enumerate(series.items()):
-        xs = [x + i * width for x in range(len(values))]
-        ax.bar(xs, values, width, label=name)
+        ax.bar([x + i * width for x in range(len(values))], values, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=7)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=6)
     ax.set_ylabel("time / normexport's time")
-    ax.set_title("Decoder prefill on ONNX Runtime CPU (2 threads): above 1, normexport is faster")
+    ax.set_title("Decoders on ONNX Runtime CPU (2 threads): above 1, normexport is faster")
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path)
+
+
+def _pairs(text: str) -> list[tuple[int, int]]:
+    a, b = text.split(":")
+    return [(int(x), int(y)) for x in a.split(",") for y in b.split(",")]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; write JSON and PNG; print the table."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default=",".join(FAMILIES))
-    p.add_argument("--batch", default="1,4")
-    p.add_argument("--seq", default="128,512")
+    p.add_argument("--prefill", default="1,4:128,512", help="BATCHES:SEQUENCES")
+    p.add_argument("--decode", default="1,4:128,1024", help="BATCHES:PASTS, or '' for none")
     p.add_argument("--budget", type=float, default=8.0, help="timing seconds per point")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    points = [(int(b), int(s)) for b in args.batch.split(",") for s in args.seq.split(",")]
+    prefill, decode = _pairs(args.prefill), _pairs(args.decode) if args.decode else []
     console = Console()
     results = {"machine": Machine.probe("cpu").to_dict(), "config": COMMON, "families": {}}
     for family in args.families.split(","):
-        results["families"][family] = bench_family(family, points, args.budget, console)
-    for entry in results["families"].values():
-        for point in entry["points"]:
-            point["targets"] = _targets(point)
+        entry = bench_family(family, prefill, decode, args.budget, console)
+        results["families"][family] = entry
+    for _, _, point in _points(results):
+        point["targets"] = _targets(point)
     (args.out / "decoders_cpu.json").write_text(json.dumps(results, indent=1))
     _chart(results, args.out / "decoders_cpu.png")
     _table(results, console)
@@ -252,16 +369,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(results: dict, console: Console) -> None:
     table = Table(title="time / normexport's time (95% interval); > 1: normexport is faster")
-    names = sorted({n for e in results["families"].values() for p in e["points"]
-                    for n in p["ratio_to_normexport"]})  # fmt: skip
-    for column in ("family", "batch", "seq", "normexport ms", *names):
+    names = sorted({n for _, _, p in _points(results) for n in p["ratio_to_normexport"]})
+    for column in ("family", "phase", "point", "normexport ms", *names):
         table.add_column(column)
-    for family, entry in results["families"].items():
-        for point in entry["points"]:
-            ratios = point["ratio_to_normexport"]
-            cells = [fmt_ratio(ratios[n]) if n in ratios else "-" for n in names]
-            ms = f"{point['median_ms']['normexport']:.2f}"
-            table.add_row(family, str(point["batch"]), str(point["sequence"]), ms, *cells)
+    for family, phase, point in _points(results):
+        ratios = point["ratio_to_normexport"]
+        cells = [fmt_ratio(ratios[n]) if n in ratios else "-" for n in names]
+        ms = f"{point['median_ms']['normexport']:.2f}"
+        table.add_row(family, phase, _label(phase, point), ms, *cells)
     console.print(table)
 
 

@@ -26,7 +26,7 @@ import onnx
 import onnx_ir as ir
 
 from fusion import registry
-from fusion._ir import KnownShapes, label, opset_version
+from fusion._ir import KnownShapes, fully_known, label, opset_version
 from fusion.base import (
     MS_DOMAIN,
     TARGETS,
@@ -145,12 +145,13 @@ class FillShapes(ir.passes.InPlacePass):
     external data and the 2 GiB limit do not matter). The matchers need ranks and channel
     counts; the TorchScript exporter writes none for intermediate values.
 
-    A shape or type the model already carries is never replaced (the dynamo exporter's symbolic
-    dimensions say more than inference's), and where inference fails or finds nothing the value
-    stays as it is: the passes then refuse what needs a shape, as before. The shapes are
-    scaffolding for the passes: :class:`DropShapes` (run after them) takes them off again,
-    except where a node a pass made reads or writes the value, so that the other values and the
-    clean-up after the passes are as they would be without them.
+    A dimension or type the model already carries is never replaced (the dynamo exporter's
+    symbolic dimensions say more than inference's); only its unknown dimensions are filled
+    (:func:`_filled`). Where inference fails or finds nothing the value stays as it is: the
+    passes then refuse what needs a shape, as before. The shapes are scaffolding for the passes:
+    :class:`DropShapes` (run after them) takes them off again, except where a node a pass made
+    reads or writes the value, so that the other values and the clean-up after the passes are as
+    they would be without them.
 
     Attributes:
         filled: ``(value, its shape, its type)`` before, for each value given something.
@@ -167,7 +168,7 @@ class FillShapes(ir.passes.InPlacePass):
         self.nodes = set(model.graph)
         self.filled = []
         for value in (v for node in model.graph for v in node.outputs):
-            shape = shapes(value) if value.shape is None else None
+            shape = _filled(value.shape, shapes(value) if not fully_known(value.shape) else None)
             dtype = shapes.dtype(value) if value.dtype is None else None
             if shape is not None or dtype is not None:
                 self.filled.append((value, value.shape, value.type))
@@ -176,6 +177,20 @@ class FillShapes(ir.passes.InPlacePass):
             if dtype is not None:
                 value.dtype = dtype
         return ir.passes.PassResult(model, modified=bool(self.filled))
+
+
+def _filled(own: ir.Shape | None, inferred: ir.Shape | None) -> ir.Shape | None:
+    """The shape :class:`FillShapes` gives a value that carries ``own``: ``inferred`` where it
+    carries none, ``own`` with its unknown dimensions (no number, no name) taken from
+    ``inferred`` where the ranks agree (the dynamo exporter writes a Reshape to a target computed
+    at run time with no dimension known); None where that adds nothing."""
+    if own is None or inferred is None:
+        return inferred
+    if len(own) != len(inferred):
+        return None
+    pairs = zip(own, inferred, strict=True)
+    dims = [o if isinstance(o, int) or o.value is not None else i for o, i in pairs]
+    return ir.Shape(dims) if dims != list(own) else None
 
 
 class DropShapes(ir.passes.InPlacePass):

@@ -230,7 +230,7 @@ def unused_name(graph: ir.Graph, hint: str) -> str:
     return name
 
 
-def _fully_known(shape: ir.Shape | None) -> bool:
+def fully_known(shape: ir.Shape | None) -> bool:
     """Whether every dimension of ``shape`` is a number or a named symbol."""
     return shape is not None and all(isinstance(d, int) or d.value is not None for d in shape)
 
@@ -265,7 +265,7 @@ class KnownShapes:
         return self._inferred.get(value.name) if value.name else None
 
     def __call__(self, value: ir.Value) -> ir.Shape | None:
-        if _fully_known(value.shape):
+        if fully_known(value.shape):
             return value.shape
         inferred = self._inference(value)
         return (

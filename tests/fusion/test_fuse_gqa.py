@@ -140,6 +140,21 @@ def test_a_causal_lm_mask_is_evaluated_at_sizes_and_a_batch_1_export_is_left_alo
     assert {(r.kind, r.code) for r in report.refused} == {("gqa", "not_constant")}
 
 
+def test_torch_onnx_export_with_dynamic_axes_as_users_call_it(tmp_path):
+    """``torch.onnx.export(dynamo=True, dynamic_axes=...)`` leaves the key's Reshapes with no
+    dimension known; FillShapes fills them from inference and the attention is fused."""
+    module = Logits()
+    path = tmp_path / "model.onnx"
+    program = torch.onnx.export(
+        module, (torch.from_numpy(IDS),), dynamo=True, input_names=["input_ids"],
+        output_names=["logits"], dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
+    )  # fmt: skip
+    program.save(str(path))
+    model = ir.load(path)
+    assert fusion.optimize(model, target="ort").counts["gqa_fused"] == 2
+    _assert_matches_torch(module, model, {"input_ids": IDS[:1, :11]})
+
+
 def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():
     for target, options in (("ort", {"gqa": False}), ("onnx", {})):
         model = _export(Hidden("llama"), [IDS], ["input_ids"])
