@@ -64,6 +64,7 @@ from fusion._ir import (
     opset_version,
     remove_nodes,
     replace_output,
+    same_dim,
 )
 from fusion.base import MS_DOMAIN, CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.fuse_gqa import build, core, masks, parts
@@ -180,6 +181,13 @@ def _trace(qk: ir.Node, pv: ir.Node):
         raise CannotFuse(Code.SHAPE_MISMATCH, f"head counts {counts} do not group")
     if not query.size == key.size == value.size:
         raise CannotFuse(Code.SHAPE_MISMATCH, "value heads of another size than the key's")
+    lengths = [parts.dims(h.split)[1] for h in (query, key, value)]
+    if not all(same_dim(lengths[0], n) for n in lengths[1:]):
+        raise CannotFuse(
+            Code.SHAPE_MISMATCH,
+            "keys or values not provably as many as the queries (a past, or cross-attention): "
+            "the op without a past takes one length",
+        )
     nodes = [*q_nodes, *k_nodes, *key_nodes, *repeat_k, *repeat_v]
     return (query, key, value), (q_rot, k_rot), nodes, q_factor * k_factor
 

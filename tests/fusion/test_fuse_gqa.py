@@ -244,3 +244,31 @@ def test_a_mask_with_a_row_all_masked_is_left_alone():
     _, model, report = _hand(*ROPE, mask)
     assert report.counts["gqa_fused"] == 0
     assert [(r.kind, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
+
+
+class CrossAttention(torch.nn.Module):
+    """Queries from ``x`` (B, S, D), keys and values from ``y`` (B, T, D), causal over the last
+    S of the T keys: no rotation, a causal mask, T != S."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(4)
+        self.q, self.k, self.v = (torch.nn.Linear(HIDDEN, HEADS * HEAD) for _ in range(3))
+
+    def forward(self, x, y):
+        b, s, _ = x.shape
+        t = y.shape[1]
+        q = self.q(x).view(b, s, HEADS, HEAD).transpose(1, 2)
+        k = self.k(y).view(b, t, HEADS, HEAD).transpose(1, 2)
+        v = self.v(y).view(b, t, HEADS, HEAD).transpose(1, 2)
+        mask = torch.triu(torch.full((s, t), float("-inf")), 1 + t - s)
+        out = torch.softmax(q @ k.transpose(-1, -2) * HEAD**-0.5 + mask, dim=-1) @ v
+        return out.transpose(1, 2).reshape(b, s, HEADS * HEAD)
+
+
+def test_keys_of_another_length_than_the_queries_are_left_alone():
+    y = np.random.default_rng(5).standard_normal((2, SEQ + 4, HIDDEN)).astype(np.float32)
+    model = _export(CrossAttention().eval(), [X, y], ["x", "y"])
+    report = fusion.optimize(model, target="ort")
+    assert report.counts["gqa_fused"] == 0
+    assert [(r.kind, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
