@@ -24,6 +24,12 @@ per-round paired ratios with 95% intervals) as:
   (``pip install --no-deps onnxruntime-genai``: its dependencies would put the CPU onnxruntime
   over onnxruntime-gpu).
 
+Also timed, to show why normexport fuses what it fuses (:data:`FORMS`, not counted as other
+tools): its model with MultiHeadAttention instead of GroupQueryAttention (``normexport_mha``)
+and with the norms alone (``normexport_unfused``). And the encoders of the issue
+(:data:`ENCODERS`: ViT-Tiny's shape, a CLIP vision tower, BERT with a padding mask; batch only
+symbolic), against the same optimizers.
+
 Every variant's outputs (logits, and the present cache of a decode step) are compared by name
 with PyTorch's at each point (max abs difference). Targets: normexport's model no slower than
 the best other variant (the interval of other / normexport reaches 1.0 or above) and never
@@ -31,6 +37,7 @@ slower than the raw export.
 
     python benchmarks/decoders.py [--families llama,qwen3,gemma,phi3]
                                   [--prefill 1,4:128,512] [--decode 1,4:128,1024]
+                                  [--encoders vit,clip,bert] [--encoder-batch 1,4]
                                   [--budget 8] [--out DIR]
 
 Writes ``decoders_cpu.json`` and ``decoders_cpu.png`` to ``--out`` (default
@@ -48,14 +55,16 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 import torch
 import transformers
 from rich.console import Console
 from rich.table import Table
 
+import fusion
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
-from normexport.io.files import save_figure
+from normexport.io.files import save_figure, save_model
 from normexport.runtime import make_session
 from normexport.runtime.latency import paired_ratio, runner, time_interleaved
 from normexport.tuning import variants
@@ -208,17 +217,32 @@ def _feeds(session, ids: np.ndarray) -> dict[str, np.ndarray]:
     return feeds
 
 
+#: normexport's own other forms, timed to show why it fuses what it fuses (not other tools):
+#: ``fusion.optimize`` keywords.
+FORMS = {
+    "normexport_mha": {"gqa": False},  # onnxscript's MultiHeadAttention, rotation outside
+    "normexport_unfused": {"gqa": False, "attention": False},  # the norms alone
+}
+
+
 def _variants(raw_path: Path, folder: Path, genai: Path | None) -> tuple[dict, dict]:
-    """The optimizers' variants of ``raw_path`` (and the builder's model): their sessions and
-    their JSON."""
+    """The optimizers' variants of ``raw_path``, normexport's other :data:`FORMS` and the
+    builder's model: their sessions and their JSON."""
     out = folder / "variants"
     out.mkdir()
     built = variants.build_variants(raw_path, "cpu", out, only=VARIANTS)
     paths = {k: v.model for k, v in built.items() if v.model is not None}
+    described = {k: v.to_dict() for k, v in built.items()}
+    for name, options in FORMS.items():
+        model = ir.load(raw_path)
+        report = fusion.optimize(model, target="ort", **options)
+        paths[name] = out / f"{name}.onnx"
+        save_model(model, paths[name], external_data=True)
+        described[name] = {"options": options, "details": dict(report.counts)}
     if genai is not None:
         paths["genai"] = genai
     sessions = {k: make_session(p, "cpu", spinning=False) for k, p in paths.items()}
-    return sessions, {k: v.to_dict() for k, v in built.items()}
+    return sessions, described
 
 
 def bench_family(family: str, points, decode, budget_s: float, console: Console) -> dict:
@@ -259,14 +283,15 @@ def bench_family(family: str, points, decode, budget_s: float, console: Console)
     return entry
 
 
-def _point(module, sessions: dict, feeds: dict, budget_s: float) -> dict:
+def _point(module, sessions: dict, feeds: dict, budget_s: float, names=None) -> dict:
     """Time every session on its ``feeds``, interleaved; ratios to normexport, the largest
-    difference from PyTorch's outputs (every output: logits and the present cache)."""
+    difference from PyTorch's outputs (every output, by ``names``: default the logits and the
+    present cache)."""
     first = next(iter(feeds.values()))
     with torch.no_grad():
         out = module(*(torch.from_numpy(a) for a in first.values()))
     out = out if isinstance(out, tuple) else (out,)
-    names = ["logits", *_cache_names("present")][: len(out)]
+    names = (names or ["logits", *_cache_names("present")])[: len(out)]
     expected = dict(zip(names, (t.numpy() for t in out), strict=True))
     runners, errors = {}, {}
     for name, session in sessions.items():
@@ -277,8 +302,8 @@ def _point(module, sessions: dict, feeds: dict, budget_s: float) -> dict:
     timings = time_interleaved(runners, budget_s=budget_s, min_runs=10)
     base = timings["normexport"]
     return {
-        "batch": int(first["input_ids"].shape[0]),
-        "sequence": int(first["input_ids"].shape[1]),
+        "batch": int(next(iter(first.values())).shape[0]),
+        "sequence": int(first["input_ids"].shape[1]) if "input_ids" in first else None,
         "median_ms": {k: t.median_ms for k, t in timings.items()},
         "ratio_to_normexport": {
             k: paired_ratio(t, base).to_dict() for k, t in timings.items() if k != "normexport"
@@ -289,7 +314,7 @@ def _point(module, sessions: dict, feeds: dict, budget_s: float) -> dict:
 
 def _targets(point: dict) -> dict:
     """Whether normexport meets issue 25's targets at ``point``."""
-    ratios = point["ratio_to_normexport"]
+    ratios = {k: r for k, r in point["ratio_to_normexport"].items() if k not in FORMS}
     best = min(ratios, key=lambda k: ratios[k]["median"])
     return {
         "best_other": best,
@@ -298,7 +323,93 @@ def _targets(point: dict) -> dict:
     }
 
 
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "encoder")
+
+
+def _vit() -> tuple[torch.nn.Module, dict]:
+    """ViT-Tiny's shape (hidden 192, 12 layers, 3 heads, 16x16 patches of 224x224)."""
+    config = transformers.ViTConfig(
+        hidden_size=192, num_hidden_layers=12, num_attention_heads=3, intermediate_size=768
+    )
+    model = transformers.ViTModel(config, add_pooling_layer=False)
+    return _Hidden(model, "pixel_values"), {"pixel_values": (3, 224, 224)}
+
+
+def _clip() -> tuple[torch.nn.Module, dict]:
+    """A CLIP vision tower (hidden 256, 6 layers, 4 heads, 32x32 patches of 224x224)."""
+    config = transformers.CLIPVisionConfig(
+        hidden_size=256, num_hidden_layers=6, num_attention_heads=4, intermediate_size=1024,
+        patch_size=32,
+    )  # fmt: skip
+    return _Hidden(transformers.CLIPVisionModel(config), "pixel_values"), {
+        "pixel_values": (3, 224, 224)
+    }
+
+
+def _bert() -> tuple[torch.nn.Module, dict]:
+    """A BERT encoder (hidden 256, 4 layers, 4 heads), token ids and a padding mask of 128."""
+    config = transformers.BertConfig(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+        vocab_size=COMMON["vocab_size"],
+    )  # fmt: skip
+    model = transformers.BertModel(config, add_pooling_layer=False)
+    return _Hidden(model, "input_ids", "attention_mask"), {
+        "input_ids": (128,),
+        "attention_mask": (128,),
+    }
+
+
+#: The encoders of issue 25, each a (module, input shapes without the batch) factory.
+ENCODERS = {"vit": _vit, "clip": _clip, "bert": _bert}
+
+
+class _Hidden(torch.nn.Module):
+    """A transformers encoder's last hidden state for inputs given by position."""
+
+    def __init__(self, model: torch.nn.Module, *names: str):
+        super().__init__()
+        self.model, self.names = model.eval(), names
+
+    def forward(self, first, second=None):
+        inputs = dict(zip(self.names, (first, second), strict=False))
+        return self.model(**inputs).last_hidden_state
+
+
+def _encoder_inputs(rng, shapes: dict, batch: int) -> dict[str, np.ndarray]:
+    """Random pixels, token ids, and a mask with the last quarter of row 0 padded."""
+    feeds = {}
+    for name, shape in shapes.items():
+        if name == "pixel_values":
+            feeds[name] = rng.standard_normal((batch, *shape)).astype(np.float32)
+        elif name == "input_ids":
+            feeds[name] = rng.integers(0, COMMON["vocab_size"], (batch, *shape))
+        else:
+            feeds[name] = np.ones((batch, *shape), np.int64)
+            feeds[name][0, -shape[0] // 4 :] = 0
+    return feeds
+
+
+def bench_encoder(name: str, batches, budget_s: float, console: Console) -> dict:
+    """Build, check and time one encoder of :data:`ENCODERS` at each batch; its JSON entry."""
+    torch.manual_seed(0)
+    module, shapes = ENCODERS[name]()
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(prefix="encoders-") as tmp:
+        folder = Path(tmp)
+        example = _encoder_inputs(rng, shapes, 2)
+        axes = {k: {0: "batch"} for k in example}
+        program = torch.onnx.export(
+            module, tuple(torch.from_numpy(a) for a in example.values()), dynamo=True,
+            input_names=list(example), output_names=["hidden"], dynamic_axes=axes,
+        )  # fmt: skip
+        program.save(str(folder / "model.onnx"), external_data=True)
+        sessions, built = _variants(folder / "model.onnx", folder, None)
+        entry = {"variants": built, "points": []}
+        for batch in batches:
+            feeds = dict.fromkeys(sessions, _encoder_inputs(rng, shapes, batch))
+            entry["points"].append(_point(module, sessions, feeds, budget_s, ["hidden"]))
+            console.print(f"{name} batch {batch}: done")
+    return {"encoder": entry}
 
 
 def _points(results: dict):
@@ -311,6 +422,8 @@ def _points(results: dict):
 
 def _label(phase: str, point: dict) -> str:
     """``b4 s512`` for a prefill point, ``b4 past1024`` for a decode step."""
+    if phase == "encoder":
+        return f"b{point['batch']}"
     size = f"past{point['past']}" if phase == "decode" else f"s{point['sequence']}"
     return f"b{point['batch']} {size}"
 
@@ -349,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", default=",".join(FAMILIES))
     p.add_argument("--prefill", default="1,4:128,512", help="BATCHES:SEQUENCES")
     p.add_argument("--decode", default="1,4:128,1024", help="BATCHES:PASTS, or '' for none")
+    p.add_argument("--encoders", default=",".join(ENCODERS), help="names, or '' for none")
+    p.add_argument("--encoder-batch", default="1,4")
     p.add_argument("--budget", type=float, default=8.0, help="timing seconds per point")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
@@ -356,9 +471,12 @@ def main(argv: list[str] | None = None) -> int:
     prefill, decode = _pairs(args.prefill), _pairs(args.decode) if args.decode else []
     console = Console()
     results = {"machine": Machine.probe("cpu").to_dict(), "config": COMMON, "families": {}}
-    for family in args.families.split(","):
+    for family in filter(None, args.families.split(",")):
         entry = bench_family(family, prefill, decode, args.budget, console)
         results["families"][family] = entry
+    batches = [int(b) for b in args.encoder_batch.split(",")]
+    for name in filter(None, args.encoders.split(",")):
+        results["families"][name] = bench_encoder(name, batches, args.budget, console)
     for _, _, point in _points(results):
         point["targets"] = _targets(point)
     (args.out / "decoders_cpu.json").write_text(json.dumps(results, indent=1))
