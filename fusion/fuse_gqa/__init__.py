@@ -244,7 +244,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place (see :class:`fusion.base.NodeFusionPass`); layers whose rotary tables
-        are the same share the op's caches."""
+        are the same share the op's caches, those of one batch and length its lengths."""
         self._shared: dict = {}
         return super().apply(model)
 
@@ -259,7 +259,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
         qkv = build.packed(flat, widths)
         if qkv is not None:
             flat = [qkv, None, None]
-        seqlens, total = build.lengths(graph, flat[0], inserted)
+        seqlens, total = build.lengths(graph, flat[0], inserted, self._shared)
         inputs: list[ir.Value | None] = [*flat, None, None, seqlens, total]
         attributes = {
             "num_heads": match.query.count,

@@ -3,6 +3,8 @@ before their split into heads, and the sequence lengths (:mod:`fusion.fuse_gqa`)
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import onnx_ir as ir
 
@@ -25,15 +27,20 @@ def flat(graph: ir.Graph, heads: parts.Heads, inserted: list[ir.Node]) -> ir.Val
     return node.outputs[0]
 
 
-def lengths(graph: ir.Graph, query: ir.Value, inserted: list[ir.Node]) -> tuple[ir.Value, ir.Value]:
+def lengths(
+    graph: ir.Graph, query: ir.Value, inserted: list[ir.Node], shared: dict
+) -> tuple[ir.Value, ir.Value]:
     """``(seqlens_k, total_sequence_length)`` for attention with no past: ``S - 1`` for each of
     the ``B`` rows (int32, ``(B,)``) and ``S`` (int32 scalar), from the shape of the
     ``(B, S, .)`` ``query`` (nodes appended to ``inserted``; the constant folder folds them
-    where the shape is static)."""
-
-    def const(hint: str, array: np.ndarray) -> ir.Value:
-        return add_initializer(graph, hint, array)
-
+    where the shape is static). Layers whose queries have the same batch and length (numbers or
+    named symbols) share the first one's, kept in ``shared``."""
+    dims = parts.dims(query)
+    known = dims is not None and all(isinstance(d, int) or d.value is not None for d in dims[:2])
+    key = ("lengths", *map(str, dims[:2])) if known else None
+    if key in shared:
+        return shared[key]
+    const = functools.partial(add_initializer, graph)
     shape = ir.node("Shape", [query])
     batch = ir.node("Gather", [shape.outputs[0], const("gqa_batch_axis", np.array([0]))])
     length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
@@ -41,6 +48,8 @@ def lengths(graph: ir.Graph, query: ir.Value, inserted: list[ir.Node]) -> tuple[
     last = ir.node("Sub", [total.outputs[0], const("gqa_one", np.array(1, np.int32))])
     seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
     inserted += [shape, batch, length, total, last, seqlens]
+    if key is not None:
+        shared[key] = seqlens.outputs[0], total.outputs[0]
     return seqlens.outputs[0], total.outputs[0]
 
 
