@@ -287,6 +287,18 @@ def same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:
     return a.value is not None and a.value == b.value
 
 
+def same_shape(a, b) -> bool:
+    """Whether two sequences of dimensions are provably equal, axis by axis (:func:`same_dim`:
+    two unknown dimensions are not; onnx_ir's ``==`` says they are)."""
+    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b, strict=True))
+
+
+def dims(value: ir.Value | None) -> list[int | ir.SymbolicDim] | None:
+    """The dimensions of ``value``'s shape, or None where its shape is unknown."""
+    shape = value.shape if value is not None else None
+    return None if shape is None else list(shape.dims)
+
+
 def shape_text(shape: ir.Shape) -> str:
     """``(batch, 4, 64)``: a shape for a message, unknown dimensions as ``?``."""
     names = [str(d) if isinstance(d, int) or d.value is not None else "?" for d in shape]

@@ -57,6 +57,7 @@ import onnx_ir as ir
 from fusion._ir import (
     add_initializer,
     const_array,
+    dims,
     label,
     opset_version,
     producer,
@@ -77,11 +78,6 @@ KEPT = (
     "(ORT expands it into its function body, measured slower: "
     "benchmarks/results/forms_conv_cpu.json)"
 )
-
-
-def _dims(value: ir.Value) -> tuple | None:
-    """The dimensions of ``value``, or None where its shape is not known."""
-    return tuple(value.shape.dims) if value.shape is not None else None
 
 
 def _keeps_batch(reshape: ir.Node, x_dims: tuple, view_dims: tuple) -> bool:
@@ -106,7 +102,7 @@ def grouping(view: ir.Value, normalized: ir.Value) -> tuple[int, int] | None:
     back = sole_consumer(normalized)
     if reshape is None or back is None or back.op_type != "Reshape" or back.domain != "":
         return None
-    x_dims, view_dims, out_dims = (_dims(v) for v in (reshape.inputs[0], view, back.outputs[0]))
+    x_dims, view_dims, out_dims = (dims(v) for v in (reshape.inputs[0], view, back.outputs[0]))
     if x_dims is None or view_dims is None or out_dims is None:
         return None
     if len(x_dims) < 3 or len(view_dims) < 3 or len(out_dims) != len(x_dims):

@@ -88,6 +88,7 @@ from fusion._ir import (
     label,
     replace_output,
     same_dim,
+    same_shape,
     shape_text,
     sole_consumer,
 )
@@ -101,10 +102,6 @@ SKIP_OPS = {
 }
 
 _DTYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
-
-
-def _same_shape(a: ir.Shape | tuple, b: ir.Shape | tuple) -> bool:
-    return len(a) == len(b) and all(same_dim(x, y) for x, y in zip(a, b, strict=True))
 
 
 def _is_bias(value: ir.Value) -> bool:
@@ -168,11 +165,11 @@ def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.
     for data, skip, data_shape, skip_shape in ((a, b, shape_a, shape_b), (b, a, shape_b, shape_a)):
         if len(data_shape) not in (2, 3):
             continue
-        if _same_shape(data_shape, skip_shape):
+        if same_shape(data_shape, skip_shape):
             return data, skip
         rows = data_shape.dims[1:]  # (S, H) of a 3-D input
         if len(data_shape) == 3 and (
-            _same_shape(skip_shape.dims, rows) or _same_shape(skip_shape.dims, (1, *rows))
+            same_shape(skip_shape.dims, rows) or same_shape(skip_shape.dims, (1, *rows))
         ):
             return data, skip
     ranks = {len(shape_a), len(shape_b)}

@@ -59,6 +59,7 @@ import onnx_ir as ir
 from fusion._ir import (
     add_initializer,
     const_array,
+    dims,
     escaping_value,
     label,
     opset_version,
@@ -181,7 +182,7 @@ def _trace(qk: ir.Node, pv: ir.Node):
         raise CannotFuse(Code.SHAPE_MISMATCH, f"head counts {counts} do not group")
     if not query.size == key.size == value.size:
         raise CannotFuse(Code.SHAPE_MISMATCH, "value heads of another size than the key's")
-    lengths = [parts.dims(h.split)[1] for h in (query, key, value)]
+    lengths = [dims(h.split)[1] for h in (query, key, value)]
     if not all(same_dim(lengths[0], n) for n in lengths[1:]):
         raise CannotFuse(
             Code.SHAPE_MISMATCH,

@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, producer
+from fusion._ir import add_initializer, dims, producer, same_shape
 from fusion.fuse_gqa import parts
 
 
@@ -18,8 +18,8 @@ def flat(graph: ir.Graph, heads: parts.Heads, inserted: list[ir.Node]) -> ir.Val
     split = heads.split
     width = heads.count * heads.size
     reshape = producer(split, "Reshape")
-    source = parts.dims(reshape.inputs[0]) if reshape is not None else None
-    if source is not None and source[2:] == [width] and source[:2] == parts.dims(split)[:2]:
+    source = dims(reshape.inputs[0]) if reshape is not None else None
+    if source is not None and source[2:] == [width] and same_shape(source[:2], dims(split)[:2]):
         return reshape.inputs[0]
     shape = add_initializer(graph, "gqa_flat_shape", np.array([0, 0, width], np.int64))
     node = ir.node("Reshape", [split, shape])
@@ -35,9 +35,9 @@ def lengths(
     ``(B, S, .)`` ``query`` (nodes appended to ``inserted``; the constant folder folds them
     where the shape is static). Layers whose queries have the same batch and length (numbers or
     named symbols) share the first one's, kept in ``shared``."""
-    dims = parts.dims(query)
-    known = dims is not None and all(isinstance(d, int) or d.value is not None for d in dims[:2])
-    key = ("lengths", *map(str, dims[:2])) if known else None
+    shape = dims(query)
+    known = shape is not None and all(isinstance(d, int) or d.value is not None for d in shape[:2])
+    key = ("lengths", *map(str, shape[:2])) if known else None
     if key in shared:
         return shared[key]
     const = functools.partial(add_initializer, graph)
@@ -93,7 +93,7 @@ def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:
     if None in slices or len({id(s.inputs[0]) for s in slices}) != 1:
         return None
     source = slices[0].inputs[0]
-    shape = parts.dims(source)
+    shape = dims(source)
     if shape is None or len(shape) != 3 or shape[2] != sum(widths):
         return None
     start = 0

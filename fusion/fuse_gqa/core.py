@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import producer, scalar_const, sole_consumer
+from fusion._ir import dims, producer, same_shape, scalar_const, sole_consumer
 from fusion.fuse_gqa import parts
 
 
@@ -56,8 +56,8 @@ def merged(attention: ir.Node, size: int) -> tuple[ir.Value, list[ir.Node]] | No
     nodes: list[ir.Node] = []
     transpose = sole_consumer(attention.outputs[0])
     if transpose is not None and transpose.op_type == "Reshape":  # a view to the same shape
-        shape = parts.dims(transpose.outputs[0])
-        if shape is None or shape != parts.dims(attention.outputs[0]):
+        shape = dims(transpose.outputs[0])
+        if shape is None or not same_shape(shape, dims(attention.outputs[0]) or []):
             return None
         nodes.append(transpose)
         transpose = sole_consumer(transpose.outputs[0])

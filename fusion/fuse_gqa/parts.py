@@ -25,7 +25,15 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import const_array, other_input, producer, scalar_const
+from fusion._ir import (
+    const_array,
+    dims,
+    other_input,
+    producer,
+    same_dim,
+    same_shape,
+    scalar_const,
+)
 
 
 @dataclasses.dataclass
@@ -44,12 +52,6 @@ class Heads:
     count: int
     size: int
     nodes: list[ir.Node]
-
-
-def dims(value: ir.Value | None) -> list[int | ir.SymbolicDim] | None:
-    """The dimensions of ``value``'s shape, or None where its shape is unknown."""
-    shape = value.shape if value is not None else None
-    return None if shape is None else list(shape.dims)
 
 
 def heads(value: ir.Value) -> Heads | None:
@@ -156,7 +158,11 @@ def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
     source, expanded = dims(x), dims(expand.outputs[0])
     if axes is None or axes.reshape(-1).tolist() != [2] or None in (source, expanded):
         return None
-    if len(source) != 4 or len(expanded) != 5 or expanded[:2] + expanded[3:] != source:
+    if (
+        len(source) != 4
+        or len(expanded) != 5
+        or not same_shape(expanded[:2] + expanded[3:], source)
+    ):
         return None
     repeats = expanded[2]
     if not isinstance(repeats, int) or not isinstance(source[1], int):
@@ -164,7 +170,7 @@ def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
     if reshape is None:
         return x, repeats, [expand, unsqueeze, *slices]
     out = dims(value)
-    if out is None or out != [source[0], source[1] * repeats, *source[2:]]:
+    if out is None or not same_shape(out, [source[0], source[1] * repeats, *source[2:]]):
         return None
     return x, repeats, [reshape, expand, unsqueeze, *slices]
 
@@ -211,7 +217,9 @@ def transposed_key(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
         return None
     if len(key) == 5 and all(isinstance(d, int) for d in key[1:3]):
         key = [key[0], key[1] * key[2], *key[3:]]
-    if len(key) != 4 or out != [key[0], key[1], key[3], key[2]] or folded[1:] != key[2:]:
+    if len(key) != 4 or not same_shape(out, [key[0], key[1], key[3], key[2]]):
+        return None
+    if not same_shape(folded[1:], key[2:]):
         return None
     return inner.inputs[0], [outer, transpose, inner]
 
@@ -273,7 +281,7 @@ def runtime_table(value: ir.Value, heads: Heads) -> bool:
     shape = dims(value)
     if shape is None or len(shape) < 2 or shape[-1] != heads.size:
         return False
-    if any(d != 1 for d in shape[:-2]) or shape[-2] != dims(heads.split)[1]:
+    if any(d != 1 for d in shape[:-2]) or not same_dim(shape[-2], dims(heads.split)[1]):
         return False
     while (node := value.producer()) is not None and node.domain == "":
         if node.op_type == "Concat":

@@ -272,3 +272,21 @@ def test_keys_of_another_length_than_the_queries_are_left_alone():
     report = fusion.optimize(model, target="ort")
     assert report.counts["gqa_fused"] == 0
     assert [(r.kind, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
+
+
+def test_unknown_dimensions_do_not_prove_a_key_transposed():
+    """onnx_ir's ``==`` takes two unknown dimensions for equal; the matcher must not: the
+    Reshapes' unknown axes may be any sizes."""
+    from fusion.fuse_gqa import parts
+
+    key = ir.Value(name="k", shape=ir.Shape([None, 4, None, 16]))
+    inner = ir.node("Reshape", [key, ir.Value(name="t1")])
+    transpose = ir.node("Transpose", [inner.outputs[0]], {"perm": [0, 2, 1]})
+    outer = ir.node("Reshape", [transpose.outputs[0], ir.Value(name="t2")])
+    inner.outputs[0].shape = ir.Shape([None, None, 16])
+    outer.outputs[0].shape = ir.Shape([None, 4, 16, None])
+    assert parts.transposed_key(outer.outputs[0]) is None
+    key.shape = ir.Shape(["b", 4, "s", 16])  # the same graph with the axes named
+    inner.outputs[0].shape = ir.Shape([None, "s", 16])
+    outer.outputs[0].shape = ir.Shape(["b", 4, 16, "s"])
+    assert parts.transposed_key(outer.outputs[0]) == (key, [outer, transpose, inner])
