@@ -170,15 +170,15 @@ def as_division(node: ir.Node) -> tuple[ir.Value, ir.Value, list[ir.Node]] | Non
     return None
 
 
-def escaping_value(nodes: list[ir.Node], keep: ir.Value) -> ir.Value | None:
-    """An output of ``nodes`` other than ``keep`` that is read outside them, or None.
+def escaping_value(nodes: list[ir.Node], *keep: ir.Value) -> ir.Value | None:
+    """An output of ``nodes`` other than those in ``keep`` that is read outside them, or None.
 
     A value counts as read outside when a node not in ``nodes`` uses it or it is a graph output.
     """
     inside = set(nodes)
     for node in nodes:
         for value in node.outputs:
-            if value is keep:
+            if any(value is k for k in keep):
                 continue
             if value.is_graph_output() or any(use.node not in inside for use in value.uses()):
                 return value

@@ -18,7 +18,8 @@ What is fused, as ``torch.onnx.export`` (dynamo) writes transformers' ``LlamaAtt
 the models that copy it (Qwen2/3, Mistral, Gemma, Phi-3), at a fixed length or with symbolic
 axes (:mod:`.parts` for each piece, :mod:`.core` for the Softmax's surroundings):
 ``Softmax(scale * Q @ K^T [+ mask])`` anchored at the Softmax, the NaN guard of the dynamo export
-(``Where(IsNaN(p), 0, p)``: no row of the masks fused here is all masked, so no NaN arises),
+(``Where(IsNaN(p), 0, p)``: no row of a constant mask fused is all masked, and the rows of a
+run-time mask that are go to the model's own branch, so no NaN arises),
 ``@ V``, and the merge of the heads back into ``(B, S, N*H)``; ``Q`` a split into heads,
 rotated; ``K`` the same with its heads repeated; ``V`` likewise; and the nodes that only feed
 these (the ``Shape`` arithmetic of a symbolic-length export). Attention with no rotation and no
@@ -26,7 +27,7 @@ causal mask (an encoder's) is left to :mod:`fusion.fuse_attention`. The op runs 
 ONNX Runtime's CPU provider; its CUDA kernel takes float16 and bfloat16 only, so the pass is off
 for CUDA runs (:func:`fusion.registry.provider_options`).
 
-Exactness. There is no past: the query at position ``i`` of the call reads row ``i`` of the
+Exactness. Without a past, the query at position ``i`` of the call reads row ``i`` of the
 op's caches. So the rotation is the op's own exactly when the model's ``cos`` and ``sin`` have
 one row per position of the call, alike for every batch and head, with equal halves
 (``cat(freqs, freqs)``, as transformers builds them): constant tables (the first halves become
@@ -39,14 +40,25 @@ transformers' ``finfo.min``) gives ``causal=1``; all zeros, ``causal=0``; anothe
 with no row all masked becomes ``attention_bias`` with ``causal=0``. The scale is the product of
 every scalar factor on ``Q``, ``K`` and the scores.
 
-Left intact, with the reason in the report: a mask that reads the model's inputs (an
-``attention_mask`` input, a KV cache: ``GroupQueryAttention`` masks by sequence lengths), or
-computed from their sizes and neither causal nor absent, or computed with an integer constant
-beyond the sizes it is checked at (a sliding window of 4096 is causal below 4096 tokens);
-``cos``/``sin`` not of the form above; only one of ``Q`` and ``K`` rotated; a value inside read
-elsewhere (a ``present`` output); a split into heads of unknown count or size (the TorchScript
-exporter's ``-1`` heads); a value head size other than the key's; head counts that do not
-group.
+With a KV cache (``present = Concat(past, rope(k))`` along the length, :func:`.parts.with_past`;
+Optimum's and onnxruntime-genai's layout ``(B, K, P, H)``), the op takes ``past_key`` and
+``past_value`` and writes the ``present`` outputs, which keep the model's names; every key is
+valid to it (``seqlens_k = P + S - 1``) and the model's mask, as the model computes it from its
+``attention_mask`` (padding, the causal offset of the past), is its ``attention_bias``
+(``causal=0``); the rotation reads the model's ``S`` rows of ``cos``/``sin`` through
+``position_ids = 0 .. S-1`` (:func:`.build.positions`). A mask computed at run time without a
+past (an ``attention_mask`` input, a sliding window) is passed the same way. In both cases the op
+goes behind an ``If`` whose other branch is the model's own attention (:mod:`.guard`), for the
+inputs its CPU kernel refuses or computes otherwise. In a decode step the three projections
+become one MatMul, the op's packed query (:func:`.build.projected`).
+
+Left intact, with the reason in the report: a mask computed at run time that is not of the op's
+``attention_bias`` shape ``(B | 1, N | 1, S, T)``; a mask computed from the inputs' sizes with
+no rotation (an encoder's, :mod:`fusion.fuse_attention`'s); ``cos``/``sin`` not of the form
+above; only one of ``Q`` and ``K`` rotated; a value inside read elsewhere; a split into heads of
+unknown count or size (the TorchScript exporter's ``-1`` heads); keys of another length than
+the queries and no past (cross-attention); a value head size other than the key's; head counts
+that do not group.
 """
 
 from __future__ import annotations
@@ -68,7 +80,7 @@ from fusion._ir import (
     same_dim,
 )
 from fusion.base import MS_DOMAIN, CannotFuse, Code, Kind, NodeFusionPass, Op
-from fusion.fuse_gqa import build, core, masks, parts
+from fusion.fuse_gqa import build, core, guard, masks, parts
 
 
 @dataclasses.dataclass
@@ -81,9 +93,11 @@ class GQAMatch:
         tables: the op's ``(cos_cache, sin_cache)`` as arrays, or the model's run-time ``cos``
             and ``sin`` values they are cut from, or None where nothing is rotated.
         causal: the op's ``causal``.
-        bias: the op's ``attention_bias``, or None.
+        bias: the op's ``attention_bias``: a constant array, the model's mask computed at run
+            time (then the op is guarded, :mod:`.guard`), or None.
         output: the ``(B, S, N*H)`` value the op's output replaces.
         nodes: the nodes it replaces.
+        past: ``(past key, past value, present key, present value)`` (:func:`_past`), or None.
     """
 
     query: parts.Heads
@@ -92,9 +106,16 @@ class GQAMatch:
     scale: float
     tables: tuple[np.ndarray, np.ndarray] | tuple[ir.Value, ir.Value] | None
     causal: bool
-    bias: np.ndarray | None
+    bias: np.ndarray | ir.Value | None
     output: ir.Value
     nodes: list[ir.Node]
+    past: tuple[ir.Value, ir.Value, ir.Value, ir.Value] | None
+
+    @property
+    def guarded(self) -> bool:
+        """Whether the op goes behind an ``If`` (:mod:`.guard`): with a past, or a run-time
+        mask."""
+        return self.past is not None or isinstance(self.bias, ir.Value)
 
 
 def _side(value: ir.Value, rotated: bool) -> tuple[parts.Heads, parts.Rotary | None]:
@@ -158,10 +179,44 @@ def _tables(q: parts.Rotary | None, k: parts.Rotary | None, heads: parts.Heads):
     return tables
 
 
+def _masking(mask, opset: int, tables, query: parts.Heads, key: parts.Heads, past):
+    """``(causal, bias)`` of the op for the model's additive ``mask`` (None: no mask): from
+    :func:`masks.classify` where it is constant or computed from shapes alone; else, where the
+    query and key are rotated, the mask itself as a run-time ``attention_bias`` (always so with a
+    past, whose mask spans the past). None where nothing is rotated and the mask is not causal
+    (an encoder's attention, :mod:`fusion.fuse_attention`'s).
+
+    Raises:
+        CannotFuse: :func:`masks.classify`'s refusals where nothing is rotated, or where a row
+            is all masked; a run-time mask not of the op's ``attention_bias`` shape.
+    """
+    if past is None:
+        try:
+            causal, bias = masks.classify(mask, opset)
+        except CannotFuse as refusal:
+            if tables is None:
+                return None
+            if refusal.code != Code.NOT_CONSTANT:
+                raise
+        else:
+            return None if tables is None and not causal else (causal, bias)
+    elif tables is None:
+        return None
+    split = dims(query.split)
+    total = dims(past[2])[2] if past is not None else dims(key.split)[1]
+    if mask is not None and not masks.runtime_bias(mask, split[0], query.count, split[1], total):
+        raise CannotFuse(
+            Code.SHAPE_MISMATCH,
+            "the attention mask, computed at run time, is not of the op's attention_bias shape "
+            "(B or 1, N or 1, S, T)",
+        )
+    return False, mask
+
+
 def _trace(qk: ir.Node, pv: ir.Node):
     """The heads of ``Q @ K^T`` (``qk``) and of ``P @ V`` (``pv``) traced back to their splits:
-    ``((query, key, value), (query's rotation, key's), other nodes, factor on Q @ K^T)``, or
-    None where the key is not transposed.
+    ``((query, key, value), (query's rotation, key's), other nodes, factor on Q @ K^T, past)``
+    (``past`` from :func:`_past`), or None where the key is not transposed.
 
     Raises:
         CannotFuse: a split of unknown size, or head counts that do not group.
@@ -174,6 +229,8 @@ def _trace(qk: ir.Node, pv: ir.Node):
     key4, key_nodes = transposed
     key4, k_repeats, repeat_k = _repeated(key4)
     value4, v_repeats, repeat_v = _repeated(pv.inputs[1])
+    key4, past_key, concat_k = parts.with_past(key4)
+    value4, past_value, concat_v = parts.with_past(value4)
     query, q_rot = _side(q_value, True)
     key, k_rot = _side(key4, True)
     value, _ = _side(value4, False)
@@ -189,8 +246,32 @@ def _trace(qk: ir.Node, pv: ir.Node):
             "keys or values not provably as many as the queries (a past, or cross-attention): "
             "the op without a past takes one length",
         )
-    nodes = [*q_nodes, *k_nodes, *key_nodes, *repeat_k, *repeat_v]
-    return (query, key, value), (q_rot, k_rot), nodes, q_factor * k_factor
+    past = _past(key, value, past_key, past_value, concat_k + concat_v)
+    nodes = [*q_nodes, *k_nodes, *key_nodes, *repeat_k, *repeat_v, *concat_k, *concat_v]
+    return (query, key, value), (q_rot, k_rot), nodes, q_factor * k_factor, past
+
+
+def _past(key: parts.Heads, value: parts.Heads, past_key, past_value, concats):
+    """``(past key, past value, present key, present value)`` of a layer's KV cache
+    (:func:`parts.with_past`), or None where it has none.
+
+    Raises:
+        CannotFuse: only one of the key and the value has a past, or a past not of the
+            ``(B, K, P, H)`` layout the op takes.
+    """
+    if past_key is None and past_value is None:
+        return None
+    if past_key is None or past_value is None:
+        raise CannotFuse(Code.SHAPE_MISMATCH, "only one of the key and the value has a past")
+    for past, heads in ((past_key, key), (past_value, value)):
+        shape, split = dims(past), dims(heads.split)
+        if not (
+            same_dim(shape[0], split[0]) and shape[1] == heads.count and shape[3] == heads.size
+        ):
+            raise CannotFuse(
+                Code.SHAPE_MISMATCH, "a past key or value not of the layout (B, K, P, H)"
+            )
+    return past_key, past_value, concats[0].outputs[0], concats[1].outputs[0]
 
 
 class FuseGroupQueryAttention(NodeFusionPass):
@@ -221,26 +302,22 @@ class FuseGroupQueryAttention(NodeFusionPass):
         traced = _trace(qk, pv)
         if traced is None:
             return None
-        (query, key, value), (q_rot, k_rot), more, qk_factor = traced
+        (query, key, value), (q_rot, k_rot), more, qk_factor, past = traced
         merged = core.merged(pv, query.count * query.size)
         if merged is None:
             return None
         output, merge = merged
         tables = _tables(q_rot, k_rot, query)
-        try:
-            causal, bias = masks.classify(mask, opset_version(model))
-        except CannotFuse:
-            if tables is None:  # neither rotated nor causal: an encoder's, FuseAttention's
-                return None
-            raise
-        if tables is None and not causal:
+        masking = _masking(mask, opset_version(model), tables, query, key, past)
+        if masking is None:  # neither rotated nor causal: an encoder's, FuseAttention's
             return None
         matched = [node, *nodes, *more, *guard, pv, *query.nodes, *key.nodes, *value.nodes, *merge]
         matched = core.with_helpers(matched)
-        if escaping_value(matched, output) is not None:
+        presents = past[2:] if past is not None else ()
+        if escaping_value(matched, output, *presents) is not None:
             raise CannotFuse(Code.SHARED_OUTPUT, "a value inside the attention is read elsewhere")
         return GQAMatch(
-            query, key, value, factor * qk_factor, tables, causal, bias, output, matched
+            query, key, value, factor * qk_factor, tables, *masking, output, matched, past
         )
 
     def apply(self, model: ir.Model) -> bool:
@@ -250,18 +327,23 @@ class FuseGroupQueryAttention(NodeFusionPass):
         return super().apply(model)
 
     def rewrite(self, model: ir.Model, match: GQAMatch) -> str:
-        """Insert the op before the heads' merge, move the readers over, drop the old nodes."""
+        """Insert the op (behind an ``If`` where :attr:`GQAMatch.guarded`) before the last
+        matched node, move the readers over, drop or move the old nodes."""
         graph = model.graph
-        anchor = match.nodes[-1]
+        order = {n: i for i, n in enumerate(graph)}
+        anchor = max(match.nodes, key=order.__getitem__)
         name = label(match.nodes[0])
         inserted: list[ir.Node] = []
         flat = [build.flat(graph, h, inserted) for h in (match.query, match.key, match.value)]
         widths = [h.count * h.size for h in (match.query, match.key, match.value)]
         qkv = build.packed(flat, widths)
+        if qkv is None and match.past is not None:  # a decode step: one MatMul, not three
+            qkv = build.projected(graph, flat, inserted)
         if qkv is not None:
             flat = [qkv, None, None]
-        seqlens, total = build.lengths(graph, flat[0], inserted, self._shared)
-        inputs: list[ir.Value | None] = [*flat, None, None, seqlens, total]
+        past = match.past or (None,) * 4
+        seqlens, total = build.lengths(graph, flat[0], past[0], inserted, self._shared)
+        inputs: list[ir.Value | None] = [*flat, *past[:2], seqlens, total]
         attributes = {
             "num_heads": match.query.count,
             "kv_num_heads": match.key.count,
@@ -269,21 +351,37 @@ class FuseGroupQueryAttention(NodeFusionPass):
             "causal": int(match.causal),
         }
         if match.tables is not None:
-            inputs += build.caches(graph, match.tables, match.query.size, inserted, self._shared)
+            size = match.query.size
+            caches = build.caches(graph, match.tables, size, inserted, self._shared)
+            if match.past is not None:
+                caches = build.positions(
+                    graph, caches, size // 2, flat[0], total, inserted, self._shared
+                )
+            inputs += caches
             attributes["do_rotary"] = 1
-        if match.bias is not None:
-            inputs += [None] * (10 - len(inputs)) + [
-                add_initializer(graph, f"{name}_bias", match.bias)
-            ]
+        bias = match.bias
+        if isinstance(bias, np.ndarray):
+            bias = add_initializer(graph, f"{name}_bias", bias)
+        if bias is not None:
+            inputs += [None] * (10 - len(inputs)) + [bias]
+        outputs = [match.output, *past[2:]] if match.past is not None else [match.output]
         fused = ir.node(
             "GroupQueryAttention",
             inputs,
             attributes,
             domain=MS_DOMAIN,
             name=f"{name}_GroupQueryAttention",
+            num_outputs=len(outputs),
         )
+        described = "GroupQueryAttention" + (" (rotary inside)" if match.tables else "")
+        if match.guarded:
+            runtime = bias if isinstance(match.bias, ir.Value) else None
+            opset = opset_version(model)
+            cond = guard.condition(graph, flat[0], past[0], runtime, opset, inserted, self._shared)
+            guard.branch(graph, anchor, inserted, fused, cond, match.nodes, outputs)
+            return described + " behind an If (" + ("KV cache" if match.past else "mask") + ")"
         graph.insert_before(anchor, [*inserted, fused])
         replace_output(graph, match.output, fused.outputs[0])
         fused.outputs[0].type = match.output.type
         remove_nodes(graph, match.nodes[::-1])
-        return "GroupQueryAttention" + (" (rotary inside)" if match.tables is not None else "")
+        return described

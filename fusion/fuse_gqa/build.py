@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, dims, producer, same_shape
+from fusion._ir import add_initializer, const_array, dims, producer, same_shape
 from fusion.fuse_gqa import parts
 
 
@@ -23,34 +23,92 @@ def flat(graph: ir.Graph, heads: parts.Heads, inserted: list[ir.Node]) -> ir.Val
         return reshape.inputs[0]
     shape = add_initializer(graph, "gqa_flat_shape", np.array([0, 0, width], np.int64))
     node = ir.node("Reshape", [split, shape])
+    node.outputs[0].type = split.type
+    node.outputs[0].shape = ir.Shape([*dims(split)[:2], width])
     inserted.append(node)
     return node.outputs[0]
 
 
 def lengths(
-    graph: ir.Graph, query: ir.Value, inserted: list[ir.Node], shared: dict
+    graph: ir.Graph,
+    query: ir.Value,
+    past: ir.Value | None,
+    inserted: list[ir.Node],
+    shared: dict,
 ) -> tuple[ir.Value, ir.Value]:
-    """``(seqlens_k, total_sequence_length)`` for attention with no past: ``S - 1`` for each of
-    the ``B`` rows (int32, ``(B,)``) and ``S`` (int32 scalar), from the shape of the
-    ``(B, S, .)`` ``query`` (nodes appended to ``inserted``; the constant folder folds them
-    where the shape is static). Layers whose queries have the same batch and length (numbers or
+    """``(seqlens_k, total_sequence_length)``: ``T - 1`` for each of the ``B`` rows (int32,
+    ``(B,)``) and ``T`` (int32 scalar), where ``T = P + S`` for the ``(B, S, .)`` ``query`` and
+    the ``(B, K, P, H)`` ``past`` key (``P = 0`` where there is none): every key is valid to the
+    op, the model's mask masks (nodes appended to ``inserted``; the constant folder folds them
+    where the shapes are static). Layers whose shapes have the same dimensions (numbers or
     named symbols) share the first one's, kept in ``shared``."""
-    shape = dims(query)
-    known = shape is not None and all(isinstance(d, int) or d.value is not None for d in shape[:2])
-    key = ("lengths", *map(str, shape[:2])) if known else None
+    shape = [*dims(query)[:2], *(dims(past)[2:3] if past is not None else ())]
+    known = all(isinstance(d, int) or d.value is not None for d in shape)
+    key = ("lengths", *map(str, shape)) if known else None
     if key in shared:
         return shared[key]
     const = functools.partial(add_initializer, graph)
     shape = ir.node("Shape", [query])
     batch = ir.node("Gather", [shape.outputs[0], const("gqa_batch_axis", np.array([0]))])
     length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
+    inserted += [shape, batch, length]
+    if past is not None:
+        past_shape = ir.node("Shape", [past])
+        past_length = ir.node(
+            "Gather", [past_shape.outputs[0], const("gqa_past_axis", np.array(2))]
+        )
+        length = ir.node("Add", [length.outputs[0], past_length.outputs[0]])
+        inserted += [past_shape, past_length, length]
     total = ir.node("Cast", [length.outputs[0]], {"to": int(ir.DataType.INT32)})
     last = ir.node("Sub", [total.outputs[0], const("gqa_one", np.array(1, np.int32))])
     seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
-    inserted += [shape, batch, length, total, last, seqlens]
+    inserted += [total, last, seqlens]
     if key is not None:
         shared[key] = seqlens.outputs[0], total.outputs[0]
     return seqlens.outputs[0], total.outputs[0]
+
+
+def positions(
+    graph: ir.Graph,
+    caches: list[ir.Value],
+    half: int,
+    query: ir.Value,
+    total: ir.Value,
+    inserted: list[ir.Node],
+    shared: dict,
+) -> list[ir.Value]:
+    """``[cos_cache, sin_cache, position_ids]`` for a call with a past: ``caches`` hold one
+    ``(S, half)`` row per position of the call, so the ``(B, S)`` ``position_ids`` are
+    ``0 .. S-1`` in every row, and the caches get ``T`` (the int32 scalar ``total``) rows of
+    zeros below, never read, as the CPU kernel wants at least ``T`` rows ("cos_cache dimension
+    0 shall not be less than total_sequence_length"). Nodes appended to ``inserted``; kept in
+    ``shared`` per caches, query and total."""
+    key = ("positions", *map(id, caches), id(total), *map(str, dims(query)[:2]))
+    if key in shared:
+        return shared[key]
+    const = functools.partial(add_initializer, graph)
+    shape = ir.node("Shape", [query])
+    size = ir.node(
+        "Slice",
+        [shape.outputs[0], const("gqa_zero", np.array([0])), const("gqa_two", np.array([2]))],
+    )
+    length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
+    steps = ir.node(
+        "Range",
+        [const("gqa_start", np.array(0)), length.outputs[0], const("gqa_step", np.array(1))],
+    )
+    expand = ir.node("Expand", [steps.outputs[0], size.outputs[0]])
+    rows = ir.node("Cast", [total], {"to": int(ir.DataType.INT64)})
+    row_shape = ir.node("Reshape", [rows.outputs[0], const("gqa_one_axis", np.array([1]))])
+    padding_shape = ir.node(
+        "Concat", [row_shape.outputs[0], const("gqa_half_width", np.array([half]))], {"axis": 0}
+    )
+    zero = ir.tensor(np.zeros(1, query.dtype.numpy()))
+    zeros = ir.node("ConstantOfShape", [padding_shape.outputs[0]], {"value": zero})
+    padded = [ir.node("Concat", [c, zeros.outputs[0]], {"axis": 0}) for c in caches]
+    inserted += [shape, size, length, steps, expand, rows, row_shape, padding_shape, zeros, *padded]
+    shared[key] = [*(p.outputs[0] for p in padded), expand.outputs[0]]
+    return shared[key]
 
 
 def caches(
@@ -103,3 +161,37 @@ def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:
             return None
         start += width
     return source
+
+
+def projected(graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]) -> ir.Value | None:
+    """One MatMul for the query, key and value projections ``x @ Wq``, ``x @ Wk``, ``x @ Wv``
+    of one ``x`` by constant 2-D weights: ``x @ [Wq | Wk | Wv]`` (the op's packed query, as
+    onnxruntime-genai's builder writes it), or None. The three projections are then read back
+    as Slices of it, which feed only the model's own attention (the guard's ``else`` branch,
+    :mod:`.guard`); the three MatMuls and their weights are left unread for the clean-up.
+    Appended to ``inserted``: the MatMul and the Slices."""
+    matmuls = [producer(v, "MatMul") for v in flat]
+    if None in matmuls or len({id(m.inputs[0]) for m in matmuls}) != 1:
+        return None
+    weights = [const_array(m.inputs[1]) for m in matmuls]
+    if any(w is None or w.ndim != 2 for w in weights):
+        return None
+    if len({(w.shape[0], w.dtype) for w in weights}) != 1:
+        return None
+    packed = add_initializer(graph, "gqa_qkv_weight", np.concatenate(weights, axis=1))
+    matmul = ir.node("MatMul", [matmuls[0].inputs[0], packed])
+    shape = dims(flat[0])
+    matmul.outputs[0].type = flat[0].type
+    matmul.outputs[0].shape = ir.Shape([*shape[:-1], packed.shape[1]])
+    inserted.append(matmul)
+    start = 0
+    for value, weight in zip(flat, weights, strict=True):
+        end = start + weight.shape[1]
+        bounds = [add_initializer(graph, "gqa_qkv_bound", np.array([b])) for b in (start, end)]
+        axis = add_initializer(graph, "gqa_last_axis", np.array([-1]))
+        part = ir.node("Slice", [matmul.outputs[0], *bounds, axis])
+        part.outputs[0].type, part.outputs[0].shape = value.type, value.shape
+        value.replace_all_uses_with(part.outputs[0])
+        inserted.append(part)
+        start = end
+    return matmul.outputs[0]

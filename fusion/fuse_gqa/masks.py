@@ -18,7 +18,7 @@ import onnx
 import onnx_ir as ir
 from onnx.reference import ReferenceEvaluator
 
-from fusion._ir import const_array
+from fusion._ir import const_array, dims, same_dim
 from fusion.base import CannotFuse, Code
 
 #: A mask entry at most this is "masked": ``exp(score + mask - max)`` is 0 in float32 beside
@@ -173,3 +173,18 @@ def _causal(rows: int, cols: int) -> np.ndarray:
     """Where a causal mask of ``rows`` queries over ``cols`` keys (the last ``rows`` of them
     new) masks."""
     return np.triu(np.ones((rows, cols), bool), k=1 + cols - rows)
+
+
+def runtime_bias(mask: ir.Value, batch, heads: int, length, total) -> bool:
+    """Whether the model's additive ``mask``, computed at run time, is the op's
+    ``attention_bias`` as it is: float32 of shape ``(B | 1, N | 1, S, T)`` for ``batch``,
+    ``heads``, query ``length`` and key ``total`` (dimensions compared provably)."""
+    shape = dims(mask)
+    if mask.dtype != ir.DataType.FLOAT or shape is None or len(shape) != 4:
+        return False
+    return (
+        (shape[0] == 1 or same_dim(shape[0], batch))
+        and shape[1] in (1, heads)
+        and same_dim(shape[2], length)
+        and same_dim(shape[3], total)
+    )

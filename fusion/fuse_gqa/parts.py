@@ -13,6 +13,8 @@ length, ``N`` query heads, ``K`` key/value heads, ``H`` head size.
   ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = Concat(-x[..., H/2:], x[..., :H/2])``.
 * :func:`repeat_kv`: transformers' ``repeat_kv``, ``K`` heads each repeated ``N / K`` times:
   ``Reshape(Expand(Unsqueeze(x, [2]), (B, K, r, T, H)), (B, K * r, T, H))``.
+* :func:`with_past`: the KV cache's ``Concat(past, new, axis=2)`` of ``(B, K, P, H)`` and
+  ``(B, K, S, H)`` heads, the ``present`` of the layer.
 * :func:`transposed_key`: ``k`` with its last two axes swapped, as ``Transpose(perm=[0, 1, 3,
   2])`` or as the dynamo exporter's ``Reshape(Transpose(Reshape(k, (B*N, T, H)), [0, 2, 1]),
   (B, N, H, T))``.
@@ -196,6 +198,22 @@ def whole_slices(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
         slices.append(node)
         value = node.inputs[0]
     return value, slices
+
+
+def with_past(value: ir.Value) -> tuple[ir.Value, ir.Value | None, list[ir.Node]]:
+    """``(new, past, [concat])`` when ``value`` is ``Concat(past, new)`` along axis 2 of two
+    rank-4 values (a layer's KV cache and the new heads); ``(value, None, [])`` otherwise."""
+    concat = producer(value, "Concat")
+    if (
+        concat is None
+        or len(concat.inputs) != 2
+        or concat.attributes.get_int("axis") not in (2, -2)
+    ):
+        return value, None, []
+    past, new = concat.inputs
+    if any(v is None or v.shape is None or len(v.shape) != 4 for v in (past, new)):
+        return value, None, []
+    return new, past, [concat]
 
 
 def transposed_key(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:

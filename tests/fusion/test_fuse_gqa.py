@@ -59,7 +59,9 @@ def _export(module, args, names, **kwargs) -> ir.Model:
 
 
 def _gqa_nodes(model: ir.Model) -> list[ir.Node]:
-    return [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+    """The ops, in the main graph or in the branch of an If that guards them."""
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    return [n for n in nodes if n.op_type == "GroupQueryAttention"]
 
 
 def _assert_matches_torch(module, model, feeds):
@@ -105,13 +107,20 @@ def test_symbolic_lengths_get_the_models_own_rotation_and_are_exact_at_other_siz
 
 
 def test_a_sliding_window_beyond_the_sizes_checked_is_not_taken_for_causal():
-    module = Hidden("mistral")  # its window of 4096: causal below 4096 tokens, not above
+    """Mistral's window of 4096 is causal below 4096 tokens, not above: the mask is not made
+    ``causal=1`` but passed as it is computed, the op's ``attention_bias``, behind the If."""
+    module = Hidden("mistral")
     axes = {"input_ids": {0: "batch", 1: "sequence"}}
     model = _export(module, [IDS], ["input_ids"], dynamic_axes=axes)
     report = fusion.optimize(model, target="ort")
-    assert report.counts["gqa_fused"] == 0
-    assert {(r.kind, r.code) for r in report.refused} == {("gqa", "not_constant")}
-    assert all("constant 4096" in r.detail for r in report.refused)
+    nodes = _gqa_nodes(model)
+    assert report.counts["gqa_fused"] == len(nodes) == 2, report.refused
+    for node in nodes:
+        assert node.attributes["causal"].value == 0
+        assert node.inputs[10] is not None and node.inputs[10].const_value is None
+    for batch, length in ((2, 16), (1, 5)):
+        ids = np.random.default_rng(length).integers(0, COMMON["vocab_size"], (batch, length))
+        _assert_matches_torch(module, model, {"input_ids": ids})
 
 
 class Logits(torch.nn.Module):
@@ -137,7 +146,8 @@ def test_a_causal_lm_mask_is_evaluated_at_sizes_and_a_batch_1_export_is_left_alo
     one = _export(module, [IDS[:1]], ["input_ids"], dynamic_axes=axes)  # runs at batch 1 only
     report = fusion.optimize(one, target="ort")
     assert report.counts["gqa_fused"] == 0
-    assert {(r.kind, r.code) for r in report.refused} == {("gqa", "not_constant")}
+    assert {(r.kind, r.code) for r in report.refused} == {("gqa", "shape_mismatch")}
+    assert all("attention_bias shape" in r.detail for r in report.refused)
 
 
 def test_torch_onnx_export_with_dynamic_axes_as_users_call_it(tmp_path):

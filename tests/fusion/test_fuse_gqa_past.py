@@ -1,0 +1,182 @@
+"""FuseGroupQueryAttention with a KV cache or a run-time mask: the op behind an If whose other
+branch is the model's own attention, run on ONNX Runtime against the export it came from at
+inputs that take each branch."""
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+import transformers
+
+import fusion
+from normexport.runtime import make_session, run
+
+pytestmark = pytest.mark.slow
+
+COMMON = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 64,
+}
+FAMILIES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+}
+LAYERS = COMMON["num_hidden_layers"]
+CACHE = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
+PRESENT = [f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
+
+
+def _causal_lm(family: str) -> torch.nn.Module:
+    config, model, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    module = model(config(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p) + 1)
+    return module
+
+
+class WithPast(torch.nn.Module):
+    """One step of a causal LM with its KV cache as tensors, as deployments export it:
+    ``(input_ids (B, S), attention_mask (B, P + S), past key, value per layer (B, K, P, H))``
+    -> ``(logits, present key, value per layer (B, K, P + S, H))``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, *past):
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            use_cache=True,
+        )  # fmt: skip
+        layers = out.past_key_values.layers
+        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
+
+
+def _feeds(rng, batch: int, length: int, past: int, padding: int) -> dict[str, np.ndarray]:
+    """Random ids and cache; the first row's mask left-padded over ``padding`` positions."""
+    heads, size = COMMON["num_key_value_heads"], 16
+    mask = np.ones((batch, past + length), np.int64)
+    mask[0, :padding] = 0
+    feeds = {
+        "input_ids": rng.integers(0, COMMON["vocab_size"], (batch, length)),
+        "attention_mask": mask,
+    }
+    for name in CACHE:
+        feeds[name] = rng.standard_normal((batch, heads, past, size)).astype(np.float32)
+    return feeds
+
+
+def _export_with_past(module: torch.nn.Module, path) -> None:
+    example = _feeds(np.random.default_rng(1), 2, 3, 5, 0)
+    dims = {n: torch.export.Dim(n) for n in ("batch", "sequence", "past", "total")}
+    shapes = {
+        "input_ids": {0: dims["batch"], 1: dims["sequence"]},
+        "attention_mask": {0: dims["batch"], 1: dims["total"]},
+        "past": tuple({0: dims["batch"], 2: dims["past"]} for _ in CACHE),
+    }
+    program = torch.onnx.export(
+        WithPast(module), tuple(torch.from_numpy(a) for a in example.values()), dynamo=True,
+        dynamic_shapes=shapes, input_names=list(example), output_names=["logits", *PRESENT],
+    )  # fmt: skip
+    program.save(str(path), external_data=True)
+
+
+def _gqa_nodes(model: ir.Model) -> list[ir.Node]:
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    return [n for n in nodes if n.op_type == "GroupQueryAttention"]
+
+
+#: ``(batch, length, past, padding)``: a decode step, one left-padded; a first prompt with a
+#: padded row (all masked rows: the model's branch); a batched chunk after a past (which the
+#: CPU kernel refuses: the model's branch); one sequence's chunk after a past; an empty past.
+POINTS = ((2, 1, 7, 3), (3, 4, 0, 2), (2, 3, 5, 2), (1, 4, 6, 5), (2, 1, 0, 0), (1, 1, 3, 4))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_decoder_with_its_kv_cache_is_fused_and_computes_the_export_at_every_input(
+    family, tmp_path
+):
+    path = tmp_path / "model.onnx"
+    _export_with_past(_causal_lm(family), path)
+    model = ir.load(path)
+    report = fusion.optimize(model, target="ort")
+    nodes = _gqa_nodes(model)
+    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    assert [v.name for v in model.graph.outputs] == ["logits", *PRESENT]
+    guards = [n for n in model.graph if n.op_type == "If"]
+    assert len(guards) == LAYERS
+    for node in nodes:
+        assert node.inputs[3].name in CACHE and node.inputs[4].name in CACHE  # the past
+        assert node.attributes["causal"].value == 0 and node.attributes["do_rotary"].value == 1
+        packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
+        assert packed == (family != "qwen3"), node.inputs[:3]  # Qwen3 norms q and k apart
+    matmuls = [n for n in model.graph if n.op_type == "MatMul"]
+    per_layer = {"llama": 5, "qwen3": 7, "phi3": 4}[family]  # Phi-3 packs gate and up too
+    assert len(matmuls) == LAYERS * per_layer + 1, len(matmuls)
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    rng = np.random.default_rng(0)
+    for point in POINTS:
+        feeds = _feeds(rng, *point)
+        for got, expected in zip(run(optimized, feeds), run(original, feeds), strict=True):
+            np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5, err_msg=str(point))
+
+
+def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(tmp_path):
+    module = _causal_lm("llama")
+    path = tmp_path / "model.onnx"
+    _export_with_past(module, path)
+    model = ir.load(path)
+    fusion.optimize(model, target="ort")
+    feeds = _feeds(np.random.default_rng(2), 2, 1, 9, 4)
+    got = run(make_session(model, "cpu"), feeds)
+    with torch.no_grad():
+        expected = WithPast(module)(*(torch.from_numpy(a) for a in feeds.values()))
+    assert got[1].shape == (2, COMMON["num_key_value_heads"], 10, 16)
+    for mine, theirs in zip(got, expected, strict=True):
+        np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-4, atol=2e-5)
+
+
+class Masked(torch.nn.Module):
+    """A causal LM's logits for ``input_ids`` and a padding ``attention_mask``, no cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = _causal_lm("llama")
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def test_a_prefill_with_an_attention_mask_input_takes_the_mask_as_the_ops_bias(tmp_path):
+    path = tmp_path / "model.onnx"
+    feeds = _feeds(np.random.default_rng(3), 2, 6, 0, 0)
+    example = tuple(torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask"))
+    axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"}}
+    torch.onnx.export(
+        Masked(), example, str(path), dynamo=True, input_names=["input_ids", "attention_mask"],
+        dynamic_axes=axes,
+    )  # fmt: skip
+    model = ir.load(path)
+    report = fusion.optimize(model, target="ort")
+    nodes = _gqa_nodes(model)
+    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    assert all(n.inputs[10] is not None for n in nodes)  # the model's mask, as computed
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    rng = np.random.default_rng(4)
+    for batch, length, padding in ((2, 6, 0), (3, 9, 4), (1, 5, 0)):  # 4: rows all masked
+        feeds = _feeds(rng, batch, length, 0, padding)
+        feeds = {n: feeds[n] for n in ("input_ids", "attention_mask")}
+        (got,), (expected,) = run(optimized, feeds), run(original, feeds)
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5)
