@@ -28,7 +28,7 @@ Also timed, to show why normexport fuses what it fuses (:data:`FORMS`, not count
 tools): its model with MultiHeadAttention instead of GroupQueryAttention (``normexport_mha``)
 and with the norms alone (``normexport_unfused``). And the encoders of the issue
 (:data:`ENCODERS`: ViT-Tiny's shape, a CLIP vision tower, BERT with a padding mask; batch only
-symbolic), against the same optimizers.
+symbolic; every norm weight and bias random), against the same optimizers.
 
 Every variant's outputs (logits, and the present cache of a decode step) are compared by name
 with PyTorch's at each point (max abs difference). Targets: normexport's model no slower than
@@ -393,6 +393,10 @@ def bench_encoder(name: str, batches, budget_s: float, console: Console) -> dict
     """Build, check and time one encoder of :data:`ENCODERS` at each batch; its JSON entry."""
     torch.manual_seed(0)
     module, shapes = ENCODERS[name]()
+    with torch.no_grad():  # every norm weight and bias random, not transformers' 1 and 0
+        for parameter, p in module.named_parameters():
+            if "norm" in parameter.lower() or parameter.endswith("bias"):
+                p.copy_(0.3 * torch.randn_like(p) + parameter.endswith("weight"))
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="encoders-") as tmp:
         folder = Path(tmp)

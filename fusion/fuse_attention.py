@@ -18,7 +18,9 @@ at a time in the order ``fuse_xformers`` applies them, and nothing else of that 
   ``Attention``, and ``sdpa_via_mha`` for a lone scaled dot-product;
 * ``bias_gelu``: ``Gelu(x + b)`` with a 1-D ``b`` -> ``BiasGelu``.
 
-One rewrite of normexport's own follows the rules. ``sdpa_via_mha`` feeds a key and value that
+Two rewrites of normexport's own follow the rules. A MultiHeadAttention over three
+projections of one input becomes ``Attention`` with the projections packed
+(:mod:`fusion.pack_attention`). And the other: ``sdpa_via_mha`` feeds a key and value that
 are already split into heads, ``(B, N, L, H)``, to MultiHeadAttention through
 ``Reshape(Transpose(kv, perm=[0, 2, 1, 3]), [0, 0, -1])``, and the op splits them into heads
 again. MultiHeadAttention also takes key and value as ``(B, N, L, H)`` directly (its 4-D "past
@@ -59,6 +61,7 @@ from onnxscript.rewriter.ort_fusions import (
     shape_optimization,
 )
 
+from fusion import pack_attention
 from fusion._ir import const_array, label, producer
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 
@@ -139,9 +142,10 @@ class FuseAttention(FusionPass):
             _shape_log.setLevel(level)
         # the sdpa rule makes onnxscript functions; those no later rule consumed are inlined
         common_passes.InlinePass()(model)
-        for node in model.graph:
+        for node in list(model.graph):
             if node.domain == "com.microsoft" and node.op_type == "MultiHeadAttention":
                 _pass_kv_in_heads(node)
+                pack_attention.pack(model.graph, node)
         common_passes.RemoveUnusedNodesPass()(model)
         common_passes.RemoveUnusedFunctionsPass()(model)
         added = [n for n in model.graph if n in self._fused_nodes(model) and n not in before]

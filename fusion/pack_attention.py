@@ -1,0 +1,117 @@
+"""Self-attention's three projections packed into ONNX Runtime's ``Attention`` (com.microsoft,
+ContribOperators.md), as :mod:`fusion.fuse_attention`'s last step.
+
+``MultiHeadAttention(q, k, v)`` where ``q = x @ Wq + bq``, ``k = x @ Wk + bk`` and
+``v = x @ Wv + bv`` read one ``x`` ``(B, S, D)`` with constant weights ``(D, N*H)`` and biases
+``(N*H,)`` (or the op's own packed ``bias``), the key and value passed 3-D or split into the
+op's ``N`` heads (``Transpose(Reshape(., (B, S, N, H)), [0, 2, 1, 3])``), is the op
+``Attention(x, [Wq | Wk | Wv], [bq | bk | bv])``: it computes the three projections as one
+GEMM, splits them into the same ``N`` heads and attends alike (Vaswani et al., 2017, eq. 1;
+the ``scale``, ``attention_bias`` and ``unidirectional`` of the one are the other's). That is
+the form onnxscript's ``optimize_for_ort`` and ONNX Runtime's transformer optimizer give BERT;
+on ONNX Runtime's CPU provider whole encoders run faster in it (BERT, CLIP's vision tower,
+ViT: ``benchmarks/results/decoders_cpu.json``). Left as they are: a ``key_padding_mask`` (the
+``mask_index`` of ``Attention`` reads it otherwise), a past, projections of other inputs
+(cross-attention), of other widths, or with weights computed at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import add_initializer, const_array, dims, producer, replace_output
+from fusion.base import MS_DOMAIN
+
+#: MultiHeadAttention's attributes that Attention has, with the same meaning.
+_SHARED_ATTRIBUTES = ("num_heads", "scale", "mask_filter_value", "unidirectional")
+
+
+@dataclasses.dataclass
+class _Projection:
+    """``x @ weight + bias`` (``bias`` None where there is no Add)."""
+
+    x: ir.Value
+    weight: np.ndarray
+    bias: np.ndarray | None
+
+
+def _projection(value: ir.Value | None, heads: int | None) -> _Projection | None:
+    """``value`` as ``x @ W (+ b)`` with constant ``W`` ``(D, width)`` and ``b`` ``(width,)``,
+    or, where ``heads`` is given and ``value`` is rank 4, as that split into ``heads`` heads
+    (``Transpose(Reshape(x @ W + b, (B, S, heads, H)), [0, 2, 1, 3])``); None otherwise."""
+    if value is None:
+        return None
+    shape = dims(value)
+    if heads is not None and shape is not None and len(shape) == 4:
+        transpose = producer(value, "Transpose")
+        if transpose is None or list(transpose.attributes.get_ints("perm", ())) != [0, 2, 1, 3]:
+            return None
+        reshape = producer(transpose.inputs[0], "Reshape")
+        split = dims(reshape.outputs[0]) if reshape is not None else None
+        if split is None or len(split) != 4 or split[2] != heads or not isinstance(split[3], int):
+            return None
+        value = reshape.inputs[0]
+        if (dims(value) or [None])[-1] != heads * split[3]:
+            return None
+    add = producer(value, "Add")
+    bias = None
+    if add is not None:
+        constants = [const_array(v) for v in add.inputs]
+        side = 1 if constants[1] is not None else 0
+        bias, value = constants[side], add.inputs[1 - side]
+    matmul = producer(value, "MatMul")
+    weight = const_array(matmul.inputs[1]) if matmul is not None else None
+    if weight is None or weight.ndim != 2 or len(dims(matmul.inputs[0]) or ()) != 3:
+        return None
+    if add is not None and (bias is None or bias.shape != (weight.shape[1],)):
+        return None
+    return _Projection(matmul.inputs[0], weight, bias)
+
+
+def pack(graph: ir.Graph, mha: ir.Node) -> bool:
+    """Replace the MultiHeadAttention ``mha`` by ``Attention`` where its query, key and value
+    are projections of one input (see the module docstring); return whether it did. The new
+    node takes over ``mha``'s ``meta``; the projections left unread go with the clean-up."""
+    inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
+    if any(inputs[i] is not None for i in (4, 6, 7)) or any(
+        o.uses() or o.is_graph_output() for o in mha.outputs[1:]
+    ):
+        return False
+    heads = mha.attributes.get_int("num_heads")
+    parts = [_projection(inputs[0], None), *(_projection(inputs[i], heads) for i in (1, 2))]
+    if None in parts or len({id(p.x) for p in parts}) != 1:
+        return False
+    widths = {p.weight.shape for p in parts}
+    if len(widths) != 1 or len({p.weight.dtype for p in parts}) != 1:
+        return False
+    width = parts[0].weight.shape[1]
+    packed_bias = const_array(inputs[3]) if inputs[3] is not None else None
+    if inputs[3] is not None:
+        if packed_bias is None or packed_bias.shape != (3 * width,):
+            return False
+        if any(p.bias is not None for p in parts):
+            return False
+    else:
+        zero = np.zeros(width, parts[0].weight.dtype)
+        packed_bias = np.concatenate([p.bias if p.bias is not None else zero for p in parts])
+    name = mha.name or "attention"
+    weight = add_initializer(
+        graph, f"{name}_qkv_weight", np.concatenate([p.weight for p in parts], axis=1)
+    )
+    bias = add_initializer(graph, f"{name}_qkv_bias", packed_bias.astype(parts[0].weight.dtype))
+    attributes = {k: a.value for k, a in mha.attributes.items() if k in _SHARED_ATTRIBUTES}
+    node = ir.node(
+        "Attention",
+        [parts[0].x, weight, bias, None, None, inputs[5]],
+        attributes,
+        domain=MS_DOMAIN,
+        name=f"{name}_packed",
+    )
+    node.meta.update(mha.meta)
+    graph.insert_before(mha, node)
+    replace_output(graph, mha.outputs[0], node.outputs[0])
+    graph.remove(mha, safe=True)
+    return True
