@@ -163,6 +163,7 @@ def _converted(
     _drop_repeated_casts(converted.graph)
     _skip_round_trips(converted.graph, set(nodes))
     _exact_constants(converted.graph, proto.graph)
+    _sort_for_subgraphs(converted.graph)
     for node in converted.graph.node:
         if Op(node.op_type, node.domain) in STASH_NORM_OPS:
             kept = [a for a in node.attribute if a.name != "stash_type"]
@@ -246,10 +247,59 @@ def _exact_constants(graph: onnx.GraphProto, original: onnx.GraphProto) -> None:
     for node, tensor in exact:
         graph.node.remove(node)
         graph.initializer.append(tensor)
-    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    read = _names_read(graph)
     unread = [t for t in graph.initializer if t.name not in read]
     for tensor in unread:
         graph.initializer.remove(tensor)
+
+
+def _names_read(graph: onnx.GraphProto) -> set[str]:
+    """The value names that the nodes of ``graph`` and of its subgraphs (an ``If``'s branches,
+    a ``Loop``'s body, which read the outer graph's values by name) take, and its outputs."""
+    read = {o.name for o in graph.output}
+    for node in graph.node:
+        read.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in [
+                *attribute.graphs,
+                *([attribute.g] if attribute.HasField("g") else []),
+            ]:
+                read |= _names_read(subgraph)
+    return read
+
+
+def _sort_for_subgraphs(graph: onnx.GraphProto) -> None:
+    """Order ``graph``'s nodes so that each comes after the producers of what it and its
+    subgraphs read (stable otherwise): the converter appends its casts of the graph inputs at
+    the end, after an ``If`` whose branches read them by name, which a reader of the protobuf
+    (onnx_ir, ONNX Runtime) cannot resolve there."""
+    nodes = list(graph.node)
+    producer = {name: i for i, node in enumerate(nodes) for name in node.output}
+    needs = []
+    for i, node in enumerate(nodes):
+        read = set(node.input)
+        for attribute in node.attribute:
+            for subgraph in [
+                *attribute.graphs,
+                *([attribute.g] if attribute.HasField("g") else []),
+            ]:
+                read |= _names_read(subgraph)
+        needs.append({producer[n] for n in read if n in producer and producer[n] != i})
+    order: list[int] = []
+    placed: set[int] = set()
+    pending = list(range(len(nodes)))
+    while pending:
+        ready = [i for i in pending if needs[i] <= placed]
+        if not ready:  # a cycle: leave the rest as it is
+            order += pending
+            break
+        for i in ready:  # in their order, as long as what they need is placed
+            if needs[i] <= placed:
+                order.append(i)
+                placed.add(i)
+        pending = [i for i in pending if i not in placed]
+    del graph.node[:]
+    graph.node.extend(nodes[i] for i in order)
 
 
 def _write_half(
