@@ -24,7 +24,7 @@ from fusion.base import Op
 from fusion.registry import SKIP_NORM_OPS, STASH_NORM_OPS
 from normexport.errors import UsageError
 from normexport.io import files
-from normexport.precision import kernels
+from normexport.precision import kernels, subgraphs
 from normexport.precision.bfloat16 import to_bfloat16
 from normexport.precision.kept import KeptFloat32, kept_float32
 
@@ -132,16 +132,18 @@ def load_for_conversion(path: Path, precision: str = "fp16") -> onnx.ModelProto:
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:
-    """Give every unnamed node a unique name (the converter's block list goes by name)."""
-    taken = {n.name for n in graph.node}
-    for i, node in enumerate(graph.node):
-        if not node.name:
-            node.name = next(
-                f"{node.op_type}_half_{i}_{j}"
-                for j in range(len(taken) + 1)
-                if f"{node.op_type}_half_{i}_{j}" not in taken
-            )
-            taken.add(node.name)
+    """Give every unnamed node, in ``graph`` and its subgraphs, a unique name (the converter's
+    block list goes by name, and :func:`subgraphs.input_casts` matches subgraph nodes by it)."""
+    graphs = [graph, *subgraphs.subgraphs(graph)]
+    taken = {n.name for g in graphs for n in g.node}
+    for index, g in enumerate(graphs):
+        for i, node in enumerate(g.node):
+            if not node.name:
+                stem = f"{node.op_type}_half_{i}" + (f"_{index}" if index else "")
+                node.name = next(
+                    f"{stem}_{j}" for j in range(len(taken) + 1) if f"{stem}_{j}" not in taken
+                )
+                taken.add(node.name)
 
 
 def _converted(
@@ -163,7 +165,8 @@ def _converted(
     _drop_repeated_casts(converted.graph)
     _skip_round_trips(converted.graph, set(nodes))
     _exact_constants(converted.graph, proto.graph)
-    _sort_for_subgraphs(converted.graph)
+    subgraphs.input_casts(converted.graph, proto.graph)
+    subgraphs.sort(converted.graph)
     for node in converted.graph.node:
         if Op(node.op_type, node.domain) in STASH_NORM_OPS:
             kept = [a for a in node.attribute if a.name != "stash_type"]
@@ -247,59 +250,10 @@ def _exact_constants(graph: onnx.GraphProto, original: onnx.GraphProto) -> None:
     for node, tensor in exact:
         graph.node.remove(node)
         graph.initializer.append(tensor)
-    read = _names_read(graph)
+    read = subgraphs.names_read(graph)
     unread = [t for t in graph.initializer if t.name not in read]
     for tensor in unread:
         graph.initializer.remove(tensor)
-
-
-def _names_read(graph: onnx.GraphProto) -> set[str]:
-    """The value names that the nodes of ``graph`` and of its subgraphs (an ``If``'s branches,
-    a ``Loop``'s body, which read the outer graph's values by name) take, and its outputs."""
-    read = {o.name for o in graph.output}
-    for node in graph.node:
-        read.update(node.input)
-        for attribute in node.attribute:
-            for subgraph in [
-                *attribute.graphs,
-                *([attribute.g] if attribute.HasField("g") else []),
-            ]:
-                read |= _names_read(subgraph)
-    return read
-
-
-def _sort_for_subgraphs(graph: onnx.GraphProto) -> None:
-    """Order ``graph``'s nodes so that each comes after the producers of what it and its
-    subgraphs read (stable otherwise): the converter appends its casts of the graph inputs at
-    the end, after an ``If`` whose branches read them by name, which a reader of the protobuf
-    (onnx_ir, ONNX Runtime) cannot resolve there."""
-    nodes = list(graph.node)
-    producer = {name: i for i, node in enumerate(nodes) for name in node.output}
-    needs = []
-    for i, node in enumerate(nodes):
-        read = set(node.input)
-        for attribute in node.attribute:
-            for subgraph in [
-                *attribute.graphs,
-                *([attribute.g] if attribute.HasField("g") else []),
-            ]:
-                read |= _names_read(subgraph)
-        needs.append({producer[n] for n in read if n in producer and producer[n] != i})
-    order: list[int] = []
-    placed: set[int] = set()
-    pending = list(range(len(nodes)))
-    while pending:
-        ready = [i for i in pending if needs[i] <= placed]
-        if not ready:  # a cycle: leave the rest as it is
-            order += pending
-            break
-        for i in ready:  # in their order, as long as what they need is placed
-            if needs[i] <= placed:
-                order.append(i)
-                placed.add(i)
-        pending = [i for i in pending if i not in placed]
-    del graph.node[:]
-    graph.node.extend(nodes[i] for i in order)
 
 
 def _write_half(

@@ -671,7 +671,8 @@ def test_cli_fp16_passes_parity_on_the_overflow_probe(tmp_path, capsys, keep):
 def test_initializers_read_only_inside_a_subgraph_are_kept(tmp_path):
     """An If's branches read the outer graph's initializers and inputs by name (as
     GroupQueryAttention's guard does): the conversion keeps the initializers, puts its cast of
-    the input before the If, and both branches run."""
+    an input before the If, writes the cast of an input only a branch reads (``v``: the
+    converter names it and does not write it), and both branches run."""
     rng = np.random.default_rng(0)
     h = onnx.helper
     then = h.make_graph(
@@ -679,7 +680,7 @@ def test_initializers_read_only_inside_a_subgraph_are_kept(tmp_path):
         [h.make_tensor_value_info("y_then", TensorProto.FLOAT, None)],
     )  # fmt: skip
     otherwise = h.make_graph(
-        [h.make_node("Mul", ["x", "w"], ["y_else"])], "else", [],
+        [h.make_node("Mul", ["v", "w"], ["y_else"])], "else", [],
         [h.make_tensor_value_info("y_else", TensorProto.FLOAT, None)],
     )  # fmt: skip
     weights = {
@@ -692,7 +693,8 @@ def test_initializers_read_only_inside_a_subgraph_are_kept(tmp_path):
         [h.make_node("If", ["cond"], ["y"], then_branch=then, else_branch=otherwise),
          h.make_node("Neg", ["x"], ["z"])], "g",
         [h.make_tensor_value_info("cond", TensorProto.BOOL, []),
-         h.make_tensor_value_info("x", TensorProto.FLOAT, [2, D])],
+         h.make_tensor_value_info("x", TensorProto.FLOAT, [2, D]),
+         h.make_tensor_value_info("v", TensorProto.FLOAT, [2, D])],
         [h.make_tensor_value_info("y", TensorProto.FLOAT, None),
          h.make_tensor_value_info("z", TensorProto.FLOAT, None)],
         [onnx.numpy_helper.from_array(a, n) for n, a in weights.items()],
@@ -700,9 +702,9 @@ def test_initializers_read_only_inside_a_subgraph_are_kept(tmp_path):
     proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10)
     _, dst = _convert(ir.serde.deserialize_model(proto), tmp_path)
     assert {t.name for t in onnx.load(dst).graph.initializer} >= set(weights)
-    x = rng.standard_normal((2, D)).astype(np.float32)
+    x, v = rng.standard_normal((2, 2, D)).astype(np.float32)
     session = _session(dst)
-    for cond, want in ((True, x[:2]), (False, x * weights["w"])):
-        got, negated = session.run(None, {"cond": np.array(cond), "x": x})
+    for cond, want in ((True, x[:2]), (False, v * weights["w"])):
+        got, negated = session.run(None, {"cond": np.array(cond), "x": x, "v": v})
         np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
         np.testing.assert_allclose(negated, -x, rtol=1e-2, atol=1e-2)
