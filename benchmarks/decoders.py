@@ -62,6 +62,7 @@ from rich.console import Console
 from rich.table import Table
 
 import fusion
+from models.llama import WithPast
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
 from normexport.io.files import save_figure, save_model
@@ -135,27 +136,6 @@ def _genai(model: torch.nn.Module, folder: Path) -> tuple[Path | None, str | Non
     if done.returncode != 0:
         return None, done.stderr.strip().splitlines()[-1]
     return out / "model.onnx", None
-
-
-class WithPast(torch.nn.Module):
-    """One decode step of a causal LM with its KV cache as tensors, as a deployment exports it:
-    ``(input_ids (B, S), attention_mask (B, P + S), past key, past value per layer (B, K, P,
-    H))`` -> ``(logits, present key, present value per layer (B, K, P + S, H))``."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, *past):
-        cache = transformers.DynamicCache(config=self.model.config)
-        for layer in range(len(past) // 2):
-            cache.update(past[2 * layer], past[2 * layer + 1], layer)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-            use_cache=True,
-        )  # fmt: skip
-        layers = out.past_key_values.layers
-        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
 
 
 def _cache_names(kind: str) -> list[str]:

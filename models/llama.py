@@ -78,3 +78,25 @@ def llama_tiny() -> ZooModel:
         inputs={"input_ids": input_ids},
         dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
     )
+
+
+class WithPast(nn.Module):
+    """One step of transformers' ``*ForCausalLM`` ``model`` with its KV cache as tensors, as a
+    deployment exports it (Optimum's and onnxruntime-genai's names follow the same order):
+    ``(input_ids (B, S), attention_mask (B, P + S), past key, past value per layer (B, K, P,
+    H))`` -> ``(logits, present key, present value per layer (B, K, P + S, H))``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, *past):
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
+            use_cache=True,
+        )  # fmt: skip
+        layers = out.past_key_values.layers
+        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))

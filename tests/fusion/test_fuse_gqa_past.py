@@ -9,6 +9,7 @@ import torch
 import transformers
 
 import fusion
+from models.llama import WithPast
 from normexport.runtime import make_session, run
 
 pytestmark = pytest.mark.slow
@@ -41,27 +42,6 @@ def _causal_lm(family: str) -> torch.nn.Module:
             if "norm" in name:
                 p.copy_(0.3 * torch.randn_like(p) + 1)
     return module
-
-
-class WithPast(torch.nn.Module):
-    """One step of a causal LM with its KV cache as tensors, as deployments export it:
-    ``(input_ids (B, S), attention_mask (B, P + S), past key, value per layer (B, K, P, H))``
-    -> ``(logits, present key, value per layer (B, K, P + S, H))``."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids, attention_mask, *past):
-        cache = transformers.DynamicCache(config=self.model.config)
-        for layer in range(len(past) // 2):
-            cache.update(past[2 * layer], past[2 * layer + 1], layer)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-            use_cache=True,
-        )  # fmt: skip
-        layers = out.past_key_values.layers
-        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
 
 
 def _feeds(rng, batch: int, length: int, past: int, padding: int) -> dict[str, np.ndarray]:
