@@ -94,7 +94,7 @@ def reference(job: Job, raw: ir.Model, work: Path) -> Reference:
     _opens(session, path)
     recorded = _recorded(session)
     try:
-        _runs_as_given(recorded, job.sets["example"], path, job.opts.input_shape or job.opts.inputs)
+        _runs_as_given(recorded, job.sets["example"], path, _hint(job.opts))
     finally:
         recorded.close()
     return Reference(path, recorded, checker_level(path))
@@ -123,10 +123,23 @@ def _opens(session: runtime.OnDemand, path: Path) -> None:
         ) from None
 
 
-def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, given: Any) -> None:
+def _hint(opts: Any) -> str:
+    """What to check where the input file fails on the example inputs: the inputs the user
+    gave, the sizes of the symbolic axes, or the file itself."""
+    if opts.input_shape or opts.inputs:
+        return "check --input-shape / --inputs against the model's inputs"
+    if getattr(opts, "dim", None):
+        return (
+            "check that the --dim sizes agree with one another (a mask over the past and the "
+            "new tokens has as many positions as the two together)"
+        )
+    return "fix or re-export it"
+
+
+def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, hint: str) -> None:
     """Run the input file once on the example inputs, before anything is optimized: a model
     that ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
-    user's to fix, not a parity failure. ``given``: whether the user gave the inputs.
+    user's to fix, not a parity failure. ``hint``: what to check (:func:`_hint`).
 
     Raises:
         UsageError: ONNX Runtime fails on it, naming the inputs that were given.
@@ -135,10 +148,9 @@ def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, give
         raw(feeds)  # the failure is reported once, by us
     except Exception as err:  # ORT's own error types
         shapes = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
-        hint = "check --input-shape / --inputs against the model's inputs" if given else None
         raise UsageError(
             f"{path}: ONNX Runtime cannot run this model as given on inputs {shapes} "
-            f"({one_line(err)}); {hint or 'fix or re-export it'}"
+            f"({one_line(err)}); {hint}"
         ) from None
 
 

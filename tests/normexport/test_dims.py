@@ -113,3 +113,29 @@ def test_axis_expressions():
     assert dims.size(ir.SymbolicDim("a - a"), {"a": 3}, used) is None  # not a size
     assert dims.size(ir.SymbolicDim(None), {}, used) is None
     assert dims.names(ir.SymbolicDim("a + b * 2")) == ["a", "b"]
+
+
+def test_sizes_that_disagree_are_named_in_the_error(tmp_path, rng, capsys):
+    """A mask over the past and the new tokens, its axis named apart (as a dynamo export with
+    its own ``Dim`` names writes it): sizes given that disagree are the user's to fix, and the
+    error says which flags to check."""
+    nodes = [
+        ("Concat", ["past", "x"], ["both"], {"axis": 1}),
+        ("Add", ["both", "mask"], ["y"], {}),
+    ]
+    inputs = {
+        "x": (F, ["batch", "sequence"]),
+        "past": (F, ["batch", "past"]),
+        "mask": (F, ["batch", "total"]),
+    }
+    model = make_model(nodes, inputs, {"y": (F, ["batch", "total"])})
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir(parents=True)
+    files.save_model(model, path, external_data=False)
+    out = ["-o", str(tmp_path / "o" / "m.onnx")]
+    code, _ = _run([str(path), *out, "--dim", "past=4", "--dim", "total=4"], tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USAGE and len(err) == 1, err
+    assert "cannot run this model as given" in err[0] and "--dim sizes agree" in err[0]
+    code, _ = _run([str(path), *out, "--dim", "past=4", "--dim", "total=20"], tmp_path)
+    assert code == EXIT_OK  # 4 + the sequence's usual 16
