@@ -24,6 +24,7 @@ import onnx_ir as ir
 
 from fusion._ir import add_initializer, const_array, dims, producer, replace_output
 from fusion.base import MS_DOMAIN
+from fusion.fuse_gqa import parts
 
 #: MultiHeadAttention's attributes that Attention has, with the same meaning.
 _SHARED_ATTRIBUTES = ("num_heads", "scale", "mask_filter_value", "unidirectional")
@@ -46,15 +47,12 @@ def _projection(value: ir.Value | None, heads: int | None) -> _Projection | None
         return None
     shape = dims(value)
     if heads is not None and shape is not None and len(shape) == 4:
-        transpose = producer(value, "Transpose")
-        if transpose is None or list(transpose.attributes.get_ints("perm", ())) != [0, 2, 1, 3]:
-            return None
-        reshape = producer(transpose.inputs[0], "Reshape")
-        split = dims(reshape.outputs[0]) if reshape is not None else None
-        if split is None or len(split) != 4 or split[2] != heads or not isinstance(split[3], int):
+        split = parts.heads(value)  # Transpose(., [0, 2, 1, 3]) of (B, L, n, H), n, H known
+        reshape = producer(split.split, "Reshape") if split is not None else None
+        if reshape is None or split.count != heads:
             return None
         value = reshape.inputs[0]
-        if (dims(value) or [None])[-1] != heads * split[3]:
+        if (dims(value) or [None])[-1] != heads * split.size:
             return None
     add = producer(value, "Add")
     bias = None

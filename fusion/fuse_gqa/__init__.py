@@ -354,9 +354,8 @@ class FuseGroupQueryAttention(NodeFusionPass):
             size = match.query.size
             caches = build.caches(graph, match.tables, size, inserted, self._shared)
             if match.past is not None:
-                caches = build.positions(
-                    graph, caches, size // 2, flat[0], total, inserted, self._shared
-                )
+                read = build.sizes(graph, flat[0], past[0], inserted, self._shared)
+                caches = build.positions(graph, caches, size // 2, read, inserted, self._shared)
             inputs += caches
             attributes["do_rotary"] = 1
         bias = match.bias

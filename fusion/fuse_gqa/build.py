@@ -3,6 +3,7 @@ before their split into heads, and the sequence lengths (:mod:`fusion.fuse_gqa`)
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -29,6 +30,62 @@ def flat(graph: ir.Graph, heads: parts.Heads, inserted: list[ir.Node]) -> ir.Val
     return node.outputs[0]
 
 
+def _key(kind: str, query: ir.Value, past: ir.Value | None) -> tuple | None:
+    """``kind`` and the batch, the length (and the past's length) of ``query`` (and ``past``),
+    where each is a number or a named symbol: layers with one key share what is made for it;
+    None where a dimension has no name."""
+    shape = [*dims(query)[:2], *(dims(past)[2:3] if past is not None else ())]
+    if any(not isinstance(d, int) and d.value is None for d in shape):
+        return None
+    return (kind, *map(str, shape))
+
+
+@dataclasses.dataclass
+class Sizes:
+    """The sizes of a call, read once from the ``(B, S, .)`` query and the ``(B, K, P, H)``
+    past key: ``shape`` the query's shape (int64 ``(3,)``), ``batch`` ``[B]`` (int64 ``(1,)``),
+    ``length`` ``S`` and ``total`` ``P + S`` (int64 scalars; ``total`` is ``length`` where
+    there is no past), ``past`` ``P`` (int64 scalar, or None)."""
+
+    shape: ir.Value
+    batch: ir.Value
+    length: ir.Value
+    total: ir.Value
+    past: ir.Value | None
+
+
+def sizes(
+    graph: ir.Graph, query: ir.Value, past: ir.Value | None, inserted: list[ir.Node], shared: dict
+) -> Sizes:
+    """:class:`Sizes` for ``query`` and ``past`` (nodes appended to ``inserted``), kept in
+    ``shared`` for the layers whose dimensions are the same numbers or named symbols (else per
+    pair of values): the lengths, the positions and the guard read them."""
+    key = _key("sizes", query, past) or ("sizes", id(query), id(past))
+    if key in shared:
+        return shared[key]
+    const = functools.partial(add_initializer, graph)
+    shape = ir.node("Shape", [query])
+    batch = ir.node("Gather", [shape.outputs[0], const("gqa_batch_axis", np.array([0]))])
+    length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
+    inserted += [shape, batch, length]
+    total, past_length = length, None
+    if past is not None:
+        past_shape = ir.node("Shape", [past])
+        past_length = ir.node(
+            "Gather", [past_shape.outputs[0], const("gqa_past_axis", np.array(2))]
+        )
+        total = ir.node("Add", [length.outputs[0], past_length.outputs[0]])
+        inserted += [past_shape, past_length, total]
+    shared[key] = Sizes(
+        shape.outputs[0],
+        batch.outputs[0],
+        length.outputs[0],
+        total.outputs[0],
+        past_length.outputs[0] if past_length is not None else None,
+    )
+    return shared[key]
+
+
 def lengths(
     graph: ir.Graph,
     query: ir.Value,
@@ -42,26 +99,14 @@ def lengths(
     op, the model's mask masks (nodes appended to ``inserted``; the constant folder folds them
     where the shapes are static). Layers whose shapes have the same dimensions (numbers or
     named symbols) share the first one's, kept in ``shared``."""
-    shape = [*dims(query)[:2], *(dims(past)[2:3] if past is not None else ())]
-    known = all(isinstance(d, int) or d.value is not None for d in shape)
-    key = ("lengths", *map(str, shape)) if known else None
+    key = _key("lengths", query, past)
     if key in shared:
         return shared[key]
-    const = functools.partial(add_initializer, graph)
-    shape = ir.node("Shape", [query])
-    batch = ir.node("Gather", [shape.outputs[0], const("gqa_batch_axis", np.array([0]))])
-    length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
-    inserted += [shape, batch, length]
-    if past is not None:
-        past_shape = ir.node("Shape", [past])
-        past_length = ir.node(
-            "Gather", [past_shape.outputs[0], const("gqa_past_axis", np.array(2))]
-        )
-        length = ir.node("Add", [length.outputs[0], past_length.outputs[0]])
-        inserted += [past_shape, past_length, length]
-    total = ir.node("Cast", [length.outputs[0]], {"to": int(ir.DataType.INT32)})
-    last = ir.node("Sub", [total.outputs[0], const("gqa_one", np.array(1, np.int32))])
-    seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
+    read = sizes(graph, query, past, inserted, shared)
+    one = add_initializer(graph, "gqa_one", np.array(1, np.int32))
+    total = ir.node("Cast", [read.total], {"to": int(ir.DataType.INT32)})
+    last = ir.node("Sub", [total.outputs[0], one])
+    seqlens = ir.node("Expand", [last.outputs[0], read.batch])
     inserted += [total, last, seqlens]
     if key is not None:
         shared[key] = seqlens.outputs[0], total.outputs[0]
@@ -72,41 +117,35 @@ def positions(
     graph: ir.Graph,
     caches: list[ir.Value],
     half: int,
-    query: ir.Value,
-    total: ir.Value,
+    read: Sizes,
     inserted: list[ir.Node],
     shared: dict,
 ) -> list[ir.Value]:
     """``[cos_cache, sin_cache, position_ids]`` for a call with a past: ``caches`` hold one
     ``(S, half)`` row per position of the call, so the ``(B, S)`` ``position_ids`` are
-    ``0 .. S-1`` in every row, and the caches get ``T`` (the int32 scalar ``total``) rows of
-    zeros below, never read, as the CPU kernel wants at least ``T`` rows ("cos_cache dimension
-    0 shall not be less than total_sequence_length"). Nodes appended to ``inserted``; kept in
-    ``shared`` per caches, query and total."""
-    key = ("positions", *map(id, caches), id(total), *map(str, dims(query)[:2]))
+    ``0 .. S-1`` in every row, and the caches get ``T`` (``read.total``) rows of zeros below,
+    never read, as the CPU kernel wants at least ``T`` rows ("cos_cache dimension 0 shall not be
+    less than total_sequence_length"). Nodes appended to ``inserted``; kept in ``shared`` per
+    caches and sizes."""
+    key = ("positions", *map(id, caches), id(read))
     if key in shared:
         return shared[key]
     const = functools.partial(add_initializer, graph)
-    shape = ir.node("Shape", [query])
     size = ir.node(
-        "Slice",
-        [shape.outputs[0], const("gqa_zero", np.array([0])), const("gqa_two", np.array([2]))],
+        "Slice", [read.shape, const("gqa_zero", np.array([0])), const("gqa_two", np.array([2]))]
     )
-    length = ir.node("Gather", [shape.outputs[0], const("gqa_length_axis", np.array(1))])
     steps = ir.node(
-        "Range",
-        [const("gqa_start", np.array(0)), length.outputs[0], const("gqa_step", np.array(1))],
+        "Range", [const("gqa_start", np.array(0)), read.length, const("gqa_step", np.array(1))]
     )
     expand = ir.node("Expand", [steps.outputs[0], size.outputs[0]])
-    rows = ir.node("Cast", [total], {"to": int(ir.DataType.INT64)})
-    row_shape = ir.node("Reshape", [rows.outputs[0], const("gqa_one_axis", np.array([1]))])
+    row_shape = ir.node("Reshape", [read.total, const("gqa_one_axis", np.array([1]))])
     padding_shape = ir.node(
         "Concat", [row_shape.outputs[0], const("gqa_half_width", np.array([half]))], {"axis": 0}
     )
-    zero = ir.tensor(np.zeros(1, query.dtype.numpy()))
+    zero = ir.tensor(np.zeros(1, caches[0].dtype.numpy()))
     zeros = ir.node("ConstantOfShape", [padding_shape.outputs[0]], {"value": zero})
     padded = [ir.node("Concat", [c, zeros.outputs[0]], {"axis": 0}) for c in caches]
-    inserted += [shape, size, length, steps, expand, rows, row_shape, padding_shape, zeros, *padded]
+    inserted += [size, steps, expand, row_shape, padding_shape, zeros, *padded]
     shared[key] = [*(p.outputs[0] for p in padded), expand.outputs[0]]
     return shared[key]
 
@@ -137,6 +176,7 @@ def caches(
     for table in tables:
         reshape = ir.node("Reshape", [table, rows])
         half = ir.node("Slice", [reshape.outputs[0], *bounds, axis])
+        half.outputs[0].type = table.type
         inserted += [reshape, half]
         out.append(half.outputs[0])
     shared[key] = out

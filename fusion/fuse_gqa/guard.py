@@ -23,17 +23,9 @@ import functools
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, dims
+from fusion._ir import add_initializer
+from fusion.fuse_gqa import build
 from fusion.fuse_gqa.masks import MASKED
-
-
-def _key(query: ir.Value, past: ir.Value | None, bias: ir.Value | None) -> tuple | None:
-    """The condition's key among layers: the names of ``B``, ``S`` (and ``P``), the mask; None
-    where a dimension has no name (it is then not shared)."""
-    shape = [*dims(query)[:2], *(dims(past)[2:3] if past is not None else ())]
-    if any(not isinstance(d, int) and d.value is None for d in shape):
-        return None
-    return ("condition", *map(str, shape), id(bias))
 
 
 def condition(
@@ -49,24 +41,22 @@ def condition(
     docstring) for the ``(B, S, .)`` ``query``, the ``(B, K, P, H)`` ``past`` key (or None) and
     the run-time ``(B | 1, N | 1, S, T)`` ``bias`` (or None); nodes appended to ``inserted``,
     kept in ``shared`` for the layers of the same key."""
-    key = _key(query, past, bias)
-    if key is not None and key in shared:
+    read = build.sizes(graph, query, past, inserted, shared) if past is not None else None
+    key = ("condition", id(read), id(bias))
+    if key in shared:
         return shared[key]
     const = functools.partial(add_initializer, graph)
     terms = []
     if past is not None:
-        shapes = [ir.node("Shape", [query]), ir.node("Shape", [past])]
-        sizes = [
-            ir.node("Gather", [shapes[i].outputs[0], const(f"gqa_axis{a}", np.array(a))])
-            for i, a in ((0, 0), (0, 1), (1, 2))
-        ]
+        one, zero = const("gqa_int1", np.array(1)), const("gqa_int0", np.array(0))
         tests = [
-            ir.node("Equal", [size.outputs[0], const(f"gqa_int{v}", np.array(v))])
-            for size, v in zip(sizes, (1, 1, 0), strict=True)
+            ir.node("Equal", [read.batch, one]),  # (1,): the If takes a one-element cond
+            ir.node("Equal", [read.length, one]),
+            ir.node("Equal", [read.past, zero]),
         ]
         either = ir.node("Or", [tests[0].outputs[0], tests[1].outputs[0]])
         allowed = ir.node("Or", [either.outputs[0], tests[2].outputs[0]])
-        inserted += [*shapes, *sizes, *tests, either, allowed]
+        inserted += [*tests, either, allowed]
         terms.append(allowed.outputs[0])
     if bias is not None:
         if opset >= 18:
@@ -84,8 +74,7 @@ def condition(
         both = ir.node("And", terms)
         inserted.append(both)
         terms = [both.outputs[0]]
-    if key is not None:
-        shared[key] = terms[0]
+    shared[key] = terms[0]
     return terms[0]
 
 
