@@ -128,7 +128,19 @@ def optimize(
     for fusion_pass in passes:
         report.extend(fusion_pass.outcomes)
     _drop_removed_batchnorms(report, model)
+    _import_ms_domain(model)
     return report
+
+
+def _import_ms_domain(model: ir.Model) -> None:
+    """Declare com.microsoft version 1 (the contrib ops' only version) where a pass emitted a
+    node of that domain, in any subgraph too, and the model does not import it: ONNX Runtime
+    runs such a model, but ONNX's shape inference and checker refuse it ("No opset import for
+    domain com.microsoft"), and so does every tool built on them (float16 converters)."""
+    if MS_DOMAIN in model.opset_imports:
+        return
+    if any(n.domain == MS_DOMAIN for n in ir.traversal.RecursiveGraphIterator(model.graph)):
+        model.opset_imports[MS_DOMAIN] = 1
 
 
 def _drop_removed_batchnorms(report: FusionReport, model: ir.Model) -> None:
