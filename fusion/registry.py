@@ -93,7 +93,9 @@ LINEAR_OPS: tuple[str, ...] = algebra.LINEAR
 
 #: The execution providers on which a run fuses residual Add + norm into ONNX Runtime's Skip
 #: ops (:func:`skip_fusion`): on its CPU provider they are slower
-#: (``benchmarks/results/forms_cpu.json``).
+#: (``benchmarks/results/forms_cpu.json``); on CUDA SkipSimplifiedLayerNormalization is faster
+#: than Add + SimplifiedLayerNormalization, and SkipLayerNormalization is what ORT makes of
+#: Add + LayerNormalization anyway (``benchmarks/results/forms_cuda.json``, docs/cuda.md).
 SKIP_PROVIDERS = ("cuda",)
 
 

@@ -5,7 +5,10 @@ state_dict, a TorchScript archive, a torch.export program, an ONNX file), with i
 inputs in an ``.npz``; then ``python -m normexport`` runs on it, printing its report. Last, a
 summary table, ``summary.json``, and a check of what each model must show (:data:`EXPECTED`).
 
-    python -m models.demo --out demo-out [--only minilm,llama-tiny] [--budget 5]
+    python -m models.demo --out demo-out [--only minilm,llama-tiny] [--budget 5] [-- OPTIONS]
+
+OPTIONS after ``--`` go to every run of the CLI, e.g. ``-- --precision fp16`` (the float16
+model's parity on each demo model).
 """
 
 from __future__ import annotations
@@ -161,8 +164,9 @@ def sweep_runs(only: set[str] | None, scratch: Path, **options) -> Iterator[tupl
             yield name, lambda o=opts: pipeline.run(o)
 
 
-def run_one(name: str, out: Path, budget: float) -> tuple[int, dict | None]:
-    """Save zoo model ``name``, run the CLI on it, return (exit code, report or None)."""
+def run_one(name: str, out: Path, budget: float, cli: list[str] = ()) -> tuple[int, dict | None]:
+    """Save zoo model ``name``, run the CLI on it (``cli``: further options of it, e.g.
+    ``["--precision", "fp16"]``), return (exit code, report or None)."""
     zoo = models.load(name)
     folder = out / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -172,7 +176,7 @@ def run_one(name: str, out: Path, budget: float) -> tuple[int, dict | None]:
     report_path = folder / "report.json"
     cmd = [
         sys.executable, "-m", "normexport", str(path), "--inputs", str(inputs),
-        "--report", str(report_path), "--budget", str(budget), *flags,
+        "--report", str(report_path), "--budget", str(budget), *flags, *cli,
     ]  # fmt: skip
     print(f"\n$ {' '.join(cmd)}", flush=True)
     code = subprocess.call(cmd)
@@ -186,11 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("demo-out"))
     parser.add_argument("--only", help="comma-separated zoo names (default: all)")
     parser.add_argument("--budget", type=float, default=5.0, help="timing seconds per model")
+    parser.add_argument(
+        "cli", nargs="*", help="further options for every normexport run, after --: "
+        "-- --precision fp16 --provider cuda"
+    )  # fmt: skip
     args = parser.parse_args(argv)
     names = args.only.split(",") if args.only else list(models.ZOO)
     rows, failed = [], []
     for name in names:
-        code, report = run_one(name, args.out, args.budget)
+        code, report = run_one(name, args.out, args.budget, args.cli)
         unmet = [d for d, ok in EXPECTED.get(name, []) if report is None or not ok(report)]
         if code != 0 or unmet:
             failed.append(
@@ -210,7 +218,9 @@ def print_summary(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="normexport demo: summary (CPU; latency medians in ms)")
+    providers = {r["report"]["provider"] for r in rows if r["report"]} or {"no run"}
+    title = f"normexport demo: summary ({', '.join(sorted(providers))}; latency medians in ms)"
+    table = Table(title=title)
     cols = ["model", "file", "fusions", "left alone", "norm ops after", "max abs err",
             "rel L2 err", "eager", "ORT raw", "ORT opt", "parity"]  # fmt: skip
     for col in cols:
