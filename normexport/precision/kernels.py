@@ -24,6 +24,10 @@ import onnx_ir as ir
 from fusion.base import Op
 from fusion.registry import LINEAR_OPS, NORM_OPS
 from normexport import runtime
+from normexport.runtime import cuda_kernels
+
+#: The half-precision types a conversion writes.
+_HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 #: ONNX Runtime's errors for an op type it cannot run in the given type: no kernel registered
 #: (NOT_IMPLEMENTED), or a type the op's schema does not allow at the model's opset (bfloat16
@@ -37,7 +41,8 @@ _NO_KERNEL = (
 def missing_kernel(path: Path, provider: str) -> str | None:
     """The op type ONNX Runtime reports no kernel for when loading ``path`` on ``provider``
     (NOT_IMPLEMENTED, or a type error: the op's schema does not allow the type at the model's
-    opset), or None when the model loads.
+    opset), or on CUDA the first op type whose CUDA kernel lacks the half type
+    (:func:`lacking_on_cuda`); None when the model loads and runs wholly on the provider.
 
     Raises:
         Exception: ONNX Runtime's own error, for any other failure to load.
@@ -51,6 +56,24 @@ def missing_kernel(path: Path, provider: str) -> str | None:
         if found is None:
             raise
         return found.group(1)
+    return lacking_on_cuda(path) if provider == "cuda" else None
+
+
+def lacking_on_cuda(path: Path) -> str | None:
+    """The op type of the first node of the model at ``path`` whose CUDA kernel takes no
+    float16 or bfloat16 where the node has it, by ONNX Runtime's kernel table
+    (:mod:`normexport.runtime.cuda_kernels`), or None.
+
+    Where the CPU provider has a kernel of that type, ONNX Runtime loads such a model on CUDA
+    without a word and runs the node on the CPU, copying its tensors across: ppocr-cls's
+    ``Clip`` (opset 11, whose CUDA kernel is float32 only) made its float16 model 1.38x slower
+    than the float32 export on an H200 (``benchmarks/results/parity_cuda.json``). Kept in
+    float32, the node runs on CUDA.
+    """
+    model = ir.load(path)
+    for fallback in cuda_kernels.without_kernel(model):
+        if any(cuda_kernels.lacks_type(fallback, t) for t in _HALF_TYPES):
+            return fallback.op.rsplit(".", 1)[-1]
     return None
 
 

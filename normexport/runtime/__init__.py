@@ -71,6 +71,7 @@ def make_session(
     optimized_model_path: str | None = None,
     spinning: bool = True,
     cuda_graph: bool = False,
+    tf32: bool = True,
     disabled_optimizers: Sequence[str] = (),
     threads: int | None = None,
     quiet: bool = False,
@@ -95,6 +96,9 @@ def make_session(
             after ``run`` returns and slow down whatever runs next.
         cuda_graph: CUDA only: capture the run as a CUDA graph and replay it (run it through
             :class:`BoundRun`; every input shape needs its own session).
+        tf32: CUDA only: let the CUDA provider compute float32 matrix products in TF32 (10-bit
+            mantissa; its ``use_tf32`` option, on by default, as deployed). The verdict's
+            sessions turn it off (:func:`check_session`).
         disabled_optimizers: names of ORT graph transformers to leave out, e.g.
             ``"SkipLayerNormFusion"`` (which turns Add + LayerNormalization back into
             SkipLayerNormalization under ORT_ENABLE_ALL).
@@ -109,7 +113,7 @@ def make_session(
         ValueError: ``provider`` is not one of :data:`PROVIDERS`.
         ProviderUnavailable: CUDA was asked for but did not load (ORT fell back to CPU).
     """
-    providers = _providers(provider, cuda_graph)
+    providers = _providers(provider, cuda_graph, tf32)
     options = _session_options(optimization_level, optimized_model_path, spinning, threads, quiet)
     _memory_options(options, prepacking, execution_order, external_data_folder)
     with _session_source(model) as source:
@@ -133,12 +137,19 @@ def check_session(
     and ORT's priority-based execution order: under the default order the CPU provider runs
     the ``Cast`` nodes it inserts for half-precision weights (no float16 kernel) long before
     their consumers, and a float16 model's run held most of its weights in float32 at once
-    (docs/memory.md). ``options``: more of :func:`make_session`'s keywords.
+    (docs/memory.md). On CUDA, float32 matrix products in float32, not TF32 (``tf32=False``):
+    with TF32 a raw export was 1.6e-3 to 3.1e-2 from PyTorch on an H200 and judged to differ
+    from it (``benchmarks/results/parity_cuda.json``); the verdict compares functions, not
+    math modes. ``options``: more of :func:`make_session`'s keywords.
 
     Raises:
         see :func:`make_session`.
     """
-    lean = {"prepacking": False, "execution_order": ort.ExecutionOrder.PRIORITY_BASED}
+    lean = {
+        "prepacking": False,
+        "execution_order": ort.ExecutionOrder.PRIORITY_BASED,
+        "tf32": False,
+    }
     options = {"optimization_level": AS_WRITTEN, "spinning": False, **lean} | options
     return make_session(model, provider, **options)
 
@@ -215,8 +226,10 @@ def _check_provider(session: ort.InferenceSession, provider: str) -> None:
         )
 
 
-def _providers(provider: str, cuda_graph: bool) -> list:
-    """ORT's provider list for ``provider`` (see :func:`make_session`).
+def _providers(provider: str, cuda_graph: bool, tf32: bool = True) -> list:
+    """ORT's provider list for ``provider`` (see :func:`make_session`), with the CUDA
+    provider's options ``enable_cuda_graph`` and ``use_tf32`` where they differ from its
+    defaults.
 
     Raises:
         ValueError: an unknown provider, or a CUDA graph asked of another.
@@ -226,8 +239,11 @@ def _providers(provider: str, cuda_graph: bool) -> list:
     if cuda_graph and provider != "cuda":
         raise ValueError("cuda_graph needs provider 'cuda'")
     providers: list = list(PROVIDERS[provider])
-    if cuda_graph:
-        providers[0] = (CUDA, {"enable_cuda_graph": "1"})
+    options = {"enable_cuda_graph": "1"} if cuda_graph else {}
+    if not tf32 and provider == "cuda":
+        options["use_tf32"] = "0"
+    if options:
+        providers[0] = (CUDA, options)
     return providers
 
 

@@ -128,6 +128,12 @@ def _why(node: ir.Node, domain: str, opset: int) -> tuple[str | None, int]:
     return None, version
 
 
+def lacks_type(fallback: Fallback, dtype: ir.DataType) -> bool:
+    """Whether ``fallback`` is there because no CUDA kernel of its op and version takes
+    ``dtype`` for one of its inputs or outputs (the op and the version have a kernel)."""
+    return f" is {_type_name(dtype)}; the CUDA kernel takes " in fallback.why
+
+
 def _has_function(domain: str, op: str, version: int) -> bool:
     """Whether ONNX defines the op by a function body (fixed, or built from the node)."""
     if domain != "ai.onnx":

@@ -138,3 +138,38 @@ def test_the_report_says_which_nodes_fall_back(tmp_path):
     console = Console(record=True, width=300)
     report_mod.render(clean, console)
     assert "every node has a CUDA kernel" in console.export_text()
+
+
+@pytest.mark.parametrize(("opset", "kept"), [(11, ["Clip"]), (13, [])])
+def test_half_conversion_for_cuda_keeps_float32_an_op_whose_kernel_lacks_float16(
+    tmp_path, monkeypatch, opset, kept
+):
+    """Clip-11's CUDA kernel is float32 only: ONNX Runtime loads its float16 node on CUDA
+    without an error and runs it on the CPU, so the conversion for CUDA asks the kernel table
+    too and keeps Clip float32 (with the session stubbed: no GPU here); Clip-13 has a float16
+    kernel and converts."""
+    import numpy as np
+    from onnx import TensorProto
+
+    from normexport.io import files
+    from normexport.precision import convert, kernels
+    from tests.graphs import make_model
+
+    model = make_model(
+        [("Relu", ["x"], ["r"], {}), ("Clip", ["r", "lo", "hi"], ["y"], {"name": "clip"})],
+        {"x": (TensorProto.FLOAT, [2, 8])},
+        {"y": (TensorProto.FLOAT, [2, 8])},
+        {"lo": np.array(0.25, np.float32), "hi": np.array(0.75, np.float32)},
+        opset=opset,
+        ir_version=7,
+    )
+    src, dst = tmp_path / "f32.onnx", tmp_path / "f16.onnx"
+    files.save_model(model, src, external_data=False)
+    monkeypatch.setattr(kernels.runtime, "make_session", lambda *args, **kwargs: None)
+    found = convert.to_half(src, dst, provider="cuda", keep_io_types=False, external_data=False)
+    assert found.float32_op_types == kept
+    converted = ir.load(dst)
+    assert cuda_kernels.without_kernel(converted) == []
+    clip = next(n for n in converted.graph if n.op_type == "Clip")
+    assert clip.inputs[0].dtype == (F if kept else H)
+    assert kernels.lacking_on_cuda(dst) is None

@@ -25,6 +25,31 @@ def test_cuda_graph_needs_cuda():
         runtime.make_session(variants.op_model("Relu", (2, 2)), "cpu", cuda_graph=True)
 
 
+def test_the_verdicts_cuda_sessions_compute_float32_without_tf32(monkeypatch):
+    """ONNX Runtime's CUDA provider computes float32 matrix products in TF32 by default: a
+    deployment's session keeps it, the verdict's (check_session) asks for use_tf32=0 (the
+    session stubbed: no GPU here)."""
+    asked = []
+
+    class Session:
+        def __init__(self, source, options, providers, **kwargs):
+            asked.append(providers[0])
+
+        def get_providers(self):
+            return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    monkeypatch.setattr(runtime.ort, "InferenceSession", Session)
+    model = variants.op_model("Relu", (2, 2))
+    runtime.make_session(model, "cuda")
+    runtime.check_session(model, "cuda")
+    runtime.make_session(model, "cuda", cuda_graph=True)
+    assert asked == [
+        "CUDAExecutionProvider",
+        ("CUDAExecutionProvider", {"use_tf32": "0"}),
+        ("CUDAExecutionProvider", {"enable_cuda_graph": "1"}),
+    ]
+
+
 def test_auto_without_cuda_says_so_in_one_line(monkeypatch):
     def no_cuda(model, provider, **kwargs):
         raise runtime.ProviderUnavailable("CUDAExecutionProvider did not load")
