@@ -278,14 +278,15 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
 
 
 def onnxruntime_ops(model: ir.Model) -> dict[str, int]:
-    """How many nodes of each op the main graph holds that only ONNX Runtime runs (zeros left
-    out): com.microsoft contrib ops as ``com.microsoft.OpType``, and the ops ONNX Runtime
-    registers in the default domain where ONNX has none at the model's opset
-    (:func:`ort_registered`: SimplifiedLayerNormalization, LayerNormalization below 17)."""
+    """How many nodes of each op the model holds, subgraphs included (a GroupQueryAttention
+    behind an If), that only ONNX Runtime runs (zeros left out): com.microsoft contrib ops as
+    ``com.microsoft.OpType``, and the ops ONNX Runtime registers in the default domain where
+    ONNX has none at the model's opset (:func:`ort_registered`: SimplifiedLayerNormalization,
+    LayerNormalization below 17)."""
     opset = opset_version(model)
     counts = Counter(
         f"{node.domain}.{node.op_type}" if node.domain else node.op_type
-        for node in model.graph
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
         if node.domain == MS_DOMAIN or ort_registered(node.op_type, node.domain, opset)
     )
     return dict(sorted(counts.items()))
