@@ -66,9 +66,9 @@ def lacking_on_cuda(path: Path) -> str | None:
 
     Where the CPU provider has a kernel of that type, ONNX Runtime loads such a model on CUDA
     without a word and runs the node on the CPU, copying its tensors across: ppocr-cls's
-    ``Clip`` (opset 11, whose CUDA kernel is float32 only) made its float16 model 1.38x slower
-    than the float32 export on an H200 (``benchmarks/results/parity_cuda.json``). Kept in
-    float32, the node runs on CUDA.
+    ``Clip`` (opset 11, whose CUDA kernel is float32 only) made its float16 model slower than
+    the float32 export (``benchmarks/results/parity_cuda.json``). Kept in float32, the node
+    runs on CUDA.
     """
     model = ir.load(path)
     for fallback in cuda_kernels.without_kernel(model):

@@ -138,9 +138,9 @@ def check_session(
     the ``Cast`` nodes it inserts for half-precision weights (no float16 kernel) long before
     their consumers, and a float16 model's run held most of its weights in float32 at once
     (docs/memory.md). On CUDA, float32 matrix products in float32, not TF32 (``tf32=False``):
-    with TF32 a raw export was 1.6e-3 to 3.1e-2 from PyTorch on an H200 and judged to differ
-    from it (``benchmarks/results/parity_cuda.json``); the verdict compares functions, not
-    math modes. ``options``: more of :func:`make_session`'s keywords.
+    with TF32 a raw export was judged to differ from PyTorch (docs/cuda.md,
+    ``benchmarks/results/parity_cuda.json``); the verdict compares functions, not math modes.
+    ``options``: more of :func:`make_session`'s keywords.
 
     Raises:
         see :func:`make_session`.
