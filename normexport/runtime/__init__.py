@@ -94,11 +94,9 @@ def make_session(
         spinning: let ORT's intra-op threads spin-wait between runs. Sessions timed
             interleaved with other variants turn it off: spinning threads keep the cores busy
             after ``run`` returns and slow down whatever runs next.
-        cuda_graph: CUDA only: capture the run as a CUDA graph and replay it (run it through
-            :class:`BoundRun`; every input shape needs its own session).
-        tf32: CUDA only: let the CUDA provider compute float32 matrix products in TF32 (10-bit
-            mantissa; its ``use_tf32`` option, on by default, as deployed). The verdict's
-            sessions turn it off (:func:`check_session`).
+        cuda_graph, tf32: CUDA only: capture the run as a CUDA graph and replay it (run it
+            through :class:`BoundRun`; one session per input shape); compute float32 matrix
+            products in TF32 (the provider's ``use_tf32``: on as deployed, off for the verdict).
         disabled_optimizers: names of ORT graph transformers to leave out, e.g.
             ``"SkipLayerNormFusion"`` (which turns Add + LayerNormalization back into
             SkipLayerNormalization under ORT_ENABLE_ALL).
