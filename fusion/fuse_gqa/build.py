@@ -206,32 +206,59 @@ def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:
 def projected(graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]) -> ir.Value | None:
     """One MatMul for the query, key and value projections ``x @ Wq``, ``x @ Wk``, ``x @ Wv``
     of one ``x`` by constant 2-D weights: ``x @ [Wq | Wk | Wv]`` (the op's packed query, as
-    onnxruntime-genai's builder writes it), or None. The three projections are then read back
-    as Slices of it, which feed only the model's own attention (the guard's ``else`` branch,
-    :mod:`.guard`); the three MatMuls and their weights are left unread for the clean-up.
-    Appended to ``inserted``: the MatMul and the Slices."""
-    matmuls = [producer(v, "MatMul") for v in flat]
-    if None in matmuls or len({id(m.inputs[0]) for m in matmuls}) != 1:
+    onnxruntime-genai's builder writes it), then ``+ [bq | bk | bv]`` where each projection
+    adds a constant bias over its columns (Qwen2's), or None. The three projections are then
+    read back as Slices of it, which feed only the model's own attention (the guard's ``else``
+    branch, :mod:`.guard`); the old MatMuls, Adds and weights are left unread for the
+    clean-up. Appended to ``inserted``: the MatMul, the Add and the Slices."""
+    linears = [_linear(v) for v in flat]
+    if None in linears or len({id(m.inputs[0]) for m, _ in linears}) != 1:
         return None
-    weights = [const_array(m.inputs[1]) for m in matmuls]
+    weights = [const_array(m.inputs[1]) for m, _ in linears]
+    biases = [b for _, b in linears]
     if any(w is None or w.ndim != 2 for w in weights):
         return None
     if len({(w.shape[0], w.dtype) for w in weights}) != 1:
         return None
+    if any(b is not None for b in biases) and not all(
+        b is not None and b.shape == w.shape[1:] and b.dtype == w.dtype
+        for b, w in zip(biases, weights, strict=True)
+    ):
+        return None
     packed = add_initializer(graph, "gqa_qkv_weight", np.concatenate(weights, axis=1))
-    matmul = ir.node("MatMul", [matmuls[0].inputs[0], packed])
+    matmul = ir.node("MatMul", [linears[0][0].inputs[0], packed])
+    nodes = [matmul]
+    if biases[0] is not None:
+        bias = add_initializer(graph, "gqa_qkv_bias", np.concatenate(biases))
+        nodes.append(ir.node("Add", [matmul.outputs[0], bias]))
     shape = dims(flat[0])
-    matmul.outputs[0].type = flat[0].type
-    matmul.outputs[0].shape = ir.Shape([*shape[:-1], packed.shape[1]])
-    inserted.append(matmul)
+    for node in nodes:
+        node.outputs[0].type = flat[0].type
+        node.outputs[0].shape = ir.Shape([*shape[:-1], packed.shape[1]])
+    inserted += nodes
+    qkv = nodes[-1].outputs[0]
     start = 0
     for value, weight in zip(flat, weights, strict=True):
         end = start + weight.shape[1]
         bounds = [add_initializer(graph, "gqa_qkv_bound", np.array([b])) for b in (start, end)]
         axis = add_initializer(graph, "gqa_last_axis", np.array([-1]))
-        part = ir.node("Slice", [matmul.outputs[0], *bounds, axis])
+        part = ir.node("Slice", [qkv, *bounds, axis])
         part.outputs[0].type, part.outputs[0].shape = value.type, value.shape
         value.replace_all_uses_with(part.outputs[0])
         inserted.append(part)
         start = end
-    return matmul.outputs[0]
+    return qkv
+
+
+def _linear(value: ir.Value) -> tuple[ir.Node, np.ndarray | None] | None:
+    """The MatMul of ``value = x @ W``, or of ``value = x @ W + b`` with ``b`` a constant
+    (either operand order), with ``b`` (None without one); None for anything else."""
+    add = producer(value, "Add")
+    if add is None:
+        matmul = producer(value, "MatMul")
+        return None if matmul is None else (matmul, None)
+    for product, bias in (add.inputs, add.inputs[::-1]):
+        matmul, array = producer(product, "MatMul"), const_array(bias)
+        if matmul is not None and array is not None:
+            return matmul, array
+    return None

@@ -26,6 +26,7 @@ COMMON = {
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # q, k, v biased
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
 }
 LAYERS = COMMON["num_hidden_layers"]
@@ -41,6 +42,8 @@ def _causal_lm(family: str) -> torch.nn.Module:
         for name, p in module.named_parameters():
             if "norm" in name:
                 p.copy_(0.3 * torch.randn_like(p) + 1)
+            elif name.endswith("bias"):  # Qwen2's q, k, v: transformers initializes them to 0
+                p.copy_(torch.randn_like(p))
     return module
 
 
@@ -105,7 +108,7 @@ def test_a_decoder_with_its_kv_cache_is_fused_and_computes_the_export_at_every_i
         packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
         assert packed == (family != "qwen3"), node.inputs[:3]  # Qwen3 norms q and k apart
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
-    per_layer = {"llama": 5, "qwen3": 7, "phi3": 4}[family]  # Phi-3 packs gate and up too
+    per_layer = {"llama": 5, "qwen2": 5, "qwen3": 7, "phi3": 4}[family]  # Phi-3: gate and up
     assert len(matmuls) == LAYERS * per_layer + 1, len(matmuls)
     optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
