@@ -1,10 +1,11 @@
 """Decoders at the speed of the best tool (issue 25): prefill and decode-step latency of small
-LLaMA, Qwen3, Gemma and Phi-3 models against every other way a user would get an ONNX model of
-them.
+LLaMA, Qwen2, Qwen3, Gemma and Phi-3 models against every other way a user would get an ONNX
+model of them.
 
 Each family is transformers' ``*ForCausalLM`` at a small configuration (hidden 256, 4 layers,
 8 query heads sharing 4 key/value heads, vocabulary 1000), random weights, every norm weight
-random. It is exported the way users do, ``torch.onnx.export`` (dynamo) with symbolic axes:
+and bias random (transformers initializes Qwen2's query, key and value biases to 0). It is
+exported the way users do, ``torch.onnx.export`` (dynamo) with symbolic axes:
 
 - prefill: logits of ``input_ids`` (batch, sequence), no cache;
 - decode: one step with the KV cache as tensors (:class:`WithPast`: ``input_ids``,
@@ -35,7 +36,7 @@ with PyTorch's at each point (max abs difference). Targets: normexport's model n
 the best other variant (the interval of other / normexport reaches 1.0 or above) and never
 slower than the raw export.
 
-    python benchmarks/decoders.py [--families llama,qwen3,gemma,phi3]
+    python benchmarks/decoders.py [--families llama,qwen2,qwen3,gemma,phi3]
                                   [--prefill 1,4:128,512] [--decode 1,4:128,1024]
                                   [--encoders vit,clip,bert] [--encoder-batch 1,4]
                                   [--budget 8] [--out DIR]
@@ -84,6 +85,7 @@ COMMON = {
 }
 FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
     "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM, {"head_dim": 32}),
     "phi3": (
@@ -108,7 +110,8 @@ class Logits(torch.nn.Module):
 
 
 def build_model(family: str) -> torch.nn.Module:
-    """The family's small causal LM, seeded random weights, every norm weight random."""
+    """The family's small causal LM, seeded random weights, every norm weight and bias
+    random."""
     config, model_class, extra = FAMILIES[family]
     torch.manual_seed(0)
     model = model_class(config(**COMMON, **extra)).eval()
@@ -116,6 +119,8 @@ def build_model(family: str) -> torch.nn.Module:
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma scales by 1 + w, the others by w
                 p.copy_(0.3 * torch.randn_like(p) + (family != "gemma"))
+            elif name.endswith("bias"):
+                p.copy_(torch.randn_like(p))
     return model
 
 
