@@ -4,8 +4,8 @@ ONNX Runtime's CUDA ``SkipSimplifiedLayerNormalization`` once accumulated the va
 input type, so float16 residuals of a few hundred returned zeros or NaN
 (microsoft/onnxruntime#29034; ``docs/cuda.md`` says why the pinned 1.31.1 should have the fix).
 This runs each norm form that ``--precision fp16`` may emit, in float16, on inputs whose
-residual stream carries values of ``--scale`` (one feature in eight, as
-:func:`normexport.precision.overflow_set` does) and checks it against numpy in float64:
+residual stream carries the overflow probe's outliers (:func:`normexport.precision.with_outliers`:
+one feature in eight about 1e3) and checks it against numpy in float64:
 
 - ``skip_simplified``: ``SkipSimplifiedLayerNormalization`` (com.microsoft), input + skip;
 - ``skip_layernorm``: ``SkipLayerNormalization`` (com.microsoft), input + skip, with beta;
@@ -17,7 +17,7 @@ Each form's output (and the Skip forms' sum output) is compared by relative L2 e
 norm of the difference over the norm of the float64 result) and counted for NaN / Inf and for
 rows that came back all zero. Shapes: (4, 256, 2048) and (1, 128, 768).
 
-    python benchmarks/half_norms.py [--provider auto] [--scale 1000] [--out benchmarks/results]
+    python benchmarks/half_norms.py [--provider auto] [--out benchmarks/results]
 
 Writes ``half_norms_<provider>.json``.
 """
@@ -33,8 +33,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from normexport import runtime
+from normexport import precision, runtime
 from normexport.bench.results import Machine
+from normexport.precision.feeds import OUTLIER_SCALE
 
 SHAPES = ((4, 256, 2048), (1, 128, 768))
 FORMS = ("skip_simplified", "skip_layernorm", "layernorm", "simplified", "rmsnorm")
@@ -97,13 +98,12 @@ def _model(form: str, shape: tuple[int, ...]) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=imports, ir_version=10 if opset >= 23 else 8)
 
 
-def _inputs(shape: tuple[int, ...], scale: float, seed: int = 0) -> dict[str, np.ndarray]:
-    """float16 inputs: ``x`` standard normal, ``skip`` the same with one feature in eight
-    about ``scale`` (the residual stream's outliers), random ``gamma`` and ``beta``."""
+def _inputs(shape: tuple[int, ...], seed: int = 0) -> dict[str, np.ndarray]:
+    """float16 inputs: ``x`` standard normal, ``skip`` with the residual stream's outliers
+    (:func:`normexport.precision.with_outliers`), random ``gamma`` and ``beta``."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal(shape)
-    skip = rng.standard_normal(shape)
-    skip[..., ::8] *= scale
+    skip = precision.with_outliers(rng, shape)
     hidden = shape[-1]
     gamma, beta = rng.uniform(0.5, 1.5, hidden), rng.standard_normal(hidden) * 0.1
     return {
@@ -124,9 +124,9 @@ def _reference(form: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]
     return {"y": y, "sum": h}
 
 
-def _check(form: str, shape: tuple[int, ...], provider: str, scale: float) -> dict:
+def _check(form: str, shape: tuple[int, ...], provider: str) -> dict:
     """Run ``form`` once on ``provider``; errors of each output against float64."""
-    feeds = _inputs(shape, scale)
+    feeds = _inputs(shape)
     try:
         session = runtime.make_session(_model(form, shape).SerializeToString(), provider)
         got = dict(
@@ -153,11 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     """Check every form at every shape; print one line each and write the JSON."""
     p = argparse.ArgumentParser(prog="python benchmarks/half_norms.py", description=__doc__)
     p.add_argument("--provider", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--scale", type=float, default=1000.0, help="the residual outliers' size")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
     provider, note = runtime.resolve_provider(args.provider)
-    rows = [_check(f, s, provider, args.scale) for s in SHAPES for f in FORMS]
+    rows = [_check(f, s, provider) for s in SHAPES for f in FORMS]
     for r in rows:
         cells = r.get("error") or "  ".join(
             f"{k}: rel L2 {r[k]['relative_l2_error']:.2e}, non-finite {r[k]['non_finite']}, "
@@ -166,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             if k in r
         )
         print(f"{r['form']:16s} {'x'.join(map(str, r['shape'])):12s} {cells}")
-    result = {"provider": provider, "note": note, "scale": args.scale, "rows": rows}
+    result = {"provider": provider, "note": note, "scale": OUTLIER_SCALE, "rows": rows}
     result["machine"] = Machine.probe(provider).to_dict()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"half_norms_{provider}.json"
