@@ -1,5 +1,6 @@
 """Fuse a decoder's attention, with its rotary embedding, into ONNX Runtime's
-``GroupQueryAttention`` (com.microsoft, ContribOperators.md).
+``GroupQueryAttention`` (com.microsoft, ContribOperators.md), or, with a KV cache or a mask
+computed at run time, into ONNX's ``Attention`` and ``RotaryEmbedding`` (opset 23).
 
 The math
 --------
@@ -41,16 +42,22 @@ with no row all masked becomes ``attention_bias`` with ``causal=0``. The scale i
 every scalar factor on ``Q``, ``K`` and the scores.
 
 With a KV cache (``present = Concat(past, rope(k))`` along the length, :func:`.parts.with_past`;
-Optimum's and onnxruntime-genai's layout ``(B, K, P, H)``), the op takes ``past_key`` and
-``past_value`` and writes the ``present`` outputs, which keep the model's names; every key is
-valid to it (``seqlens_k = P + S - 1``) and the model's mask, as the model computes it from its
-``attention_mask`` (padding, the causal offset of the past), is its ``attention_bias``
-(``causal=0``); the rotation reads the model's ``S`` rows of ``cos``/``sin`` through
-``position_ids = 0 .. S-1`` (:func:`.build.positions`). A mask computed at run time without a
-past (an ``attention_mask`` input, a sliding window) is passed the same way. In both cases the op
-goes behind an ``If`` whose other branch is the model's own attention (:mod:`.guard`), for the
-inputs its CPU kernel refuses or computes otherwise. In a decode step the three projections
-become one MatMul, the op's packed query (:func:`.build.projected`).
+Optimum's and onnxruntime-genai's layout ``(B, K, P, H)``), or a mask computed at run time
+without one (an ``attention_mask`` input to a prefill, a sliding window), the attention becomes
+ONNX's own ``Attention`` with ``RotaryEmbedding`` of the query and the key (opset 23, the
+model's opset raised to it, :mod:`.standard`): ONNX Runtime's CPU kernel of ``Attention``
+computes every input the model accepts, where GroupQueryAttention's refuses a batch of several
+sequences of several tokens after a past and gives NaN for a query all masked; the model's mask,
+as the model computes it from its ``attention_mask`` (padding, the causal offset of the past), is
+its ``attn_mask``, and the ``present`` outputs keep the model's names. In a decode step the three
+projections become one MatMul and three Slices (:func:`.build.projected`). Where the model's
+opset is below 18 (onnxscript's version converter starts there) or its mask is not of a form
+:func:`.standard.bias` takes, GroupQueryAttention takes the past (every key valid to it,
+``seqlens_k = P + S - 1``) and the mask as its ``attention_bias`` (``causal=0``), rotating by the
+model's ``S`` rows of ``cos``/``sin`` through ``position_ids = 0 .. S-1``
+(:func:`.build.positions`), behind an ``If`` whose other branch is the model's own attention
+(:mod:`.guard`), for the inputs its CPU kernel refuses or computes otherwise; the projections of
+a decode step are then its packed query.
 
 Left intact, with the reason in the report: a mask computed at run time that is not of the op's
 ``attention_bias`` shape ``(B | 1, N | 1, S, T)``; a mask computed from the inputs' sizes with
@@ -70,7 +77,6 @@ import onnx_ir as ir
 
 from fusion._ir import (
     add_initializer,
-    const_array,
     dims,
     escaping_value,
     label,
@@ -80,7 +86,7 @@ from fusion._ir import (
     same_dim,
 )
 from fusion.base import MS_DOMAIN, CannotFuse, Code, Kind, NodeFusionPass, Op
-from fusion.fuse_gqa import build, core, guard, masks, parts
+from fusion.fuse_gqa import build, core, guard, masks, parts, standard
 
 
 @dataclasses.dataclass
@@ -98,6 +104,7 @@ class GQAMatch:
         output: the ``(B, S, N*H)`` value the op's output replaces.
         nodes: the nodes it replaces.
         past: ``(past key, past value, present key, present value)`` (:func:`_past`), or None.
+        nan_guard: the model maps NaN attention weights to 0 (the dynamo export's guard).
     """
 
     query: parts.Heads
@@ -110,6 +117,7 @@ class GQAMatch:
     output: ir.Value
     nodes: list[ir.Node]
     past: tuple[ir.Value, ir.Value, ir.Value, ir.Value] | None
+    nan_guard: bool
 
     @property
     def guarded(self) -> bool:
@@ -142,75 +150,6 @@ def _repeated(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
     none."""
     found = parts.repeat_kv(value)
     return found if found is not None else (value, 1, [])
-
-
-def _tables(q: parts.Rotary | None, k: parts.Rotary | None, heads: parts.Heads):
-    """The op's ``(cos_cache, sin_cache)`` for the rotations of ``q`` and ``k`` (arrays where
-    the tables are constants; the model's own ``cos`` and ``sin`` values where they are computed
-    at run time), None where neither is rotated.
-
-    Raises:
-        CannotFuse: one is rotated and the other is not, their tables differ, or the tables
-            are not of the form the op computes.
-    """
-    if q is None and k is None:
-        return None
-    if q is None or k is None:
-        raise CannotFuse(Code.NOT_CONSTANT, "only one of the query and the key is rotated")
-    arrays = [const_array(v) for v in (q.cos, q.sin, k.cos, k.sin)]
-    runtime = all(a is None for a in arrays) and (q.cos, q.sin) == (k.cos, k.sin)
-    if runtime and all(parts.runtime_table(v, heads) for v in (q.cos, q.sin)):
-        return q.cos, q.sin
-    if any(a is None for a in arrays):
-        raise CannotFuse(
-            Code.NOT_CONSTANT,
-            "the rotary cos/sin are computed at run time, other than as one row per position "
-            "alike for every batch with equal halves",
-        )
-    if not (np.array_equal(arrays[0], arrays[2]) and np.array_equal(arrays[1], arrays[3])):
-        raise CannotFuse(Code.NOT_CONSTANT, "the query and the key are rotated by other tables")
-    tables = parts.rotary_tables(arrays[0], arrays[1], heads.size)
-    if tables is None:
-        raise CannotFuse(
-            Code.NOT_PER_CHANNEL,
-            "the rotary tables differ between batches or heads, or their two halves differ: "
-            "not the rotation GroupQueryAttention computes",
-        )
-    return tables
-
-
-def _masking(mask, opset: int, tables, query: parts.Heads, key: parts.Heads, past):
-    """``(causal, bias)`` of the op for the model's additive ``mask`` (None: no mask): from
-    :func:`masks.classify` where it is constant or computed from shapes alone; else, where the
-    query and key are rotated, the mask itself as a run-time ``attention_bias`` (always so with a
-    past, whose mask spans the past). None where nothing is rotated and the mask is not causal
-    (an encoder's attention, :mod:`fusion.fuse_attention`'s).
-
-    Raises:
-        CannotFuse: :func:`masks.classify`'s refusals where nothing is rotated, or where a row
-            is all masked; a run-time mask not of the op's ``attention_bias`` shape.
-    """
-    if past is None:
-        try:
-            causal, bias = masks.classify(mask, opset)
-        except CannotFuse as refusal:
-            if tables is None:
-                return None
-            if refusal.code != Code.NOT_CONSTANT:
-                raise
-        else:
-            return None if tables is None and not causal else (causal, bias)
-    elif tables is None:
-        return None
-    split = dims(query.split)
-    total = dims(past[2])[2] if past is not None else dims(key.split)[1]
-    if mask is not None and not masks.runtime_bias(mask, split[0], query.count, split[1], total):
-        raise CannotFuse(
-            Code.SHAPE_MISMATCH,
-            "the attention mask, computed at run time, is not of the op's attention_bias shape "
-            "(B or 1, N or 1, S, T)",
-        )
-    return False, mask
 
 
 def _trace(qk: ir.Node, pv: ir.Node):
@@ -275,13 +214,22 @@ def _past(key: parts.Heads, value: parts.Heads, past_key, past_value, concats):
 
 
 class FuseGroupQueryAttention(NodeFusionPass):
-    """Replace each decoder attention of the main graph by one ``GroupQueryAttention`` (see the
-    module docstring); counted as ``"gqa_fused"``, refusals under ``"gqa"``.
+    """Replace each decoder attention of the main graph by one ``GroupQueryAttention``, or by
+    ``Attention`` and ``RotaryEmbedding`` (see the module docstring); counted as
+    ``"gqa_fused"``, refusals under ``"gqa"``. The model's opset is raised to 23 before the
+    first rewrite that needs it.
 
     Runs for ``target="ort"``, by default or when ``optimize(gqa=True)``.
     """
 
-    kinds = (Kind("gqa_fused", "gqa", (Op("GroupQueryAttention", MS_DOMAIN),), norm=False),)
+    kinds = (
+        Kind(
+            "gqa_fused",
+            "gqa",
+            (Op("GroupQueryAttention", MS_DOMAIN), Op("Attention"), Op("RotaryEmbedding")),
+            norm=False,
+        ),
+    )
     targets = ("ort",)
     option = "gqa"
     on_by_default = ("ort",)
@@ -307,8 +255,8 @@ class FuseGroupQueryAttention(NodeFusionPass):
         if merged is None:
             return None
         output, merge = merged
-        tables = _tables(q_rot, k_rot, query)
-        masking = _masking(mask, opset_version(model), tables, query, key, past)
+        tables = parts.tables(q_rot, k_rot, query)
+        masking = masks.masking(mask, opset_version(model), tables, query, key, past)
         if masking is None:  # neither rotated nor causal: an encoder's, FuseAttention's
             return None
         matched = [node, *nodes, *more, *guard, pv, *query.nodes, *key.nodes, *value.nodes, *merge]
@@ -317,28 +265,74 @@ class FuseGroupQueryAttention(NodeFusionPass):
         if escaping_value(matched, output, *presents) is not None:
             raise CannotFuse(Code.SHARED_OUTPUT, "a value inside the attention is read elsewhere")
         return GQAMatch(
-            query, key, value, factor * qk_factor, tables, *masking, output, matched, past
+            query,
+            key,
+            value,
+            factor * qk_factor,
+            tables,
+            *masking,
+            output,
+            matched,
+            past,
+            bool(guard),
         )
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place (see :class:`fusion.base.NodeFusionPass`); layers whose rotary tables
         are the same share the op's caches, those of one batch and length its lengths."""
         self._shared: dict = {}
+        self._standard = standard.convertible(model) and any(
+            self._standard_mask(m) is not None for m in self._matches(model)
+        )
+        opset = opset_version(model)
+        if self._standard and opset < standard.OPSET:
+            standard.upgrade(model)
+            self.outcomes.note(
+                f"the model's ai.onnx opset was raised from {opset} to {standard.OPSET} "
+                "(onnxscript's version converter) for ONNX's Attention and RotaryEmbedding"
+            )
         return super().apply(model)
 
+    def _matches(self, model: ir.Model):
+        """The matches of the main graph, refusals and excluded anchors left out."""
+        for node in list(model.graph):
+            if label(node) in self.excluded:
+                continue
+            try:
+                match = self.match(model, node)
+            except CannotFuse:
+                continue
+            if match is not None:
+                yield match
+
+    @staticmethod
+    def _standard_mask(match: GQAMatch) -> str | None:
+        """How ONNX's ``Attention`` takes the mask of a match that GroupQueryAttention would
+        take behind an ``If`` (:func:`standard.bias`), or None (not guarded, or a mask it cannot
+        take)."""
+        if not match.guarded:
+            return None
+        return standard.bias(
+            match.bias if isinstance(match.bias, ir.Value) else None, match.nan_guard
+        )
+
     def rewrite(self, model: ir.Model, match: GQAMatch) -> str:
-        """Insert the op (behind an ``If`` where :attr:`GQAMatch.guarded`) before the last
-        matched node, move the readers over, drop or move the old nodes."""
+        """Insert the op before the last matched node (where :attr:`GQAMatch.guarded`, ONNX's
+        ``Attention`` when the model is at opset 23 and takes the mask, else GroupQueryAttention
+        behind an ``If``), move the readers over, drop or move the old nodes."""
         graph = model.graph
         order = {n: i for i, n in enumerate(graph)}
         anchor = max(match.nodes, key=order.__getitem__)
+        how = self._standard_mask(match) if self._standard else None
+        if how is not None:
+            return standard.rewrite(graph, match, anchor, how, self._shared)
         name = label(match.nodes[0])
         inserted: list[ir.Node] = []
         flat = [build.flat(graph, h, inserted) for h in (match.query, match.key, match.value)]
         widths = [h.count * h.size for h in (match.query, match.key, match.value)]
         qkv = build.packed(flat, widths)
         if qkv is None and match.past is not None:  # a decode step: one MatMul, not three
-            qkv = build.projected(graph, flat, inserted)
+            qkv = (build.projected(graph, flat, inserted) or (None,))[0]
         if qkv is not None:
             flat = [qkv, None, None]
         past = match.past or (None,) * 4
@@ -351,12 +345,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
             "causal": int(match.causal),
         }
         if match.tables is not None:
-            size = match.query.size
-            caches = build.caches(graph, match.tables, size, inserted, self._shared)
-            if match.past is not None:
-                read = build.sizes(graph, flat[0], past[0], inserted, self._shared)
-                caches = build.positions(graph, caches, size // 2, read, inserted, self._shared)
-            inputs += caches
+            inputs += self._caches(graph, match, flat[0], inserted)
             attributes["do_rotary"] = 1
         bias = match.bias
         if isinstance(bias, np.ndarray):
@@ -384,3 +373,13 @@ class FuseGroupQueryAttention(NodeFusionPass):
         fused.outputs[0].type = match.output.type
         remove_nodes(graph, match.nodes[::-1])
         return described
+
+    def _caches(self, graph: ir.Graph, match: GQAMatch, query: ir.Value, inserted: list):
+        """The op's ``cos_cache`` and ``sin_cache`` for the ``(B, S, .)`` ``query``, and with a
+        past its ``position_ids`` (:func:`build.positions`); nodes appended to ``inserted``."""
+        size = match.query.size
+        caches = build.caches(graph, match.tables, size, inserted, self._shared)
+        if match.past is None:
+            return caches
+        read = build.sizes(graph, query, match.past[0], inserted, self._shared)
+        return build.positions(graph, caches, size // 2, read, inserted, self._shared)

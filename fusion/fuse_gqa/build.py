@@ -130,6 +130,27 @@ def positions(
     key = ("positions", *map(id, caches), id(read))
     if key in shared:
         return shared[key]
+    ids = position_ids(graph, read, inserted, shared)
+    const = functools.partial(add_initializer, graph)
+    row_shape = ir.node("Reshape", [read.total, const("gqa_one_axis", np.array([1]))])
+    padding_shape = ir.node(
+        "Concat", [row_shape.outputs[0], const("gqa_half_width", np.array([half]))], {"axis": 0}
+    )
+    zero = ir.tensor(np.zeros(1, caches[0].dtype.numpy()))
+    zeros = ir.node("ConstantOfShape", [padding_shape.outputs[0]], {"value": zero})
+    padded = [ir.node("Concat", [c, zeros.outputs[0]], {"axis": 0}) for c in caches]
+    inserted += [row_shape, padding_shape, zeros, *padded]
+    shared[key] = [*(p.outputs[0] for p in padded), ids]
+    return shared[key]
+
+
+def position_ids(graph: ir.Graph, read: Sizes, inserted: list[ir.Node], shared: dict) -> ir.Value:
+    """``0 .. S-1`` in each of the ``B`` rows (int64 ``(B, S)``) for the sizes ``read``: the
+    positions of the call in caches of one row per position of the call. Nodes appended to
+    ``inserted``; kept in ``shared`` per sizes."""
+    key = ("position_ids", id(read))
+    if key in shared:
+        return shared[key]
     const = functools.partial(add_initializer, graph)
     size = ir.node(
         "Slice", [read.shape, const("gqa_zero", np.array([0])), const("gqa_two", np.array([2]))]
@@ -138,15 +159,8 @@ def positions(
         "Range", [const("gqa_start", np.array(0)), read.length, const("gqa_step", np.array(1))]
     )
     expand = ir.node("Expand", [steps.outputs[0], size.outputs[0]])
-    row_shape = ir.node("Reshape", [read.total, const("gqa_one_axis", np.array([1]))])
-    padding_shape = ir.node(
-        "Concat", [row_shape.outputs[0], const("gqa_half_width", np.array([half]))], {"axis": 0}
-    )
-    zero = ir.tensor(np.zeros(1, caches[0].dtype.numpy()))
-    zeros = ir.node("ConstantOfShape", [padding_shape.outputs[0]], {"value": zero})
-    padded = [ir.node("Concat", [c, zeros.outputs[0]], {"axis": 0}) for c in caches]
-    inserted += [size, steps, expand, row_shape, padding_shape, zeros, *padded]
-    shared[key] = [*(p.outputs[0] for p in padded), expand.outputs[0]]
+    inserted += [size, steps, expand]
+    shared[key] = expand.outputs[0]
     return shared[key]
 
 
@@ -203,14 +217,16 @@ def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:
     return source
 
 
-def projected(graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]) -> ir.Value | None:
+def projected(
+    graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]
+) -> tuple[ir.Value, list[ir.Value]] | None:
     """One MatMul for the query, key and value projections ``x @ Wq``, ``x @ Wk``, ``x @ Wv``
-    of one ``x`` by constant 2-D weights: ``x @ [Wq | Wk | Wv]`` (the op's packed query, as
-    onnxruntime-genai's builder writes it), then ``+ [bq | bk | bv]`` where each projection
-    adds a constant bias over its columns (Qwen2's), or None. The three projections are then
-    read back as Slices of it, which feed only the model's own attention (the guard's ``else``
-    branch, :mod:`.guard`); the old MatMuls, Adds and weights are left unread for the
-    clean-up. Appended to ``inserted``: the MatMul, the Add and the Slices."""
+    of one ``x`` by constant 2-D weights: ``x @ [Wq | Wk | Wv]`` (GroupQueryAttention's packed
+    query, as onnxruntime-genai's builder writes it), then ``+ [bq | bk | bv]`` where each
+    projection adds a constant bias over its columns (Qwen2's); returned with the three
+    projections read back as Slices of it, which replace ``flat`` for every reader; or None.
+    The old MatMuls, Adds and weights are left unread for the clean-up. Appended to
+    ``inserted``: the MatMul, the Add and the Slices."""
     linears = [_linear(v) for v in flat]
     if None in linears or len({id(m.inputs[0]) for m, _ in linears}) != 1:
         return None
@@ -237,7 +253,7 @@ def projected(graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]) ->
         node.outputs[0].shape = ir.Shape([*shape[:-1], packed.shape[1]])
     inserted += nodes
     qkv = nodes[-1].outputs[0]
-    start = 0
+    start, parts = 0, []
     for value, weight in zip(flat, weights, strict=True):
         end = start + weight.shape[1]
         bounds = [add_initializer(graph, "gqa_qkv_bound", np.array([b])) for b in (start, end)]
@@ -246,8 +262,9 @@ def projected(graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]) ->
         part.outputs[0].type, part.outputs[0].shape = value.type, value.shape
         value.replace_all_uses_with(part.outputs[0])
         inserted.append(part)
+        parts.append(part.outputs[0])
         start = end
-    return qkv
+    return qkv, parts
 
 
 def _linear(value: ir.Value) -> tuple[ir.Node, np.ndarray | None] | None:

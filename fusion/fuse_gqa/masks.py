@@ -20,6 +20,7 @@ from onnx.reference import ReferenceEvaluator
 
 from fusion._ir import const_array, dims, same_dim
 from fusion.base import CannotFuse, Code
+from fusion.fuse_gqa import parts
 
 #: A mask entry at most this is "masked": ``exp(score + mask - max)`` is 0 in float32 beside
 #: any score a model makes (transformers masks with ``finfo(float32).min``).
@@ -188,3 +189,37 @@ def runtime_bias(mask: ir.Value, batch, heads: int, length, total) -> bool:
         and same_dim(shape[2], length)
         and same_dim(shape[3], total)
     )
+
+
+def masking(mask, opset: int, tables, query: parts.Heads, key: parts.Heads, past):
+    """``(causal, bias)`` of the op for the model's additive ``mask`` (None: no mask): from
+    :func:`classify` where it is constant or computed from shapes alone; else, where the
+    query and key are rotated, the mask itself as a run-time ``attention_bias`` (always so with a
+    past, whose mask spans the past). None where nothing is rotated and the mask is not causal
+    (an encoder's attention, :mod:`fusion.fuse_attention`'s).
+
+    Raises:
+        CannotFuse: :func:`classify`'s refusals where nothing is rotated, or where a row
+            is all masked; a run-time mask not of the op's ``attention_bias`` shape.
+    """
+    if past is None:
+        try:
+            causal, bias = classify(mask, opset)
+        except CannotFuse as refusal:
+            if tables is None:
+                return None
+            if refusal.code != Code.NOT_CONSTANT:
+                raise
+        else:
+            return None if tables is None and not causal else (causal, bias)
+    elif tables is None:
+        return None
+    split = dims(query.split)
+    total = dims(past[2])[2] if past is not None else dims(key.split)[1]
+    if mask is not None and not runtime_bias(mask, split[0], query.count, split[1], total):
+        raise CannotFuse(
+            Code.SHAPE_MISMATCH,
+            "the attention mask, computed at run time, is not of the op's attention_bias shape "
+            "(B or 1, N or 1, S, T)",
+        )
+    return False, mask

@@ -36,6 +36,7 @@ from fusion._ir import (
     same_shape,
     scalar_const,
 )
+from fusion.base import CannotFuse, Code
 
 
 @dataclasses.dataclass
@@ -319,3 +320,38 @@ def runtime_table(value: ir.Value, heads: Heads) -> bool:
         else:
             return False
     return False
+
+
+def tables(q: Rotary | None, k: Rotary | None, heads: Heads):
+    """The op's ``(cos_cache, sin_cache)`` for the rotations of ``q`` and ``k`` (arrays where
+    the tables are constants; the model's own ``cos`` and ``sin`` values where they are computed
+    at run time), None where neither is rotated.
+
+    Raises:
+        CannotFuse: one is rotated and the other is not, their tables differ, or the tables
+            are not of the form the op computes.
+    """
+    if q is None and k is None:
+        return None
+    if q is None or k is None:
+        raise CannotFuse(Code.NOT_CONSTANT, "only one of the query and the key is rotated")
+    arrays = [const_array(v) for v in (q.cos, q.sin, k.cos, k.sin)]
+    runtime = all(a is None for a in arrays) and (q.cos, q.sin) == (k.cos, k.sin)
+    if runtime and all(runtime_table(v, heads) for v in (q.cos, q.sin)):
+        return q.cos, q.sin
+    if any(a is None for a in arrays):
+        raise CannotFuse(
+            Code.NOT_CONSTANT,
+            "the rotary cos/sin are computed at run time, other than as one row per position "
+            "alike for every batch with equal halves",
+        )
+    if not (np.array_equal(arrays[0], arrays[2]) and np.array_equal(arrays[1], arrays[3])):
+        raise CannotFuse(Code.NOT_CONSTANT, "the query and the key are rotated by other tables")
+    tables = rotary_tables(arrays[0], arrays[1], heads.size)
+    if tables is None:
+        raise CannotFuse(
+            Code.NOT_PER_CHANNEL,
+            "the rotary tables differ between batches or heads, or their two halves differ: "
+            "not the rotation GroupQueryAttention computes",
+        )
+    return tables

@@ -30,6 +30,7 @@ import torch
 from normexport.errors import InputFileError, one_line
 from normexport.io.pickles import load_torch_save
 from normexport.io.program import example_inputs, load_program
+from normexport.io.quiet import quiet
 
 
 @dataclasses.dataclass
@@ -136,7 +137,8 @@ def load_model(
 
 def _load_onnx(path: Path) -> LoadedModel:
     try:
-        model = ir.load(path)
+        with quiet("onnx_ir"):  # its warning on a dangling input: ORT's refusal says it once
+            model = ir.load(path)
     except Exception as err:  # onnx_ir's and protobuf's error types
         raise InputFileError(f"{path}: cannot read this ONNX model ({one_line(err)})") from None
     return LoadedModel(path, "onnx", onnx_model=model)

@@ -118,16 +118,17 @@ def test_symbolic_lengths_get_the_models_own_rotation_and_are_exact_at_other_siz
 
 def test_a_sliding_window_beyond_the_sizes_checked_is_not_taken_for_causal():
     """Mistral's window of 4096 is causal below 4096 tokens, not above: the mask is not made
-    ``causal=1`` but passed as it is computed, the op's ``attention_bias``, behind the If."""
+    causal but passed as it is computed, the mask of ONNX's Attention (opset 23)."""
     module = Hidden("mistral")
     axes = {"input_ids": {0: "batch", 1: "sequence"}}
     model = _export(module, [IDS], ["input_ids"], dynamic_axes=axes)
     report = fusion.optimize(model, target="ort")
-    nodes = _gqa_nodes(model)
+    nodes = [n for n in model.graph if n.op_type == "Attention"]
     assert report.counts["gqa_fused"] == len(nodes) == 2, report.refused
+    assert model.opset_imports[""] == 23
     for node in nodes:
-        assert node.attributes["causal"].value == 0
-        assert node.inputs[10] is not None and node.inputs[10].const_value is None
+        assert node.attributes["is_causal"].value == 0
+        assert node.inputs[3] is not None and node.inputs[3].const_value is None
     for batch, length in ((2, 16), (1, 5)):
         ids = np.random.default_rng(length).integers(0, COMMON["vocab_size"], (batch, length))
         _assert_matches_torch(module, model, {"input_ids": ids})

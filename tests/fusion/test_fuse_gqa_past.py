@@ -1,6 +1,8 @@
-"""FuseGroupQueryAttention with a KV cache or a run-time mask: the op behind an If whose other
-branch is the model's own attention, run on ONNX Runtime against the export it came from at
-inputs that take each branch."""
+"""FuseGroupQueryAttention with a KV cache or a run-time mask: ONNX's Attention and
+RotaryEmbedding at opset 23, or, where the model cannot be raised to it, GroupQueryAttention
+behind an If whose other branch is the model's own attention; run on ONNX Runtime against the
+export it came from at inputs that the op computes and inputs it refuses or computes otherwise
+(rows all masked, a batch of chunks after a past)."""
 
 import numpy as np
 import onnx_ir as ir
@@ -9,6 +11,7 @@ import torch
 import transformers
 
 import fusion
+from fusion.fuse_gqa import standard
 from models.llama import WithPast
 from normexport.runtime import make_session, run
 
@@ -76,46 +79,79 @@ def _export_with_past(module: torch.nn.Module, path) -> None:
     program.save(str(path), external_data=True)
 
 
-def _gqa_nodes(model: ir.Model) -> list[ir.Node]:
-    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
-    return [n for n in nodes if n.op_type == "GroupQueryAttention"]
+def _nodes(model: ir.Model, op_type: str) -> list[ir.Node]:
+    """The nodes of ``op_type``, in the main graph or in the branch of an If."""
+    return [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type == op_type]
 
 
 #: ``(batch, length, past, padding)``: a decode step, one left-padded; a first prompt with a
-#: padded row (all masked rows: the model's branch); a batched chunk after a past (which the
-#: CPU kernel refuses: the model's branch); one sequence's chunk after a past; an empty past.
+#: padded row (rows all masked); a batched chunk after a past (which GroupQueryAttention's CPU
+#: kernel refuses); one sequence's chunk after a past; an empty past; a decode step whose row
+#: is all padding (all masked).
 POINTS = ((2, 1, 7, 3), (3, 4, 0, 2), (2, 3, 5, 2), (1, 4, 6, 5), (2, 1, 0, 0), (1, 1, 3, 4))
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_decoder_with_its_kv_cache_is_fused_and_computes_the_export_at_every_input(
-    family, tmp_path
-):
-    path = tmp_path / "model.onnx"
-    _export_with_past(_causal_lm(family), path)
-    model = ir.load(path)
-    report = fusion.optimize(model, target="ort")
-    nodes = _gqa_nodes(model)
-    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
-    assert [v.name for v in model.graph.outputs] == ["logits", *PRESENT]
-    guards = [n for n in model.graph if n.op_type == "If"]
-    assert len(guards) == LAYERS
-    # the report's "needs ONNX Runtime" line counts the ops inside the If's branches too
-    assert fusion.onnxruntime_ops(model)["com.microsoft.GroupQueryAttention"] == LAYERS
-    for node in nodes:
-        assert node.inputs[3].name in CACHE and node.inputs[4].name in CACHE  # the past
-        assert node.attributes["causal"].value == 0 and node.attributes["do_rotary"].value == 1
-        packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
-        assert packed == (family != "qwen3"), node.inputs[:3]  # Qwen3 norms q and k apart
-    matmuls = [n for n in model.graph if n.op_type == "MatMul"]
-    per_layer = {"llama": 5, "qwen2": 5, "qwen3": 7, "phi3": 4}[family]  # Phi-3: gate and up
-    assert len(matmuls) == LAYERS * per_layer + 1, len(matmuls)
+def _assert_computes_the_export(model: ir.Model, path) -> None:
     optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
     for point in POINTS:
         feeds = _feeds(rng, *point)
         for got, expected in zip(run(optimized, feeds), run(original, feeds), strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5, err_msg=str(point))
+
+
+def _assert_projections(model: ir.Model, family: str) -> None:
+    """A decode step's query, key and value projections are one MatMul (Qwen3 norms q and k
+    apart; Phi-3 has one already and its gate and up too)."""
+    matmuls = [n for n in model.graph if n.op_type == "MatMul"]
+    per_layer = {"llama": 5, "qwen2": 5, "qwen3": 7, "phi3": 4}[family]
+    assert len(matmuls) == LAYERS * per_layer + 1, len(matmuls)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_export_everywhere(
+    family, tmp_path
+):
+    path = tmp_path / "model.onnx"
+    _export_with_past(_causal_lm(family), path)
+    model = ir.load(path)
+    report = fusion.optimize(model, target="ort")
+    nodes = _nodes(model, "Attention")
+    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    assert model.opset_imports[""] == standard.OPSET
+    assert len(_nodes(model, "RotaryEmbedding")) == 2 * LAYERS
+    assert not _nodes(model, "If") and not _nodes(model, "GroupQueryAttention")
+    assert [v.name for v in model.graph.outputs] == ["logits", *PRESENT]
+    for node in nodes:
+        assert node.inputs[4].name in CACHE and node.inputs[5].name in CACHE  # the past
+        assert node.attributes["is_causal"].value == 0
+        assert node.inputs[3] is not None  # the model's mask
+    _assert_projections(model, family)
+    _assert_computes_the_export(model, path)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, monkeypatch):
+    """As for a model whose opset onnxscript's converter does not take (below 18)."""
+    monkeypatch.setattr(standard, "convertible", lambda model: False)
+    path = tmp_path / "model.onnx"
+    _export_with_past(_causal_lm(family), path)
+    model = ir.load(path)
+    opset = model.opset_imports[""]
+    report = fusion.optimize(model, target="ort")
+    nodes = _nodes(model, "GroupQueryAttention")
+    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    assert model.opset_imports[""] == opset
+    assert len([n for n in model.graph if n.op_type == "If"]) == LAYERS
+    # the report's "needs ONNX Runtime" line counts the ops inside the If's branches too
+    assert fusion.onnxruntime_ops(model)["com.microsoft.GroupQueryAttention"] == LAYERS
+    for node in nodes:
+        assert node.inputs[3].name in CACHE and node.inputs[4].name in CACHE  # the past
+        assert node.attributes["causal"].value == 0 and node.attributes["do_rotary"].value == 1
+        packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
+        assert packed == (family != "qwen3"), node.inputs[:3]
+    _assert_projections(model, family)
+    _assert_computes_the_export(model, path)
 
 
 def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(tmp_path):
@@ -155,9 +191,9 @@ def test_a_prefill_with_an_attention_mask_input_takes_the_mask_as_the_ops_bias(t
     )  # fmt: skip
     model = ir.load(path)
     report = fusion.optimize(model, target="ort")
-    nodes = _gqa_nodes(model)
+    nodes = _nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
-    assert all(n.inputs[10] is not None for n in nodes)  # the model's mask, as computed
+    assert all(n.inputs[3] is not None for n in nodes)  # the model's mask, as computed
     optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(4)
     for batch, length, padding in ((2, 6, 0), (3, 9, 4), (1, 5, 0)):  # 4: rows all masked

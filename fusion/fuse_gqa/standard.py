@@ -1,0 +1,148 @@
+"""A decoder's attention with a KV cache or a run-time mask as ONNX's own ``Attention`` and
+``RotaryEmbedding`` (opset 23, Operators.md), where :mod:`fusion.fuse_gqa` would otherwise put
+``GroupQueryAttention`` behind an ``If`` (:mod:`.guard`).
+
+ONNX Runtime's CPU kernel of ``Attention`` computes every input the model accepts: a batch of
+several sequences of several new tokens after a past (which ``GroupQueryAttention`` refuses),
+and an additive mask of the ``(B | 1, N | 1, S, T)`` shape the model computes. So no ``If``:
+per layer the rotations of the query and the key (``RotaryEmbedding``, by the model's own
+``cos``/``sin`` rows at ``position_ids = 0 .. S-1``, as :func:`.build.positions` feeds
+GroupQueryAttention), then ``Attention`` with the past key and value, whose ``present`` outputs
+keep the model's names.
+
+Where a row of the mask is masked everywhere (a padded query), two values differ. The kernel
+takes a mask value equal to float32's lowest as masked (``-inf``), so such a row gives 0, as
+the dynamo export's guard ``Where(IsNaN(p), 0, p)`` gives for ``-inf``; the model with the
+finite ``finfo.min`` that transformers writes gives the mean of the values (every score is
+``finfo.min`` after rounding). So the mask is used as the model computes it where its masked
+value is ``-inf`` and the model has the guard, and with ``finfo.min`` replaced by the next
+float32 above it where the masked value is finite: each score plus either rounds to the same
+number while the scores are below ``2**103`` in magnitude, so the row is the mean of the values
+in both. Any other mask keeps the ``If`` (:func:`bias`).
+
+The model's opset is raised to 23 by onnxscript's version converter (:func:`upgrade`), which
+rewrites the ops whose meaning changed between the versions.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import onnx_ir as ir
+from onnxscript.version_converter import ConvertVersionPass
+
+from fusion._ir import (
+    add_initializer,
+    opset_version,
+    producer,
+    remove_nodes,
+    replace_output,
+    scalar_const,
+)
+from fusion.fuse_gqa import build
+
+#: The ai.onnx opset of ``Attention`` and ``RotaryEmbedding``.
+OPSET = 23
+
+#: The lowest opset onnxscript's version converter converts from.
+_CONVERTIBLE = 18
+
+_LOWEST = float(np.finfo(np.float32).min)
+_ABOVE_LOWEST = float(np.nextafter(np.float32(_LOWEST), np.float32(0)))
+
+
+def convertible(model: ir.Model) -> bool:
+    """Whether ``model``'s ai.onnx opset is 23 or above, or can be raised to it
+    (:func:`upgrade`)."""
+    return opset_version(model) >= _CONVERTIBLE
+
+
+def upgrade(model: ir.Model) -> None:
+    """Raise ``model``'s ai.onnx opset to :data:`OPSET` in place, where it is below, with
+    onnxscript's ``ConvertVersionPass`` (its adapters rewrite the ops whose meaning changed)."""
+    if opset_version(model) >= OPSET:
+        return
+
+    ConvertVersionPass(OPSET, fallback=False)(model)
+
+
+def bias(mask: ir.Value | None, nan_guard: bool) -> str | None:
+    """How ``Attention`` takes the model's run-time additive ``mask`` (see the module
+    docstring): ``"as is"`` (also where there is none), ``"raised"`` where its masked value
+    float32's lowest becomes the next float32 above, or None where it cannot (the ``If``
+    stays). ``nan_guard``: the model maps NaN attention weights to 0."""
+    if mask is None:
+        return "as is"
+    where = producer(mask, "Where")
+    if where is None:
+        return None
+    values = [scalar_const(v) for v in where.inputs[1:]]
+    if any(v is None or math.isnan(v) or v == math.inf for v in values):
+        return None
+    if -math.inf in values:
+        return "as is" if nan_guard and values.count(-math.inf) == 1 else None
+    return "raised" if _LOWEST in values else "as is"
+
+
+def _mask(graph: ir.Graph, mask: ir.Value, how: str, shared: dict) -> ir.Value:
+    """``mask`` as ``Attention`` takes it (:func:`bias`), a new Where where a value is raised,
+    made once per mask and kept in ``shared``."""
+    if how != "raised":
+        return mask
+    key = ("standard_mask", id(mask))
+    if key not in shared:
+        where = producer(mask, "Where")
+        values = []
+        for value in where.inputs[1:]:
+            if scalar_const(value) == _LOWEST:
+                above = np.array(_ABOVE_LOWEST, np.float32)
+                value = add_initializer(graph, "attention_masked", above)
+            values.append(value)
+        node = ir.node("Where", [where.inputs[0], *values])
+        node.outputs[0].type, node.outputs[0].shape = mask.type, mask.shape
+        graph.insert_after(where, node)
+        shared[key] = node.outputs[0]
+    return shared[key]
+
+
+def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> str:
+    """Replace ``match`` (a :class:`fusion.fuse_gqa.GQAMatch`) by ``RotaryEmbedding`` of the
+    query and the key and one ``Attention`` (see the module docstring) before ``anchor``, the
+    last matched node; ``how`` from :func:`bias`. Layers of the same sizes and tables share the
+    positions and caches, kept in ``shared``."""
+    name = anchor.name or "attention"
+    inserted: list[ir.Node] = []
+    heads = (match.query, match.key, match.value)
+    flat = [build.flat(graph, h, inserted) for h in heads]
+    projected = build.projected(graph, flat, inserted) if match.past is not None else None
+    if projected is not None:  # a decode step: one MatMul, not three
+        flat = projected[1]
+    if match.tables is not None:
+        caches = build.caches(graph, match.tables, match.query.size, inserted, shared)
+        read = build.sizes(graph, flat[0], None, inserted, shared)
+        ids = build.position_ids(graph, read, inserted, shared)
+        for index, h in enumerate(heads[:2]):
+            rotary = ir.node("RotaryEmbedding", [flat[index], *caches, ids], {"num_heads": h.count})
+            rotary.outputs[0].type, rotary.outputs[0].shape = flat[index].type, flat[index].shape
+            inserted.append(rotary)
+            flat[index] = rotary.outputs[0]
+    mask = _mask(graph, match.bias, how, shared) if match.bias is not None else None
+    past = match.past or (None,) * 4
+    outputs = [match.output, *past[2:]] if match.past is not None else [match.output]
+    attributes = {
+        "q_num_heads": match.query.count,
+        "kv_num_heads": match.key.count,
+        "scale": match.scale,
+        "is_causal": int(match.causal),
+    }
+    inputs = [*flat, mask, *past[:2]] if match.past is not None else [*flat, mask]
+    fused = ir.node(
+        "Attention", inputs, attributes, num_outputs=len(outputs), name=f"{name}_Attention"
+    )
+    graph.insert_before(anchor, [*inserted, fused])
+    for old, new in zip(outputs, fused.outputs, strict=True):
+        replace_output(graph, old, new)
+    remove_nodes(graph, match.nodes[::-1])
+    rotated = " and RotaryEmbedding" if match.tables is not None else ""
+    return f"Attention{rotated} (opset {OPSET}, " + ("KV cache)" if match.past else "mask)")
