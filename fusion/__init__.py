@@ -86,8 +86,10 @@ def optimize(
     as the TorchScript exporter leaves them; :class:`DropShapes` takes them off again after the
     passes), then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
     and the options, in the registry's order (FoldBatchNorm first, FuseSkip last), then
-    clean-up again. The opset is never raised: an op is only emitted where the model's
-    opset (or, for ``target="ort"``, ONNX Runtime) has it.
+    clean-up again. An op is only emitted where the model's opset (or, for ``target="ort"``,
+    ONNX Runtime) has it; the opset is raised in one case only: to 23 by
+    FuseGroupQueryAttention, for a decoder's attention with a KV cache or a run-time mask
+    (:mod:`fusion.fuse_gqa.standard`, said in the report's notes).
 
     Args:
         model: the model, changed in place.

@@ -24,17 +24,18 @@ from fusion.fuse_skip import FuseSkip
 from fusion.merge_branches import MergeBranches
 
 #: The fusion passes in the order optimize() runs them. MergeBranches follows FoldBatchNorm,
-#: whose folds leave each branch of a re-parameterizable block a Conv; FuseSkip is last: it
-#: fuses the norms the passes before it produce.
+#: whose folds leave each branch of a re-parameterizable block a Conv; FuseGroupQueryAttention
+#: precedes the norms, as it may raise the opset to 23, where an RMSNorm becomes ONNX's
+#: RMSNormalization; FuseSkip is last: it fuses the norms the passes before it produce.
 PASSES = (
     FoldBatchNorm,
     MergeBranches,
+    FuseGroupQueryAttention,
     FuseInstanceNorm,
     FuseGroupNorm,
     FuseChannelsFirstLayerNorm,
     FuseLayerNorm,
     FuseRMSNorm,
-    FuseGroupQueryAttention,
     FuseAttention,
     FuseSkip,
 )

@@ -50,7 +50,7 @@ computes every input the model accepts, where GroupQueryAttention's refuses a ba
 sequences of several tokens after a past and gives NaN for a query all masked; the model's mask,
 as the model computes it from its ``attention_mask`` (padding, the causal offset of the past), is
 its ``attn_mask``, and the ``present`` outputs keep the model's names. In a decode step the three
-projections become one MatMul and three Slices (:func:`.build.projected`). Where the model's
+projections become one MatMul and a Split (:func:`.build.projected`). Where the model's
 opset is below 18 (onnxscript's version converter starts there) or its mask is not of a form
 :func:`.standard.bias` takes, GroupQueryAttention takes the past (every key valid to it,
 ``seqlens_k = P + S - 1``) and the mask as its ``attention_bias`` (``causal=0``), rotating by the
@@ -332,7 +332,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
         widths = [h.count * h.size for h in (match.query, match.key, match.value)]
         qkv = build.packed(flat, widths)
         if qkv is None and match.past is not None:  # a decode step: one MatMul, not three
-            qkv = (build.projected(graph, flat, inserted) or (None,))[0]
+            qkv = (build.projected(graph, flat, inserted, opset_version(model)) or (None,))[0]
         if qkv is not None:
             flat = [qkv, None, None]
         past = match.past or (None,) * 4

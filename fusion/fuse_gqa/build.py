@@ -218,17 +218,18 @@ def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:
 
 
 def projected(
-    graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node]
+    graph: ir.Graph, flat: list[ir.Value], inserted: list[ir.Node], opset: int
 ) -> tuple[ir.Value, list[ir.Value]] | None:
     """One MatMul for the query, key and value projections ``x @ Wq``, ``x @ Wk``, ``x @ Wv``
     of one ``x`` by constant 2-D weights: ``x @ [Wq | Wk | Wv]`` (GroupQueryAttention's packed
     query, as onnxruntime-genai's builder writes it), then ``+ [bq | bk | bv]`` where each
     projection adds a constant bias over its columns (Qwen2's); returned with the three
-    projections read back as Slices of it, which replace ``flat`` for every reader; or None.
-    The old MatMuls, Adds and weights are left unread for the clean-up. Appended to
-    ``inserted``: the MatMul, the Add and the Slices."""
+    projections read back by one Split of it, which replace ``flat`` for every reader; or None
+    (also below ai.onnx ``opset`` 13, whose Split takes no sizes as an input). The old MatMuls,
+    Adds and weights are left unread for the clean-up. Appended to ``inserted``: the MatMul, the
+    Add and the Split."""
     linears = [_linear(v) for v in flat]
-    if None in linears or len({id(m.inputs[0]) for m, _ in linears}) != 1:
+    if opset < 13 or None in linears or len({id(m.inputs[0]) for m, _ in linears}) != 1:
         return None
     weights = [const_array(m.inputs[1]) for m, _ in linears]
     biases = [b for _, b in linears]
@@ -253,18 +254,13 @@ def projected(
         node.outputs[0].shape = ir.Shape([*shape[:-1], packed.shape[1]])
     inserted += nodes
     qkv = nodes[-1].outputs[0]
-    start, parts = 0, []
-    for value, weight in zip(flat, weights, strict=True):
-        end = start + weight.shape[1]
-        bounds = [add_initializer(graph, "gqa_qkv_bound", np.array([b])) for b in (start, end)]
-        axis = add_initializer(graph, "gqa_last_axis", np.array([-1]))
-        part = ir.node("Slice", [qkv, *bounds, axis])
-        part.outputs[0].type, part.outputs[0].shape = value.type, value.shape
-        value.replace_all_uses_with(part.outputs[0])
-        inserted.append(part)
-        parts.append(part.outputs[0])
-        start = end
-    return qkv, parts
+    widths = add_initializer(graph, "gqa_qkv_widths", np.array([w.shape[1] for w in weights]))
+    split = ir.node("Split", [qkv, widths], {"axis": -1}, num_outputs=3)
+    for value, part in zip(flat, split.outputs, strict=True):
+        part.type, part.shape = value.type, value.shape
+        value.replace_all_uses_with(part)
+    inserted.append(split)
+    return qkv, list(split.outputs)
 
 
 def _linear(value: ir.Value) -> tuple[ir.Node, np.ndarray | None] | None:

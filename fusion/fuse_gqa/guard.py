@@ -1,5 +1,6 @@
 """GroupQueryAttention behind an ``If``, where its kernel computes the model's attention on some
-of the inputs the model accepts but not all (:mod:`fusion.fuse_gqa`).
+of the inputs the model accepts but not all (:mod:`fusion.fuse_gqa`): for the models that ONNX's
+``Attention`` cannot take instead (:mod:`.standard`: below opset 18, or a mask of another form).
 
 Two such limits of ONNX Runtime's CPU kernel (checked on 1.31):
 
@@ -112,7 +113,7 @@ def branch(
     ordered = [n for n in graph if n in inside]
     graph.remove(ordered)  # unsafe: the nodes keep their inputs, moved to the branch
     otherwise = ir.Graph([], outputs, nodes=ordered, name=f"{name}_else")
-    otherwise.sort()  # the Slices of a packed projection come after their readers here
+    otherwise.sort()  # the Split of a packed projection comes after its readers here
     node.attributes["else_branch"] = ir.AttrGraph("else_branch", otherwise)
 
 

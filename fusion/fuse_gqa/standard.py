@@ -115,7 +115,7 @@ def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> 
     inserted: list[ir.Node] = []
     heads = (match.query, match.key, match.value)
     flat = [build.flat(graph, h, inserted) for h in heads]
-    projected = build.projected(graph, flat, inserted) if match.past is not None else None
+    projected = build.projected(graph, flat, inserted, OPSET) if match.past is not None else None
     if projected is not None:  # a decode step: one MatMul, not three
         flat = projected[1]
     if match.tables is not None:

@@ -115,11 +115,18 @@ def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_exp
     path = tmp_path / "model.onnx"
     _export_with_past(_causal_lm(family), path)
     model = ir.load(path)
+    opset = model.opset_imports[""]
     report = fusion.optimize(model, target="ort")
     nodes = _nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
     assert model.opset_imports[""] == standard.OPSET
+    assert any(f"raised from {opset} to 23" in note for note in report.notes), report.notes
     assert len(_nodes(model, "RotaryEmbedding")) == 2 * LAYERS
+    # raised before the norms: the RMSNorms are ONNX's, the model standard ONNX 23 throughout
+    assert len(_nodes(model, "RMSNormalization")) == report.counts["rmsnorm_fused"] > 0
+    assert fusion.onnxruntime_ops(model) == {}
+    packed = [n for n in _nodes(model, "Split") if "gqa_qkv" in str(n.inputs[0].producer())]
+    assert len(packed) == (LAYERS if family in ("llama", "qwen2") else 0)  # one per projection
     assert not _nodes(model, "If") and not _nodes(model, "GroupQueryAttention")
     assert [v.name for v in model.graph.outputs] == ["logits", *PRESENT]
     for node in nodes:
