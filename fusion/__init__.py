@@ -41,6 +41,7 @@ from fusion.base import (
     Refused,
 )
 from fusion.cleanup import Cleanup, cleanup, normalize_ir_version
+from fusion.fuse_skip import FuseSkip
 from fusion.registry import FUSION_KINDS, KINDS, NORM_OPS, PASSES, ort_registered
 
 __all__ = [
@@ -74,7 +75,7 @@ def optimize(
     model: ir.Model,
     *,
     target: str = "ort",
-    skip: bool = False,
+    skip: bool | str = False,
     attention: bool | None = None,
     gqa: bool | None = None,
     exclude: Collection[Fused] = (),
@@ -96,7 +97,8 @@ def optimize(
         target: one of :data:`TARGETS`.
         skip: also fuse residual Add + norm into com.microsoft Skip(Simplified)LayerNormalization
             (:mod:`fusion.fuse_skip`): a speed choice per execution provider, not an exactness
-            one. Needs ``target="ort"``.
+            one; ``"kv_cache"``: only in a model with a KV cache (a decode step's attention
+            with a past, fused). Needs ``target="ort"``.
         attention, gqa: fuse attention and GELU into com.microsoft ops with onnxscript's rules
             (:mod:`fusion.fuse_attention`); decoder attention into GroupQueryAttention
             (:mod:`fusion.fuse_gqa`). None (default): for ``target="ort"`` only.
@@ -109,22 +111,14 @@ def optimize(
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`, or ``skip``, ``attention`` or
-            ``gqa`` without ``"ort"``.
+            ``gqa`` without ``"ort"``, or ``skip`` neither a bool nor ``"kv_cache"``.
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
-    options = {"skip": skip, "attention": attention, "gqa": gqa}
-    for name, wanted in options.items():
-        if wanted and target != "ort":
-            raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
+    passes = _passes(target, {"skip": skip, "attention": attention, "gqa": gqa}, exclude)
     report = FusionReport()
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
-    passes = [
-        p(target, exclude={f.node for f in exclude if f.kind in {k.name for k in p.kinds}})
-        for p in PASSES
-        if p.enabled(target, options)
-    ]
     fill = FillShapes()
     ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup()])(model)
     for fusion_pass in passes:
@@ -132,6 +126,30 @@ def optimize(
     _drop_removed_batchnorms(report, model)
     _import_ms_domain(model)
     return report
+
+
+def _passes(target: str, options: dict, exclude: Collection[Fused]) -> list[FusionPass]:
+    """The passes :func:`optimize` runs for ``target`` and ``options`` (its keywords), each
+    told the rewrites to leave out.
+
+    Raises:
+        ValueError: an option asked for without ``target="ort"``, or ``skip`` neither a bool
+            nor ``"kv_cache"``.
+    """
+    if options["skip"] not in (True, False, "kv_cache"):
+        raise ValueError(f"skip={options['skip']!r}: give True, False or 'kv_cache'")
+    for name, wanted in options.items():
+        if wanted and target != "ort":
+            raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
+    passes = [
+        p(target, exclude={f.node for f in exclude if f.kind in {k.name for k in p.kinds}})
+        for p in PASSES
+        if p.enabled(target, options)
+    ]
+    for fusion_pass in passes:
+        if isinstance(fusion_pass, FuseSkip):
+            fusion_pass.kv_cache_only = options["skip"] == "kv_cache"
+    return passes
 
 
 def _import_ms_domain(model: ir.Model) -> None:

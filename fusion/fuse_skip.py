@@ -263,7 +263,8 @@ class FuseSkip(FusionPass):
     added when a fusion needs it. Running the pass twice changes nothing the second time.
 
     Each fusion is a ``skip_fused`` outcome; each candidate left alone a ``skip`` refusal.
-    Runs for ``target="ort"`` only, when ``optimize(skip=True)``.
+    Runs for ``target="ort"`` only, when ``optimize(skip=True)``; with ``skip="kv_cache"``
+    (:attr:`kv_cache_only`) only in a model with a KV cache.
     """
 
     kinds = (
@@ -278,9 +279,13 @@ class FuseSkip(FusionPass):
     )
     targets = ("ort",)
     option = "skip"
+    #: Fuse only in a model with a KV cache (:func:`has_kv_cache`): set by ``fusion.optimize``.
+    kv_cache_only = False
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether anything was fused."""
+        if self.kv_cache_only and not has_kv_cache(model):
+            return False
         graph = model.graph
         shapes = KnownShapes(model)
         version = model.opset_imports.get(MS_DOMAIN, 1)
@@ -336,3 +341,16 @@ class FuseSkip(FusionPass):
             replace_output(graph, total, fused.outputs[3])
         graph.remove([norm, add], safe=True)
         return op_type + (" (with the sum as output 3)" if keeps_sum else "")
+
+
+def has_kv_cache(model: ir.Model) -> bool:
+    """Whether ``model`` holds an attention op that takes a past key (ONNX's ``Attention``, its
+    input 4; com.microsoft ``GroupQueryAttention`` or ``MultiHeadAttention``, input 3 or 6), in
+    a subgraph too: a decode step's model, as the attention passes leave it."""
+    inputs = {("", "Attention"): 4, (MS_DOMAIN, "GroupQueryAttention"): 3}
+    inputs[(MS_DOMAIN, "MultiHeadAttention")] = 6
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        index = inputs.get((node.domain, node.op_type))
+        if index is not None and len(node.inputs) > index and node.inputs[index] is not None:
+            return True
+    return False

@@ -93,20 +93,29 @@ DECOMPOSED_FAMILIES: tuple[str, ...] = tuple(
 LINEAR_OPS: tuple[str, ...] = algebra.LINEAR
 
 #: The execution providers on which a run fuses residual Add + norm into ONNX Runtime's Skip
-#: ops (:func:`skip_fusion`): on its CPU provider they are slower
-#: (``benchmarks/results/forms_cpu.json``); on CUDA SkipSimplifiedLayerNormalization is faster
-#: than Add + SimplifiedLayerNormalization, and SkipLayerNormalization is what ORT makes of
-#: Add + LayerNormalization anyway (``benchmarks/results/forms_cuda.json``, docs/cuda.md).
+#: ops (:func:`skip_fusion`): on CUDA SkipSimplifiedLayerNormalization is faster than Add +
+#: SimplifiedLayerNormalization, and SkipLayerNormalization is what ORT makes of Add +
+#: LayerNormalization anyway (``benchmarks/results/forms_cuda.json``, docs/cuda.md).
 SKIP_PROVIDERS = ("cuda",)
 
+#: The execution providers on which a run fuses them only in a model with a KV cache
+#: (``fusion.optimize(skip="kv_cache")``): on the CPU provider the Skip ops make a decoder's
+#: decode step faster and its prefill and the encoders slower (the ``normexport_skip`` variant
+#: of ``benchmarks/results/decoders_cpu.json``; one node alone, ``forms_cpu.json``, slower).
+SKIP_KV_CACHE_PROVIDERS = ("cpu",)
 
-def skip_fusion(target: str, provider: str) -> bool:
-    """Whether a run for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``, as
-    :func:`normexport.runtime.resolve_provider` resolves it) fuses residual Add + norm into
-    Skip*LayerNormalization (``fusion.optimize(skip=...)``): for FuseSkip's targets on
-    :data:`SKIP_PROVIDERS` only. The run, ``bench``'s normexport variant and ``explain`` all
-    ask this."""
-    return target in FuseSkip.targets and provider in SKIP_PROVIDERS
+
+def skip_fusion(target: str, provider: str) -> bool | str:
+    """The ``skip`` of ``fusion.optimize(skip=...)`` for a run for ``target`` on ``provider``
+    (``"cpu"`` or ``"cuda"``, as :func:`normexport.runtime.resolve_provider` resolves it):
+    True on :data:`SKIP_PROVIDERS`, ``"kv_cache"`` on :data:`SKIP_KV_CACHE_PROVIDERS`, False
+    elsewhere and for the targets FuseSkip does not run for. The run, ``bench``'s normexport
+    variant and ``explain`` all ask this."""
+    if target not in FuseSkip.targets:
+        return False
+    if provider in SKIP_PROVIDERS:
+        return True
+    return "kv_cache" if provider in SKIP_KV_CACHE_PROVIDERS else False
 
 
 #: The execution providers on which a run fuses decoder attention into GroupQueryAttention

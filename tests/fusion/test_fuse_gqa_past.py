@@ -12,6 +12,7 @@ import transformers
 
 import fusion
 from fusion.fuse_gqa import standard
+from fusion.registry import provider_options
 from models.llama import WithPast
 from normexport.runtime import make_session, run
 
@@ -158,6 +159,20 @@ def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, 
         packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
         assert packed == (family != "qwen3"), node.inputs[:3]
     _assert_projections(model, family)
+    _assert_computes_the_export(model, path)
+
+
+def test_on_the_cpu_provider_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
+    """``skip="kv_cache"``, the CPU policy: a decode step's residual Adds and RMSNorms become
+    SkipSimplifiedLayerNormalization (a model without a cache keeps them: test_explain)."""
+    path = tmp_path / "model.onnx"
+    _export_with_past(_causal_lm("llama"), path)
+    model = ir.load(path)
+    options = provider_options("ort", "cpu")
+    assert options["skip"] == "kv_cache"
+    report = fusion.optimize(model, target="ort", **options)
+    assert report.counts["skip_fused"] == len(_nodes(model, "SkipSimplifiedLayerNormalization"))
+    assert report.counts["skip_fused"] == 2 * LAYERS  # before attention and MLP, one per layer
     _assert_computes_the_export(model, path)
 
 
