@@ -207,7 +207,7 @@ def _feeds(session, ids: np.ndarray) -> dict[str, np.ndarray]:
 FORMS = {
     "normexport_mha": {"gqa": False},  # onnxscript's MultiHeadAttention, rotation outside
     "normexport_unfused": {"gqa": False, "attention": False},  # the norms alone
-    "normexport_skip": {"skip": True},  # residual Add + norm as the Skip ops (CUDA's default)
+    "normexport_skip": {"skip": True},  # the Skip ops everywhere (the CPU default: KV cache)
 }
 
 

@@ -45,7 +45,7 @@ VARIANTS = {
     "onnxscript_ort": "onnxscript.rewriter.ort_fusions.optimize_for_ort, then ORT_ENABLE_ALL",
     "ort_transformers": "onnxruntime.transformers.optimizer.optimize_model (model_type bert, "
     "Python fusions only, opt_level 0), then ORT_ENABLE_ALL",
-    "normexport": "normexport's fusion.optimize (Skip ops on CUDA only, as the CLI), then "
+    "normexport": "normexport's fusion.optimize (Skip ops as the CLI: CUDA, KV cache on CPU), then "
     "ORT_ENABLE_ALL",
 }
 
