@@ -26,10 +26,12 @@ per-round paired ratios with 95% intervals) as:
   over onnxruntime-gpu).
 
 Also timed, to show why normexport fuses what it fuses (:data:`FORMS`, not counted as other
-tools): its model with MultiHeadAttention instead of GroupQueryAttention (``normexport_mha``)
-and with the norms alone (``normexport_unfused``). And the encoders of the issue
-(:data:`ENCODERS`: ViT-Tiny's shape, a CLIP vision tower, BERT with a padding mask; batch only
-symbolic; every norm weight and bias random), against the same optimizers.
+tools): its model with MultiHeadAttention instead of GroupQueryAttention (``normexport_mha``),
+with the norms alone (``normexport_unfused``), and with the Skip ops everywhere
+(``normexport_skip``; the CPU policy puts them in a model with a KV cache only). And the
+encoders of the issue (:data:`ENCODERS`: ViT-Tiny's shape, a CLIP vision tower, BERT with a
+padding mask; batch only symbolic; every norm weight and bias random), against the same
+optimizers.
 
 Every variant's outputs (logits, and the present cache of a decode step) are compared by name
 with PyTorch's at each point (max abs difference). Targets: normexport's model no slower than
