@@ -164,6 +164,25 @@ class NodeFusionPass(FusionPass):
                 modified = True
         return modified
 
+    def candidates(self, model: ir.Model) -> list[Any]:
+        """Every candidate :meth:`match` finds in the main graph, without rewriting or
+        recording anything (a plan): refusals and :attr:`excluded` anchors left out."""
+        outcomes, self.outcomes = self.outcomes, FusionReport()
+        found = []
+        try:
+            for node in list(model.graph):
+                if label(node) in self.excluded:
+                    continue
+                try:
+                    match = self.match(model, node)
+                except CannotFuse:
+                    continue
+                if match is not None:
+                    found.append(match)
+        finally:
+            self.outcomes = outcomes
+        return found
+
     def match(self, model: ir.Model, node: ir.Node) -> Any | None:
         """The candidate anchored at ``node``, or None if there is none.
 

@@ -282,7 +282,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
         are the same share the op's caches, those of one batch and length its lengths."""
         self._shared: dict = {}
         self._standard = standard.convertible(model) and any(
-            self._standard_mask(m) is not None for m in self._matches(model)
+            self._standard_mask(m) is not None for m in self.candidates(model)
         )
         opset = opset_version(model)
         if self._standard and opset < standard.OPSET:
@@ -292,18 +292,6 @@ class FuseGroupQueryAttention(NodeFusionPass):
                 "(onnxscript's version converter) for ONNX's Attention and RotaryEmbedding"
             )
         return super().apply(model)
-
-    def _matches(self, model: ir.Model):
-        """The matches of the main graph, refusals and excluded anchors left out."""
-        for node in list(model.graph):
-            if label(node) in self.excluded:
-                continue
-            try:
-                match = self.match(model, node)
-            except CannotFuse:
-                continue
-            if match is not None:
-                yield match
 
     @staticmethod
     def _standard_mask(match: GQAMatch) -> str | None:

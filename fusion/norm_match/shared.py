@@ -10,7 +10,7 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusion._ir import label
-from fusion.base import CannotFuse, Code, FusionReport, NodeFusionPass
+from fusion.base import CannotFuse, Code, NodeFusionPass
 
 
 def _outside_readers(value: ir.Value, inside: set[ir.Node]) -> bool:
@@ -42,20 +42,8 @@ class NormFusionPass(NodeFusionPass):
 
     def _plan(self, model: ir.Model) -> set[ir.Node]:
         """The nodes of the candidates that can all be fused together (see the class)."""
-        outcomes, self.outcomes, self._fusing = self.outcomes, FusionReport(), None
-        matches = []
-        try:
-            for node in list(model.graph):
-                if label(node) in self.excluded:
-                    continue
-                try:
-                    found = self.match(model, node)
-                except CannotFuse:
-                    continue
-                if found is not None:
-                    matches.append(found)
-        finally:
-            self.outcomes = outcomes
+        self._fusing = None
+        matches = self.candidates(model)
         while True:
             covered = {n for m in matches for n in m.nodes}
             kept = [m for m in matches if not any(_outside_readers(v, covered) for v in m.shared)]

@@ -92,6 +92,16 @@ def _nodes(model: ir.Model, op_type: str) -> list[ir.Node]:
 POINTS = ((2, 1, 7, 3), (3, 4, 0, 2), (2, 3, 5, 2), (1, 4, 6, 5), (2, 1, 0, 0), (1, 1, 3, 4))
 
 
+def _optimized(family: str, tmp_path):
+    """The family's decode-step export, optimized for ONNX Runtime: ``(model, report, path
+    of the export, its opset)``."""
+    path = tmp_path / "model.onnx"
+    _export_with_past(_causal_lm(family), path)
+    model = ir.load(path)
+    opset = model.opset_imports[""]
+    return model, fusion.optimize(model, target="ort"), path, opset
+
+
 def _assert_computes_the_export(model: ir.Model, path) -> None:
     optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
@@ -113,11 +123,7 @@ def _assert_projections(model: ir.Model, family: str) -> None:
 def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_export_everywhere(
     family, tmp_path
 ):
-    path = tmp_path / "model.onnx"
-    _export_with_past(_causal_lm(family), path)
-    model = ir.load(path)
-    opset = model.opset_imports[""]
-    report = fusion.optimize(model, target="ort")
+    model, report, path, opset = _optimized(family, tmp_path)
     nodes = _nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
     assert model.opset_imports[""] == standard.OPSET
@@ -142,11 +148,7 @@ def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_exp
 def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, monkeypatch):
     """As for a model whose opset onnxscript's converter does not take (below 18)."""
     monkeypatch.setattr(standard, "convertible", lambda model: False)
-    path = tmp_path / "model.onnx"
-    _export_with_past(_causal_lm(family), path)
-    model = ir.load(path)
-    opset = model.opset_imports[""]
-    report = fusion.optimize(model, target="ort")
+    model, report, path, opset = _optimized(family, tmp_path)
     nodes = _nodes(model, "GroupQueryAttention")
     assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
     assert model.opset_imports[""] == opset
