@@ -165,16 +165,23 @@ def position_ids(graph: ir.Graph, read: Sizes, inserted: list[ir.Node], shared: 
 
 
 def caches(
-    graph: ir.Graph, tables: tuple, size: int, inserted: list[ir.Node], shared: dict
+    graph: ir.Graph,
+    tables: tuple,
+    size: int,
+    inserted: list[ir.Node],
+    shared: dict,
+    batch: ir.Value | None = None,
 ) -> list[ir.Value]:
-    """The op's ``cos_cache`` and ``sin_cache`` ``(positions, size/2)`` for ``tables``: the
-    arrays as initializers, or for the model's run-time ``cos`` and ``sin`` values of one row
-    per position (``(..., L, size)``) the first halves of the rows,
-    ``Slice(Reshape(cos, (-1, size)), [0, size/2))`` (nodes appended to ``inserted``). Made
-    once per pair of tables, kept in ``shared``."""
+    """The op's ``cos_cache`` and ``sin_cache`` for ``tables``: the ``(positions, size/2)``
+    arrays as initializers, or for the model's run-time ``cos`` and ``sin`` of one row per
+    position, ``cat(f, f)`` put through elementwise ops (:func:`.parts.runtime_chain`), those
+    ops applied to ``f``: the first halves of the rows, ``(S, size/2)``, or ``(B, S, size/2)``
+    where ``batch`` (``[B]``, int64 ``(1,)``) is given (``RotaryEmbedding`` without
+    ``position_ids``). Nodes appended to ``inserted``; made once per pair of tables (and
+    batch), kept in ``shared``."""
     cos, sin = tables
     constant = isinstance(cos, np.ndarray)
-    key = (cos.tobytes(), sin.tobytes()) if constant else (id(cos), id(sin))
+    key = (cos.tobytes(), sin.tobytes()) if constant else (id(cos), id(sin), id(batch))
     if key in shared:
         return shared[key]
     if constant:
@@ -183,18 +190,64 @@ def caches(
             for n, t in zip(("cos", "sin"), tables, strict=True)
         ]
         return shared[key]
-    rows = add_initializer(graph, "gqa_rows", np.array([-1, size], np.int64))
-    bounds = [add_initializer(graph, "gqa_half", np.array([v])) for v in (0, size // 2)]
-    axis = add_initializer(graph, "gqa_last_axis", np.array([1]))
     out = []
     for table in tables:
-        reshape = ir.node("Reshape", [table, rows])
-        half = ir.node("Slice", [reshape.outputs[0], *bounds, axis])
-        half.outputs[0].type = table.type
-        inserted += [reshape, half]
-        out.append(half.outputs[0])
+        f, ops = parts.runtime_chain(table)
+        rows = _rows(graph, f, size // 2, batch, inserted, shared)
+        for node, index in ops:
+            rows = _reapply(graph, node, index, rows, inserted)
+        out.append(rows)
     shared[key] = out
     return out
+
+
+def _rows(
+    graph: ir.Graph,
+    f: ir.Value,
+    half: int,
+    batch: ir.Value | None,
+    inserted: list[ir.Node],
+    shared: dict,
+) -> ir.Value:
+    """``f`` (``(1, .., 1, S, half)``) as ``(S, half)``, or expanded to ``(B, S, half)`` for
+    ``batch``; made once per ``f`` and batch, kept in ``shared``."""
+    key = ("rotary_rows", id(f), id(batch))
+    if key in shared:
+        return shared[key]
+    rows = f
+    rank = len(dims(f) or ())
+    if rank != 2 and (batch is None or rank not in (2, 3)):
+        shape = add_initializer(graph, "gqa_rows", np.array([-1, half], np.int64))
+        reshape = ir.node("Reshape", [rows, shape])
+        inserted.append(reshape)
+        rows = reshape.outputs[0]
+    if batch is not None:
+        ones = add_initializer(graph, "gqa_row_ones", np.array([1, 1], np.int64))
+        target = ir.node("Concat", [batch, ones], {"axis": 0})
+        expand = ir.node("Expand", [rows, target.outputs[0]])
+        inserted += [target, expand]
+        rows = expand.outputs[0]
+    rows.type = f.type
+    shared[key] = rows
+    return rows
+
+
+def _reapply(
+    graph: ir.Graph, node: ir.Node, index: int, value: ir.Value, inserted: list[ir.Node]
+) -> ir.Value:
+    """A copy of the elementwise ``node`` with ``value`` as its input ``index`` (a scalar
+    factor becomes a rank-0 initializer, so that it broadcasts to no new axis)."""
+    inputs = list(node.inputs)
+    inputs[index] = value
+    other = inputs[1 - index] if node.op_type == "Mul" else None
+    if other is not None and other.shape is not None and len(other.shape) > 0:
+        scalar = const_array(other).reshape(())
+        inputs[1 - index] = add_initializer(graph, "gqa_rotary_factor", scalar)
+    attributes = [ir.Attr(a.name, a.type, a.value) for a in node.attributes.values()]
+    copy = ir.Node("", node.op_type, inputs, attributes)
+    copy.outputs[0].type = node.outputs[0].type
+    inserted.append(copy)
+    return copy.outputs[0]
 
 
 def packed(flat: list[ir.Value], widths: list[int]) -> ir.Value | None:

@@ -290,36 +290,45 @@ def rotary_tables(cos: np.ndarray, sin: np.ndarray, head_size: int) -> tuple | N
 _ELEMENTWISE = ("Cos", "Sin", "Cast", "Neg", "Identity")
 
 
+def runtime_chain(value: ir.Value) -> tuple[ir.Value, list[tuple[ir.Node, int]]] | None:
+    """``(f, ops)`` where the run-time rotary ``cos`` or ``sin`` ``value`` is ``cat(f, f)`` on
+    the last axis put through ``ops`` (elementwise ops and scalar factors, each with the index
+    of its input on the way, in order from ``f``) and Unsqueezes of other axes (transformers'
+    ``LlamaRotaryEmbedding``); None where it is not. So ``ops`` applied to ``f`` is the first
+    half of ``value``'s rows."""
+    ops: list[tuple[ir.Node, int]] = []
+    while (node := value.producer()) is not None and node.domain == "":
+        if node.op_type == "Concat":
+            axis = node.attributes.get_int("axis")
+            last = axis in (-1, len(dims(value) or ()) - 1)
+            pair = len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]
+            return (node.inputs[0], ops[::-1]) if last and pair else None
+        if node.op_type in _ELEMENTWISE:
+            ops.append((node, 0))
+        elif node.op_type == "Mul" and any(scalar_const(v) is not None for v in node.inputs):
+            ops.append((node, 0 if scalar_const(node.inputs[1]) is not None else 1))
+        elif node.op_type == "Unsqueeze" and len(node.inputs) == 2:
+            axes = const_array(node.inputs[1])
+            rank = len(dims(node.outputs[0]) or ())
+            if axes is None or rank == 0 or (axes.reshape(-1) % rank == rank - 1).any():
+                return None
+        else:
+            return None
+        value = node.inputs[0] if node.op_type != "Mul" else node.inputs[ops[-1][1]]
+    return None
+
+
 def runtime_table(value: ir.Value, heads: Heads) -> bool:
     """Whether ``value``, a rotary ``cos`` or ``sin`` computed at run time, is one row per
     position of the ``(B, L, n, H)`` split ``heads``, alike for every batch and head (its
-    leading axes are 1), with equal halves: it is ``cat(f, f)`` on the last axis put through
-    elementwise ops, scalar factors and Unsqueezes of other axes (transformers'
-    ``LlamaRotaryEmbedding``). Then its row ``i`` is the rotation of the ``i``-th position of
-    the call."""
+    leading axes are 1), with equal halves (:func:`runtime_chain`). Then its row ``i`` is the
+    rotation of the ``i``-th position of the call."""
     shape = dims(value)
     if shape is None or len(shape) < 2 or shape[-1] != heads.size:
         return False
     if any(d != 1 for d in shape[:-2]) or not same_dim(shape[-2], dims(heads.split)[1]):
         return False
-    while (node := value.producer()) is not None and node.domain == "":
-        if node.op_type == "Concat":
-            axis = node.attributes.get_int("axis")
-            last = axis in (-1, len(dims(value) or ()) - 1)
-            return last and len(node.inputs) == 2 and node.inputs[0] is node.inputs[1]
-        if node.op_type in _ELEMENTWISE:
-            value = node.inputs[0]
-        elif node.op_type == "Mul" and any(scalar_const(v) is not None for v in node.inputs):
-            value = next(v for v in node.inputs if scalar_const(v) is None)
-        elif node.op_type == "Unsqueeze" and len(node.inputs) == 2:
-            axes = const_array(node.inputs[1])
-            rank = len(dims(node.outputs[0]) or ())
-            if axes is None or rank == 0 or (axes.reshape(-1) % rank == rank - 1).any():
-                return False
-            value = node.inputs[0]
-        else:
-            return False
-    return False
+    return runtime_chain(value) is not None
 
 
 def tables(q: Rotary | None, k: Rotary | None, heads: Heads):

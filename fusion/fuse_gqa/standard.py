@@ -6,9 +6,9 @@ ONNX Runtime's CPU kernel of ``Attention`` computes every input the model accept
 several sequences of several new tokens after a past (which ``GroupQueryAttention`` refuses),
 and an additive mask of the ``(B | 1, N | 1, S, T)`` shape the model computes. So no ``If``:
 per layer the rotations of the query and the key (``RotaryEmbedding``, by the model's own
-``cos``/``sin`` rows at ``position_ids = 0 .. S-1``, as :func:`.build.positions` feeds
-GroupQueryAttention), then ``Attention`` with the past key and value, whose ``present`` outputs
-keep the model's names.
+``cos``/``sin`` rows for the call, the first halves computed from ``f`` of its ``cat(f, f)``
+and expanded to the batch, :func:`_rotation`), then ``Attention`` with the past key and
+value, whose ``present`` outputs keep the model's names.
 
 Where a row of the mask is masked everywhere (a padded query), two values differ. The kernel
 takes a mask value equal to float32's lowest as masked (``-inf``), so such a row gives 0, as
@@ -119,11 +119,9 @@ def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> 
     if projected is not None:  # a decode step: one MatMul, not three
         flat = projected[1]
     if match.tables is not None:
-        caches = build.caches(graph, match.tables, match.query.size, inserted, shared)
-        read = build.sizes(graph, flat[0], None, inserted, shared)
-        ids = build.position_ids(graph, read, inserted, shared)
+        rotation = _rotation(graph, match, flat[0], inserted, shared)
         for index, h in enumerate(heads[:2]):
-            rotary = ir.node("RotaryEmbedding", [flat[index], *caches, ids], {"num_heads": h.count})
+            rotary = ir.node("RotaryEmbedding", [flat[index], *rotation], {"num_heads": h.count})
             rotary.outputs[0].type, rotary.outputs[0].shape = flat[index].type, flat[index].shape
             inserted.append(rotary)
             flat[index] = rotary.outputs[0]
@@ -146,3 +144,18 @@ def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> 
     remove_nodes(graph, match.nodes[::-1])
     rotated = " and RotaryEmbedding" if match.tables is not None else ""
     return f"Attention{rotated} (opset {OPSET}, " + ("KV cache)" if match.past else "mask)")
+
+
+def _rotation(
+    graph: ir.Graph, match, query: ir.Value, inserted: list[ir.Node], shared: dict
+) -> list[ir.Value]:
+    """``RotaryEmbedding``'s ``[cos_cache, sin_cache, position_ids]`` for the ``(B, S, .)``
+    ``query``: for the model's run-time tables, their rows for the call expanded to the batch,
+    ``(B, S, H/2)`` (no ``position_ids``: the fewest nodes); for constant tables, the
+    ``(positions, H/2)`` caches at ``position_ids = 0 .. S-1``."""
+    read = build.sizes(graph, query, None, inserted, shared)
+    if not isinstance(match.tables[0], np.ndarray):
+        batch = read.batch
+        return build.caches(graph, match.tables, match.query.size, inserted, shared, batch)
+    caches = build.caches(graph, match.tables, match.query.size, inserted, shared)
+    return [*caches, build.position_ids(graph, read, inserted, shared)]

@@ -32,6 +32,18 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # q, k, v biased
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
+    # YaRN scales the cos and sin by attention_scaling = 0.1 ln(factor) + 1 (a scalar Mul)
+    "llama_yarn": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
 }
 LAYERS = COMMON["num_hidden_layers"]
 CACHE = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
@@ -115,8 +127,17 @@ def _assert_projections(model: ir.Model, family: str) -> None:
     """A decode step's query, key and value projections are one MatMul (Qwen3 norms q and k
     apart; Phi-3 has one already and its gate and up too)."""
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
-    per_layer = {"llama": 5, "qwen2": 5, "qwen3": 7, "phi3": 4}[family]
+    per_layer = {"llama": 5, "qwen2": 5, "qwen3": 7, "phi3": 4}[family.split("_")[0]]
     assert len(matmuls) == LAYERS * per_layer + 1, len(matmuls)
+
+
+def _assert_rotation_from_the_frequencies(model: ir.Model) -> None:
+    """The rotations read the model's ``f`` of ``cat(f, f)`` expanded to the batch (no
+    ``position_ids``); the model's cos and sin of the concatenation are gone."""
+    for node in _nodes(model, "RotaryEmbedding"):
+        assert len(node.inputs) == 3, node
+    for node in _nodes(model, "Cos") + _nodes(model, "Sin"):
+        assert node.inputs[0].producer().op_type != "Concat", node
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -129,11 +150,12 @@ def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_exp
     assert model.opset_imports[""] == standard.OPSET
     assert any(f"raised from {opset} to 23" in note for note in report.notes), report.notes
     assert len(_nodes(model, "RotaryEmbedding")) == 2 * LAYERS
+    _assert_rotation_from_the_frequencies(model)
     # raised before the norms: the RMSNorms are ONNX's, the model standard ONNX 23 throughout
     assert len(_nodes(model, "RMSNormalization")) == report.counts["rmsnorm_fused"] > 0
     assert fusion.onnxruntime_ops(model) == {}
     packed = [n for n in _nodes(model, "Split") if "gqa_qkv" in str(n.inputs[0].producer())]
-    assert len(packed) == (LAYERS if family in ("llama", "qwen2") else 0)  # one per projection
+    assert len(packed) == (LAYERS if family in ("llama", "llama_yarn", "qwen2") else 0)
     assert not _nodes(model, "If") and not _nodes(model, "GroupQueryAttention")
     assert [v.name for v in model.graph.outputs] == ["logits", *PRESENT]
     for node in nodes:
