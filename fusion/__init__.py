@@ -120,7 +120,7 @@ def optimize(
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
     fill = FillShapes()
-    ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup()])(model)
+    ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup(final=True)])(model)
     for fusion_pass in passes:
         report.extend(fusion_pass.outcomes)
     _drop_removed_batchnorms(report, model)

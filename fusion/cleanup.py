@@ -1,7 +1,8 @@
 """Exact graph clean-up run before and after the fusion passes.
 
 Only rewrites that cannot change a number: constant folding (onnxscript's folder, which
-evaluates constant subgraphs with the ONNX reference semantics), common-subexpression
+evaluates constant subgraphs with the ONNX reference semantics), the simplifications of the
+exporters' index arithmetic in :mod:`fusion.simplify`, common-subexpression
 elimination (the exporters write ``x - mean`` twice in a hand-written LayerNorm; CSE makes it
 one value, so the matchers see one shape), and removal of unused nodes. onnxscript's full
 ``optimize`` is deliberately not used: its pattern rules match constants with ``abs_tol=1e-8``
@@ -30,13 +31,16 @@ import onnx_ir.passes.common
 import onnxscript.optimizer
 
 from fusion._ir import opset_version
+from fusion.simplify import simplify
 
 # The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 
 
-def cleanup(model: ir.Model) -> None:
-    """Fold constants, merge common subexpressions, drop dead nodes, sort (in place)."""
+def cleanup(model: ir.Model, final: bool = False) -> None:
+    """Fold constants, simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
+    the fusion passes, also the Slices that tile an axis), merge common subexpressions, drop
+    dead nodes, sort (in place)."""
     drop_absent_outputs(model)
     canonical_axes(model)
     level = _folder_log.level
@@ -45,16 +49,26 @@ def cleanup(model: ir.Model) -> None:
         onnxscript.optimizer.fold_constants(model)
     finally:
         _folder_log.setLevel(level)
+    if opset_version(model) >= 13:
+        simplify(model.graph, final)
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.TopologicalSortPass()(model)
 
 
 class Cleanup(ir.passes.InPlacePass):
-    """:func:`cleanup` as a pass (it reports no change: its rewrites cannot change a number)."""
+    """:func:`cleanup` as a pass (it reports no change: its rewrites cannot change a number).
+
+    Args:
+        final: the clean-up after the fusion passes (:func:`cleanup`'s ``final``).
+    """
+
+    def __init__(self, final: bool = False):
+        super().__init__()
+        self.final = final
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        cleanup(model)
+        cleanup(model, self.final)
         return ir.passes.PassResult(model, modified=False)
 
 

@@ -1,0 +1,178 @@
+"""fusion.simplify: the exporters' index arithmetic written with fewer nodes, the same numbers:
+composed Unsqueeze axes against numpy, and torch's advanced indexing by aranges exported by
+``torch.onnx.export`` (dynamo) and run on ONNX Runtime before and after."""
+
+import collections
+import itertools
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+
+import fusion
+from fusion.simplify import composed_axes
+from normexport.runtime import make_session, run
+
+
+def _unsqueezed(shape: tuple, axes: list[int]) -> tuple:
+    return np.expand_dims(np.zeros(shape), tuple(axes)).shape
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2, 3])
+def test_composed_axes_are_the_two_unsqueezes_numpy_does(rank):
+    shape = (2, 3, 5)[:rank]
+    checked = 0
+    for n1, n2 in itertools.product((1, 2), (1, 2)):
+        middle, last = rank + n1, rank + n1 + n2
+        for first in itertools.permutations(range(-middle, middle), n1):
+            for second in itertools.permutations(range(-last, last), n2):
+                axes = composed_axes(rank, list(first), list(second))
+                if len({a % middle for a in first}) < n1 or len({a % last for a in second}) < n2:
+                    assert axes is None
+                    continue
+                expected = _unsqueezed(_unsqueezed(shape, list(first)), list(second))
+                assert _unsqueezed(shape, axes) == expected, (first, second, axes)
+                checked += 1
+    assert checked > 100
+
+
+class Index(torch.nn.Module):
+    """``mask[rows, keys]`` as transformers' ``sdpa_mask`` reads the padding mask: rows and keys
+    are aranges over the past's batch and length + 1, placed by ``form``."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.eval()
+
+    def forward(self, mask, past):
+        batch, keys = past.shape[0], past.shape[2] + 1
+        rows, cols = torch.arange(batch), torch.arange(keys)
+        if self.form == "view":
+            rows, cols = rows.view(-1, 1, 1, 1), cols.view(1, 1, 1, -1)
+        elif self.form == "from_one":  # not the block at 0: stays a GatherND
+            rows, cols = rows[:, None, None, None], (cols + 1)[None, None, None, :]
+        elif self.form == "swapped":  # keys on the first axis: a transposed block, stays
+            rows, cols = rows[None, None, None, :], cols[:, None, None, None]
+        else:
+            rows, cols = rows[:, None, None, None], cols[None, None, None, :]
+        return mask.bool()[rows, cols].float()
+
+
+def _export(form: str, path) -> None:
+    mask, past = torch.ones(2, 6, dtype=torch.int64), torch.zeros(2, 3, 5, 4)
+    batch, length, total = (torch.export.Dim(n) for n in ("batch", "length", "total"))
+    shapes = {"mask": {0: batch, 1: total}, "past": {0: batch, 2: length}}
+    torch.onnx.export(Index(form), (mask, past), path, dynamo=True, dynamic_shapes=shapes)
+
+
+def _unsqueeze_of_unsqueeze(node: ir.Node) -> bool:
+    inner = node.inputs[0].producer() if node.op_type == "Unsqueeze" else None
+    return inner is not None and inner.op_type == "Unsqueeze"
+
+
+@pytest.mark.parametrize(
+    "form, fused", [("unsqueeze", True), ("view", True), ("from_one", False), ("swapped", False)]
+)
+def test_indexing_by_aranges_is_a_slice_and_computes_the_gather(form, fused, tmp_path):
+    path = tmp_path / "index.onnx"
+    _export(form, path)
+    model = ir.load(path)
+    before = collections.Counter(n.op_type for n in model.graph)
+    assert any(_unsqueeze_of_unsqueeze(n) for n in model.graph) == (form != "view")
+    fusion.cleanup(model)
+    after = collections.Counter(n.op_type for n in model.graph)
+    assert before["GatherND"] == 1
+    assert not any(_unsqueeze_of_unsqueeze(n) for n in model.graph)  # merged into one
+    assert after["GatherND"] == (0 if fused else 1), after
+    if fused:
+        assert sum(after.values()) < sum(before.values()) - 3, (before, after)
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    rng = np.random.default_rng(0)
+    # keys = length + 1: equal to the mask's width, then a block narrower than the mask
+    for batch, length, total in ((2, 5, 6), (3, 1, 2), (1, 7, 9), (4, 0, 3)):
+        feeds = {
+            "mask": rng.integers(0, 2, (batch, total)),
+            "past": rng.standard_normal((batch, 3, length, 4)).astype(np.float32),
+        }
+        if form == "from_one" and length + 1 >= total:
+            continue  # arange(1, keys + 1) is out of the mask's bounds there
+        expected, got = run(original, feeds)[0], run(optimized, feeds)[0]
+        assert got.shape == expected.shape and np.array_equal(got, expected), (batch, length)
+
+
+class Parts(torch.nn.Module):
+    """Phi-3's packed projection read back by Slices: ``tiled`` cover the last axis (the last
+    to its end, as ``x[..., 6:]`` is exported), else with a gap or an overlap."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.eval()
+
+    def forward(self, x):
+        if self.form == "tiled":
+            parts = x[..., :4], x[..., 4:6], x[..., 6:]
+        elif self.form == "gap":
+            parts = x[..., :4], x[..., 5:]
+        else:
+            parts = x[..., :4], x[..., 3:]
+        return tuple(torch.tanh(p) for p in parts)
+
+
+@pytest.mark.parametrize("form, split", [("tiled", True), ("gap", False), ("overlap", False)])
+def test_slices_that_tile_an_axis_are_one_split_after_the_passes(form, split, tmp_path):
+    path = tmp_path / "parts.onnx"
+    batch = torch.export.Dim("batch")
+    x = torch.zeros(2, 3, 10)
+    torch.onnx.export(Parts(form), (x,), path, dynamo=True, dynamic_shapes=({0: batch},))
+    model = ir.load(path)
+    fusion.cleanup(model)  # before the passes: their matchers read the Slices
+    assert any(n.op_type == "Slice" for n in model.graph)
+    fusion.cleanup(model, final=True)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert (ops["Split"], ops["Slice"]) == ((1, 0) if split else (0, 2))
+    feeds = {"x": np.random.default_rng(0).standard_normal((3, 3, 10)).astype(np.float32)}
+    original = run(make_session(ir.load(path), "cpu"), feeds)
+    for got, expected in zip(run(make_session(model, "cpu"), feeds), original, strict=True):
+        assert np.array_equal(got, expected)
+
+
+def _logic_model() -> ir.Model:
+    """``x & True``, ``x | False`` (both read ``x``), ``x & True`` with a constant of a higher
+    rank (it broadcasts ``x``: kept), ``x & False`` (kept); each cast to float."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    consts = {
+        "true": np.array(True),
+        "false11": np.zeros((1, 1), bool),
+        "true211": np.ones((2, 1, 1), bool),
+        "false": np.array(False),
+    }
+    ops = [("And", "true"), ("Or", "false11"), ("And", "true211"), ("And", "false")]
+    nodes, outputs = [], []
+    for i, (op, const) in enumerate(ops):
+        nodes.append(helper.make_node(op, ["x", const] if i % 2 else [const, "x"], [f"b{i}"]))
+        nodes.append(helper.make_node("Cast", [f"b{i}"], [f"y{i}"], to=TensorProto.FLOAT))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes,
+        "logic",
+        [helper.make_tensor_value_info("x", TensorProto.BOOL, [2, 3])],
+        outputs,
+        [numpy_helper.from_array(a, n) for n, a in consts.items()],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    return ir.from_proto(proto)
+
+
+def test_and_true_and_or_false_read_the_other_operand():
+    model = _logic_model()
+    fusion.cleanup(model)
+    kept = collections.Counter(n.op_type for n in model.graph)
+    assert (kept["And"], kept["Or"]) == (2, 0), kept
+    feeds = {"x": np.random.default_rng(0).random((2, 3)) > 0.5}
+    expected = run(make_session(_logic_model(), "cpu"), feeds)
+    for got, want in zip(run(make_session(model, "cpu"), feeds), expected, strict=True):
+        assert got.shape == want.shape and np.array_equal(got, want)
