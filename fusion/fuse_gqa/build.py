@@ -86,6 +86,19 @@ def sizes(
     return shared[key]
 
 
+def batch(graph: ir.Graph, query: ir.Value, inserted: list[ir.Node], shared: dict) -> ir.Value:
+    """``[B]`` (int64 ``(1,)``) of the ``(B, S, .)`` ``query``, one ``Shape(start=0, end=1)``
+    (opset 15 and above) appended to ``inserted``; kept in ``shared`` for the layers whose batch
+    is the same number or named symbol."""
+    key = _key("batch", query, None)
+    key = ("batch", key[1]) if key is not None else ("batch", id(query))
+    if key not in shared:
+        node = ir.node("Shape", [query], {"start": 0, "end": 1})
+        inserted.append(node)
+        shared[key] = node.outputs[0]
+    return shared[key]
+
+
 def lengths(
     graph: ir.Graph,
     query: ir.Value,

@@ -153,9 +153,10 @@ def _rotation(
     ``query``: for the model's run-time tables, their rows for the call expanded to the batch,
     ``(B, S, H/2)`` (no ``position_ids``: the fewest nodes); for constant tables, the
     ``(positions, H/2)`` caches at ``position_ids = 0 .. S-1``."""
-    read = build.sizes(graph, query, None, inserted, shared)
+    size = match.query.size
     if not isinstance(match.tables[0], np.ndarray):
-        batch = read.batch
-        return build.caches(graph, match.tables, match.query.size, inserted, shared, batch)
-    caches = build.caches(graph, match.tables, match.query.size, inserted, shared)
+        batch = build.batch(graph, query, inserted, shared)
+        return build.caches(graph, match.tables, size, inserted, shared, batch)
+    read = build.sizes(graph, query, None, inserted, shared)
+    caches = build.caches(graph, match.tables, size, inserted, shared)
     return [*caches, build.position_ids(graph, read, inserted, shared)]
