@@ -1,7 +1,7 @@
 """Exact simplifications of the index arithmetic the exporters write, run by the clean-up
 (:func:`fusion.cleanup.cleanup`). A decoder's attention mask is made of it: on ONNX Runtime's
-CPU provider each small node costs a kernel launch, and a decode step runs some thirty of them
-around the attention (``benchmarks/results/decoders_cpu.json``).
+CPU provider each small node costs a kernel launch, which a decode step of a small model feels
+(``benchmarks/results/decoders_cpu.json``).
 
 * :func:`merge_unsqueezes`: ``Unsqueeze(Unsqueeze(x, a), b)`` as one Unsqueeze of the composed
   axes (Operators.md, Unsqueeze-13: the axes count in the output's rank).
@@ -13,7 +13,6 @@ around the attention (``benchmarks/results/decoders_cpu.json``).
   block ``x[:n_0, .., :n_k-1]`` with unit axes inserted: a Slice and an Unsqueeze. Where an
   ``n_j`` is larger than ``x``'s axis, GatherND fails (index out of bounds) and the Slice
   clamps; everywhere else the two are the same elements.
-
 * :func:`drop_neutral_logic`: ``And(x, True)`` and ``Or(x, False)`` as ``x`` (transformers'
   mask starts from ``ones & causal``).
 * :func:`split_slices`: Slices of one tensor that tile an axis (Phi-3's ``qkv_proj`` read as
