@@ -100,3 +100,20 @@ class WithPast(nn.Module):
         )  # fmt: skip
         layers = out.past_key_values.layers
         return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
+
+
+class WithPositions(WithPast):
+    """:class:`WithPast` that also takes the ``position_ids (B, S)`` of the new tokens (Optimum's
+    and transformers' ``generate`` inputs: each row's positions, which left padding shifts),
+    after ``attention_mask``."""
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        cache = transformers.DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=cache, use_cache=True,
+        )  # fmt: skip
+        layers = out.past_key_values.layers
+        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))

@@ -34,7 +34,10 @@ one row per position of the call, alike for every batch and head, with equal hal
 (``cat(freqs, freqs)``, as transformers builds them): constant tables (the first halves become
 the caches), or values computed at run time whose leading axes are 1 and which are
 ``cat(f, f)`` put through elementwise ops (:func:`.parts.runtime_table`; the caches are then
-sliced from the model's own values, so the op rotates by the very numbers the model does). The
+those ops applied to the model's own ``f``, so the op rotates by the very numbers the model
+does). Tables of one row per batch row and position (the model's ``position_ids`` input) are
+taken by ONNX's ``RotaryEmbedding`` alone, as ``(B, S, H/2)`` caches: with a KV cache or a
+run-time mask, below (else refused, :func:`_check_per_batch`). The
 mask (:mod:`.masks`) is evaluated where it comes from constants and the inputs' shapes alone:
 0 on and below the diagonal and masked above it (``-inf``, or at most ``-1e30``, as
 transformers' ``finfo.min``) gives ``causal=1``; all zeros, ``causal=0``; another constant mask
@@ -143,6 +146,28 @@ def _side(value: ir.Value, rotated: bool) -> tuple[parts.Heads, parts.Rotary | N
     if rotation is not None:
         found.nodes += rotation.nodes
     return found, rotation
+
+
+def _check_per_batch(model: ir.Model, match: GQAMatch) -> None:
+    """Refuse rotary tables of one row per batch row (the model's ``position_ids``) where the
+    match would not become ONNX's ``RotaryEmbedding`` (:mod:`.standard`), the one op that takes
+    them.
+
+    Raises:
+        CannotFuse: such tables, and no KV cache nor run-time mask ONNX's ``Attention`` takes,
+            or a model below opset 18.
+    """
+    tables = match.tables
+    if tables is None or isinstance(tables[0], np.ndarray):
+        return
+    if parts.runtime_table(tables[0], match.query) != "per_batch":
+        return
+    if not standard.convertible(model) or FuseGroupQueryAttention._standard_mask(match) is None:
+        raise CannotFuse(
+            Code.NOT_CONSTANT,
+            "the rotary tables differ per batch row (the model's position_ids): only ONNX's "
+            "RotaryEmbedding takes them, with a KV cache or a run-time mask, at opset 18 or above",
+        )
 
 
 def _repeated(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
@@ -264,18 +289,12 @@ class FuseGroupQueryAttention(NodeFusionPass):
         presents = past[2:] if past is not None else ()
         if escaping_value(matched, output, *presents) is not None:
             raise CannotFuse(Code.SHARED_OUTPUT, "a value inside the attention is read elsewhere")
-        return GQAMatch(
-            query,
-            key,
-            value,
-            factor * qk_factor,
-            tables,
-            *masking,
-            output,
-            matched,
-            past,
+        found = GQAMatch(
+            query, key, value, factor * qk_factor, tables, *masking, output, matched, past,
             bool(guard),
-        )
+        )  # fmt: skip
+        _check_per_batch(model, found)
+        return found
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place (see :class:`fusion.base.NodeFusionPass`); layers whose rotary tables

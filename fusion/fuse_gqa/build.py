@@ -190,8 +190,9 @@ def caches(
     position, ``cat(f, f)`` put through elementwise ops (:func:`.parts.runtime_chain`), those
     ops applied to ``f``: the first halves of the rows, ``(S, size/2)``, or ``(B, S, size/2)``
     where ``batch`` (``[B]``, int64 ``(1,)``) is given (``RotaryEmbedding`` without
-    ``position_ids``). Nodes appended to ``inserted``; made once per pair of tables (and
-    batch), kept in ``shared``."""
+    ``position_ids``; the only form for tables of one row per batch row and position).
+    Nodes appended to ``inserted``; made once per pair of tables (and batch), kept in
+    ``shared``."""
     cos, sin = tables
     constant = isinstance(cos, np.ndarray)
     key = (cos.tobytes(), sin.tobytes()) if constant else (id(cos), id(sin), id(batch))
@@ -223,18 +224,26 @@ def _rows(
     shared: dict,
 ) -> ir.Value:
     """``f`` (``(1, .., 1, S, half)``) as ``(S, half)``, or expanded to ``(B, S, half)`` for
-    ``batch``; made once per ``f`` and batch, kept in ``shared``."""
+    ``batch``; an ``f`` of one row per batch row and position (``(B, 1, .., S, half)``) as
+    ``(B, S, half)``. Made once per ``f`` and batch, kept in ``shared``."""
     key = ("rotary_rows", id(f), id(batch))
     if key in shared:
         return shared[key]
+    shape = dims(f) or []
+    per_batch = batch is not None and len(shape) > 2 and shape[0] != 1
+    if per_batch:
+        target = [0, -1, half]  # Reshape's 0: the batch as it is
+    elif batch is None or len(shape) > 3:
+        target = [-1, half]
+    else:
+        target = shape  # (S, half) or (1, S, half): Expand takes it as it is
     rows = f
-    rank = len(dims(f) or ())
-    if rank != 2 and (batch is None or rank not in (2, 3)):
-        shape = add_initializer(graph, "gqa_rows", np.array([-1, half], np.int64))
-        reshape = ir.node("Reshape", [rows, shape])
+    if len(target) != len(shape):
+        value = add_initializer(graph, "gqa_rows", np.array(target, np.int64))
+        reshape = ir.node("Reshape", [rows, value])
         inserted.append(reshape)
         rows = reshape.outputs[0]
-    if batch is not None:
+    if batch is not None and not per_batch:
         ones = add_initializer(graph, "gqa_row_ones", np.array([1, 1], np.int64))
         target = ir.node("Concat", [batch, ones], {"axis": 0})
         expand = ir.node("Expand", [rows, target.outputs[0]])

@@ -318,17 +318,21 @@ def runtime_chain(value: ir.Value) -> tuple[ir.Value, list[tuple[ir.Node, int]]]
     return None
 
 
-def runtime_table(value: ir.Value, heads: Heads) -> bool:
-    """Whether ``value``, a rotary ``cos`` or ``sin`` computed at run time, is one row per
-    position of the ``(B, L, n, H)`` split ``heads``, alike for every batch and head (its
-    leading axes are 1), with equal halves (:func:`runtime_chain`). Then its row ``i`` is the
-    rotation of the ``i``-th position of the call."""
+def runtime_table(value: ir.Value, heads: Heads) -> str | None:
+    """How ``value``, a rotary ``cos`` or ``sin`` computed at run time, gives the rotation of
+    each position of the ``(B, L, n, H)`` split ``heads``: ``"shared"``, one row per position
+    alike for every batch row and head (its leading axes are 1); ``"per_batch"``, one row per
+    position of each batch row (its first axis ``B``, the others 1: the model's
+    ``position_ids``); None otherwise. Either way with equal halves (:func:`runtime_chain`)."""
     shape = dims(value)
     if shape is None or len(shape) < 2 or shape[-1] != heads.size:
-        return False
-    if any(d != 1 for d in shape[:-2]) or not same_dim(shape[-2], dims(heads.split)[1]):
-        return False
-    return runtime_chain(value) is not None
+        return None
+    if not same_dim(shape[-2], dims(heads.split)[1]) or runtime_chain(value) is None:
+        return None
+    if all(d == 1 for d in shape[:-2]):
+        return "shared"
+    batch = len(shape) > 2 and shape[0] != 1 and same_dim(shape[0], dims(heads.split)[0])
+    return "per_batch" if batch and all(d == 1 for d in shape[1:-2]) else None
 
 
 def tables(q: Rotary | None, k: Rotary | None, heads: Heads):

@@ -8,107 +8,37 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-import transformers
 
 import fusion
 from fusion.fuse_gqa import standard
 from fusion.registry import provider_options
 from models.llama import WithPast
 from normexport.runtime import make_session, run
+from tests.fusion import decoder_testing as dt
 
 pytestmark = pytest.mark.slow
 
-COMMON = {
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 128,
-    "max_position_embeddings": 64,
-}
-FAMILIES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 16}),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),  # q, k, v biased
-    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, {"pad_token_id": 0}),
-    # YaRN scales the cos and sin by attention_scaling = 0.1 ln(factor) + 1 (a scalar Mul)
-    "llama_yarn": (
-        transformers.LlamaConfig,
-        transformers.LlamaForCausalLM,
-        {
-            "rope_scaling": {
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "original_max_position_embeddings": 16,
-            }
-        },
-    ),
-}
-LAYERS = COMMON["num_hidden_layers"]
-CACHE = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
-PRESENT = [f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
-
-
-def _causal_lm(family: str) -> torch.nn.Module:
-    config, model, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    module = model(config(**COMMON, **extra)).eval()
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if "norm" in name:
-                p.copy_(0.3 * torch.randn_like(p) + 1)
-            elif name.endswith("bias"):  # Qwen2's q, k, v: transformers initializes them to 0
-                p.copy_(torch.randn_like(p))
-    return module
-
-
-def _feeds(rng, batch: int, length: int, past: int, padding: int) -> dict[str, np.ndarray]:
-    """Random ids and cache; the first row's mask left-padded over ``padding`` positions."""
-    heads, size = COMMON["num_key_value_heads"], 16
-    mask = np.ones((batch, past + length), np.int64)
-    mask[0, :padding] = 0
-    feeds = {
-        "input_ids": rng.integers(0, COMMON["vocab_size"], (batch, length)),
-        "attention_mask": mask,
-    }
-    for name in CACHE:
-        feeds[name] = rng.standard_normal((batch, heads, past, size)).astype(np.float32)
-    return feeds
-
 
 def _export_with_past(module: torch.nn.Module, path) -> None:
-    example = _feeds(np.random.default_rng(1), 2, 3, 5, 0)
+    example = dt.feeds(np.random.default_rng(1), 2, 3, 5, 0)
     dims = {n: torch.export.Dim(n) for n in ("batch", "sequence", "past", "total")}
     shapes = {
         "input_ids": {0: dims["batch"], 1: dims["sequence"]},
         "attention_mask": {0: dims["batch"], 1: dims["total"]},
-        "past": tuple({0: dims["batch"], 2: dims["past"]} for _ in CACHE),
+        "past": tuple({0: dims["batch"], 2: dims["past"]} for _ in dt.CACHE),
     }
     program = torch.onnx.export(
         WithPast(module), tuple(torch.from_numpy(a) for a in example.values()), dynamo=True,
-        dynamic_shapes=shapes, input_names=list(example), output_names=["logits", *PRESENT],
+        dynamic_shapes=shapes, input_names=list(example), output_names=["logits", *dt.PRESENT],
     )  # fmt: skip
     program.save(str(path), external_data=True)
-
-
-def _nodes(model: ir.Model, op_type: str) -> list[ir.Node]:
-    """The nodes of ``op_type``, in the main graph or in the branch of an If."""
-    return [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type == op_type]
-
-
-#: ``(batch, length, past, padding)``: a decode step, one left-padded; a first prompt with a
-#: padded row (rows all masked); a batched chunk after a past (which GroupQueryAttention's CPU
-#: kernel refuses); one sequence's chunk after a past; an empty past; a decode step whose row
-#: is all padding (all masked).
-POINTS = ((2, 1, 7, 3), (3, 4, 0, 2), (2, 3, 5, 2), (1, 4, 6, 5), (2, 1, 0, 0), (1, 1, 3, 4))
 
 
 def _optimized(family: str, tmp_path):
     """The family's decode-step export, optimized for ONNX Runtime: ``(model, report, path
     of the export, its opset)``."""
     path = tmp_path / "model.onnx"
-    _export_with_past(_causal_lm(family), path)
+    _export_with_past(dt.causal_lm(family), path)
     model = ir.load(path)
     opset = model.opset_imports[""]
     return model, fusion.optimize(model, target="ort"), path, opset
@@ -117,8 +47,8 @@ def _optimized(family: str, tmp_path):
 def _assert_computes_the_export(model: ir.Model, path) -> None:
     optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
-    for point in POINTS:
-        feeds = _feeds(rng, *point)
+    for point in dt.POINTS:
+        feeds = dt.feeds(rng, *point)
         for got, expected in zip(run(optimized, feeds), run(original, feeds), strict=True):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5, err_msg=str(point))
 
@@ -128,38 +58,38 @@ def _assert_projections(model: ir.Model, family: str) -> None:
     apart; Phi-3 has one already and its gate and up too)."""
     matmuls = [n for n in model.graph if n.op_type == "MatMul"]
     per_layer = {"llama": 5, "qwen2": 5, "qwen3": 7, "phi3": 4}[family.split("_")[0]]
-    assert len(matmuls) == LAYERS * per_layer + 1, len(matmuls)
+    assert len(matmuls) == dt.LAYERS * per_layer + 1, len(matmuls)
 
 
 def _assert_rotation_from_the_frequencies(model: ir.Model) -> None:
     """The rotations read the model's ``f`` of ``cat(f, f)`` expanded to the batch (no
     ``position_ids``); the model's cos and sin of the concatenation are gone."""
-    for node in _nodes(model, "RotaryEmbedding"):
+    for node in dt.nodes(model, "RotaryEmbedding"):
         assert len(node.inputs) == 3, node
-    for node in _nodes(model, "Cos") + _nodes(model, "Sin"):
+    for node in dt.nodes(model, "Cos") + dt.nodes(model, "Sin"):
         assert node.inputs[0].producer().op_type != "Concat", node
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(dt.FAMILIES))
 def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_export_everywhere(
     family, tmp_path
 ):
     model, report, path, opset = _optimized(family, tmp_path)
-    nodes = _nodes(model, "Attention")
-    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    nodes = dt.nodes(model, "Attention")
+    assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert model.opset_imports[""] == standard.OPSET
     assert any(f"raised from {opset} to 23" in note for note in report.notes), report.notes
-    assert len(_nodes(model, "RotaryEmbedding")) == 2 * LAYERS
+    assert len(dt.nodes(model, "RotaryEmbedding")) == 2 * dt.LAYERS
     _assert_rotation_from_the_frequencies(model)
     # raised before the norms: the RMSNorms are ONNX's, the model standard ONNX 23 throughout
-    assert len(_nodes(model, "RMSNormalization")) == report.counts["rmsnorm_fused"] > 0
+    assert len(dt.nodes(model, "RMSNormalization")) == report.counts["rmsnorm_fused"] > 0
     assert fusion.onnxruntime_ops(model) == {}
-    packed = [n for n in _nodes(model, "Split") if "gqa_qkv" in str(n.inputs[0].producer())]
-    assert len(packed) == (LAYERS if family in ("llama", "llama_yarn", "qwen2") else 0)
-    assert not _nodes(model, "If") and not _nodes(model, "GroupQueryAttention")
-    assert [v.name for v in model.graph.outputs] == ["logits", *PRESENT]
+    packed = [n for n in dt.nodes(model, "Split") if "gqa_qkv" in str(n.inputs[0].producer())]
+    assert len(packed) == (dt.LAYERS if family in ("llama", "llama_yarn", "qwen2") else 0)
+    assert not dt.nodes(model, "If") and not dt.nodes(model, "GroupQueryAttention")
+    assert [v.name for v in model.graph.outputs] == ["logits", *dt.PRESENT]
     for node in nodes:
-        assert node.inputs[4].name in CACHE and node.inputs[5].name in CACHE  # the past
+        assert node.inputs[4].name in dt.CACHE and node.inputs[5].name in dt.CACHE  # the past
         assert node.attributes["is_causal"].value == 0
         assert node.inputs[3] is not None  # the model's mask
     _assert_projections(model, family)
@@ -171,14 +101,14 @@ def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, 
     """As for a model whose opset onnxscript's converter does not take (below 18)."""
     monkeypatch.setattr(standard, "convertible", lambda model: False)
     model, report, path, opset = _optimized(family, tmp_path)
-    nodes = _nodes(model, "GroupQueryAttention")
-    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    nodes = dt.nodes(model, "GroupQueryAttention")
+    assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert model.opset_imports[""] == opset
-    assert len([n for n in model.graph if n.op_type == "If"]) == LAYERS
+    assert len([n for n in model.graph if n.op_type == "If"]) == dt.LAYERS
     # the report's "needs ONNX Runtime" line counts the ops inside the If's branches too
-    assert fusion.onnxruntime_ops(model)["com.microsoft.GroupQueryAttention"] == LAYERS
+    assert fusion.onnxruntime_ops(model)["com.microsoft.GroupQueryAttention"] == dt.LAYERS
     for node in nodes:
-        assert node.inputs[3].name in CACHE and node.inputs[4].name in CACHE  # the past
+        assert node.inputs[3].name in dt.CACHE and node.inputs[4].name in dt.CACHE  # the past
         assert node.attributes["causal"].value == 0 and node.attributes["do_rotary"].value == 1
         packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
         assert packed == (family != "qwen3"), node.inputs[:3]
@@ -190,27 +120,27 @@ def test_on_the_cpu_provider_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path)
     """``skip="kv_cache"``, the CPU policy: a decode step's residual Adds and RMSNorms become
     SkipSimplifiedLayerNormalization (a model without a cache keeps them: test_explain)."""
     path = tmp_path / "model.onnx"
-    _export_with_past(_causal_lm("llama"), path)
+    _export_with_past(dt.causal_lm("llama"), path)
     model = ir.load(path)
     options = provider_options("ort", "cpu")
     assert options["skip"] == "kv_cache"
     report = fusion.optimize(model, target="ort", **options)
-    assert report.counts["skip_fused"] == len(_nodes(model, "SkipSimplifiedLayerNormalization"))
-    assert report.counts["skip_fused"] == 2 * LAYERS  # before attention and MLP, one per layer
+    assert report.counts["skip_fused"] == len(dt.nodes(model, "SkipSimplifiedLayerNormalization"))
+    assert report.counts["skip_fused"] == 2 * dt.LAYERS  # before attention and MLP, one per layer
     _assert_computes_the_export(model, path)
 
 
 def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(tmp_path):
-    module = _causal_lm("llama")
+    module = dt.causal_lm("llama")
     path = tmp_path / "model.onnx"
     _export_with_past(module, path)
     model = ir.load(path)
     fusion.optimize(model, target="ort")
-    feeds = _feeds(np.random.default_rng(2), 2, 1, 9, 4)
+    feeds = dt.feeds(np.random.default_rng(2), 2, 1, 9, 4)
     got = run(make_session(model, "cpu"), feeds)
     with torch.no_grad():
         expected = WithPast(module)(*(torch.from_numpy(a) for a in feeds.values()))
-    assert got[1].shape == (2, COMMON["num_key_value_heads"], 10, 16)
+    assert got[1].shape == (2, dt.COMMON["num_key_value_heads"], 10, 16)
     for mine, theirs in zip(got, expected, strict=True):
         np.testing.assert_allclose(mine, theirs.numpy(), rtol=1e-4, atol=2e-5)
 
@@ -220,7 +150,7 @@ class Masked(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.model = _causal_lm("llama")
+        self.model = dt.causal_lm("llama")
 
     def forward(self, input_ids, attention_mask):
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -228,7 +158,7 @@ class Masked(torch.nn.Module):
 
 def test_a_prefill_with_an_attention_mask_input_takes_the_mask_as_the_ops_bias(tmp_path):
     path = tmp_path / "model.onnx"
-    feeds = _feeds(np.random.default_rng(3), 2, 6, 0, 0)
+    feeds = dt.feeds(np.random.default_rng(3), 2, 6, 0, 0)
     example = tuple(torch.from_numpy(feeds[n]) for n in ("input_ids", "attention_mask"))
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "sequence"}}
     torch.onnx.export(
@@ -237,13 +167,13 @@ def test_a_prefill_with_an_attention_mask_input_takes_the_mask_as_the_ops_bias(t
     )  # fmt: skip
     model = ir.load(path)
     report = fusion.optimize(model, target="ort")
-    nodes = _nodes(model, "Attention")
-    assert report.counts["gqa_fused"] == len(nodes) == LAYERS, report.refused
+    nodes = dt.nodes(model, "Attention")
+    assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert all(n.inputs[3] is not None for n in nodes)  # the model's mask, as computed
     optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(4)
     for batch, length, padding in ((2, 6, 0), (3, 9, 4), (1, 5, 0)):  # 4: rows all masked
-        feeds = _feeds(rng, batch, length, 0, padding)
+        feeds = dt.feeds(rng, batch, length, 0, padding)
         feeds = {n: feeds[n] for n in ("input_ids", "attention_mask")}
         (got,), (expected,) = run(optimized, feeds), run(original, feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5)
