@@ -91,13 +91,15 @@ class WithPast(nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, *past):
+        return self.step(past, input_ids=input_ids, attention_mask=attention_mask)
+
+    def step(self, past: tuple, **inputs) -> tuple:
+        """The model on ``inputs`` (its keywords) with the cache ``past`` (key, value per
+        layer): ``(logits, present key, present value per layer)``."""
         cache = transformers.DynamicCache(config=self.model.config)
         for layer in range(len(past) // 2):
             cache.update(past[2 * layer], past[2 * layer + 1], layer)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache,
-            use_cache=True,
-        )  # fmt: skip
+        out = self.model(**inputs, past_key_values=cache, use_cache=True)
         layers = out.past_key_values.layers
         return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
 
@@ -108,12 +110,6 @@ class WithPositions(WithPast):
     after ``attention_mask``."""
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
-        cache = transformers.DynamicCache(config=self.model.config)
-        for layer in range(len(past) // 2):
-            cache.update(past[2 * layer], past[2 * layer + 1], layer)
-        out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=cache, use_cache=True,
-        )  # fmt: skip
-        layers = out.past_key_values.layers
-        return (out.logits, *(t for layer in layers for t in (layer.keys, layer.values)))
+        return self.step(
+            past, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        )
