@@ -40,7 +40,7 @@ from fusion.base import (
     Op,
     Refused,
 )
-from fusion.cleanup import Cleanup, cleanup, normalize_ir_version
+from fusion.cleanup import Cleanup, SimplifyWithShapes, cleanup, normalize_ir_version
 from fusion.fuse_skip import FuseSkip
 from fusion.registry import FUSION_KINDS, KINDS, NORM_OPS, PASSES, ort_registered
 
@@ -85,7 +85,8 @@ def optimize(
     Runs, as one :class:`onnx_ir.passes.PassManager`: exact clean-up (constant folding, CSE,
     dead nodes), :class:`FillShapes` (ONNX shape inference for the values that carry no shape,
     as the TorchScript exporter leaves them; :class:`DropShapes` takes them off again after the
-    passes), then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
+    passes), the exact rewrites those shapes allow (:class:`fusion.cleanup.SimplifyWithShapes`),
+    then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
     and the options, in the registry's order (FoldBatchNorm first, FuseSkip last), then
     clean-up again. An op is only emitted where the model's opset (or, for ``target="ort"``,
     ONNX Runtime) has it; the opset is raised in one case only: to 23 by
@@ -120,7 +121,8 @@ def optimize(
     if (note := normalize_ir_version(model)) is not None:
         report.note(note)
     fill = FillShapes()
-    ir.passes.PassManager([Cleanup(), fill, *passes, DropShapes(fill), Cleanup(final=True)])(model)
+    steps = [Cleanup(), fill, SimplifyWithShapes(), *passes, DropShapes(fill), Cleanup(final=True)]
+    ir.passes.PassManager(steps)(model)
     for fusion_pass in passes:
         report.extend(fusion_pass.outcomes)
     _drop_removed_batchnorms(report, model)
@@ -174,8 +176,10 @@ class FillShapes(ir.passes.InPlacePass):
     """Give each main-graph node output that carries no shape (or no element type) the one
     ONNX shape inference finds (:class:`fusion._ir.KnownShapes`: onnx_ir's
     ``ShapeInferencePass`` on a clone, initializers over 1 KB left out of the protobuf, so
-    external data and the 2 GiB limit do not matter). The matchers need ranks and channel
-    counts; the TorchScript exporter writes none for intermediate values.
+    external data and the 2 GiB limit do not matter), or where that one leaves dimensions
+    unknown, ONNX Runtime's symbolic shape inference (:mod:`fusion._symbolic`: the head count of
+    ``view(B, S, -1, H)``). The matchers need ranks, head and channel counts; the TorchScript
+    exporter writes none for intermediate values.
 
     A dimension or type the model already carries is never replaced (the dynamo exporter's
     symbolic dimensions say more than inference's); only its unknown dimensions are filled

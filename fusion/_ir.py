@@ -8,6 +8,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from fusion._symbolic import symbolic_shapes
+
 
 def const_array(value: ir.Value | None) -> np.ndarray | None:
     """The constant behind ``value`` as a numpy array, or None.
@@ -235,6 +237,17 @@ def fully_known(shape: ir.Shape | None) -> bool:
     return shape is not None and all(isinstance(d, int) or d.value is not None for d in shape)
 
 
+def _vague(shape: ir.Shape | None) -> bool:
+    """Whether ONNX shape inference left ``shape`` (or a dimension of it) unknown: no shape, a
+    dimension with no name, or one it named ``unk__N`` (a dimension of its own, unrelated to any
+    other)."""
+    if shape is None:
+        return True
+    return any(
+        not isinstance(d, int) and (d.value is None or d.value.startswith("unk__")) for d in shape
+    )
+
+
 class KnownShapes:
     """Static shapes (and element types) of a model's main-graph values, for passes that need
     more than the model carries.
@@ -243,7 +256,9 @@ class KnownShapes:
     own type when it has one. Otherwise ONNX shape inference is run, once, on a clone of the
     model (which shares the tensors; the model itself is not changed), the first time such a
     value is asked about: the TorchScript exporter, for one, leaves most intermediate shapes
-    out. Call the instance with a value to get its shape, or None when neither source knows it;
+    out. Where that inference leaves dimensions unknown, ONNX Runtime's symbolic inference
+    (:mod:`fusion._symbolic`) gives them where it can. Call the instance with a value to get its
+    shape, or None when neither source knows it;
     :meth:`dtype` gives its element type. Values that a pass creates after that first inference
     are answered from what they carry.
     """
@@ -262,7 +277,19 @@ class KnownShapes:
             values = [*graph.inputs, *graph.initializers.values()]
             values += [v for node in graph for v in node.outputs]
             self._inferred = {v.name: v for v in values if v.name}
+            if any(_vague(v.shape) for node in graph for v in node.outputs):
+                self._sharpen()
         return self._inferred.get(value.name) if value.name else None
+
+    def _sharpen(self) -> None:
+        """Give the inferred values that ONNX's inference left vague (:func:`_vague`) the
+        shape ONNX Runtime's symbolic inference finds (:mod:`fusion._symbolic`), of the same
+        rank."""
+        for name, shape in symbolic_shapes(self._model).items():
+            found = self._inferred.get(name)
+            vague = found is not None and _vague(found.shape)
+            if vague and (found.shape is None or len(found.shape) == len(shape)):
+                found.shape = shape
 
     def __call__(self, value: ir.Value) -> ir.Shape | None:
         if fully_known(value.shape):

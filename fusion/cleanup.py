@@ -31,7 +31,7 @@ import onnx_ir.passes.common
 import onnxscript.optimizer
 
 from fusion._ir import opset_version
-from fusion.simplify import simplify
+from fusion.simplify import simplify, with_shapes
 
 # The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
@@ -69,6 +69,17 @@ class Cleanup(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         cleanup(model, self.final)
+        return ir.passes.PassResult(model, modified=False)
+
+
+class SimplifyWithShapes(ir.passes.InPlacePass):
+    """:func:`fusion.simplify.with_shapes` (rewrites that read the shapes :class:`fusion.FillShapes`
+    gave the values), then :func:`cleanup` again where it rewrote anything: the sizes it folds
+    feed arithmetic the folder then evaluates (``x.shape[-1] // 2``)."""
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if with_shapes(model.graph):
+            cleanup(model)
         return ir.passes.PassResult(model, modified=False)
 
 

@@ -20,6 +20,11 @@ CPU provider each small node costs a kernel launch, which a decode step of a sma
   the Slices (the rotary embedding's halves, a packed projection).
 
 All need opset 13 or above (Unsqueeze's axes and Split's sizes as inputs).
+
+Once the values carry the shapes inference gives them (:class:`fusion.FillShapes`),
+:func:`with_shapes` also folds the sizes of those shapes that are numbers
+(:func:`fold_known_sizes`) and drops the Slices that provably keep a whole tensor
+(:func:`drop_whole_slices`): the TorchScript exporter's shape arithmetic.
 """
 
 from __future__ import annotations
@@ -27,7 +32,15 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, const_array, dims, producer, rank_of, replace_output
+from fusion._ir import (
+    add_initializer,
+    const_array,
+    dims,
+    producer,
+    rank_of,
+    replace_output,
+    same_shape,
+)
 
 
 def simplify(graph: ir.Graph, final: bool = False) -> int:
@@ -280,3 +293,63 @@ def split_slices(graph: ir.Graph) -> int:
             graph.remove(node, safe=True)
         made += 1
     return made
+
+
+def with_shapes(graph: ir.Graph) -> int:
+    """Apply :func:`fold_known_sizes` and :func:`drop_whole_slices` to ``graph`` in place, once
+    its values carry the shapes inference gives (:class:`fusion.FillShapes`); return how many
+    rewrites were made. Exact wherever those shapes are (the named symbols of the model's inputs
+    are taken as their values, as everywhere in the passes)."""
+    return fold_known_sizes(graph) + drop_whole_slices(graph)
+
+
+def fold_known_sizes(graph: ir.Graph) -> int:
+    """Replace each ``Gather(Shape(x), i)`` (constant ``i``, a scalar or a vector; ``Shape``'s
+    ``start``/``end`` honoured) whose dimensions of ``x`` are numbers by a constant: the
+    TorchScript exporter's ``x.shape[-1] // 2`` of the rotary embedding, which onnxscript's
+    folder leaves (it folds vector indices only); return how many."""
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "Gather" or node.domain != "" or node.graph is not graph:
+            continue
+        shape = producer(node.inputs[0], "Shape")
+        index = const_array(node.inputs[1])
+        sizes = dims(shape.inputs[0]) if shape is not None else None
+        if sizes is None or index is None or index.ndim > 1 or node.attributes.get_int("axis", 0):
+            continue
+        start = shape.attributes.get_int("start", 0)
+        sizes = sizes[start : shape.attributes.get_int("end", len(sizes))]
+        if not all(-len(sizes) <= i < len(sizes) for i in index.reshape(-1)):
+            continue
+        picked = [sizes[int(i)] for i in index.reshape(-1)]
+        if not all(isinstance(d, int) for d in picked) or node.outputs[0].is_graph_output():
+            continue
+        array = np.array(picked, np.int64).reshape(index.shape)
+        node.outputs[0].replace_all_uses_with(add_initializer(graph, "known_size", array))
+        graph.remove(node, safe=True)
+        folded += 1
+    return folded
+
+
+def drop_whole_slices(graph: ir.Graph) -> int:
+    """Read ``x`` for each Slice of ``x`` with steps of 1 whose result has ``x``'s shape
+    (provably, :func:`fusion._ir.same_shape`): with step 1 a slice as long as its axis starts at
+    0 and ends at its end (Operators.md, Slice-13, the bounds clamped), whatever its bounds
+    compute to (transformers' ``causal_mask[:, :, :, : key.shape[-2]]`` of a mask as long as the
+    keys); return how many."""
+    dropped = 0
+    for node in list(graph):
+        if node.op_type != "Slice" or node.domain != "" or node.graph is not graph:
+            continue
+        steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+        if len(node.inputs) > 4 and node.inputs[4] is not None and steps is None:
+            continue
+        whole = dims(node.inputs[0]), dims(node.outputs[0])
+        if steps is not None and (steps != 1).any() or None in whole:
+            continue
+        if not same_shape(*whole) or node.outputs[0].is_graph_output():
+            continue
+        node.outputs[0].replace_all_uses_with(node.inputs[0])
+        graph.remove(node, safe=True)
+        dropped += 1
+    return dropped

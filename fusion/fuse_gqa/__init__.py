@@ -66,9 +66,10 @@ Left intact, with the reason in the report: a mask computed at run time that is 
 ``attention_bias`` shape ``(B | 1, N | 1, S, T)``; a mask computed from the inputs' sizes with
 no rotation (an encoder's, :mod:`fusion.fuse_attention`'s); ``cos``/``sin`` not of the form
 above; only one of ``Q`` and ``K`` rotated; a value inside read elsewhere; a split into heads of
-unknown count or size (the TorchScript exporter's ``-1`` heads); keys of another length than
-the queries and no past (cross-attention); a value head size other than the key's; head counts
-that do not group.
+unknown count or size (the TorchScript exporter's ``-1`` heads where neither ONNX's shape
+inference nor ONNX Runtime's symbolic one computes them, :class:`fusion.FillShapes`); keys of
+another length than the queries and no past (cross-attention); a value head size other than the
+key's; head counts that do not group.
 """
 
 from __future__ import annotations

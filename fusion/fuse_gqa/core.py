@@ -51,10 +51,10 @@ def weights_reader(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node]] | None:
 
 def merged(attention: ir.Node, size: int) -> tuple[ir.Value, list[ir.Node]] | None:
     """The ``(B, S, size)`` value that merges the heads of ``attention``'s output back, and the
-    Transpose and Reshape that do it (after a Reshape to the same shape, as Phi-3's export
-    has)."""
+    Transpose and Reshape that do it (after a Reshape to the same shape, as Phi-3's export and
+    the TorchScript exporter's have)."""
     nodes: list[ir.Node] = []
-    transpose = sole_consumer(attention.outputs[0])
+    transpose = _reader(attention.outputs[0])
     if transpose is not None and transpose.op_type == "Reshape":  # a view to the same shape
         shape = dims(transpose.outputs[0])
         if shape is None or not same_shape(shape, dims(attention.outputs[0]) or []):
@@ -72,6 +72,14 @@ def merged(attention: ir.Node, size: int) -> tuple[ir.Value, list[ir.Node]] | No
     if out.shape is None or len(out.shape) != 3 or out.shape[2] != size:
         return None
     return out, [*nodes, transpose, reshape]
+
+
+def _reader(value: ir.Value) -> ir.Node | None:
+    """The one node that reads ``value`` other than Shape nodes (the TorchScript exporter's
+    ``view(*x.shape)`` reads its input's shape; :func:`with_helpers` takes such nodes in), or
+    None."""
+    readers = [use.node for use in value.uses() if use.node.op_type != "Shape"]
+    return readers[0] if len(readers) == 1 and not value.is_graph_output() else None
 
 
 def with_helpers(nodes: list[ir.Node]) -> list[ir.Node]:

@@ -30,9 +30,31 @@ def _generate_positions(mask: np.ndarray, length: int) -> np.ndarray:
     return np.maximum(np.cumsum(mask, axis=1) - 1, 0)[:, -length:]
 
 
-def _export(path) -> None:
+#: Optimum's names of the symbolic axes (its TorchScript export of a decoder with past).
+OPTIMUM_AXES = {
+    "input_ids": {0: "batch_size", 1: "sequence_length"},
+    "attention_mask": {0: "batch_size", 1: "past_sequence_length + sequence_length"},
+    "position_ids": {0: "batch_size", 1: "sequence_length"},
+    **{name: {0: "batch_size", 2: "past_sequence_length"} for name in dt.CACHE},
+    "logits": {0: "batch_size", 1: "sequence_length"},
+    **{name: {0: "batch_size", 2: "past_sequence_length + sequence_length"} for name in dt.PRESENT},
+}
+
+
+def _export(path, dynamo: bool) -> None:
+    """The decoder with ``position_ids``, exported by torch.onnx's dynamo exporter (symbolic
+    shapes everywhere) or by its TorchScript exporter as Optimum runs it (``dynamic_axes``;
+    no intermediate shapes, the head count written as ``-1``)."""
     feeds = dt.feeds(np.random.default_rng(1), 2, 3, 5, 0)
     example = _with_positions(feeds, np.tile(np.arange(5, 8), (2, 1)))
+    args = (
+        WithPositions(dt.causal_lm("llama")),
+        tuple(torch.from_numpy(a) for a in example.values()),
+    )
+    names = {"input_names": NAMES, "output_names": ["logits", *dt.PRESENT]}
+    if not dynamo:
+        torch.onnx.export(*args, str(path), dynamo=False, dynamic_axes=OPTIMUM_AXES, **names)
+        return
     dims = {n: torch.export.Dim(n) for n in ("batch", "sequence", "past", "total")}
     shapes = {
         "input_ids": {0: dims["batch"], 1: dims["sequence"]},
@@ -40,16 +62,16 @@ def _export(path) -> None:
         "position_ids": {0: dims["batch"], 1: dims["sequence"]},
         "past": tuple({0: dims["batch"], 2: dims["past"]} for _ in dt.CACHE),
     }
-    program = torch.onnx.export(
-        WithPositions(dt.causal_lm("llama")), tuple(torch.from_numpy(a) for a in example.values()),
-        dynamo=True, dynamic_shapes=shapes, input_names=NAMES, output_names=["logits", *dt.PRESENT],
-    )  # fmt: skip
+    program = torch.onnx.export(*args, dynamo=True, dynamic_shapes=shapes, **names)
     program.save(str(path), external_data=True)
 
 
-def test_tables_per_batch_row_become_rotary_embedding_caches_and_compute_the_export(tmp_path):
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_tables_per_batch_row_become_rotary_embedding_caches_and_compute_the_export(
+    tmp_path, dynamo
+):
     path = tmp_path / "model.onnx"
-    _export(path)
+    _export(path, dynamo)
     model = ir.load(path)
     report = fusion.optimize(model, target="ort")
     assert report.counts["gqa_fused"] == len(dt.nodes(model, "Attention")) == dt.LAYERS, (

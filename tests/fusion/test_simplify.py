@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fusion
+from fusion._ir import KnownShapes
 from fusion.simplify import composed_axes
 from normexport.runtime import make_session, run
 
@@ -176,3 +177,60 @@ def test_and_true_and_or_false_read_the_other_operand():
     expected = run(make_session(_logic_model(), "cpu"), feeds)
     for got, want in zip(run(make_session(model, "cpu"), feeds), expected, strict=True):
         assert got.shape == want.shape and np.array_equal(got, want)
+
+
+class Sizes(torch.nn.Module):
+    """Shape arithmetic as the TorchScript exporter writes it: a split into heads of ``-1``
+    count, ``x[..., : x.shape[-1] // 2]`` of a known size, a slice of a mask to a length it
+    already has, and a reversal (a Slice of step -1 of the same shape, which must stay)."""
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        heads = x.view(b, s, -1, 8).transpose(1, 2)
+        half = heads[..., : heads.shape[-1] // 2]
+        keys = mask[:, :, : heads.shape[2]]
+        return half * 2, keys.flip(-1) * 3
+
+
+def _export_sizes(path) -> None:
+    axes = {"x": {0: "batch", 1: "sequence"}, "mask": {0: "batch", 2: "sequence"}}
+    example = (torch.randn(2, 3, 32), torch.randn(2, 1, 3))
+    torch.onnx.export(
+        Sizes().eval(), example, str(path), dynamo=False, input_names=list(axes),
+        dynamic_axes=axes,
+    )  # fmt: skip
+
+
+def test_known_shapes_give_the_count_of_a_minus_one_split(tmp_path):
+    """ONNX's inference leaves the ``-1`` of ``view(b, s, -1, 8)`` unknown; ONNX Runtime's
+    symbolic inference (fusion._symbolic) computes it from the target's sizes."""
+    path = tmp_path / "sizes.onnx"
+    _export_sizes(path)
+    model = ir.load(path)
+    reshape = next(n for n in model.graph if n.op_type == "Reshape")
+    assert reshape.outputs[0].shape is None
+    shape = KnownShapes(model)(reshape.outputs[0])
+    assert [d if isinstance(d, int) else d.value for d in shape] == ["batch", "sequence", 4, 8]
+
+
+def test_known_sizes_fold_and_whole_slices_go_with_the_inferred_shapes(tmp_path):
+    path = tmp_path / "sizes.onnx"
+    _export_sizes(path)
+    model = ir.load(path)
+    before = collections.Counter(n.op_type for n in model.graph)
+    fusion.optimize(model)
+    after = collections.Counter(n.op_type for n in model.graph)
+    # x.shape[-1] // 2 is a constant (no Div); the mask's slice is gone, the reversal stays
+    assert (before["Div"], after["Div"]) == (1, 0)
+    assert (before["Slice"], after["Slice"]) == (3, 2)
+    steps = [n.inputs[4].const_value for n in model.graph if n.op_type == "Slice"]
+    assert sorted(int(s.numpy().reshape(-1)[0]) for s in steps) == [-1, 1]
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1), (2, 3), (3, 5)):
+        feeds = {
+            "x": rng.standard_normal((batch, length, 32)).astype(np.float32),
+            "mask": rng.standard_normal((batch, 1, length)).astype(np.float32),
+        }
+        for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):
+            np.testing.assert_array_equal(got, want)
