@@ -74,11 +74,13 @@ class Cleanup(ir.passes.InPlacePass):
 
 class SimplifyWithShapes(ir.passes.InPlacePass):
     """:func:`fusion.simplify.with_shapes` (rewrites that read the shapes :class:`fusion.FillShapes`
-    gave the values), then :func:`cleanup` again where it rewrote anything: the sizes it folds
-    feed arithmetic the folder then evaluates (``x.shape[-1] // 2``)."""
+    gave the values), then :func:`cleanup` again, as long as it rewrites anything: the sizes it
+    folds feed arithmetic the folder then evaluates (``x.shape[-1] // 2``), and the folder's
+    removal of a Cast to the same type puts an Expand next to its MatMul. Each round removes
+    nodes, so it ends."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if with_shapes(model.graph):
+        while with_shapes(model.graph):
             cleanup(model)
         return ir.passes.PassResult(model, modified=False)
 

@@ -15,9 +15,10 @@ position embedding of RoFormer (Su et al., 2021) applied to the queries and keys
 ``k`` with rows of its ``cos_cache`` / ``sin_cache`` (``do_rotary=1``), repeats the key/value
 heads itself, and masks causally (``causal=1``) or adds ``attention_bias``.
 
-What is fused, as ``torch.onnx.export`` (dynamo) writes transformers' ``LlamaAttention`` and
-the models that copy it (Qwen2/3, Mistral, Gemma, Phi-3), at a fixed length or with symbolic
-axes (:mod:`.parts` for each piece, :mod:`.core` for the Softmax's surroundings):
+What is fused, as ``torch.onnx.export`` (dynamo, or TorchScript as Optimum runs it) writes
+transformers' ``LlamaAttention`` and the models that copy it (Qwen2/3, Mistral, Gemma, Phi-3),
+at a fixed length or with symbolic axes (:mod:`.parts` for each piece, :mod:`.core` for the
+Softmax's surroundings):
 ``Softmax(scale * Q @ K^T [+ mask])`` anchored at the Softmax, the NaN guard of the dynamo export
 (``Where(IsNaN(p), 0, p)``: no row of a constant mask fused is all masked, and the rows of a
 run-time mask that are go to the model's own branch, so no NaN arises),

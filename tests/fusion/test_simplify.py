@@ -103,6 +103,35 @@ def test_indexing_by_aranges_is_a_slice_and_computes_the_gather(form, fused, tmp
         assert got.shape == expected.shape and np.array_equal(got, expected), (batch, length)
 
 
+@pytest.mark.parametrize("form, fused", [("unsqueeze", True), ("from_one", False)])
+def test_torchscript_indexing_by_whole_aranges_is_the_tensor_unsqueezed(form, fused, tmp_path):
+    """The TorchScript exporter writes ``mask[rows, keys]`` as a Gather from the flattened mask
+    (Optimum's exports); with the keys as many as the mask's columns (the axis names say so, as
+    Optimum's ``past_sequence_length + sequence_length``) it is the mask with unit axes."""
+    path = tmp_path / "index.onnx"
+    mask = torch.ones(2, 6 + (form == "from_one"), dtype=torch.int64)
+    past = torch.zeros(2, 3, 5, 4)
+    axes = {"mask": {0: "batch", 1: "length + 1"}, "past": {0: "batch", 2: "length"}}
+    torch.onnx.export(
+        Index(form), (mask, past), str(path), dynamo=False, input_names=list(axes),
+        dynamic_axes=axes,
+    )  # fmt: skip
+    model = ir.load(path)
+    before = collections.Counter(n.op_type for n in model.graph)
+    fusion.optimize(model)
+    after = collections.Counter(n.op_type for n in model.graph)
+    assert before["Flatten"] == 1 and after["Flatten"] == (0 if fused else 1), after
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    rng = np.random.default_rng(0)
+    for batch, length in ((2, 5), (3, 1), (1, 7), (4, 0)):
+        feeds = {
+            "mask": rng.integers(0, 2, (batch, length + 1 + (form == "from_one"))),
+            "past": rng.standard_normal((batch, 3, length, 4)).astype(np.float32),
+        }
+        expected, got = run(original, feeds)[0], run(optimized, feeds)[0]
+        assert got.shape == expected.shape and np.array_equal(got, expected), (batch, length)
+
+
 class Parts(torch.nn.Module):
     """Phi-3's packed projection read back by Slices: ``tiled`` cover the last axis (the last
     to its end, as ``x[..., 6:]`` is exported), else with a gap or an overlap."""
@@ -179,6 +208,55 @@ def test_and_true_and_or_false_read_the_other_operand():
         assert got.shape == want.shape and np.array_equal(got, want)
 
 
+def _arithmetic_model() -> ir.Model:
+    """``x * 1``, ``1 * x``, ``x / 1`` (each reads ``x``), ``1 / x`` and ``x * ones(2, 1, 1)``
+    (kept), and ``ConstantOfShape([], True) & (x > 0)`` (reads ``x > 0``); each negated."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    consts = {"one": np.array(1, np.float32), "ones211": np.ones((2, 1, 1), np.float32)}
+    ops = [("Mul", "x", "one"), ("Mul", "one", "x"), ("Div", "x", "one")]
+    ops += [("Div", "one", "x"), ("Mul", "x", "ones211")]
+    nodes = [helper.make_node(op, [a, b], [f"t{i}"]) for i, (op, a, b) in enumerate(ops)]
+    nodes += [helper.make_node("Neg", [f"t{i}"], [f"y{i}"]) for i in range(len(ops))]
+    nodes += [
+        helper.make_node(
+            "Constant", [], ["empty"], value=helper.make_tensor("e", TensorProto.INT64, [0], [])
+        ),
+        helper.make_node(
+            "ConstantOfShape", ["empty"], ["true"],
+            value=helper.make_tensor("v", TensorProto.BOOL, [1], [True]),
+        ),
+        helper.make_node("Greater", ["x", "zero"], ["positive"]),
+        helper.make_node("And", ["true", "positive"], ["t5"]),
+        helper.make_node("Not", ["t5"], ["y5"]),
+    ]  # fmt: skip
+    consts["zero"] = np.array(0, np.float32)
+    outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(5)]
+    outputs.append(helper.make_tensor_value_info("y5", TensorProto.BOOL, None))
+    graph = helper.make_graph(
+        nodes,
+        "arithmetic",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        outputs,
+        [numpy_helper.from_array(a, n) for n, a in consts.items()],
+        value_info=[helper.make_tensor_value_info("positive", TensorProto.BOOL, [2, 3])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    return ir.from_proto(proto)
+
+
+def test_mul_and_div_by_one_and_and_with_ones_read_the_other_operand():
+    model = _arithmetic_model()
+    fusion.cleanup(model)
+    kept = collections.Counter(n.op_type for n in model.graph)
+    assert (kept["Mul"], kept["Div"], kept["And"]) == (1, 1, 0), kept
+    x = np.array([[np.nan, np.inf, -0.0], [0.0, -3.5, 1e-40]], np.float32)
+    expected = run(make_session(_arithmetic_model(), "cpu"), {"x": x})
+    for got, want in zip(run(make_session(model, "cpu"), {"x": x}), expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+        assert got.shape == want.shape and (np.signbit(got) == np.signbit(want)).all()
+
+
 class Sizes(torch.nn.Module):
     """Shape arithmetic as the TorchScript exporter writes it: a split into heads of ``-1``
     count, ``x[..., : x.shape[-1] // 2]`` of a known size, a slice of a mask to a length it
@@ -230,6 +308,47 @@ def test_known_sizes_fold_and_whole_slices_go_with_the_inferred_shapes(tmp_path)
     for batch, length in ((1, 1), (2, 3), (3, 5)):
         feeds = {
             "x": rng.standard_normal((batch, length, 32)).astype(np.float32),
+            "mask": rng.standard_normal((batch, 1, length)).astype(np.float32),
+        }
+        for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+
+class Broadcasts(torch.nn.Module):
+    """Expands as transformers writes them: the rotary frequencies ``inv_freq[None, :, None]
+    .expand(B, -1, 1)`` before their MatMul with the positions (which broadcasts them alike),
+    a mask expanded to the shape it has; and one that widens a mask (which must stay)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.rand(8))
+
+    def forward(self, positions, mask):
+        batch = positions.shape[0]
+        frequencies = self.inv_freq[None, :, None].expand(batch, -1, 1)
+        angles = frequencies @ positions[:, None, :].float()
+        return angles, mask.expand(batch, -1, -1) * 2, mask.expand(batch, 4, -1) * 3
+
+
+def test_expands_that_change_nothing_go(tmp_path):
+    path = tmp_path / "broadcasts.onnx"
+    axes = {"positions": {0: "batch", 1: "sequence"}, "mask": {0: "batch", 2: "sequence"}}
+    example = (torch.arange(6).reshape(2, 3), torch.randn(2, 1, 3))
+    torch.onnx.export(
+        Broadcasts().eval(), example, str(path), dynamo=False, input_names=list(axes),
+        dynamic_axes=axes,
+    )  # fmt: skip
+    model = ir.load(path)
+    before = collections.Counter(n.op_type for n in model.graph)
+    fusion.optimize(model)
+    after = collections.Counter(n.op_type for n in model.graph)
+    assert (before["Expand"], after["Expand"]) == (3, 1)
+    assert sum(after.values()) < sum(before.values()) - 20  # their shape arithmetic went too
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    rng = np.random.default_rng(0)
+    for batch, length in ((1, 1), (2, 3), (3, 5)):
+        feeds = {
+            "positions": rng.integers(0, 64, (batch, length)),
             "mask": rng.standard_normal((batch, 1, length)).astype(np.float32),
         }
         for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):

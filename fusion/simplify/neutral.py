@@ -1,0 +1,150 @@
+"""Nodes that change nothing, read through (:mod:`fusion.simplify`): neutral elements, and with
+the inferred shapes, sizes that are numbers, whole Slices and Expands that broadcast nothing
+new."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import add_initializer, const_array, dims, producer, rank_of, same_dim, same_shape
+
+#: ``op: (neutral element, operand indices it may sit at)``: ``x op e == x`` exactly, in every
+#: IEEE float (NaN, infinities and signed zeros kept: ``x * 1``, ``x / 1``) and boolean.
+_NEUTRAL = {"And": (True, (0, 1)), "Or": (False, (0, 1)), "Mul": (1, (0, 1)), "Div": (1, (1,))}
+
+
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    """The array of a constant ``value``, or of ``ConstantOfShape`` of a constant shape of one
+    element (which onnxscript's folder leaves: transformers' ``ones`` of the mask), or None."""
+    array = const_array(value)
+    node = producer(value, "ConstantOfShape") if array is None else None
+    shape = const_array(node.inputs[0]) if node is not None else None
+    if shape is None or np.prod(shape) != 1:
+        return array
+    fill = node.attributes.get("value")
+    element = fill.as_tensor().numpy().reshape(-1)[0] if fill is not None else np.float32(0)
+    return np.full(shape.astype(np.int64), element)
+
+
+def drop_neutral_ops(graph: ir.Graph) -> int:
+    """Read ``x`` for each ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)`` and ``Div(x, 1)``
+    (:data:`_NEUTRAL`; transformers' mask starts from ``ones & causal``, its rotary tables are
+    scaled by an ``attention_scaling`` of 1) whose constant is one element of ``x``'s type and
+    of rank at most ``x``'s (so it adds no axis and casts nothing), and whose result is no graph
+    output; return how many."""
+    dropped = 0
+    for node in list(graph):
+        neutral = _NEUTRAL.get(node.op_type) if node.domain == "" else None
+        if neutral is None or node.graph is not graph or node.outputs[0].is_graph_output():
+            continue
+        for index in neutral[1]:
+            constant, x = _constant(node.inputs[index]), node.inputs[1 - index]
+            rank = rank_of(x)
+            if constant is None or constant.size != 1 or rank is None or constant.ndim > rank:
+                continue
+            same_type = x.dtype == ir.DataType.from_numpy(constant.dtype)
+            if not same_type and node.op_type in ("Mul", "Div"):  # And, Or: booleans only
+                continue
+            if constant.reshape(-1)[0] == neutral[0]:
+                node.outputs[0].replace_all_uses_with(x)
+                graph.remove(node, safe=True)
+                dropped += 1
+                break
+    return dropped
+
+
+def fold_known_sizes(graph: ir.Graph) -> int:
+    """Replace each ``Gather(Shape(x), i)`` (constant ``i``, a scalar or a vector; ``Shape``'s
+    ``start``/``end`` honoured) whose dimensions of ``x`` are numbers by a constant: the
+    TorchScript exporter's ``x.shape[-1] // 2`` of the rotary embedding, which onnxscript's
+    folder leaves (it folds vector indices only); return how many."""
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "Gather" or node.domain != "" or node.graph is not graph:
+            continue
+        shape = producer(node.inputs[0], "Shape")
+        index = const_array(node.inputs[1])
+        sizes = dims(shape.inputs[0]) if shape is not None else None
+        if sizes is None or index is None or index.ndim > 1 or node.attributes.get_int("axis", 0):
+            continue
+        start = shape.attributes.get_int("start", 0)
+        sizes = sizes[start : shape.attributes.get_int("end", len(sizes))]
+        if not all(-len(sizes) <= i < len(sizes) for i in index.reshape(-1)):
+            continue
+        picked = [sizes[int(i)] for i in index.reshape(-1)]
+        if not all(isinstance(d, int) for d in picked) or node.outputs[0].is_graph_output():
+            continue
+        array = np.array(picked, np.int64).reshape(index.shape)
+        node.outputs[0].replace_all_uses_with(add_initializer(graph, "known_size", array))
+        graph.remove(node, safe=True)
+        folded += 1
+    return folded
+
+
+def drop_whole_slices(graph: ir.Graph) -> int:
+    """Read ``x`` for each Slice of ``x`` with steps of 1 whose result has ``x``'s shape
+    (provably, :func:`fusion._ir.same_shape`): with step 1 a slice as long as its axis starts at
+    0 and ends at its end (Operators.md, Slice-13, the bounds clamped), whatever its bounds
+    compute to (transformers' ``causal_mask[:, :, :, : key.shape[-2]]`` of a mask as long as the
+    keys); return how many."""
+    dropped = 0
+    for node in list(graph):
+        if node.op_type != "Slice" or node.domain != "" or node.graph is not graph:
+            continue
+        steps = const_array(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] else None
+        if len(node.inputs) > 4 and node.inputs[4] is not None and steps is None:
+            continue
+        whole = dims(node.inputs[0]), dims(node.outputs[0])
+        if steps is not None and (steps != 1).any() or None in whole:
+            continue
+        if not same_shape(*whole) or node.outputs[0].is_graph_output():
+            continue
+        node.outputs[0].replace_all_uses_with(node.inputs[0])
+        graph.remove(node, safe=True)
+        dropped += 1
+    return dropped
+
+
+def _broadcast_only(expand: ir.Node, matmul: ir.Node) -> bool:
+    """Whether ``matmul`` computes the same with the input of ``expand`` (one of its operands)
+    as with its output: the Expand keeps the last two axes and the rank, and each batch axis it
+    widens from 1 the other operand has at that width (MatMul broadcasts it the same way,
+    Operators.md, MatMul and numpy's matmul)."""
+    source, wide = dims(expand.inputs[0]), dims(expand.outputs[0])
+    others = [v for v in matmul.inputs if v is not expand.outputs[0]]
+    other = dims(others[0]) if len(others) == 1 else None
+    if None in (source, wide, other) or len(source) != len(wide) or len(wide) < 3:
+        return False
+    if len(other) != len(wide) or not same_shape(source[-2:], wide[-2:]):
+        return False
+    return all(
+        same_dim(s, w) or (s == 1 and same_dim(o, w))
+        for s, w, o in zip(source[:-2], wide[:-2], other[:-2], strict=True)
+    )
+
+
+def drop_neutral_expands(graph: ir.Graph) -> int:
+    """Read ``x`` for each ``Expand(x, shape)`` that changes nothing: its result has ``x``'s
+    shape (provably), or every reader is a MatMul that broadcasts ``x`` as the Expand would
+    (:func:`_broadcast_only`: transformers' rotary ``inv_freq[None, :, None].expand(B, -1, 1)``
+    before its MatMul with the positions); return how many. The TorchScript exporter computes
+    each target with about ten nodes of index arithmetic, which go with it."""
+    dropped = 0
+    for node in list(graph):
+        if node.op_type != "Expand" or node.domain != "" or node.graph is not graph:
+            continue
+        out = node.outputs[0]
+        source, wide = dims(node.inputs[0]), dims(out)
+        if out.is_graph_output() or source is None or wide is None:
+            continue
+        readers = [use.node for use in out.uses()]
+        same = same_shape(source, wide)
+        if not same and not all(
+            r.op_type == "MatMul" and r.domain == "" and _broadcast_only(node, r) for r in readers
+        ):
+            continue
+        out.replace_all_uses_with(node.inputs[0])
+        graph.remove(node, safe=True)
+        dropped += 1
+    return dropped
