@@ -41,10 +41,10 @@ OPTIMUM_AXES = {
 }
 
 
-def _export(path, dynamo: bool) -> None:
-    """The decoder with ``position_ids``, exported by torch.onnx's dynamo exporter (symbolic
-    shapes everywhere) or by its TorchScript exporter as Optimum runs it (``dynamic_axes``;
-    no intermediate shapes, the head count written as ``-1``)."""
+def _export(path, family: str, dynamo: bool) -> None:
+    """The decoder of ``family`` with ``position_ids``, exported by torch.onnx's dynamo exporter
+    (symbolic shapes everywhere) or by its TorchScript exporter as Optimum runs it
+    (``dynamic_axes``; no intermediate shapes, the head count written as ``-1``)."""
     feeds = dt.feeds(np.random.default_rng(1), 2, 3, 5, 0)
     example = _with_positions(feeds, np.tile(np.arange(5, 8), (2, 1)))
     args = (
@@ -66,12 +66,15 @@ def _export(path, dynamo: bool) -> None:
     program.save(str(path), external_data=True)
 
 
-@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+@pytest.mark.parametrize(
+    "family, dynamo",
+    [("llama", True), ("llama", False), ("qwen2", False), ("qwen3", False), ("phi3", False)],
+)
 def test_tables_per_batch_row_become_rotary_embedding_caches_and_compute_the_export(
-    tmp_path, dynamo
+    tmp_path, family, dynamo
 ):
     path = tmp_path / "model.onnx"
-    _export(path, dynamo)
+    _export(path, family, dynamo)
     model = ir.load(path)
     report = fusion.optimize(model, target="ort")
     assert report.counts["gqa_fused"] == len(dt.nodes(model, "Attention")) == dt.LAYERS, (
