@@ -10,6 +10,9 @@ position embedding of RoFormer (Su et al., 2021) applied to the queries and keys
 
     out = softmax(scale * rope(q) @ rope(k)^T + mask) @ v
 
+or, with Gemma 2's soft-capping of the scores before the mask, ``softmax(c * tanh(scale *
+rope(q) @ rope(k)^T / c) + mask) @ v``: the ops' ``softcap = c`` (:func:`.core.scores`).
+
 ``GroupQueryAttention`` computes this from the projections before they are split into heads
 (``query (B, S, N*H)``, ``key`` and ``value (B, T, K*H)``): it splits them, rotates ``q`` and
 ``k`` with rows of its ``cos_cache`` / ``sin_cache`` (``do_rotary=1``), repeats the key/value
@@ -82,16 +85,14 @@ import onnx_ir as ir
 
 from fusion._ir import (
     add_initializer,
-    dims,
     escaping_value,
     label,
     opset_version,
     remove_nodes,
     replace_output,
-    same_dim,
 )
 from fusion.base import MS_DOMAIN, CannotFuse, Code, Kind, NodeFusionPass, Op
-from fusion.fuse_gqa import build, core, guard, masks, parts, standard
+from fusion.fuse_gqa import build, core, guard, masks, parts, standard, trace
 
 
 @dataclasses.dataclass
@@ -108,8 +109,10 @@ class GQAMatch:
             time (then the op is guarded, :mod:`.guard`), or None.
         output: the ``(B, S, N*H)`` value the op's output replaces.
         nodes: the nodes it replaces.
-        past: ``(past key, past value, present key, present value)`` (:func:`_past`), or None.
+        past: ``(past key, past value, present key, present value)``
+            (:func:`.trace.past_of`), or None.
         nan_guard: the model maps NaN attention weights to 0 (the dynamo export's guard).
+        softcap: the soft-capping of the scores (:func:`core.scores`), 0 where there is none.
     """
 
     query: parts.Heads
@@ -123,31 +126,13 @@ class GQAMatch:
     nodes: list[ir.Node]
     past: tuple[ir.Value, ir.Value, ir.Value, ir.Value] | None
     nan_guard: bool
+    softcap: float = 0.0
 
     @property
     def guarded(self) -> bool:
         """Whether the op goes behind an ``If`` (:mod:`.guard`): with a past, or a run-time
         mask."""
         return self.past is not None or isinstance(self.bias, ir.Value)
-
-
-def _side(value: ir.Value, rotated: bool) -> tuple[parts.Heads, parts.Rotary | None]:
-    """The heads behind ``value`` (rotated first when ``rotated``).
-
-    Raises:
-        CannotFuse: ``value`` is not a split into heads of known size.
-    """
-    rank4 = value.shape is not None and len(value.shape) == 4
-    size = value.shape[3] if rank4 else None
-    rotation = parts.rotary(value, size) if rotated and isinstance(size, int) else None
-    found = parts.heads(rotation.x if rotation else value)
-    if found is None:
-        raise CannotFuse(
-            Code.UNKNOWN_SHAPE, "the query, key or value is no split into heads of known count"
-        )
-    if rotation is not None:
-        found.nodes += rotation.nodes
-    return found, rotation
 
 
 def _check_per_batch(model: ir.Model, match: GQAMatch) -> None:
@@ -170,74 +155,6 @@ def _check_per_batch(model: ir.Model, match: GQAMatch) -> None:
             "the rotary tables differ per batch row (the model's position_ids): only ONNX's "
             "RotaryEmbedding takes them, with a KV cache or a run-time mask, at opset 18 or above",
         )
-
-
-def _repeated(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]]:
-    """``repeat_kv``'s input, its repeat count and nodes; ``(value, 1, [])`` where there is
-    none."""
-    found = parts.repeat_kv(value)
-    return found if found is not None else (value, 1, [])
-
-
-def _trace(qk: ir.Node, pv: ir.Node):
-    """The heads of ``Q @ K^T`` (``qk``) and of ``P @ V`` (``pv``) traced back to their splits:
-    ``((query, key, value), (query's rotation, key's), other nodes, factor on Q @ K^T, past)``
-    (``past`` from :func:`_past`), or None where the key is not transposed.
-
-    Raises:
-        CannotFuse: a split of unknown size, or head counts that do not group.
-    """
-    q_value, q_factor, q_nodes = parts.scaled(qk.inputs[0])
-    k_value, k_factor, k_nodes = parts.scaled(qk.inputs[1])
-    transposed = parts.transposed_key(k_value)
-    if transposed is None:
-        return None
-    key4, key_nodes = transposed
-    key4, k_repeats, repeat_k = _repeated(key4)
-    value4, v_repeats, repeat_v = _repeated(pv.inputs[1])
-    key4, past_key, concat_k = parts.with_past(key4)
-    value4, past_value, concat_v = parts.with_past(value4)
-    query, q_rot = _side(q_value, True)
-    key, k_rot = _side(key4, True)
-    value, _ = _side(value4, False)
-    counts = (query.count, key.count, value.count)
-    if key.count * k_repeats != query.count or (k_repeats, key.count) != (v_repeats, value.count):
-        raise CannotFuse(Code.SHAPE_MISMATCH, f"head counts {counts} do not group")
-    if not query.size == key.size == value.size:
-        raise CannotFuse(Code.SHAPE_MISMATCH, "value heads of another size than the key's")
-    lengths = [dims(h.split)[1] for h in (query, key, value)]
-    if not all(same_dim(lengths[0], n) for n in lengths[1:]):
-        raise CannotFuse(
-            Code.SHAPE_MISMATCH,
-            "keys or values not provably as many as the queries (a past, or cross-attention): "
-            "the op without a past takes one length",
-        )
-    past = _past(key, value, past_key, past_value, concat_k + concat_v)
-    nodes = [*q_nodes, *k_nodes, *key_nodes, *repeat_k, *repeat_v, *concat_k, *concat_v]
-    return (query, key, value), (q_rot, k_rot), nodes, q_factor * k_factor, past
-
-
-def _past(key: parts.Heads, value: parts.Heads, past_key, past_value, concats):
-    """``(past key, past value, present key, present value)`` of a layer's KV cache
-    (:func:`parts.with_past`), or None where it has none.
-
-    Raises:
-        CannotFuse: only one of the key and the value has a past, or a past not of the
-            ``(B, K, P, H)`` layout the op takes.
-    """
-    if past_key is None and past_value is None:
-        return None
-    if past_key is None or past_value is None:
-        raise CannotFuse(Code.SHAPE_MISMATCH, "only one of the key and the value has a past")
-    for past, heads in ((past_key, key), (past_value, value)):
-        shape, split = dims(past), dims(heads.split)
-        if not (
-            same_dim(shape[0], split[0]) and shape[1] == heads.count and shape[3] == heads.size
-        ):
-            raise CannotFuse(
-                Code.SHAPE_MISMATCH, "a past key or value not of the layout (B, K, P, H)"
-            )
-    return past_key, past_value, concats[0].outputs[0], concats[1].outputs[0]
 
 
 class FuseGroupQueryAttention(NodeFusionPass):
@@ -272,9 +189,9 @@ class FuseGroupQueryAttention(NodeFusionPass):
         scores, after = core.scores(node), core.weights_reader(node)
         if scores is None or after is None:
             return None
-        qk, mask, factor, nodes = scores
+        qk, mask, factor, softcap, nodes = scores
         pv, guard = after
-        traced = _trace(qk, pv)
+        traced = trace.heads_of(qk, pv)
         if traced is None:
             return None
         (query, key, value), (q_rot, k_rot), more, qk_factor, past = traced
@@ -293,7 +210,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
             raise CannotFuse(Code.SHARED_OUTPUT, "a value inside the attention is read elsewhere")
         found = GQAMatch(
             query, key, value, factor * qk_factor, tables, *masking, output, matched, past,
-            bool(guard),
+            bool(guard), softcap,
         )  # fmt: skip
         _check_per_batch(model, found)
         return found
@@ -353,6 +270,8 @@ class FuseGroupQueryAttention(NodeFusionPass):
             "scale": match.scale,
             "causal": int(match.causal),
         }
+        if match.softcap:
+            attributes["softcap"] = match.softcap
         if match.tables is not None:
             inputs += self._caches(graph, match, flat[0], inserted)
             attributes["do_rotary"] = 1

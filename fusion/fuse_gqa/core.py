@@ -10,22 +10,41 @@ from fusion._ir import dims, producer, same_shape, scalar_const, sole_consumer
 from fusion.fuse_gqa import parts
 
 
-def scores(softmax: ir.Node) -> tuple[ir.Node, ir.Value | None, float, list[ir.Node]] | None:
-    """``(Q @ K^T MatMul, mask or None, factor, nodes)`` of the Softmax's input."""
+def _product(value: ir.Value) -> tuple[ir.Node, float, float, list[ir.Node]] | None:
+    """``(Q @ K^T MatMul, factor, softcap, nodes)`` where ``value`` is ``factor * (Q @ K^T)``
+    (softcap 0), or ``a * tanh(b * (Q @ K^T))`` with ``a > 0``: the logit soft-capping of
+    Gemma 2 (``softcap * tanh(scores / softcap)``), which is ONNX's ``Attention`` ``softcap=a``
+    with ``scale = a * b`` (Operators.md, Attention-23: soft-capped before the mask is added;
+    ONNX Runtime's GroupQueryAttention likewise); None otherwise."""
+    outer, cap, nodes = parts.scaled(value)
+    tanh = producer(outer, "Tanh")
+    if tanh is None:
+        matmul = producer(outer, "MatMul")
+        return (matmul, cap, 0.0, nodes) if matmul is not None else None
+    inner, factor, inside = parts.scaled(tanh.inputs[0])
+    matmul = producer(inner, "MatMul")
+    if matmul is None or cap <= 0:
+        return None
+    return matmul, cap * factor, cap, [*nodes, tanh, *inside]
+
+
+def scores(softmax: ir.Node):
+    """``(Q @ K^T MatMul, mask or None, factor, softcap, nodes)`` of the Softmax's input
+    (:func:`_product`; softcap 0 where there is none)."""
     if softmax.attributes.get_int("axis", -1) not in (-1, 3):
         return None
     scores, mask, nodes = softmax.inputs[0], None, []
     add = producer(scores, "Add")
     if add is not None:
-        sides = [i for i in (0, 1) if producer(parts.scaled(add.inputs[i])[0], "MatMul")]
+        sides = [i for i in (0, 1) if _product(add.inputs[i]) is not None]
         if not sides:
             return None
         scores, mask, nodes = add.inputs[sides[0]], add.inputs[1 - sides[0]], [add]
-    inner, factor, scaling = parts.scaled(scores)
-    matmul = producer(inner, "MatMul")
-    if matmul is None:
+    found = _product(scores)
+    if found is None:
         return None
-    return matmul, mask, factor, [*nodes, *scaling, matmul]
+    matmul, factor, softcap, more = found
+    return matmul, mask, factor, softcap, [*nodes, *more, matmul]
 
 
 def weights_reader(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node]] | None:

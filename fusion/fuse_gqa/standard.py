@@ -134,6 +134,8 @@ def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> 
         "scale": match.scale,
         "is_causal": int(match.causal),
     }
+    if match.softcap:
+        attributes["softcap"] = match.softcap
     inputs = [*flat, mask, *past[:2]] if match.past is not None else [*flat, mask]
     fused = ir.node(
         "Attention", inputs, attributes, num_outputs=len(outputs), name=f"{name}_Attention"

@@ -25,8 +25,9 @@ All need opset 13 or above (Unsqueeze's axes and Split's sizes as inputs).
 Once the values carry the shapes inference gives them (:class:`fusion.FillShapes`),
 :func:`with_shapes` also folds the sizes of those shapes that are numbers
 (:func:`.neutral.fold_known_sizes`), drops the Slices that provably keep a whole tensor
-(:func:`.neutral.drop_whole_slices`) and the Expands that change nothing
-(:func:`.neutral.drop_neutral_expands`), and reads torch's TorchScript indexing of a 2-D tensor
+(:func:`.neutral.drop_whole_slices`), the Expands that change nothing
+(:func:`.neutral.drop_neutral_expands`) and the Casts to the type a value has
+(:func:`.neutral.drop_same_type_casts`), and reads torch's TorchScript indexing of a 2-D tensor
 by whole aranges as the tensor (:func:`.index.flat_index_grids`): the TorchScript exporter's
 shape arithmetic.
 """
@@ -44,6 +45,7 @@ from fusion.simplify.index import (
 from fusion.simplify.neutral import (
     drop_neutral_expands,
     drop_neutral_ops,
+    drop_same_type_casts,
     drop_whole_slices,
     fold_known_sizes,
 )
@@ -64,9 +66,11 @@ def simplify(graph: ir.Graph, final: bool = False) -> int:
 def with_shapes(graph: ir.Graph) -> int:
     """Apply :func:`.index.merge_unsqueezes` (again: it needs ranks),
     :func:`.neutral.fold_known_sizes`, :func:`.neutral.drop_whole_slices`,
-    :func:`.neutral.drop_neutral_expands` and :func:`.index.flat_index_grids` to ``graph`` in
+    :func:`.neutral.drop_neutral_expands`, :func:`.neutral.drop_same_type_casts` and
+    :func:`.index.flat_index_grids` to ``graph`` in
     place, once its values carry the shapes inference gives (:class:`fusion.FillShapes`);
     return how many rewrites were made. Exact wherever those shapes are (the named symbols of
     the model's inputs are taken as their values, as everywhere in the passes)."""
     done = merge_unsqueezes(graph) + fold_known_sizes(graph) + drop_whole_slices(graph)
-    return done + drop_neutral_expands(graph) + flat_index_grids(graph)
+    done += drop_neutral_expands(graph) + drop_same_type_casts(graph)
+    return done + flat_index_grids(graph)

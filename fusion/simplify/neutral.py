@@ -148,3 +148,22 @@ def drop_neutral_expands(graph: ir.Graph) -> int:
         graph.remove(node, safe=True)
         dropped += 1
     return dropped
+
+
+def drop_same_type_casts(graph: ir.Graph) -> int:
+    """Read ``x`` for each ``Cast(x, to)`` whose ``x`` already has the type ``to`` (an identity,
+    Operators.md, Cast), known once the values carry their inferred types (Gemma 2's
+    ``softmax(..., dtype=float32)`` of float32 scores); return how many."""
+    dropped = 0
+    for node in list(graph):
+        if node.op_type != "Cast" or node.domain != "" or node.graph is not graph:
+            continue
+        source, to = node.inputs[0].dtype, node.attributes.get_int("to")
+        if source is None or to is None or source != ir.DataType(to):
+            continue
+        if node.outputs[0].is_graph_output():
+            continue
+        node.outputs[0].replace_all_uses_with(node.inputs[0])
+        graph.remove(node, safe=True)
+        dropped += 1
+    return dropped

@@ -31,6 +31,12 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaModel, {}),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model, {"head_dim": HEAD}),
     "gemma": (transformers.GemmaConfig, transformers.GemmaModel, {"head_dim": HEAD}),
+    # its logits soft-capped, 50 * tanh(scores / 50): the ops' softcap
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2Model,
+        {"head_dim": HEAD, "query_pre_attn_scalar": HEAD, "attn_logit_softcapping": 50.0},
+    ),
     "mistral": (transformers.MistralConfig, transformers.MistralModel, {"sliding_window": 4096}),
     "phi3": (transformers.Phi3Config, transformers.Phi3Model, {"pad_token_id": 0}),
 }
@@ -48,7 +54,7 @@ class Hidden(torch.nn.Module):
         with torch.no_grad():
             for name, p in self.model.named_parameters():
                 if "norm" in name:  # Gemma scales by 1 + w, the others by w
-                    p.copy_(0.3 * torch.randn_like(p) + (family != "gemma"))
+                    p.copy_(0.3 * torch.randn_like(p) + (not family.startswith("gemma")))
 
     def forward(self, input_ids):
         return self.model(input_ids=input_ids).last_hidden_state
@@ -92,6 +98,7 @@ def test_decoders_exported_at_a_fixed_length_get_one_op_per_layer_and_are_exact(
         assert attributes["num_heads"] == HEADS and attributes["kv_num_heads"] == KV_HEADS
         assert attributes["do_rotary"] == 1 and attributes["causal"] == 1
         assert math.isclose(attributes["scale"], HEAD**-0.5, rel_tol=1e-6)
+        assert attributes.get("softcap", 0.0) == (50.0 if family == "gemma2" else 0.0)
         packed = node.inputs[1] is None and node.inputs[2] is None  # Phi-3's qkv_proj as is
         assert packed == (family == "phi3"), node.inputs[:3]
     _assert_onnx_accepts(model)

@@ -96,6 +96,19 @@ def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_exp
     _assert_computes_the_export(model, path)
 
 
+def test_soft_capped_scores_become_the_softcap_of_attention(tmp_path):
+    """Gemma 2 caps its scores before the mask, as ONNX's Attention does with ``softcap``
+    (Operators.md, Attention-23): the layers fuse, and compute the export everywhere."""
+    path = tmp_path / "model.onnx"
+    _export_with_past(dt.causal_lm(dt.GEMMA2), path)
+    model = ir.load(path)
+    report = fusion.optimize(model, target="ort")
+    nodes = dt.nodes(model, "Attention")
+    assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
+    assert all(n.attributes["softcap"].value == 50.0 for n in nodes)
+    _assert_computes_the_export(model, path)
+
+
 @pytest.mark.parametrize("family", ["llama", "phi3"])
 def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, monkeypatch):
     """As for a model whose opset onnxscript's converter does not take (below 18)."""
