@@ -103,6 +103,26 @@ def test_indexing_by_aranges_is_a_slice_and_computes_the_gather(form, fused, tmp
         assert got.shape == expected.shape and np.array_equal(got, expected), (batch, length)
 
 
+def _torchscript(module: torch.nn.Module, example: tuple, axes: dict, path) -> ir.Model:
+    """``module`` exported by torch.onnx's TorchScript exporter (``dynamic_axes`` named
+    ``axes``, as Optimum runs it) to ``path``, loaded."""
+    torch.onnx.export(
+        module.eval(), example, str(path), dynamo=False, input_names=list(axes),
+        dynamic_axes=axes,
+    )  # fmt: skip
+    return ir.load(path)
+
+
+def _assert_computes_the_file(model: ir.Model, path, inputs: list[dict]) -> None:
+    """``model`` gives the outputs of the file at ``path`` on ONNX Runtime, element for element
+    (the same dtype and shape), for each of ``inputs``."""
+    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    for feeds in inputs:
+        for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):
+            assert got.shape == want.shape, feeds
+            np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("form, fused", [("unsqueeze", True), ("from_one", False)])
 def test_torchscript_indexing_by_whole_aranges_is_the_tensor_unsqueezed(form, fused, tmp_path):
     """The TorchScript exporter writes ``mask[rows, keys]`` as a Gather from the flattened mask
@@ -110,26 +130,21 @@ def test_torchscript_indexing_by_whole_aranges_is_the_tensor_unsqueezed(form, fu
     Optimum's ``past_sequence_length + sequence_length``) it is the mask with unit axes."""
     path = tmp_path / "index.onnx"
     mask = torch.ones(2, 6 + (form == "from_one"), dtype=torch.int64)
-    past = torch.zeros(2, 3, 5, 4)
     axes = {"mask": {0: "batch", 1: "length + 1"}, "past": {0: "batch", 2: "length"}}
-    torch.onnx.export(
-        Index(form), (mask, past), str(path), dynamo=False, input_names=list(axes),
-        dynamic_axes=axes,
-    )  # fmt: skip
-    model = ir.load(path)
+    model = _torchscript(Index(form), (mask, torch.zeros(2, 3, 5, 4)), axes, path)
     before = collections.Counter(n.op_type for n in model.graph)
     fusion.optimize(model)
     after = collections.Counter(n.op_type for n in model.graph)
     assert before["Flatten"] == 1 and after["Flatten"] == (0 if fused else 1), after
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
-    for batch, length in ((2, 5), (3, 1), (1, 7), (4, 0)):
-        feeds = {
+    inputs = [
+        {
             "mask": rng.integers(0, 2, (batch, length + 1 + (form == "from_one"))),
             "past": rng.standard_normal((batch, 3, length, 4)).astype(np.float32),
         }
-        expected, got = run(original, feeds)[0], run(optimized, feeds)[0]
-        assert got.shape == expected.shape and np.array_equal(got, expected), (batch, length)
+        for batch, length in ((2, 5), (3, 1), (1, 7), (4, 0))
+    ]
+    _assert_computes_the_file(model, path, inputs)
 
 
 class Parts(torch.nn.Module):
@@ -169,10 +184,27 @@ def test_slices_that_tile_an_axis_are_one_split_after_the_passes(form, split, tm
         assert np.array_equal(got, expected)
 
 
+def _model(nodes: list, x_type: int, outputs: list, consts: dict, value_info=()) -> ir.Model:
+    """An opset-18 model of ``nodes`` with one input ``x`` of ``x_type`` and shape (2, 3), the
+    initializers ``consts`` (name: array)."""
+    from onnx import helper, numpy_helper
+
+    graph = helper.make_graph(
+        nodes,
+        "neutral",
+        [helper.make_tensor_value_info("x", x_type, [2, 3])],
+        outputs,
+        [numpy_helper.from_array(a, n) for n, a in consts.items()],
+        value_info=list(value_info),
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    return ir.from_proto(proto)
+
+
 def _logic_model() -> ir.Model:
     """``x & True``, ``x | False`` (both read ``x``), ``x & True`` with a constant of a higher
     rank (it broadcasts ``x``: kept), ``x & False`` (kept); each cast to float."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     consts = {
         "true": np.array(True),
@@ -186,34 +218,16 @@ def _logic_model() -> ir.Model:
         nodes.append(helper.make_node(op, ["x", const] if i % 2 else [const, "x"], [f"b{i}"]))
         nodes.append(helper.make_node("Cast", [f"b{i}"], [f"y{i}"], to=TensorProto.FLOAT))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None))
-    graph = helper.make_graph(
-        nodes,
-        "logic",
-        [helper.make_tensor_value_info("x", TensorProto.BOOL, [2, 3])],
-        outputs,
-        [numpy_helper.from_array(a, n) for n, a in consts.items()],
-    )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-    return ir.from_proto(proto)
-
-
-def test_and_true_and_or_false_read_the_other_operand():
-    model = _logic_model()
-    fusion.cleanup(model)
-    kept = collections.Counter(n.op_type for n in model.graph)
-    assert (kept["And"], kept["Or"]) == (2, 0), kept
-    feeds = {"x": np.random.default_rng(0).random((2, 3)) > 0.5}
-    expected = run(make_session(_logic_model(), "cpu"), feeds)
-    for got, want in zip(run(make_session(model, "cpu"), feeds), expected, strict=True):
-        assert got.shape == want.shape and np.array_equal(got, want)
+    return _model(nodes, TensorProto.BOOL, outputs, consts)
 
 
 def _arithmetic_model() -> ir.Model:
     """``x * 1``, ``1 * x``, ``x / 1`` (each reads ``x``), ``1 / x`` and ``x * ones(2, 1, 1)``
     (kept), and ``ConstantOfShape([], True) & (x > 0)`` (reads ``x > 0``); each negated."""
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     consts = {"one": np.array(1, np.float32), "ones211": np.ones((2, 1, 1), np.float32)}
+    consts["zero"] = np.array(0, np.float32)
     ops = [("Mul", "x", "one"), ("Mul", "one", "x"), ("Div", "x", "one")]
     ops += [("Div", "one", "x"), ("Mul", "x", "ones211")]
     nodes = [helper.make_node(op, [a, b], [f"t{i}"]) for i, (op, a, b) in enumerate(ops)]
@@ -230,31 +244,36 @@ def _arithmetic_model() -> ir.Model:
         helper.make_node("And", ["true", "positive"], ["t5"]),
         helper.make_node("Not", ["t5"], ["y5"]),
     ]  # fmt: skip
-    consts["zero"] = np.array(0, np.float32)
     outputs = [helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, None) for i in range(5)]
     outputs.append(helper.make_tensor_value_info("y5", TensorProto.BOOL, None))
-    graph = helper.make_graph(
-        nodes,
-        "arithmetic",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-        outputs,
-        [numpy_helper.from_array(a, n) for n, a in consts.items()],
-        value_info=[helper.make_tensor_value_info("positive", TensorProto.BOOL, [2, 3])],
-    )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
-    return ir.from_proto(proto)
+    positive = helper.make_tensor_value_info("positive", TensorProto.BOOL, [2, 3])
+    return _model(nodes, TensorProto.FLOAT, outputs, consts, [positive])
 
 
-def test_mul_and_div_by_one_and_and_with_ones_read_the_other_operand():
-    model = _arithmetic_model()
+@pytest.mark.parametrize(
+    "build, x, kept",
+    [
+        (_logic_model, np.random.default_rng(0).random((2, 3)) > 0.5, {"And": 2, "Or": 0}),
+        (
+            _arithmetic_model,
+            np.array([[np.nan, np.inf, -0.0], [0.0, -3.5, 1e-40]], np.float32),
+            {"Mul": 1, "Div": 1, "And": 0},
+        ),
+    ],
+    ids=["logic", "arithmetic"],
+)
+def test_neutral_elements_read_the_other_operand(build, x, kept):
+    """``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)``, ``Div(x, 1)`` read ``x``, bit for bit
+    (NaN, infinities and the sign of zero kept); a constant that broadcasts ``x`` stays."""
+    model = build()
     fusion.cleanup(model)
-    kept = collections.Counter(n.op_type for n in model.graph)
-    assert (kept["Mul"], kept["Div"], kept["And"]) == (1, 1, 0), kept
-    x = np.array([[np.nan, np.inf, -0.0], [0.0, -3.5, 1e-40]], np.float32)
-    expected = run(make_session(_arithmetic_model(), "cpu"), {"x": x})
+    counts = collections.Counter(n.op_type for n in model.graph)
+    assert {op: counts[op] for op in kept} == kept, counts
+    expected = run(make_session(build(), "cpu"), {"x": x})
     for got, want in zip(run(make_session(model, "cpu"), {"x": x}), expected, strict=True):
+        assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
-        assert got.shape == want.shape and (np.signbit(got) == np.signbit(want)).all()
+        assert (np.signbit(got) == np.signbit(want)).all()
 
 
 class Sizes(torch.nn.Module):
@@ -270,21 +289,15 @@ class Sizes(torch.nn.Module):
         return half * 2, keys.flip(-1) * 3
 
 
-def _export_sizes(path) -> None:
+def _export_sizes(path) -> ir.Model:
     axes = {"x": {0: "batch", 1: "sequence"}, "mask": {0: "batch", 2: "sequence"}}
-    example = (torch.randn(2, 3, 32), torch.randn(2, 1, 3))
-    torch.onnx.export(
-        Sizes().eval(), example, str(path), dynamo=False, input_names=list(axes),
-        dynamic_axes=axes,
-    )  # fmt: skip
+    return _torchscript(Sizes(), (torch.randn(2, 3, 32), torch.randn(2, 1, 3)), axes, path)
 
 
 def test_known_shapes_give_the_count_of_a_minus_one_split(tmp_path):
     """ONNX's inference leaves the ``-1`` of ``view(b, s, -1, 8)`` unknown; ONNX Runtime's
     symbolic inference (fusion._symbolic) computes it from the target's sizes."""
-    path = tmp_path / "sizes.onnx"
-    _export_sizes(path)
-    model = ir.load(path)
+    model = _export_sizes(tmp_path / "sizes.onnx")
     reshape = next(n for n in model.graph if n.op_type == "Reshape")
     assert reshape.outputs[0].shape is None
     shape = KnownShapes(model)(reshape.outputs[0])
@@ -293,8 +306,7 @@ def test_known_shapes_give_the_count_of_a_minus_one_split(tmp_path):
 
 def test_known_sizes_fold_and_whole_slices_go_with_the_inferred_shapes(tmp_path):
     path = tmp_path / "sizes.onnx"
-    _export_sizes(path)
-    model = ir.load(path)
+    model = _export_sizes(path)
     before = collections.Counter(n.op_type for n in model.graph)
     fusion.optimize(model)
     after = collections.Counter(n.op_type for n in model.graph)
@@ -303,15 +315,15 @@ def test_known_sizes_fold_and_whole_slices_go_with_the_inferred_shapes(tmp_path)
     assert (before["Slice"], after["Slice"]) == (3, 2)
     steps = [n.inputs[4].const_value for n in model.graph if n.op_type == "Slice"]
     assert sorted(int(s.numpy().reshape(-1)[0]) for s in steps) == [-1, 1]
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
-    for batch, length in ((1, 1), (2, 3), (3, 5)):
-        feeds = {
+    inputs = [
+        {
             "x": rng.standard_normal((batch, length, 32)).astype(np.float32),
             "mask": rng.standard_normal((batch, 1, length)).astype(np.float32),
         }
-        for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):
-            np.testing.assert_array_equal(got, want)
+        for batch, length in ((1, 1), (2, 3), (3, 5))
+    ]
+    _assert_computes_the_file(model, path, inputs)
 
 
 class Broadcasts(torch.nn.Module):
@@ -334,22 +346,18 @@ def test_expands_that_change_nothing_go(tmp_path):
     path = tmp_path / "broadcasts.onnx"
     axes = {"positions": {0: "batch", 1: "sequence"}, "mask": {0: "batch", 2: "sequence"}}
     example = (torch.arange(6).reshape(2, 3), torch.randn(2, 1, 3))
-    torch.onnx.export(
-        Broadcasts().eval(), example, str(path), dynamo=False, input_names=list(axes),
-        dynamic_axes=axes,
-    )  # fmt: skip
-    model = ir.load(path)
+    model = _torchscript(Broadcasts(), example, axes, path)
     before = collections.Counter(n.op_type for n in model.graph)
     fusion.optimize(model)
     after = collections.Counter(n.op_type for n in model.graph)
     assert (before["Expand"], after["Expand"]) == (3, 1)
     assert sum(after.values()) < sum(before.values()) - 20  # their shape arithmetic went too
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
     rng = np.random.default_rng(0)
-    for batch, length in ((1, 1), (2, 3), (3, 5)):
-        feeds = {
+    inputs = [
+        {
             "positions": rng.integers(0, 64, (batch, length)),
             "mask": rng.standard_normal((batch, 1, length)).astype(np.float32),
         }
-        for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):
-            np.testing.assert_array_equal(got, want)
+        for batch, length in ((1, 1), (2, 3), (3, 5))
+    ]
+    _assert_computes_the_file(model, path, inputs)
