@@ -77,10 +77,10 @@ class SimplifyWithShapes(ir.passes.InPlacePass):
     gave the values), then :func:`cleanup` again, as long as it rewrites anything: the sizes it
     folds feed arithmetic the folder then evaluates (``x.shape[-1] // 2``), and the folder's
     removal of a Cast to the same type puts an Expand next to its MatMul. Each round removes
-    nodes, so it ends."""
+    nodes, so it ends. Opset 13 and above, as :func:`fusion.simplify.simplify`."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        while with_shapes(model.graph):
+        while opset_version(model) >= 13 and with_shapes(model.graph):
             cleanup(model)
         return ir.passes.PassResult(model, modified=False)
 
