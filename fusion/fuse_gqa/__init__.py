@@ -56,8 +56,12 @@ model's opset raised to it, :mod:`.standard`): ONNX Runtime's CPU kernel of ``At
 computes every input the model accepts, where GroupQueryAttention's refuses a batch of several
 sequences of several tokens after a past and gives NaN for a query all masked; the model's mask,
 as the model computes it from its ``attention_mask`` (padding, the causal offset of the past), is
-its ``attn_mask``, and the ``present`` outputs keep the model's names. In a decode step the three
-projections become one MatMul and a Split (:func:`.build.projected`). Where the model's
+its ``attn_mask``, and the ``present`` outputs keep the model's names. A sliding-window cache
+(Mistral's, Gemma 2's) crops the past before the new keys join it: the op's past is the cropped
+one, and the mask, which the model adds to the scores, spans the keys wherever the model runs,
+though its length is not provably theirs (:func:`.masks.mask_spans_keys`; only this op takes
+it). In a decode step the three projections become one MatMul and a Split
+(:func:`.build.projected`). Where the model's
 opset is below 18 (onnxscript's version converter starts there) or its mask is not of a form
 :func:`.standard.bias` takes, GroupQueryAttention takes the past (every key valid to it,
 ``seqlens_k = P + S - 1``) and the mask as its ``attention_bias`` (``causal=0``), rotating by the
@@ -135,25 +139,32 @@ class GQAMatch:
         return self.past is not None or isinstance(self.bias, ir.Value)
 
 
-def _check_per_batch(model: ir.Model, match: GQAMatch) -> None:
-    """Refuse rotary tables of one row per batch row (the model's ``position_ids``) where the
-    match would not become ONNX's ``RotaryEmbedding`` (:mod:`.standard`), the one op that takes
-    them.
+def _check_standard_only(model: ir.Model, match: GQAMatch) -> None:
+    """Refuse what only ONNX's ``Attention`` and ``RotaryEmbedding`` take (:mod:`.standard`)
+    where the match would not become them: rotary tables of one row per batch row (the model's
+    ``position_ids``), and a mask not provably as long as the keys (:func:`masks.mask_spans_keys`:
+    a sliding-window cache), which GroupQueryAttention's ``attention_bias`` must be.
 
     Raises:
-        CannotFuse: such tables, and no KV cache nor run-time mask ONNX's ``Attention`` takes,
+        CannotFuse: such a match, and no KV cache nor run-time mask ONNX's ``Attention`` takes,
             or a model below opset 18.
     """
     tables = match.tables
-    if tables is None or isinstance(tables[0], np.ndarray):
-        return
-    if parts.runtime_table(tables[0], match.query) != "per_batch":
-        return
-    if not standard.convertible(model) or FuseGroupQueryAttention._standard_mask(match) is None:
+    runtime = tables is not None and not isinstance(tables[0], np.ndarray)
+    per_batch = runtime and parts.runtime_table(tables[0], match.query) == "per_batch"
+    spans = masks.mask_spans_keys(match.bias, match.past)
+    if (per_batch or not spans) and (
+        not standard.convertible(model) or FuseGroupQueryAttention._standard_mask(match) is None
+    ):
         raise CannotFuse(
-            Code.NOT_CONSTANT,
-            "the rotary tables differ per batch row (the model's position_ids): only ONNX's "
-            "RotaryEmbedding takes them, with a KV cache or a run-time mask, at opset 18 or above",
+            Code.NOT_CONSTANT if per_batch else Code.SHAPE_MISMATCH,
+            (
+                "the rotary tables differ per batch row (the model's position_ids)"
+                if per_batch
+                else "the mask is not provably as long as the keys (a sliding-window cache)"
+            )
+            + ": only ONNX's Attention takes it, with a KV cache or a run-time mask, at opset "
+            "18 or above",
         )
 
 
@@ -212,7 +223,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
             query, key, value, factor * qk_factor, tables, *masking, output, matched, past,
             bool(guard), softcap,
         )  # fmt: skip
-        _check_per_batch(model, found)
+        _check_standard_only(model, found)
         return found
 
     def apply(self, model: ir.Model) -> bool:

@@ -179,7 +179,9 @@ def _causal(rows: int, cols: int) -> np.ndarray:
 def runtime_bias(mask: ir.Value, batch, heads: int, length, total) -> bool:
     """Whether the model's additive ``mask``, computed at run time, is the op's
     ``attention_bias`` as it is: float32 of shape ``(B | 1, N | 1, S, T)`` for ``batch``,
-    ``heads``, query ``length`` and key ``total`` (dimensions compared provably)."""
+    ``heads``, query ``length`` and key ``total`` (dimensions compared provably; ``total``
+    None: any last axis but a literal 1, which the model would broadcast over the keys and ONNX's
+    Attention pads)."""
     shape = dims(mask)
     if mask.dtype != ir.DataType.FLOAT or shape is None or len(shape) != 4:
         return False
@@ -187,7 +189,7 @@ def runtime_bias(mask: ir.Value, batch, heads: int, length, total) -> bool:
         (shape[0] == 1 or same_dim(shape[0], batch))
         and shape[1] in (1, heads)
         and same_dim(shape[2], length)
-        and same_dim(shape[3], total)
+        and (shape[3] != 1 if total is None else same_dim(shape[3], total))
     )
 
 
@@ -215,7 +217,10 @@ def masking(mask, opset: int, tables, query: parts.Heads, key: parts.Heads, past
     elif tables is None:
         return None
     split = dims(query.split)
-    total = dims(past[2])[2] if past is not None else dims(key.split)[1]
+    # With a past, a mask of a length not provably the keys' (a sliding-window cache crops the
+    # past: Mistral's, Gemma 2's) is taken where the model adds it, so wherever the model runs
+    # it spans the keys; only ONNX's Attention takes it (:func:`mask_spans_keys`).
+    total = None if past is not None else dims(key.split)[1]
     if mask is not None and not runtime_bias(mask, split[0], query.count, split[1], total):
         raise CannotFuse(
             Code.SHAPE_MISMATCH,
@@ -223,3 +228,11 @@ def masking(mask, opset: int, tables, query: parts.Heads, key: parts.Heads, past
             "(B or 1, N or 1, S, T)",
         )
     return False, mask
+
+
+def mask_spans_keys(mask: ir.Value | None, past) -> bool:
+    """Whether a run-time ``mask`` provably spans the keys: as long as the present (the past
+    and the new keys, ``past`` as :func:`masking` takes it), or no mask, or no past."""
+    if not isinstance(mask, ir.Value) or past is None:
+        return True
+    return same_dim(dims(mask)[3], dims(past[2])[2])

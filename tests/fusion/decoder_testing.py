@@ -35,28 +35,27 @@ FAMILIES = {
         },
     ),
 }
-#: Gemma 2, its scores soft-capped (``50 * tanh(scores / 50)``, before the mask), every layer of
-#: full attention (a sliding one's cache crops the present to the window); apart from
-#: :data:`FAMILIES`, whose tests assert each family's projections.
-GEMMA2 = (
-    transformers.Gemma2Config,
-    transformers.Gemma2ForCausalLM,
-    {
-        "head_dim": 16,
-        "query_pre_attn_scalar": 16,
-        "attn_logit_softcapping": 50.0,
-        "layer_types": ["full_attention"] * COMMON["num_hidden_layers"],
-    },
-)
+#: Decoders apart from :data:`FAMILIES` (whose tests assert each family's projections), with a
+#: sliding-window cache (it crops the past to the window, 4096 by default, before the new keys
+#: join it): Gemma 2, every other layer sliding, its scores soft-capped (``50 * tanh(scores /
+#: 50)``, before the mask), and Mistral.
+WINDOWED = {
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {"head_dim": 16, "query_pre_attn_scalar": 16, "attn_logit_softcapping": 50.0},
+    ),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"head_dim": 16}),
+}
 LAYERS = COMMON["num_hidden_layers"]
 CACHE = [f"past_key_values.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
 PRESENT = [f"present.{i}.{kv}" for i in range(LAYERS) for kv in ("key", "value")]
 
 
-def causal_lm(family: str | tuple) -> torch.nn.Module:
-    """The model of ``family`` (a key of :data:`FAMILIES`, or such a triple: :data:`GEMMA2`),
-    its norm weights and biases random."""
-    config, model, extra = FAMILIES[family] if isinstance(family, str) else family
+def causal_lm(family: str) -> torch.nn.Module:
+    """The model of ``family`` (a key of :data:`FAMILIES` or :data:`WINDOWED`), its norm weights
+    and biases random."""
+    config, model, extra = {**FAMILIES, **WINDOWED}[family]
     torch.manual_seed(0)
     module = model(config(**COMMON, **extra)).eval()
     with torch.no_grad():

@@ -96,16 +96,20 @@ def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_exp
     _assert_computes_the_export(model, path)
 
 
-def test_soft_capped_scores_become_the_softcap_of_attention(tmp_path):
-    """Gemma 2 caps its scores before the mask, as ONNX's Attention does with ``softcap``
-    (Operators.md, Attention-23): the layers fuse, and compute the export everywhere."""
+@pytest.mark.parametrize("family", sorted(dt.WINDOWED))
+def test_sliding_window_caches_and_soft_capped_scores_become_onnx_attention(family, tmp_path):
+    """A sliding-window cache crops the past before the new keys join it: the keys' length is
+    not provably the mask's, which the model adds, so spans them wherever the model runs; ONNX's
+    Attention takes the cropped past and the mask. Gemma 2 caps its scores before the mask, as
+    ``softcap`` does (Operators.md, Attention-23). Every layer fuses and computes the export."""
     path = tmp_path / "model.onnx"
-    _export_with_past(dt.causal_lm(dt.GEMMA2), path)
+    _export_with_past(dt.causal_lm(family), path)
     model = ir.load(path)
     report = fusion.optimize(model, target="ort")
     nodes = dt.nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
-    assert all(n.attributes["softcap"].value == 50.0 for n in nodes)
+    softcap = 50.0 if family == "gemma2" else 0.0
+    assert all(n.attributes.get_float("softcap", 0.0) == softcap for n in nodes)
     _assert_computes_the_export(model, path)
 
 
@@ -126,6 +130,20 @@ def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, 
         packed = node.inputs[1] is None and node.inputs[2] is None  # one MatMul, not three
         assert packed == (family != "qwen3"), node.inputs[:3]
     _assert_projections(model, family)
+    _assert_computes_the_export(model, path)
+
+
+def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_path, monkeypatch):
+    """GroupQueryAttention's attention_bias must be as long as the keys; a sliding-window
+    cache's mask is not provably so: without ONNX's Attention, the layers stay as they are."""
+    monkeypatch.setattr(standard, "convertible", lambda model: False)
+    path = tmp_path / "model.onnx"
+    _export_with_past(dt.causal_lm("mistral"), path)
+    model = ir.load(path)
+    report = fusion.optimize(model, target="ort", attention=False)
+    assert report.counts["gqa_fused"] == 0
+    reasons = [r.detail for r in report.refused if r.kind == "gqa"]
+    assert len(reasons) == dt.LAYERS and all("sliding-window" in r for r in reasons), reasons
     _assert_computes_the_export(model, path)
 
 
