@@ -10,14 +10,22 @@ median (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13) 
 max. Because round ``i`` of every variant ran back to back, two variants are compared by the
 median of their per-round ratios (:func:`paired_ratio`), whose bootstrap interval is much
 tighter than one computed from two independent medians on a machine whose speed drifts.
+
+Where each variant is an ONNX Runtime session, where and when a session was opened matters too:
+two sessions of one file, timed interleaved, can differ by a few percent, the later-opened one
+faster (``benchmarks/results/decoders_cpu.json``, the control). :func:`counterbalanced` opens
+several copies of each variant in ABBA order and :func:`rotating` times them in turn, so that no
+variant's sessions are all the earlier ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 import onnxruntime as ort
@@ -170,6 +178,40 @@ def time_interleaved(
             variants[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)
     return {name: Timing.from_samples(s) for name, s in samples.items()}
+
+
+_T = TypeVar("_T")
+
+
+def counterbalanced(opens: Mapping[str, Callable[[], _T]], copies: int) -> dict[str, list[_T]]:
+    """``copies`` objects of each variant, opened in counterbalanced (ABBA) order: the variants
+    in order, then in reverse, and so on, so that with an even ``copies`` each variant's copies
+    sit, on average, at the same place in the opening order.
+
+    Args:
+        opens: name -> zero-argument callable that opens one copy (a session).
+        copies: how many of each, at least 1.
+
+    Returns:
+        name -> its copies, in the order they were opened.
+
+    Raises:
+        ValueError: ``copies`` is below 1.
+    """
+    if copies < 1:
+        raise ValueError(f"copies must be at least 1, got {copies}")
+    opened: dict[str, list[_T]] = {name: [] for name in opens}
+    for copy in range(copies):
+        for name in list(opens)[:: -1 if copy % 2 else 1]:
+            opened[name].append(opens[name]())
+    return opened
+
+
+def rotating(calls: Sequence[Callable[[], object]]) -> Callable[[], object]:
+    """One zero-argument callable that calls each of ``calls`` in turn, one per call: a
+    variant timed over its :func:`counterbalanced` copies."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def latency_threads() -> int:

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from normexport.runtime.latency import Timing, bootstrap_ci, paired_ratio, time_interleaved
+from normexport.runtime.latency import (
+    Timing,
+    bootstrap_ci,
+    counterbalanced,
+    paired_ratio,
+    rotating,
+    time_interleaved,
+)
 
 
 def test_from_samples_summarizes_in_ms():
@@ -63,3 +70,29 @@ def test_time_interleaved_rotates_and_pairs_rounds():
     assert all(t.runs == 3 and len(t.samples_ms) == 3 for t in result.values())
     timed = calls[3:]  # after one warm-up round
     assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+
+
+def test_counterbalanced_opens_in_abba_order():
+    opened = []
+
+    def opener(name):
+        def open_one():
+            opened.append(name)
+            return f"{name}{opened.count(name)}"
+
+        return open_one
+
+    copies = counterbalanced({n: opener(n) for n in "abc"}, 3)
+    assert opened == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert copies == {"a": ["a1", "a2", "a3"], "b": ["b1", "b2", "b3"], "c": ["c1", "c2", "c3"]}
+    assert counterbalanced({"a": lambda: 0}, 1) == {"a": [0]}
+    with pytest.raises(ValueError, match="at least 1"):
+        counterbalanced({"a": lambda: 0}, 0)
+
+
+def test_rotating_calls_each_copy_in_turn():
+    calls = []
+    call = rotating([lambda: calls.append(0), lambda: calls.append(1), lambda: calls.append(2)])
+    for _ in range(7):
+        call()
+    assert calls == [0, 1, 2, 0, 1, 2, 0]
