@@ -34,10 +34,11 @@ padding mask; batch only symbolic; every norm weight and bias random), against t
 optimizers.
 
 Each variant is ``--copies`` sessions (default 2), opened in ABBA order and timed in turn
-(:func:`normexport.runtime.latency.counterbalanced`): with one session each, opened in the
-order above, a second session of normexport's own file ran faster than the first at every
-decode step of an earlier run (its control), so every tool opened after normexport's was
-favoured.
+(:func:`normexport.runtime.latency.counterbalanced`), every round in a random order: with one
+session each, opened in the order above, and each round in a rotated order (every variant after
+the same other one), a second session of normexport's own file ran faster than the first at
+every decode step of an earlier run (its control), so the tools opened and timed after
+normexport's were favoured.
 A control (:data:`CONTROL`, ``normexport_again``): other sessions of normexport's own file,
 timed like the others. Its ratio is 1 but for what the bootstrap interval does not see (where
 each session's weights and buffers lie): a difference from another tool no larger than the

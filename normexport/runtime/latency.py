@@ -1,9 +1,11 @@
 """Latency of several variants of one model, timed interleaved in one process.
 
-Each round runs every variant once, in a rotated order, so that drift of a shared, noisy machine
-(frequency, other tenants) lands on all variants alike. After a warm-up, rounds continue until
-``budget_s`` is spent (at least ``min_runs``, at most ``max_runs``). Medians and p90 are quoted;
-compare variants by their ratio, never by absolute numbers from different runs.
+Each round runs every variant once, in an order drawn at random (seeded), so that drift of a
+shared, noisy machine (frequency, other tenants) lands on all variants alike and no variant
+always runs after the same other one (a rotated order keeps each variant's predecessor: the
+decoders benchmark's A/A control then ran a few percent off 1). After a warm-up, rounds
+continue until ``budget_s`` is spent (at least ``min_runs``, at most ``max_runs``). Medians and
+p90 are quoted; compare variants by their ratio, never by absolute numbers from different runs.
 
 Spread: each :class:`Timing` carries a 95% percentile-bootstrap confidence interval of its
 median (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13) and its min and
@@ -150,6 +152,7 @@ def time_interleaved(
     min_runs: int = 20,
     max_runs: int = 500,
     budget_s: float = 10.0,
+    seed: int = 0,
 ) -> dict[str, Timing]:
     """Time each zero-argument callable in ``variants``, interleaved.
 
@@ -160,6 +163,7 @@ def time_interleaved(
             capture).
         min_runs, max_runs: bounds on the number of timed rounds.
         budget_s: wall-clock seconds to aim for across all timed rounds.
+        seed: of the rounds' orders (a random permutation each).
 
     Returns:
         name -> :class:`Timing`; sample ``i`` of every variant comes from round ``i``.
@@ -172,8 +176,10 @@ def time_interleaved(
     per_round = (time.perf_counter() - start) / max(warmup, 1)
     runs = int(min(max_runs, max(min_runs, budget_s / max(per_round, 1e-9))))
     samples: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(runs):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+    rng = np.random.default_rng(seed)
+    for _ in range(runs):
+        for index in rng.permutation(len(names)):
+            name = names[index]
             t0 = time.perf_counter()
             variants[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)

@@ -62,14 +62,26 @@ def test_paired_ratio_refuses_timings_from_different_runs():
         paired_ratio(Timing(1.0, 1.0, 1.0, 1), Timing(1.0, 1.0, 1.0, 1))
 
 
-def test_time_interleaved_rotates_and_pairs_rounds():
+def _orders(seed: int, rounds: int = 40) -> list[list[str]]:
+    """The rounds' orders of time_interleaved over four variants, after one warm-up round."""
     calls = []
-    variants = {name: (lambda name=name: calls.append(name)) for name in "abc"}
-    result = time_interleaved(variants, warmup=1, min_runs=3, max_runs=3, budget_s=0.0)
-    assert set(result) == {"a", "b", "c"}
-    assert all(t.runs == 3 and len(t.samples_ms) == 3 for t in result.values())
-    timed = calls[3:]  # after one warm-up round
-    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    variants = {name: (lambda name=name: calls.append(name)) for name in "abcd"}
+    result = time_interleaved(
+        variants, warmup=1, min_runs=rounds, max_runs=rounds, budget_s=0.0, seed=seed
+    )
+    assert all(t.runs == rounds and len(t.samples_ms) == rounds for t in result.values())
+    assert calls[:4] == list("abcd")  # the warm-up round
+    return [calls[i : i + 4] for i in range(4, len(calls), 4)]
+
+
+def test_time_interleaved_pairs_rounds_in_random_orders():
+    orders = _orders(seed=0)
+    assert all(sorted(order) == list("abcd") for order in orders)  # each variant once a round
+    assert orders == _orders(seed=0)  # seeded
+    assert orders != _orders(seed=1)
+    # No variant always runs after the same other one (a rotation would keep its predecessor).
+    before = {name: {o[o.index(name) - 1] for o in orders if o[0] != name} for name in "abcd"}
+    assert all(len(previous) == 3 for previous in before.values())
 
 
 def test_counterbalanced_opens_in_abba_order():
