@@ -55,6 +55,7 @@ bench: install $(VENV)/.bench-installed
 	$(PY) benchmarks/compare_fusers.py
 	$(PY) benchmarks/precision.py
 	$(PY) benchmarks/reparam.py
+	$(PY) benchmarks/session_order.py
 
 lint: install
 	$(VENV)/bin/ruff check .
