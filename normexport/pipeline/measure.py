@@ -15,7 +15,12 @@ from normexport.pipeline.job import Job
 from normexport.pipeline.optimize import Reference, Staged
 from normexport.report import Latency
 from normexport.runtime import memory as runtime_memory
-from normexport.runtime.latency import latency_threads, time_interleaved
+from normexport.runtime.latency import (
+    counterbalanced,
+    latency_threads,
+    rotating,
+    time_interleaved,
+)
 from normexport.verdict import hidden_probe
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
@@ -74,7 +79,13 @@ def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
     (:func:`normexport.runtime.memory.fit_together`), each is timed alone in turn, with half
     the budget, and the report says so. PyTorch and ONNX Runtime get the same number of
     threads (:func:`normexport.runtime.latency.latency_threads`): each with its default beside
-    the other's pool oversubscribes the cores and times the contention."""
+    the other's pool oversubscribes the cores and times the contention.
+
+    On CPU, where two sessions of each fit in memory too, each model is two sessions opened in
+    ABBA order (raw, optimized, optimized, raw) and timed in turn
+    (:func:`normexport.runtime.latency.counterbalanced`): two CPU sessions of one file, opened
+    one after the other, can differ by a percent or more, on some models always the same way
+    (``benchmarks/session_order.py``); one session each would favour one model."""
     threads, feeds, provider = latency_threads(), job.sets["example"], job.provider
     # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
     session = functools.partial(runtime.make_session, spinning=False, threads=threads)
@@ -82,24 +93,34 @@ def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
         "ort_raw": lambda: session(ref.path, provider),
         "ort_optimized": lambda: session(job.output, provider, disabled_optimizers=staged.disabled),
     }
-    apart = runtime_memory.fit_together([ref.path, job.output], provider)
+    paths = [ref.path, job.output]
+    apart = runtime_memory.fit_together(paths, provider)
     groups = [list(opens)] if apart is None else [[name] for name in opens]
+    both = apart is None and provider == "cpu"
+    copies = 2 if both and runtime_memory.fit_together(paths * 2, provider) is None else 1
     timed: dict = {}
     if job.loaded.module is not None:
         eager = Eager(job.loaded.module)
         timed["pytorch_eager"] = lambda: eager([feeds[n] for n in job.feed_names])
     timings: dict = {}
     for group in groups:
-        for name in group:
-            opened = opens[name]()
-            timed[name] = functools.partial(
-                runtime.run, opened, precision.cast_feeds(opened, feeds)
-            )
+        opened = counterbalanced({name: opens[name] for name in group}, copies)
+        timed |= _in_turn(opened, feeds)
         progress.step(", ".join(timed) + (", interleaved" if len(timed) > 1 else ""))
         timings |= _timed(timed, threads, job.opts.budget_s / len(groups))
         timed, opened = {}, None  # one group's sessions at a time
         runtime_memory.give_back()
-    return Latency(timings, threads, threads, apart)
+    return Latency(timings, threads, threads, apart, copies)
+
+
+def _in_turn(opened: dict, feeds: dict) -> dict:
+    """name -> one callable that runs its sessions (``opened[name]``) in turn on ``feeds``."""
+    return {
+        name: rotating(
+            [functools.partial(runtime.run, s, precision.cast_feeds(s, feeds)) for s in sessions]
+        )
+        for name, sessions in opened.items()
+    }
 
 
 def _timed(timed: dict, threads: int, budget_s: float) -> dict:

@@ -105,12 +105,15 @@ class Latency:
         pytorch_threads, onnxruntime_threads: intra-op threads each was given (the same).
         apart: why the ONNX Runtime variants were timed one at a time, not interleaved (their
             sessions would not fit in memory together), or None.
+        sessions: ONNX Runtime sessions of each model, opened in ABBA order and timed in turn
+            (:func:`normexport.runtime.latency.counterbalanced`).
     """
 
     timings: dict[str, Timing]
     pytorch_threads: int
     onnxruntime_threads: int
     apart: str | None = None
+    sessions: int = 1
 
     @property
     def busy(self) -> list[str]:
@@ -124,6 +127,7 @@ class Latency:
             "onnxruntime_threads": self.onnxruntime_threads,
             "busy": self.busy,
             "apart": self.apart,
+            "sessions_per_model": self.sessions,
         }
 
 

@@ -280,6 +280,7 @@ def _render_latency(latency: Latency, console: Console) -> None:
     console.print(
         f"threads: PyTorch {latency.pytorch_threads}, ONNX Runtime "
         f"{latency.onnxruntime_threads} (intra-op; inter-op 1)"
+        + (f"; {latency.sessions} sessions of each model in turn" if latency.sessions > 1 else "")
     )
     if latency.busy:
         console.print(

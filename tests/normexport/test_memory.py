@@ -112,9 +112,25 @@ def test_latency_apart_where_two_sessions_do_not_fit(tmp_path, rng, monkeypatch,
 
 
 def test_latency_interleaved_where_they_fit(tmp_path, rng, sessions):
+    """Room for two sessions of each: raw, optimized, optimized, raw, all four open at once."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
     report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
-    assert report.latency.apart is None and max(sessions) == 1  # the two timed together
+    assert report.latency.apart is None and report.latency.sessions == 2
+    assert sessions[-4:] == [0, 1, 2, 3], sessions  # the four timed together
+    assert report.to_dict()["latency_conditions"]["sessions_per_model"] == 2
+
+
+def test_latency_one_session_each_where_two_of_each_do_not_fit(
+    tmp_path, rng, monkeypatch, sessions
+):
+    model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
+    fit = memory.fit_together
+    monkeypatch.setattr(
+        memory, "fit_together", lambda paths, p: fit(paths, p) if len(paths) < 4 else "no room"
+    )
+    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
+    assert report.latency.apart is None and report.latency.sessions == 1
+    assert sessions[-2:] == [0, 1], sessions  # the two timed together
 
 
 def test_session_bytes_counts_half_weights_as_float32_on_cpu(tmp_path, rng):
