@@ -39,6 +39,7 @@ session each, opened in the order above, and each round in a rotated order (ever
 the same other one), a second session of normexport's own file ran faster than the first at
 every decode step of an earlier run (its control), so the tools opened and timed after
 normexport's were favoured.
+
 A control (:data:`CONTROL`, ``normexport_again``): other sessions of normexport's own file,
 timed like the others. Its ratio is 1 but for what the bootstrap interval does not see (where
 each session's weights and buffers lie): a difference from another tool no larger than the

@@ -76,7 +76,7 @@ def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
     """PyTorch eager (where there is a module), the raw model and the published output on the
     example inputs, timed interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms.
     Where the two sessions would not fit in memory together
-    (:func:`normexport.runtime.memory.fit_together`), each is timed alone in turn, with half
+    (:func:`normexport.runtime.memory.copies_that_fit`), each is timed alone in turn, with half
     the budget, and the report says so. PyTorch and ONNX Runtime get the same number of
     threads (:func:`normexport.runtime.latency.latency_threads`): each with its default beside
     the other's pool oversubscribes the cores and times the contention.
@@ -93,11 +93,8 @@ def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
         "ort_raw": lambda: session(ref.path, provider),
         "ort_optimized": lambda: session(job.output, provider, disabled_optimizers=staged.disabled),
     }
-    paths = [ref.path, job.output]
-    apart = runtime_memory.fit_together(paths, provider)
+    copies, apart = runtime_memory.copies_that_fit([ref.path, job.output], provider, most=2)
     groups = [list(opens)] if apart is None else [[name] for name in opens]
-    both = apart is None and provider == "cpu"
-    copies = 2 if both and runtime_memory.fit_together(paths * 2, provider) is None else 1
     timed: dict = {}
     if job.loaded.module is not None:
         eager = Eager(job.loaded.module)

@@ -152,20 +152,25 @@ def weights_in_session(tensors: list[ir.TensorProtocol], provider: str) -> int:
     return sum(t.nbytes * (2 if provider == "cpu" and t.dtype in _HALF else 1) for t in tensors)
 
 
-def fit_together(paths: list[Path], provider: str) -> str | None:
-    """Whether ``ORT_ENABLE_ALL`` sessions of all of ``paths`` fit in memory at once: None
-    where they do (or where the system does not say how much there is), else why not, in
-    words for the report.
+def copies_that_fit(paths: list[Path], provider: str, most: int) -> tuple[int, str | None]:
+    """How many ``ORT_ENABLE_ALL`` sessions of each of ``paths`` to open at once, at most
+    ``most``: ``(copies, None)``, or ``(1, why not)`` where even one of each would not fit in
+    memory together (then each is timed alone; the reason in words for the report). Where the
+    system does not say how much memory there is, ``most`` of each.
 
-    Only host memory is planned: on CUDA the weights go to the device.
+    Only host memory is planned: on CUDA the weights go to the device, and one session of
+    each is opened.
     """
+    if provider != "cpu":
+        return 1, None
     available = available_bytes()
-    if available is None or provider != "cpu":
-        return None
+    if available is None:
+        return most, None
     needed = sum(session_bytes(p, provider) for p in paths)
-    if needed <= SESSIONS_SHARE * available:
-        return None
-    return (
+    room = SESSIONS_SHARE * available
+    if needed <= room:
+        return min(most, int(room // max(needed, 1))), None
+    return 1, (
         f"timed one at a time: {len(paths)} sessions together would take about "
         f"{needed / 2**30:.1f} GiB, over {SESSIONS_SHARE:.0%} of the "
         f"{available / 2**30:.1f} GiB available"
