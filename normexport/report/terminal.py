@@ -201,8 +201,8 @@ def _render_header(report: Report, console: Console) -> None:
     """The model, how it was exported, where it went, and the notes about it."""
     console.print(
         f"[bold]{report.model}[/] ({report.kind.replace('_', ' ')}, exporter "
-        f"{report.exporter}, opset {report.opset}, target {report.target}) -> "
-        f"[bold]{report.output}[/]"
+        f"{report.exporter}, target {report.target}) -> [bold]{report.output}[/] "
+        f"(opset {report.opset})"
     )
     if report.exporter_fallback:
         console.print(
