@@ -67,7 +67,7 @@ def model_file(name: str, folder: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return path, zoo.inputs
 
 
-def a_over_b(path: Path, feeds: dict, copies: int, budget_s: float) -> dict:
+def b_over_a(path: Path, feeds: dict, copies: int, budget_s: float) -> dict:
     """``b / a`` for two variants that are ``path``, ``copies`` sessions each (ABBA)."""
     open_one = functools.partial(runtime.make_session, path, "cpu", spinning=False, threads=THREADS)
     opened = counterbalanced({"a": open_one, "b": open_one}, copies)
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             entry = {design: [] for design in DESIGNS}
             for _ in range(args.repeats):
                 for design, copies in DESIGNS.items():
-                    entry[design].append(a_over_b(path, feeds, copies, args.budget))
+                    entry[design].append(b_over_a(path, feeds, copies, args.budget))
             results["models"][name] = entry
             for design in DESIGNS:
                 ratios = " ".join(f"{r['median']:.3f}" for r in entry[design])
