@@ -108,7 +108,10 @@ layer and a BatchNorm with a scale that is not positive (``maxpool_negative_scal
 that regroups the channels across dimensions of unknown size (``channels_regrouped``), a mean
 or max over the channel axis (``pools_over_channels``), channels that reach the layer on
 another axis than its input features (``wrong_channel_axis``). Only the main graph is
-rewritten (not If / Loop bodies).
+rewritten (not If / Loop bodies). A constant Add or Sub that follows a layer with no scale
+before it (a Mul, a Div, a BatchNorm) is a bias or an embedding (a ViT's positional embedding
+after its patch Conv), no candidate: left alone with no refusal, as a chain of shifts alone
+is not folded either.
 
 The code
 --------
@@ -144,8 +147,9 @@ class FoldBatchNorm(FusionPass):
     subtracted or a shift added after it: the package docstring, "What is counted as a
     BatchNorm"); any other chain of constants (a scalar, a per-channel layer scale) is an
     ``affine_folded``. Each candidate left alone
-    (every BatchNormalization still in the graph, and every constant Mul / Add / Sub / Div
-    after a linear layer that could not be folded) is a ``batchnorm`` refusal with a code of
+    (every BatchNormalization still in the graph, and every constant Mul / Div after a
+    linear layer, or Add / Sub after a scale, that could not be folded) is a ``batchnorm``
+    refusal with a code of
     the "BatchNorm and affine folding" section of :class:`~fusion.base.Code` or a shared one.
 
     Running the pass a second time changes nothing. It raises no errors of its own: a graph it

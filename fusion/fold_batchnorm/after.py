@@ -122,7 +122,11 @@ def chain_after(
 
 
 def _walk(layer: Layer, stops: dict[ir.Node, CannotFuse], shapes: KnownShapes) -> _Walk:
-    """Follow the one reader of each value from the layer output while it can be folded."""
+    """Follow the one reader of each value from the layer output while it can be folded.
+
+    The node it stops at goes into ``stops`` where it is a candidate: a BatchNorm, a scale (Mul,
+    Div) or a shift after one (:func:`_scales`). A shift alone (a ViT's positional embedding
+    after its patch Conv) is a bias or an embedding: no fold (:func:`_kind`), no refusal."""
     channels = layer.channels
     walk = _Walk(layer, layer.rank, np.ones(channels), np.zeros(channels))
     value = layer.node.outputs[0]
@@ -131,7 +135,8 @@ def _walk(layer: Layer, stops: dict[ir.Node, CannotFuse], shapes: KnownShapes) -
             if not _take(walk, reader, value, shapes):
                 break
         except CannotFuse as refusal:
-            stops[reader] = refusal
+            if _scales([*walk.chain, reader]):  # else a bias or an embedding: no candidate
+                stops[reader] = refusal
             break
         value = reader.outputs[0]
     return walk
@@ -187,14 +192,20 @@ def _kind(chain: list[ir.Node]) -> tuple[str, int] | None:
     without is a ``batchnorm_folded`` of 1 when it is a BatchNorm written by hand
     (:func:`_hand_written_batchnorm`), else an ``affine_folded`` of 1: a scalar (attention's
     ``1/sqrt(d)``) or a per-channel "layer scale" (ConvNeXt's ``gamma * x``), so that the
-    BatchNorm count stays honest. Bias Adds alone are nothing.
+    BatchNorm count stays honest. Shifts alone (bias Adds) are nothing (:func:`_scales`).
     """
-    batchnorms = sum(n.op_type == "BatchNormalization" for n in chain)
-    if not batchnorms and not any(n.op_type in ("Mul", "Div") for n in chain):
+    if not _scales(chain):
         return None
+    batchnorms = sum(n.op_type == "BatchNormalization" for n in chain)
     if batchnorms:
         return "batchnorm_folded", batchnorms
     return ("batchnorm_folded" if _hand_written_batchnorm(chain) else "affine_folded"), 1
+
+
+def _scales(chain: list[ir.Node]) -> bool:
+    """Whether ``chain`` (BatchNorms and constant Add / Sub / Mul / Div) scales: a BatchNorm, a
+    Mul or a Div in it. A chain that only shifts is a bias (or an embedding), no norm."""
+    return any(n.op_type in ("BatchNormalization", "Mul", "Div") for n in chain)
 
 
 def _hand_written_batchnorm(chain: list[ir.Node]) -> bool:

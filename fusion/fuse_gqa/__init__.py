@@ -77,7 +77,10 @@ above; only one of ``Q`` and ``K`` rotated; a value inside read elsewhere; a spl
 unknown count or size (the TorchScript exporter's ``-1`` heads where neither ONNX's shape
 inference nor ONNX Runtime's symbolic one computes them, :class:`fusion.FillShapes`); keys of
 another length than the queries and no past (cross-attention); a value head size other than the
-key's; head counts that do not group.
+key's; head counts that do not group. Only a decoder's attention is a candidate (rotated, with a
+past, or masked causally, :func:`.trace.heads_of`): an encoder's (no rotation, no causal mask,
+as in a cross-attention of a UNet or an encoder-decoder) is left to :mod:`fusion.fuse_attention`
+with no refusal here.
 """
 
 from __future__ import annotations
@@ -202,7 +205,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
             return None
         qk, mask, factor, softcap, nodes = scores
         pv, guard = after
-        traced = trace.heads_of(qk, pv)
+        traced = trace.heads_of(qk, pv, mask, opset_version(model))
         if traced is None:
             return None
         (query, key, value), (q_rot, k_rot), more, qk_factor, past = traced

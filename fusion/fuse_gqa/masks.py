@@ -163,6 +163,16 @@ def classify(mask: ir.Value | None, opset: int) -> tuple[bool, np.ndarray | None
     )
 
 
+def causal(mask: ir.Value | None, opset: int) -> bool:
+    """Whether the additive ``mask`` is causal at every size it is evaluated at
+    (:func:`classify`): the mark of a decoder's attention. False where there is no mask, or one
+    computed from the model's inputs, or one :func:`classify` refuses."""
+    try:
+        return mask is not None and classify(mask, opset)[0]
+    except CannotFuse:
+        return False
+
+
 def _as_4d(array: np.ndarray) -> np.ndarray | None:
     """A float32 mask of rank 2 to 4 as the op's ``(B|1, N|1, S, T)``, or None."""
     if array.dtype != np.float32 or not 2 <= array.ndim <= 4:

@@ -33,13 +33,15 @@ the merged Conv (:func:`fusion.fold_batchnorm.after.fold_chain_after`).
 1, stride 1 and no padding, the kxk of group 1, is ``W[n, c] = sum_m W_k[n, m] W_1[m, c]``,
 ``b = b_k + sum_m (sum of W_k[n, m]) b_1[m]``. Exact only where the kxk Conv pads nothing or
 ``b_1`` is zero (its padded zeros are not ``b_1``); merged only where the 1x1 has at least as
-many output as input channels (else the merged Conv does more multiply-adds).
+many output as input channels (else the merged Conv does more multiply-adds). A pair that
+is neither is left alone with no refusal: it is any CNN's 1x1 then 3x3 (a ResNet's bottleneck,
+a VAE's ``post_quant_conv`` then ``conv_in``), no re-parameterized block.
 
 Outcomes: each merge is a ``reparam_merged``; each BatchNormalization it absorbs (an identity
 branch's) a ``batchnorm_folded``, as is the fold after it. Refusals are of the ``batchnorm``
 family (re-parameterization is BatchNorm folding's second half), with the codes
 ``branch_not_conv``, ``stride_mismatch``, ``group_mismatch``, ``pads_not_aligned``,
-``more_work``, ``padded_conv`` and the shared ones.
+``more_work`` and the shared ones, for sums of branches only.
 """
 
 from __future__ import annotations
@@ -94,11 +96,10 @@ class MergeBranches(FusionPass):
         first = conv.inputs[0].producer()
         if first is None or not read_once(conv.inputs[0]) or not is_pair(first, conv):
             return False
-        try:
-            weight, bias = sequential_weights(first, conv)
-        except CannotFuse as refusal:
-            self.refused(conv, refusal)
+        merged = sequential_weights(first, conv)
+        if merged is None:  # not exact, or slower: no candidate, no refusal
             return False
+        weight, bias = merged
         name = label(conv)
         set_input(graph, conv, 1, weight, f"{conv.inputs[1].name}_merged")
         set_input(graph, conv, 2, bias, f"{conv.inputs[1].name}_merged_bias")

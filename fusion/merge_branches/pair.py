@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import const_array, label
-from fusion.base import CannotFuse, Code
+from fusion._ir import const_array
 from fusion.merge_branches.branches import bias_of, is_conv
 
 
@@ -29,13 +28,15 @@ def is_pair(first: ir.Node, second: ir.Node) -> bool:
     )
 
 
-def sequential_weights(first: ir.Node, second: ir.Node) -> tuple[np.ndarray, np.ndarray]:
+def sequential_weights(first: ir.Node, second: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
     """The weight and bias of ``second(first(x))`` as one Conv, in ``second``'s dtype
-    (``first`` and ``second`` a pair of :func:`is_pair`).
+    (``first`` and ``second`` a pair of :func:`is_pair`); None where the merge would not be
+    exact (``second`` pads the output of a 1x1 whose bias is not zero: a padded zero is not that
+    bias) or would be slower (the 1x1 narrows the channels: the merged Conv would do more
+    multiply-adds).
 
-    Raises:
-        CannotFuse: ``padded_conv`` (``second`` pads the output of a 1x1 with a bias),
-            ``more_work`` (the 1x1 narrows the channels).
+    Such a pair is no candidate of re-parameterization but any CNN's 1x1 then 3x3 (a ResNet's
+    bottleneck, a VAE's ``post_quant_conv`` then ``conv_in``): left alone, it is no refusal.
     """
     w1 = const_array(first.inputs[1]).astype(np.float64)
     w2 = const_array(second.inputs[1])
@@ -46,18 +47,8 @@ def sequential_weights(first: ir.Node, second: ir.Node) -> tuple[np.ndarray, np.
     padded = auto_pad.startswith("SAME") or (
         auto_pad == "NOTSET" and any(second.attributes.get_ints("pads", [0] * 2 * axes))
     )
-    if padded and b1.any():
-        raise CannotFuse(
-            Code.PADDED_CONV,
-            f"Conv '{label(second)}' pads the output of the 1x1 Conv '{label(first)}', whose "
-            "bias is not zero: a padded zero is not that bias",
-        )
-    if w1.shape[1] > w1.shape[0]:
-        raise CannotFuse(
-            Code.MORE_WORK,
-            f"the 1x1 Conv '{label(first)}' narrows {w1.shape[1]} channels to {w1.shape[0]}: "
-            "the merged Conv would do more multiply-adds",
-        )
+    if (padded and b1.any()) or w1.shape[1] > w1.shape[0]:
+        return None
     w2_64 = w2.astype(np.float64)
     weight = np.moveaxis(np.tensordot(w2_64, w1.reshape(w1.shape[:2]), axes=([1], [0])), -1, 1)
     b2 = bias_of(second)

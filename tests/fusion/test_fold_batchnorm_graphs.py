@@ -473,6 +473,37 @@ def test_refusal_names_the_channel_and_both_layers(rng):
     assert "; and it cannot fold into the layer after it: the Conv after it pads" in refusal.detail
 
 
+def _patch_embedding(rng, scaled: bool):
+    """A ViT's (SAM's) patch embedding: ``conv(x).permute(0, 2, 3, 1) + pos``, ``pos`` of shape
+    (1, H, W, C): no per-channel shift; ``scaled``: after a per-channel scale of the Conv output
+    (``gamma * conv(x)``), where it may be the shift of a BatchNorm written by hand."""
+    inits = {"w": _normal(rng, 4, 3, 2, 2), "b": _normal(rng, 4), "pos": _normal(rng, 1, 3, 3, 4)}
+    nodes = [("Conv", ["x", "w", "b"], ["c"], {"strides": [2, 2]})]
+    if scaled:
+        inits["gamma"] = rng.uniform(0.5, 2, (4, 1, 1)).astype(np.float32)
+        nodes.append(("Mul", ["c", "gamma"], ["s"], {}))
+    nodes += [
+        ("Transpose", ["s" if scaled else "c"], ["t"], {"perm": [0, 2, 3, 1]}),
+        ("Add", ["t", "pos"], ["y"], {}),
+    ]
+    return _build(nodes, (2, 3, 6, 6), inits)
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["shift_alone", "after_a_scale"])
+def test_a_shift_alone_is_no_candidate(scaled, rng):
+    """A constant Add that does not fold is refused only after a scale: alone it is a bias or
+    an embedding (a shift alone is no fold either), no BatchNorm, and nothing is said of it."""
+    model = _patch_embedding(rng, scaled)
+    feeds = {"x": _normal(rng, 2, 3, 6, 6)}
+    before = run(model, feeds)
+    report, modified = _fold(model)
+    assert modified is scaled
+    assert dict(report.counts) == ({"affine_folded": 1} if scaled else {})
+    codes = [(r.node, r.code) for r in report.refused]
+    assert codes == ([("y", Code.NOT_PER_CHANNEL)] if scaled else [])
+    assert_close(run(model, feeds), before)
+
+
 # ---- BatchNorm into the head: residual Add -> BN -> global pooling -> classifier(s) ----
 
 HEAD_INPUT = (2, 4, 5, 5)

@@ -155,7 +155,9 @@ def test_graph_output_keeps_its_name_and_a_shared_input_stays(rng):
 
 def test_one_by_one_then_kxk_merges_where_exact(rng):
     """DBB's 1x1 -> kxk: merged where the 1x1 widens the channels and its bias is zero or the
-    kxk pads nothing; a bias under padding and a narrowing 1x1 are refused."""
+    kxk pads nothing; a bias under padding and a narrowing 1x1 are left alone with no refusal:
+    any CNN's 1x1 then 3x3 (a ResNet's bottleneck, a VAE's post_quant_conv then conv_in), no
+    candidate of re-parameterization."""
     for pads, zero_bias, c_mid, merged in [
         ([0, 0, 0, 0], False, 8, True),
         ([1, 1, 1, 1], True, 8, True),
@@ -172,9 +174,7 @@ def test_one_by_one_then_kxk_merges_where_exact(rng):
         expected = run(model, feeds)
         report, after = _merge(model)
         assert (after == ["Conv"]) is merged, (pads, zero_bias, c_mid, after)
-        if not merged:
-            code = Code.MORE_WORK if c_mid < C else Code.PADDED_CONV
-            assert report.codes() == [code], report.refused
+        assert not report.refused
         assert_close(run(model, feeds), expected, rtol=1e-4, atol=1e-5)
 
 
