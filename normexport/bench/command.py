@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+import onnx_ir as ir
 from rich.console import Console
 
 from normexport import report, runtime
@@ -22,6 +23,7 @@ from normexport.arguments import (
     add_timing_arguments,
     options_from_args,
 )
+from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import bench_model
 from normexport.bench.options import BENCH_BUDGET_S, BenchOptions
 from normexport.bench.render import render, write_chart
@@ -110,7 +112,8 @@ def _sizes(text: str | None, flag: str) -> list[int | None]:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Run ``normexport bench`` on parsed ``args``: print the tables, write ``--json`` and
-    ``--chart`` where asked.
+    ``--chart`` where asked. A swept axis that the model fixes is timed at the model's own size
+    only, said in one line before any timing (:mod:`normexport.bench.fixed`).
 
     Returns:
         :data:`normexport.errors.EXIT_OK` (a variant that fails is recorded, not raised).
@@ -134,6 +137,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         raise UsageError(f"--cuda-graph needs the CUDA provider, {why}")
     loaded, example, raw, _ = prepare(opts)
     files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
+    batches, seqs, sweep_note = _narrowed(raw, example, batches, seqs, loaded.kind, opts, args)
+    if sweep_note:
+        console.print(f"[yellow]{sweep_note}[/]", soft_wrap=True)
     if loaded.kind == "onnx":
         raw = Path(opts.model)  # the variants are built from the file itself, not a copy
     options = BenchOptions(
@@ -152,7 +158,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
     )
     module = None if args.no_eager else loaded.module
     result = bench_model(raw, example, options, module=module)
-    result = dataclasses.replace(result, model=str(opts.model), provider_note=note)
+    result = dataclasses.replace(
+        result, model=str(opts.model), provider_note=note, sweep_note=sweep_note
+    )
     _write_results(result, args, console)
     return EXIT_OK
 
@@ -171,6 +179,31 @@ def _sweep_arguments(args: argparse.Namespace) -> tuple[list, list, list[str] | 
     if only and (unknown := [v for v in only if v not in variants.VARIANTS]):
         raise UsageError(f"--variants: unknown {unknown}; choose from {list(variants.VARIANTS)}")
     return batches, seqs, only
+
+
+def _narrowed(
+    raw: ir.Model,
+    example: dict,
+    batches: list,
+    seqs: list,
+    kind: str,
+    opts: Options,
+    args: argparse.Namespace,
+) -> tuple[list, list, str | None]:
+    """The batches and sequence lengths to time, and the line that says why they are fewer
+    than asked: an axis the model fixes (:func:`normexport.bench.fixed.fixed_axes`) is timed at
+    the model's own size only (None); no line where none is fixed."""
+    fixed = fixed_axes(raw, example, batches, seqs)
+    if not fixed:
+        return batches, seqs, None
+    words = {f.word for f in fixed}
+    asked = {"--batch": args.batch, "--seq": args.seq}
+    line = fixed_line(fixed, str(opts.model), kind, opts.dynamic, asked)
+    return (
+        [None] if "batch" in words else batches,
+        [None] if "sequence" in words else seqs,
+        line,
+    )
 
 
 def _options(args: argparse.Namespace, seqs: list[int | None]) -> Options:

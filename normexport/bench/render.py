@@ -45,7 +45,11 @@ def render(result: BenchResult, console: Console) -> None:
         ran = "?" if ran is None else ", ".join(f"{k} {n}" for k, n in ran.items()) or "none"
         console.print(f"  {name}: {v.variant.nodes} nodes, {ops}; ORT ran: {ran}")
     for point in result.points:
-        console.print(_point_table(point))
+        if point.timings:
+            console.print(_point_table(point))
+        else:  # no empty table: nothing ran at this size, the errors below say why
+            sizes = ", ".join(f"{k} {v}" for k, v in point.inputs.items())
+            console.print(f"[red]{sizes}: nothing ran[/]")
         for name, err in point.errors.items():
             console.print(f"[red]{name}[/]: {err}")
     floor = result.floor

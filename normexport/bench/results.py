@@ -215,6 +215,8 @@ class BenchResult:
         model: the model file (the command's; None from the library unless the caller names
             it).
         provider_note: why the provider is not the one asked for (the command's), or None.
+        sweep_note: why the sweep is narrower than asked for (the command's): the axes the
+            model fixes, timed at its own size only (:mod:`normexport.bench.fixed`), or None.
     """
 
     machine: Machine
@@ -226,6 +228,7 @@ class BenchResult:
     eager: bool
     model: str | None = None
     provider_note: str | None = None
+    sweep_note: str | None = None
 
     @property
     def provider(self) -> str:
@@ -233,12 +236,14 @@ class BenchResult:
         return self.machine.provider
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON: ``model``, ``provider_note``, ``machine``, ``provider``, ``variants``,
-        ``points``, ``floor`` (``{"error": ...}`` where it failed) and ``settings``."""
+        """The JSON: ``model``, ``provider_note``, ``sweep_note``, ``machine``, ``provider``,
+        ``variants``, ``points``, ``floor`` (``{"error": ...}`` where it failed) and
+        ``settings``."""
         floor = self.floor.to_dict() if self.floor else None
         return {
             "model": self.model,
             "provider_note": self.provider_note,
+            "sweep_note": self.sweep_note,
             "machine": self.machine.to_dict(),
             "provider": self.provider,
             "variants": {k: v.to_dict() for k, v in self.variants.items()},

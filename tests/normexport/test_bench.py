@@ -10,14 +10,18 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import make_model
+from onnx import TensorProto
+from rich.console import Console
 from torch import nn
 
 from normexport import cli, runtime
 from normexport.arguments import options_from_args
 from normexport.bench import command
+from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import EAGER, bench_model, resize_inputs
 from normexport.bench.options import BENCH_BUDGET_S, BenchOptions, sweep_points
-from normexport.bench.render import write_chart
+from normexport.bench.render import render, write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, EXIT_USAGE, UsageError
 from normexport.io.export import export_module
@@ -321,3 +325,86 @@ def test_cpu_baseline_runs_beside_and_is_no_optimizer():
     assert set(point["latency_ms"]) == {"ort_raw", "normexport", "ort_raw@cpu", "normexport@cpu"}
     assert point["max_abs_diff"]["normexport@cpu"] < 1e-5  # the same model, on CPU
     assert point["normexport_vs_best"]["best_other"] == "ort_raw"  # a baseline, not an optimizer
+
+
+# --- a sweep over an axis the model fixes ------------------------------------------------------
+
+
+def _identity(shape) -> ir.Model:
+    """``h`` of ``shape`` (numbers or axis names) through one Identity."""
+    h = (TensorProto.FLOAT, shape)
+    return make_model([("Identity", ["h"], ["y"], {})], {"h": h}, {"y": h})
+
+
+def test_fixed_axes_are_the_swept_ones_an_input_has_as_another_number():
+    raw = _identity((2, 4, HIDDEN))
+    assert fixed_axes(raw, ["h"], [2], [4]) == []  # the sizes it has: nothing to say
+    assert fixed_axes(raw, ["h"], [None], [None]) == []
+    assert fixed_axes(raw, ["other"], [1, 3], [None]) == []  # not fed by the sweep
+    both = fixed_axes(raw, ["h"], [1, 2], [4, 8])
+    assert [(f.word, f.flag, f.axis, f.input, f.size) for f in both] == [
+        ("batch", "--batch", 0, "h", 2), ("sequence", "--seq", 1, "h", 4)
+    ]  # fmt: skip
+    assert fixed_axes(_identity(("batch", "sequence", HIDDEN)), ["h"], [1, 3], [8, 16]) == []
+    asked = {"--batch": "1,2", "--seq": "4,8"}
+    line = fixed_line(both, "m.onnx", "onnx", None, asked)
+    assert line.startswith("m.onnx fixes batch to 2 (input 'h', axis 0) and sequence to 4")
+    assert "not --batch 1,2 --seq 4,8" in line and "those axes symbolic" in line
+    batch = both[:1]
+    assert "dynamic_shapes" in fixed_line(batch, "m.pt2", "exported_program", "batch", asked)
+    pickled = fixed_line(batch, "m.pt", "pickled_module", "sequence", asked)
+    assert pickled.endswith("export it with --dynamic batch,sequence")
+    assert "code specializes" in fixed_line(batch, "m.pt", "pickled_module", "batch", asked)
+
+
+def _bench_fixed(path, extra: list[str], capsys, tmp_path) -> tuple[str, dict]:
+    """``normexport bench`` on a model whose axes are fixed: its stdout and its JSON."""
+    out_json = tmp_path / "fixed.json"
+    code = cli.main(
+        ["bench", str(path), "--provider", "cpu", "--budget", "0.1", "--min-runs", "3"]
+        + ["--variants", "ort_raw,normexport", "--no-floor", "--json", str(out_json), *extra]
+    )
+    out = capsys.readouterr().out
+    assert code == EXIT_OK
+    return out, json.loads(out_json.read_text())
+
+
+def _assert_own_size_only(out: str, result: dict, line: str) -> None:
+    """One line, before any timing, then the model's own size timed, never an empty table."""
+    lines = out.splitlines()
+    said = [i for i, text in enumerate(lines) if "fixes" in text]
+    assert len(said) == 1 and lines[said[0]].startswith(line), out
+    assert said[0] < next(i for i, text in enumerate(lines) if "ms per call" in text)
+    assert "invalid dimensions" not in out and result["sweep_note"] == lines[said[0]]
+    (point,) = result["points"]
+    assert point["inputs"] == {"h": [2, 4, HIDDEN]} and point["errors"] == {}
+    assert {"ort_raw", "normexport"} <= set(point["latency_ms"])
+
+
+def test_bench_on_a_torch_export_program_times_its_own_batch_and_says_so(tmp_path, capsys):
+    """A ``torch.export.save`` archive is specialized to its example's batch: no export makes
+    it dynamic, so bench times batch 2 and says which flag would not help and what would."""
+    path = tmp_path / "stack.pt2"
+    x = torch.from_numpy(raw_export()[1]["h"])
+    torch.export.save(torch.export.export(ResidualLayerNorm().eval(), (x,)), path)
+    out, result = _bench_fixed(path, ["--batch", "1,3"], capsys, tmp_path)
+    _assert_own_size_only(out, result, f"{path} fixes batch to 2 (input 'h', axis 0)")
+    assert "dynamic_shapes" in result["sweep_note"]
+    assert "pytorch_eager" in result["points"][0]["latency_ms"]  # eager runs at its own size
+
+
+def test_bench_on_an_onnx_file_with_fixed_axes_times_its_own_size_and_says_so(tmp_path, capsys):
+    path = tmp_path / "fixed.onnx"
+    ir.save(raw_export(dynamic=False)[0], path)
+    out, result = _bench_fixed(path, ["--batch", "1,3", "--seq", "4,8"], capsys, tmp_path)
+    _assert_own_size_only(out, result, f"{path} fixes batch to 2 (input 'h', axis 0) and seq")
+
+
+def test_a_point_where_nothing_ran_is_no_empty_table():
+    raw, example, _ = raw_export(dynamic=False)  # batch fixed at 2
+    opts = BenchOptions(batches=[3], only=["ort_raw"], floor=False, budget_s=0.1, min_runs=3)
+    console = Console(record=True, width=200)
+    render(bench_model(raw, example, opts), console)
+    out = console.export_text()
+    assert "h [3, 4, 16]: nothing ran" in out and "┏" not in out
+    assert "ort_raw: InvalidArgument" in out
