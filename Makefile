@@ -47,8 +47,23 @@ $(VENV)/.bench-installed: $(VENV)/.installed
 	$(PIP) install -q --no-deps --target $(VENV)/timm timm==1.0.31 torchvision==0.28.0
 	touch $@
 
+# benchmarks/families.py's model libraries (diffusers, open_clip, openai-whisper,
+# segment-anything, ultralytics) and the light dependencies they import go into
+# $(VENV)/families, beside $(VENV)/timm, whose torchvision and timm they use
+# (benchmarks/outside.py), with --no-deps: their own requirements would replace the pinned
+# torch and pull opencv-python, polars, triton and the rest, none of which building and
+# exporting the models needs.
+FAMILIES_WHEELS := diffusers==0.42.1 open-clip-torch==3.3.0 openai-whisper==20250625 \
+	segment-anything==1.0 ultralytics==8.4.190 ftfy==6.3.1 wcwidth==0.9.4 tiktoken==0.14.0 \
+	more-itertools==11.2.1 numba==0.68.1 llvmlite==0.50.0 opencv-python-headless==5.0.0.93 \
+	requests==2.34.2 urllib3==2.8.0 idna==3.20 charset-normalizer==3.5.2 \
+	certifi==2026.10.19.post1
+$(VENV)/.families-installed: $(VENV)/.bench-installed
+	$(PIP) install -q --no-deps --target $(VENV)/families $(FAMILIES_WHEELS)
+	touch $@
+
 # Latency benchmarks (CPU here, CUDA where a GPU is): JSON + PNG in benchmarks/results/.
-bench: install $(VENV)/.bench-installed
+bench: install $(VENV)/.bench-installed $(VENV)/.families-installed
 	$(PY) benchmarks/forms.py
 	$(PY) benchmarks/norm_stack.py
 	$(PY) benchmarks/demo_models.py
@@ -56,6 +71,7 @@ bench: install $(VENV)/.bench-installed
 	$(PY) benchmarks/precision.py
 	$(PY) benchmarks/reparam.py
 	$(PY) benchmarks/session_order.py
+	$(PY) benchmarks/families.py
 
 lint: install
 	$(VENV)/bin/ruff check .

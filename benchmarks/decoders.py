@@ -336,8 +336,9 @@ def _point(module, sessions: dict, feeds: dict, budget_s: float, names=None) -> 
     }
 
 
-def _targets(point: dict) -> dict:
-    """Whether normexport meets issue 25's targets at ``point``."""
+def targets(point: dict) -> dict:
+    """Whether normexport meets issue 25's targets at ``point`` (issue 41's too, in
+    ``families.py``): no slower than the best other variant, nor than the raw export."""
     measured = point["ratio_to_normexport"]
     ratios = {k: r for k, r in measured.items() if k not in FORMS and k != CONTROL}
     best = min(ratios, key=lambda k: ratios[k]["median"])
@@ -401,7 +402,7 @@ class _Hidden(torch.nn.Module):
         return self.model(**inputs).last_hidden_state
 
 
-def _encoder_inputs(rng, shapes: dict, batch: int) -> dict[str, np.ndarray]:
+def encoder_inputs(rng, shapes: dict, batch: int) -> dict[str, np.ndarray]:
     """Random pixels, token ids, and a mask with the last quarter of row 0 padded."""
     feeds = {}
     for name, shape in shapes.items():
@@ -427,7 +428,7 @@ def bench_encoder(name: str, batches, budget_s: float, copies: int, console: Con
     rng = np.random.default_rng(0)
     with tempfile.TemporaryDirectory(prefix="encoders-") as tmp:
         folder = Path(tmp)
-        example = _encoder_inputs(rng, shapes, 2)
+        example = encoder_inputs(rng, shapes, 2)
         axes = {k: {0: "batch"} for k in example}
         program = torch.onnx.export(
             module, tuple(torch.from_numpy(a) for a in example.values()), dynamo=True,
@@ -437,7 +438,7 @@ def bench_encoder(name: str, batches, budget_s: float, copies: int, console: Con
         sessions, built = _variants(folder / "model.onnx", folder, None, copies)
         entry = {"variants": built, "points": []}
         for batch in batches:
-            feeds = dict.fromkeys(sessions, _encoder_inputs(rng, shapes, batch))
+            feeds = dict.fromkeys(sessions, encoder_inputs(rng, shapes, batch))
             entry["points"].append(_point(module, sessions, feeds, budget_s, ["hidden"]))
             console.print(f"{name} batch {batch}: done")
     return {"encoder": entry}
@@ -517,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in filter(None, args.encoders.split(",")):
         results["families"][name] = bench_encoder(name, batches, args.budget, args.copies, console)
     for _, _, point in _points(results):
-        point["targets"] = _targets(point)
+        point["targets"] = targets(point)
     (args.out / "decoders_cpu.json").write_text(json.dumps(results, indent=1))
     _chart(results, args.out / "decoders_cpu.png")
     _table(results, console)

@@ -19,10 +19,8 @@ timm's, latency within 1.05x of it, parity passed. Writes ``reparam_cpu.json`` a
 ``reparam_cpu.png``.
 
 timm is imported from ``{sys.prefix}/timm``, where ``make bench`` installs it with torchvision
-outside the virtual environment's site-packages: torchvision 0.28's C++ ops do not load beside
-torch 2.13's CPU wheel, and installed there it would break transformers' imports. The
-classification models need none of its ops; defining the two op schemas its import registers
-fake kernels for (``torchvision::nms``, ``qnms``) first is enough (DESIGN.md).
+outside the virtual environment's site-packages (:mod:`outside` says why, and defines the two
+op schemas torchvision's import needs).
 
     python benchmarks/reparam.py [--only mobileone_s0] [--budget 20] [--out DIR]
 """
@@ -40,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import outside
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -57,15 +56,12 @@ VARIANTS = ("raw", "normexport", "timm")
 
 
 def import_timm():
-    """timm, from ``{sys.prefix}/timm``, after torchvision's two op schemas are defined."""
-    sys.path.insert(0, str(Path(sys.prefix) / "timm"))
-    library = torch.library.Library("torchvision", "DEF")
-    library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    library.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    """timm, from ``{sys.prefix}/timm`` (:func:`outside.use`), and its re-parameterization."""
+    outside.use("timm")
     import timm
     from timm.utils.model import reparameterize_model
 
-    return timm, reparameterize_model, library
+    return timm, reparameterize_model
 
 
 def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
@@ -83,10 +79,10 @@ def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     return model.eval()
 
 
-def export(model: torch.nn.Module, path: Path) -> None:
-    """``torch.onnx.export``'s defaults, quietly."""
+def export(model: torch.nn.Module, args: tuple, path: Path) -> None:
+    """``torch.onnx.export(model, args, path)`` with its defaults (dynamo), quietly."""
     with quiet("torch.onnx"), quiet_torch(), swallow_prints("stdout", "stderr"):
-        torch.onnx.export(model, (torch.randn(SHAPE),), path)
+        torch.onnx.export(model, args, path)
 
 
 def counts(path: Path) -> dict:
@@ -105,8 +101,8 @@ def measure(name: str, timm, reparameterize, folder: Path, budget_s: float) -> d
     torch.manual_seed(0)
     model = randomized(timm.create_model(name, pretrained=False))
     paths = {v: folder / f"{v}.onnx" for v in VARIANTS}
-    export(model, paths["raw"])
-    export(reparameterize(model), paths["timm"])
+    export(model, (torch.randn(SHAPE),), paths["raw"])
+    export(reparameterize(model), (torch.randn(SHAPE),), paths["timm"])
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         report = normexport.optimize(
             paths["raw"], output=paths["normexport"], benchmark=False, provider="cpu"
@@ -190,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=20.0, help="seconds of timed runs per model")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = p.parse_args(argv)
-    timm, reparameterize, _library = import_timm()
+    timm, reparameterize = import_timm()
     torch.set_num_threads(THREADS)
     results = {}
     for name in args.only.split(",") if args.only else MODELS:
