@@ -89,9 +89,10 @@ def optimize(
     then each pass of :data:`fusion.registry.PASSES` that is enabled for ``target``
     and the options, in the registry's order (FoldBatchNorm first, FuseSkip last), then
     clean-up again. An op is only emitted where the model's opset (or, for ``target="ort"``,
-    ONNX Runtime) has it; the opset is raised in one case only: to 23 by
+    ONNX Runtime) has it; the opset is raised in two cases only, to 23: by
     FuseGroupQueryAttention, for a decoder's attention with a KV cache or a run-time mask
-    (:mod:`fusion.fuse_gqa.standard`, said in the report's notes).
+    (:mod:`fusion.fuse_gqa.standard`), and by FuseSDPA, for an attention it makes ONNX's
+    ``Attention`` (:mod:`fusion.fuse_sdpa`); each is said in the report's notes.
 
     Args:
         model: the model, changed in place.

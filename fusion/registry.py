@@ -20,13 +20,16 @@ from fusion.fuse_instancenorm import FuseInstanceNorm
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_layernorm_cf import FuseChannelsFirstLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.fuse_sdpa import FuseSDPA
 from fusion.fuse_skip import FuseSkip
 from fusion.merge_branches import MergeBranches
 
 #: The fusion passes in the order optimize() runs them. MergeBranches follows FoldBatchNorm,
 #: whose folds leave each branch of a re-parameterizable block a Conv; FuseGroupQueryAttention
 #: precedes the norms, as it may raise the opset to 23, where an RMSNorm becomes ONNX's
-#: RMSNormalization; FuseSkip is last: it fuses the norms the passes before it produce.
+#: RMSNormalization; FuseSDPA follows FuseAttention, so that the transformers encoders keep ONNX
+#: Runtime's contrib attention (measured faster on them), and fuses the attention it leaves;
+#: FuseSkip is last: it fuses the norms the passes before it produce.
 PASSES = (
     FoldBatchNorm,
     MergeBranches,
@@ -37,6 +40,7 @@ PASSES = (
     FuseLayerNorm,
     FuseRMSNorm,
     FuseAttention,
+    FuseSDPA,
     FuseSkip,
 )
 

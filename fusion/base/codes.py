@@ -127,7 +127,8 @@ class Code(enum.StrEnum):
     STATS_OUTPUTS_USED = "stats_outputs_used"
     #: The norm normalizes more than the last axis.
     NOT_LAST_AXIS = "not_last_axis"
-    #: The Add operands are neither 2-D nor 3-D.
+    #: The fused op takes no tensors of this rank: Add operands neither 2-D nor 3-D (Skip);
+    #: an attention's Q, K and V not all 3-D or all 4-D.
     UNSUPPORTED_RANK = "unsupported_rank"
     #: A float16 norm with stash_type=0 (statistics in float16; the Skip op uses float32).
     STASH_TYPE_ZERO = "stash_type_zero"
@@ -138,6 +139,20 @@ class Code(enum.StrEnum):
     #: The norm's scale or bias is not a 1-D vector as long as the last axis.
     PARAM_SHAPE = "param_shape"
 
+    # Scaled dot-product attention (fusion.fuse_sdpa).
+    #: The Softmax of the scores is not over their last axis (the keys).
+    SOFTMAX_AXIS = "softmax_axis"
+    #: Between Q @ K^T and the Softmax, an op that is no constant scale, mask or bias; a mask
+    #: scaled with the scores; a boolean mask beside another mask or bias.
+    SCORES_FORM = "scores_form"
+    #: The scores are scaled by a constant of several values (per head): the op's scale is one.
+    SCALE_NOT_SCALAR = "scale_not_scalar"
+    #: The scale is zero, negative or not finite (ONNX Runtime's kernel requires scale > 0).
+    SCALE_NOT_POSITIVE = "scale_not_positive"
+    #: A mask that the op would apply otherwise than the model: a row masked at every key (the
+    #: op's zeros, the model's NaN or mean of the values), or a fill that leaves a weight.
+    MASK_NOT_EXACT = "mask_not_exact"
+
     # Rewrites undone after the passes (normexport.verdict.rollback), any family.
     #: The ONNX checker rejects the model with this rewrite.
     REJECTED_BY_CHECKER = "rejected_by_checker"
@@ -145,6 +160,11 @@ class Code(enum.StrEnum):
     REJECTED_BY_RUNTIME = "rejected_by_runtime"
     #: With this rewrite the model fails the parity rule where the raw model does not.
     CHANGED_THE_FUNCTION = "changed_the_function"
+
+    # Rewrites undone by the latency verdict (normexport.verdict.speed), any family.
+    #: With this rewrite the model ran slower than the raw model on the provider, beyond the
+    #: spread of an A/A control timed in the same run.
+    SLOWER_HERE = "slower_here"
 
 
 class CannotFuse(Exception):

@@ -48,8 +48,10 @@ OPSET = 23
 #: The lowest opset onnxscript's version converter converts from.
 _CONVERTIBLE = 18
 
-_LOWEST = float(np.finfo(np.float32).min)
-_ABOVE_LOWEST = float(np.nextafter(np.float32(_LOWEST), np.float32(0)))
+#: float32's lowest, which ONNX Runtime's ``Attention`` kernel takes in a mask as ``-inf``; and
+#: the next float32 above it, which it does not (:func:`bias`).
+LOWEST = float(np.finfo(np.float32).min)
+ABOVE_LOWEST = float(np.nextafter(np.float32(LOWEST), np.float32(0)))
 
 
 def convertible(model: ir.Model) -> bool:
@@ -82,10 +84,10 @@ def bias(mask: ir.Value | None, nan_guard: bool) -> str | None:
         return None
     if -math.inf in values:
         return "as is" if nan_guard and values.count(-math.inf) == 1 else None
-    return "raised" if _LOWEST in values else "as is"
+    return "raised" if LOWEST in values else "as is"
 
 
-def _mask(graph: ir.Graph, mask: ir.Value, how: str, shared: dict) -> ir.Value:
+def attention_mask(graph: ir.Graph, mask: ir.Value, how: str, shared: dict) -> ir.Value:
     """``mask`` as ``Attention`` takes it (:func:`bias`), a new Where where a value is raised,
     made once per mask and kept in ``shared``."""
     if how != "raised":
@@ -95,8 +97,8 @@ def _mask(graph: ir.Graph, mask: ir.Value, how: str, shared: dict) -> ir.Value:
         where = producer(mask, "Where")
         values = []
         for value in where.inputs[1:]:
-            if scalar_const(value) == _LOWEST:
-                above = np.array(_ABOVE_LOWEST, np.float32)
+            if scalar_const(value) == LOWEST:
+                above = np.array(ABOVE_LOWEST, np.float32)
                 value = add_initializer(graph, "attention_masked", above)
             values.append(value)
         node = ir.node("Where", [where.inputs[0], *values])
@@ -125,7 +127,7 @@ def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> 
             rotary.outputs[0].type, rotary.outputs[0].shape = flat[index].type, flat[index].shape
             inserted.append(rotary)
             flat[index] = rotary.outputs[0]
-    mask = _mask(graph, match.bias, how, shared) if match.bias is not None else None
+    attn_mask = attention_mask(graph, match.bias, how, shared) if match.bias is not None else None
     past = match.past or (None,) * 4
     outputs = [match.output, *past[2:]] if match.past is not None else [match.output]
     attributes = {
@@ -136,7 +138,7 @@ def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> 
     }
     if match.softcap:
         attributes["softcap"] = match.softcap
-    inputs = [*flat, mask, *past[:2]] if match.past is not None else [*flat, mask]
+    inputs = [*flat, attn_mask, *past[:2]] if match.past is not None else [*flat, attn_mask]
     fused = ir.node(
         "Attention", inputs, attributes, num_outputs=len(outputs), name=f"{name}_Attention"
     )

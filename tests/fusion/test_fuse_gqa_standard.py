@@ -88,7 +88,7 @@ def test_the_kernel_computes_rows_masked_everywhere_as_the_module_docstring_says
     mask[:, :, :, 0] = 0  # every row keeps a key
     got, expected = _attention(mask, rng)
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
-    for masked, zero in ((-np.inf, True), (LOWEST, True), (standard._ABOVE_LOWEST, False)):
+    for masked, zero in ((-np.inf, True), (LOWEST, True), (standard.ABOVE_LOWEST, False)):
         mask[1, 0, 2, :] = masked
         with np.errstate(invalid="ignore"):
             got, expected = _attention(mask, rng)

@@ -1,0 +1,129 @@
+"""The nodes the rewrite of :mod:`fusion.fuse_sdpa` inserts: ``Attention``, the Transposes of
+its key and value where they are needed, and its ``attn_mask`` (:mod:`.masks`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import add_initializer, dims, label, remove_nodes, replace_output
+from fusion.fuse_gqa import standard
+from fusion.fuse_sdpa import core
+from fusion.fuse_sdpa.masks import Mask, View
+
+
+def rewrite(graph: ir.Graph, match, shared: dict) -> str:
+    """Insert ``Attention`` for ``match`` (a :class:`fusion.fuse_sdpa.SDPAMatch`), with the
+    Transposes and the mask it needs, before the weights' product; move the readers over; drop
+    the old nodes. Return what it became."""
+    inserted: list[ir.Node] = []
+    key, value = (operand(o, inserted) for o in (match.key, match.value))
+    inputs = [match.query, key, value]
+    if match.mask is not None:
+        inputs.append(attn_mask(graph, match.mask, match.query, key, inserted, shared))
+    attributes = {"scale": match.scale}
+    if match.rank == 3:
+        attributes |= {"q_num_heads": 1, "kv_num_heads": 1}
+    fused = ir.node("Attention", inputs, attributes, name=f"{label(match.softmax)}_Attention")
+    inserted.append(fused)
+    out = fused.outputs[0]
+    if match.transposed:
+        out = operand(core.Operand(out, core.swap(match.rank)), inserted)
+    out.type = match.output.type
+    graph.insert_before(match.nodes[-1], inserted)
+    replace_output(graph, match.output, out)
+    remove_nodes(graph, match.nodes[::-1])
+    _drop_unread(graph, match.side)
+    return f"Attention (opset {standard.OPSET})"
+
+
+def operand(found: core.Operand, inserted: list[ir.Node]) -> ir.Value:
+    """``found`` as a value: its source, or a new Transpose of it (appended to ``inserted``)."""
+    if found.perm is None:
+        return found.source
+    transpose = ir.node("Transpose", [found.source], {"perm": list(found.perm)})
+    out = transpose.outputs[0]
+    shape = dims(found.source)
+    if shape is not None:
+        out.shape = ir.Shape([shape[p] for p in found.perm])
+    out.dtype = found.source.dtype
+    inserted.append(transpose)
+    return out
+
+
+def _drop_unread(graph: ir.Graph, nodes: list[ir.Node]) -> None:
+    """Remove those of ``nodes`` still in ``graph`` whose outputs nothing reads any more."""
+    pending = [n for n in nodes if n.graph is graph]
+    while unread := [
+        n for n in pending if not any(v.uses() or v.is_graph_output() for v in n.outputs)
+    ]:
+        remove_nodes(graph, unread)
+        pending = [n for n in pending if n not in unread]
+
+
+def attn_mask(
+    graph: ir.Graph, mask: Mask, query: ir.Value, key: ir.Value, inserted: list, shared: dict
+) -> ir.Value:
+    """The ``attn_mask`` value of ``mask`` for ``Attention(query, key, ..)``: new nodes are
+    appended to ``inserted`` (the raised ``Where`` of
+    :func:`fusion.fuse_gqa.standard.attention_mask` goes after the model's, once per mask, kept
+    in ``shared``)."""
+
+    def add(op: str, inputs: list, **attributes) -> ir.Value:
+        node = ir.node(op, inputs, attributes or None)
+        inserted.append(node)
+        return node.outputs[0]
+
+    def constant(hint: str, array) -> ir.Value:
+        return add_initializer(graph, hint, np.asarray(array))
+
+    if mask.condition is not None:
+        out = mask.condition if mask.attend else add("Not", [mask.condition])
+        if mask.above:
+            zero, above = np.float32(0), np.float32(standard.ABOVE_LOWEST)
+            out = add("Where", [out, constant("attn_zero", zero), constant("attn_above", above)])
+    else:
+        values = []
+        for term in mask.additive:
+            if isinstance(term, np.ndarray):
+                term = constant("attn_mask", term)
+            elif mask.raise_where:
+                term = standard.attention_mask(graph, term, "raised", shared)
+            values.append(term)
+        if mask.view is not None:
+            values.append(_viewed(mask.view, add, constant))
+        out = values[0]
+        for value in values[1:]:
+            out = add("Add", [out, value])
+        if mask.raise_at_run_time:
+            lowest = constant("attn_lowest", np.float32(standard.LOWEST))
+            above = constant("attn_above", np.float32(standard.ABOVE_LOWEST))
+            out = add("Where", [add("Equal", [out, lowest]), above, out])
+    if mask.expand:
+        out = add("Expand", [out, _rows(query, key, add, constant)])
+    if mask.unsqueeze:
+        out = add("Unsqueeze", [out, constant("attn_head_axis", np.array([1], np.int64))])
+    return out
+
+
+def _viewed(view: View, add, constant) -> ir.Value:
+    """The :class:`View`'s bias in the scores' shape: its terms summed, expanded to ``X`` where
+    their sum may be smaller, reshaped back."""
+    out = view.terms[0]
+    for term in view.terms[1:]:
+        out = add("Add", [out, term])
+    if view.shape is not None:
+        out = add("Expand", [out, constant("attn_bias_view", np.array(view.shape, np.int64))])
+    target = view.target
+    if isinstance(target, np.ndarray):
+        target = constant("attn_bias_shape", target)
+    return add("Reshape", [out, target], allowzero=view.allowzero)
+
+
+def _rows(query: ir.Value, key: ir.Value, add, constant) -> ir.Value:
+    """``[S, L]``: the query's and the key's lengths, a constant where both are numbers."""
+    q, k = dims(query), dims(key)
+    if q is not None and k is not None and isinstance(q[-2], int) and isinstance(k[-2], int):
+        return constant("attn_rows", np.array([q[-2], k[-2]], np.int64))
+    lengths = [add("Shape", [v], start=-2, end=-1) for v in (query, key)]
+    return add("Concat", lengths, axis=0)

@@ -1,0 +1,319 @@
+"""The scaled dot-product attention core around a Softmax, however it was decomposed
+(:mod:`fusion.fuse_sdpa`): the weights' product with ``V``, the scores' scale, mask and bias,
+and ``Q`` and ``K`` as ``Attention`` takes them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import (
+    const_array,
+    dims,
+    producer,
+    same_dim,
+    same_shape,
+    scalar_const,
+    sole_consumer,
+)
+from fusion.base import CannotFuse, Code
+from fusion.fuse_gqa import core as gqa_core
+from fusion.fuse_gqa import parts
+
+#: The ops between ``Q @ K^T`` and the Softmax that the scores are parsed through.
+_CHAIN = ("Add", "Mul", "Div", "Where", "Reshape")
+
+#: The ops a Softmax's input may come through from a MatMul for the Softmax to be an
+#: attention's (a candidate): :data:`_CHAIN`, and what else scores go through (Gemma 2's
+#: soft-capping ``Tanh``, a ``Cast``), which the parser refuses.
+_TOWARDS = (*_CHAIN, "Tanh", "Cast", "Sub", "Neg", "Clip", "Transpose")
+
+
+@dataclasses.dataclass
+class Operand:
+    """``K`` or ``V`` as ``Attention`` takes it: ``source``, or ``Transpose(source, perm)``."""
+
+    source: ir.Value
+    perm: tuple[int, ...] | None
+    nodes: list[ir.Node] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Scores:
+    """The Softmax's input parsed: ``factor * (Q @ K^T)`` with its mask.
+
+    Attributes:
+        matmul: ``Q @ K^T``.
+        factor: the constant scale on it.
+        terms: the values added to the scores (outside a view).
+        where: the ``Where`` of a boolean mask, or None.
+        view: the terms added through a view of the scores, ``(terms, reshape in, reshape
+            back)``, or None.
+        nodes: the nodes from the MatMul to the Softmax's input.
+    """
+
+    matmul: ir.Node | None = None
+    factor: float = 1.0
+    terms: list[ir.Value] = dataclasses.field(default_factory=list)
+    where: ir.Node | None = None
+    view: tuple[list[ir.Value], ir.Node, ir.Node] | None = None
+    nodes: list[ir.Node] = dataclasses.field(default_factory=list)
+
+
+def swap(rank: int) -> tuple[int, ...]:
+    """The Transpose ``perm`` that swaps the last two of ``rank`` axes."""
+    return (*range(rank - 2), rank - 1, rank - 2)
+
+
+def _reaches_matmul(value: ir.Value | None, ops=_CHAIN, depth: int = 8) -> bool:
+    """Whether ``value`` is computed from a MatMul through ``ops`` on it."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "" or depth == 0:
+        return False
+    if node.op_type == "MatMul":
+        return True
+    if node.op_type not in ops:
+        return False
+    inputs = node.inputs[:1] if node.op_type == "Reshape" else node.inputs
+    return any(_reaches_matmul(v, ops, depth - 1) for v in inputs if scalar_const(v) is None)
+
+
+def is_candidate(softmax: ir.Node) -> bool:
+    """Whether ``softmax`` is an attention's: its input computed from a MatMul (through
+    :data:`_TOWARDS` ops), its output read by a MatMul (maybe through the dynamo exporter's NaN
+    guard or a Transpose). Only these are refused with a reason."""
+    if softmax.op_type != "Softmax" or softmax.domain != "":
+        return False
+    if not _reaches_matmul(softmax.inputs[0], _TOWARDS):
+        return False
+    frontier = [softmax.outputs[0]]
+    for _ in range(3):
+        readers = [u.node for v in frontier for u in v.uses()]
+        if any(r.op_type == "MatMul" for r in readers):
+            return True
+        passed = [r for r in readers if r.op_type in ("IsNaN", "Where", "Transpose", "Cast")]
+        frontier = [o for r in passed for o in r.outputs]
+    return False
+
+
+def weights(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node], bool, bool]:
+    """``(P @ V MatMul, nodes after the Softmax up to it, transposed, guarded)``: ``P @ V``
+    (maybe behind the NaN guard, :func:`fusion.fuse_gqa.core.weights_reader`), or YOLO's
+    ``V @ P^T`` (transposed).
+
+    Raises:
+        CannotFuse: ``shared_output``: the weights are read elsewhere.
+    """
+    found = gqa_core.weights_reader(softmax)
+    if found is not None:
+        return found[0], found[1], False, bool(found[1])
+    weights = softmax.outputs[0]
+    transpose = sole_consumer(weights)
+    rank = len(weights.shape or ())
+    swapped = (
+        transpose is not None
+        and transpose.op_type == "Transpose"
+        and rank >= 3
+        and tuple(transpose.attributes.get_ints("perm", ())) == swap(rank)
+    )
+    matmul = sole_consumer(transpose.outputs[0]) if swapped else None
+    product = matmul is not None and matmul.op_type == "MatMul"
+    if product and matmul.inputs[1] is transpose.outputs[0]:
+        return matmul, [transpose], True, False
+    if weights.is_graph_output() or len(list(weights.uses())) > 1:
+        raise CannotFuse(Code.SHARED_OUTPUT, "the attention weights are read elsewhere")
+    raise _form("the attention weights reach their @ V through other ops")
+
+
+def unscaled(value: ir.Value) -> tuple[ir.Value, float, list[ir.Node]]:
+    """``(x, c, nodes)`` for ``value = x * c`` (:func:`fusion.fuse_gqa.parts.scaled`), also
+    where ``c`` is ``CastLike(constant, x)`` (torch's decomposition of
+    ``scaled_dot_product_attention`` at the dynamo exporter's default opset)."""
+    factor, nodes = 1.0, []
+    while True:
+        value, found, more = parts.scaled(value)
+        factor, nodes = factor * found, nodes + more
+        mul = producer(value, "Mul")
+        consts = [_cast_constant(v) for v in mul.inputs] if mul is not None else []
+        index = next((i for i, c in enumerate(consts) if c is not None), None)
+        if index is None:
+            return value, factor, nodes
+        factor *= consts[index]
+        nodes += [mul, mul.inputs[index].producer()]
+        value = mul.inputs[1 - index]
+
+
+def _cast_constant(value: ir.Value | None) -> float | None:
+    """The number ``CastLike(c, x)`` is, for a one-element constant ``c`` and a float32
+    ``x``; None for anything else."""
+    cast = producer(value, "CastLike")
+    if cast is None or value.dtype != ir.DataType.FLOAT:
+        return None
+    number = scalar_const(cast.inputs[0])
+    return None if number is None else float(np.float32(number))
+
+
+def operand(transposed: ir.Value, rank: int) -> Operand:
+    """The tensor whose last two axes ``transposed`` swaps: the source of a Transpose (through
+    one Transpose of the composed perm where it is no swap alone), of the dynamo exporter's
+    ``Reshape -> Transpose(0, 2, 1) -> Reshape`` (:func:`_swapped_view`), else a new
+    Transpose of ``transposed``."""
+    transpose = producer(transposed, "Transpose")
+    if transpose is not None:
+        perm = list(transpose.attributes.get_ints("perm", range(rank)[::-1]))
+        composed = tuple(perm[i] for i in swap(rank))
+        identity = composed == tuple(range(rank))
+        return Operand(transpose.inputs[0], None if identity else composed, [transpose])
+    view = _swapped_view(transposed)
+    if view is not None:
+        return Operand(view[0], None, view[1])
+    return Operand(transposed, swap(rank))
+
+
+def _swapped_view(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """``(x, nodes)`` where ``value = Reshape(Transpose(Reshape(x, (M, A, B)), (0, 2, 1)),
+    lead + (B, A))`` with ``x`` of shape ``lead + (A, B)``: the leading axes merged and split
+    back (row-major, the order of their elements kept), the last two swapped."""
+    back = producer(value, "Reshape")
+    transpose = producer(back.inputs[0], "Transpose") if back is not None else None
+    merge = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
+    if merge is None:
+        return None
+    x = merge.inputs[0]
+    source, merged, out = dims(x), dims(merge.outputs[0]), dims(value)
+    if source is None or merged is None or out is None or len(source) < 2 or len(merged) < 2:
+        return None
+    if tuple(transpose.attributes.get_ints("perm", ())) != swap(len(merged)):
+        return None
+    if not same_shape(merged[-2:], source[-2:]):
+        return None
+    if not same_shape(out, [*source[:-2], source[-1], source[-2]]):
+        return None
+    return x, [back, transpose, merge]
+
+
+def scores(value: ir.Value) -> Scores:
+    """The Softmax's input ``value`` parsed into :class:`Scores` (see the module docstring of
+    :mod:`fusion.fuse_sdpa` for the forms).
+
+    Raises:
+        CannotFuse: ``scores_form``, ``not_constant``, ``scale_not_scalar``.
+    """
+    found = Scores()
+    value = _view(value, found)
+    while (node := value.producer()) is not None and node.domain == "":
+        if node.op_type == "MatMul":
+            found.matmul = node
+            found.nodes.append(node)
+            return found
+        if node.op_type in ("Mul", "Div"):
+            value = _factor(node, found)
+        elif node.op_type == "Add":
+            if found.factor != 1.0:
+                raise _form(f"the mask or bias {node.name!r} is scaled with the scores")
+            value, term = _sides(node)
+            found.terms.append(term)
+        elif node.op_type == "Where" and found.where is None and found.factor == 1.0:
+            found.where = node
+            fills = [i for i in (1, 2) if scalar_const(node.inputs[i]) is not None]
+            if len(fills) != 1:
+                raise _form(f"the Where {node.name!r} does not set scores to one constant")
+            value = node.inputs[3 - fills[0]]
+        else:
+            raise _form(f"{node.op_type} {node.name!r} between Q @ K^T and the Softmax")
+        found.nodes.append(node)
+    raise _form("the scores do not come from Q @ K^T")
+
+
+def _form(detail: str) -> CannotFuse:
+    return CannotFuse(Code.SCORES_FORM, detail)
+
+
+def _factor(node: ir.Node, found: Scores) -> ir.Value:
+    """Fold the scale of a Mul or Div on the scores into ``found``; return the scaled value."""
+    consts = [scalar_const(v) for v in node.inputs]
+    index = 0 if node.op_type == "Mul" and consts[0] is not None else 1
+    if consts[index] is None or (node.op_type == "Div" and consts[index] == 0):
+        if const_array(node.inputs[index]) is not None:
+            raise CannotFuse(
+                Code.SCALE_NOT_SCALAR,
+                f"{node.name!r} scales the scores by a constant of several values: Attention's "
+                "scale is one number",
+            )
+        raise CannotFuse(
+            Code.NOT_CONSTANT, f"{node.name!r} scales the scores by a value computed at run time"
+        )
+    found.factor *= consts[index] if node.op_type == "Mul" else 1.0 / consts[index]
+    return node.inputs[1 - index]
+
+
+def _sides(add: ir.Node) -> tuple[ir.Value, ir.Value]:
+    """``(scores, term)`` of an Add on the scores: the operand computed from ``Q @ K^T`` (of
+    the Add's shape, where both are), and the other."""
+    main = [v for v in add.inputs if _reaches_matmul(v)]
+    if len(main) > 1:
+        full = [v for v in main if v.shape is not None and add.outputs[0].shape is not None
+                and same_shape(list(v.shape), list(add.outputs[0].shape))]  # fmt: skip
+        main = full or main
+    if not main:
+        raise _form(f"neither operand of {add.name!r} comes from Q @ K^T")
+    term = add.inputs[1] if main[0] is add.inputs[0] else add.inputs[0]
+    return main[0], term
+
+
+def _view(value: ir.Value, found: Scores) -> ir.Value:
+    """Parse ``Reshape(Reshape(s, X) + t_1 + .., shape(s))`` (terms added through a view of
+    the scores ``s``) into ``found.view``; return ``s`` (``value`` where it is no such view).
+
+    Raises:
+        CannotFuse: ``scores_form``: the Reshape back is not to the shape of ``s``.
+    """
+    back = producer(value, "Reshape")
+    if back is None:
+        return value
+    terms, inner, nodes = [], back.inputs[0], [back]
+    while (add := producer(inner, "Add")) is not None:
+        inner, term = _sides(add)
+        terms.append(term)
+        nodes.append(add)
+    split = producer(inner, "Reshape")
+    if split is None:
+        raise _form(f"the Reshape {back.name!r} of the scores is no view of them")
+    source, out = dims(split.inputs[0]), dims(value)
+    if source is None or out is None or not same_shape(source, out):
+        raise _form(f"the Reshapes {split.name!r} and {back.name!r} are not inverse views")
+    found.view = (terms, split, back)
+    found.nodes += [*nodes, split]
+    return split.inputs[0]
+
+
+def check_shapes(query: ir.Value, key_t: ir.Value, value: list | None) -> int:
+    """The rank (3 or 4) of the attention, after checking that ``Attention`` takes the
+    query, the key (``key_t`` is ``K^T``) and the value (its ``value`` dims, ``(.., L, Hv)``)
+    as the MatMuls do: one batch, key and value heads alike (or one key head), one length.
+
+    Raises:
+        CannotFuse: ``unknown_shape``, ``unsupported_rank``, ``shape_mismatch``,
+            ``unsupported_dtype``.
+    """
+    q, kt = dims(query), dims(key_t)
+    if q is None or kt is None or value is None:
+        raise CannotFuse(Code.UNKNOWN_SHAPE, "the shapes of Q, K and V are not known")
+    rank = len(q)
+    if rank not in (3, 4) or len(kt) != rank or len(value) != rank:
+        raise CannotFuse(
+            Code.UNSUPPORTED_RANK, "Q, K and V are not all 3-D or all 4-D: Attention takes those"
+        )
+    if query.dtype != ir.DataType.FLOAT:
+        raise CannotFuse(Code.UNSUPPORTED_DTYPE, f"the attention computes in {query.dtype}")
+    if not (same_dim(q[0], kt[0]) and same_dim(q[0], value[0])):
+        raise CannotFuse(Code.SHAPE_MISMATCH, "Q, K and V do not have one batch")
+    if rank == 4 and not same_dim(kt[1], value[1]):
+        raise CannotFuse(Code.SHAPE_MISMATCH, "K and V do not have one head count")
+    if rank == 4 and not (same_dim(q[1], kt[1]) or same_dim(kt[1], 1)):
+        raise CannotFuse(Code.SHAPE_MISMATCH, "Q and K have head counts that do not group")
+    if not same_dim(kt[-1], value[-2]):
+        raise CannotFuse(Code.SHAPE_MISMATCH, "the value's length differs from the key's")
+    return rank
