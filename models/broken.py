@@ -18,6 +18,9 @@ undone missed it. ``tests/normexport/test_verdict.py`` runs them on small models
   subtracted) followed by its bias.
 - ``bn_wrong_variance``: BatchNorm folded with the standard deviation where the variance
   belongs.
+
+And one that is exact but slow, what the latency verdict (:mod:`normexport.verdict.speed`) must
+catch: :func:`slowed`, every rewrite of one kind followed by a Loop that does nothing, slowly.
 """
 
 from __future__ import annotations
@@ -80,6 +83,49 @@ def broken(kind: str, factor: float = 1.01) -> Iterator[None]:
             stack.enter_context(_batchnorm_algebra(wrong))
         stack.enter_context(mock.patch.object(fusion, "optimize", _after(kind, factor)))
         yield
+
+
+#: Steps of :func:`slowed`'s Loop: about 1 ms a run on ONNX Runtime 1.31's CPU provider (the
+#: graph of tests/normexport/test_speed.py takes a tenth of one).
+SLOW_STEPS = 2000
+
+
+@contextlib.contextmanager
+def slowed(kind: str, steps: int = SLOW_STEPS) -> Iterator[None]:
+    """:func:`fusion.optimize` with every rewrite of ``kind`` (a :class:`fusion.Fused` kind,
+    e.g. ``"layernorm_fused"``) made slow and kept exact: the input of each node of the op
+    type it became goes through a Loop of ``steps`` Identity steps first (ONNX Runtime runs a
+    Loop as written). A model built without those rewrites (the rollback's builds) has no
+    Loop. The op type must be one the raw model does not hold."""
+    real = fusion.optimize
+
+    def optimize(model, **kwargs):
+        report = real(model, **kwargs)
+        became = {f.became for f in report.fused if f.kind == kind}
+        for node in [n for n in model.graph if n.op_type in became]:
+            _loop_before(model, node, steps)
+        return report
+
+    with mock.patch.object(fusion, "optimize", optimize):
+        yield
+
+
+def _loop_before(model: ir.Model, node: ir.Node, steps: int) -> None:
+    """``node``'s first input carried through a Loop of ``steps`` Identity steps."""
+    x = node.inputs[0]
+    step = ir.Value(name="slow_step", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    go = ir.Value(name="slow_go", type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([]))
+    value = ir.Value(name="slow_value", type=x.type, shape=x.shape)
+    keep, carry = ir.node("Identity", [go]), ir.node("Identity", [value])
+    body = ir.Graph(
+        [step, go, value], [keep.outputs[0], carry.outputs[0]], nodes=[keep, carry], name="slow"
+    )
+    trips = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(steps, np.int64))})
+    loop = ir.node("Loop", [trips.outputs[0], None, x], attributes={"body": body})
+    for made, name in ((keep, "kept"), (carry, "carried"), (trips, "steps"), (loop, "out")):
+        made.outputs[0].name = f"{node.name}_slow_{name}"
+    model.graph.insert_before(node, [trips, loop])
+    node.replace_input_with(0, loop.outputs[0])
 
 
 def _std_for_var(var: np.ndarray, eps: float) -> np.ndarray:

@@ -207,7 +207,7 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         "--no-benchmark",
         dest="benchmark",
         action="store_false",
-        help="skip the latency comparison",
+        help="skip the latency comparison and its verdict (the report says the speed is unchecked)",
     )
     p.add_argument(
         "--autotune",

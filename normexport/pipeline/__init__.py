@@ -1,9 +1,10 @@
 """The main job as a list of stages: plan the outputs, prepare (load, example inputs, export),
-take the reference, optimize and check, autotune, convert to half precision, publish, parity,
-latency, report (docs/architecture.md; the report: docs/report.md).
+take the reference, optimize and check, autotune, convert to half precision, latency (with the
+latency verdict), publish, parity, report (docs/architecture.md; the report: docs/report.md).
 
 Each stage lives in the module of its concern (:mod:`~normexport.pipeline.prepare`,
-:mod:`~normexport.pipeline.optimize`, :mod:`~normexport.pipeline.measure`) and takes what it
+:mod:`~normexport.pipeline.optimize`, :mod:`~normexport.pipeline.speed`,
+:mod:`~normexport.pipeline.measure`) and takes what it
 needs: the run's fixed facts (:class:`~normexport.pipeline.job.Job`), the reference model, the
 staged output (:class:`~normexport.pipeline.optimize.Staged`, a new one from each stage that
 changes it) and the parity judge (:class:`normexport.verdict.references.Judge`).
@@ -25,12 +26,13 @@ from normexport.arguments import Options
 from normexport.errors import UsageError
 from normexport.io import files
 from normexport.pipeline import job as job_mod
-from normexport.pipeline import measure, optimize
+from normexport.pipeline import measure, optimize, speed
 from normexport.pipeline.prepare import Prepared, prepare
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
 from normexport.runtime import cuda_kernels, plan
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
+from normexport.verdict.speed import NOT_TIMED, Speed
 
 __all__ = ["Options", "Prepared", "Report", "plan_outputs", "prepare", "run"]
 
@@ -85,10 +87,11 @@ def run(opts: Options) -> Report:
             if opts.precision != "fp32":
                 with progress.stage(opts.precision):
                     staged = optimize.half(job, ref, staged, work)
+            staged, latency, judged = _latency(job, ref, staged, work, memory.latency)
             written = files.publish_model(staged.path, output)
-            verdict, latency = _measure(job, ref, staged, judge, work, memory.latency)
+            verdict = _parity(job, ref, staged, judge, work)
     cost = Cost(stages, weights)
-    return _report(job, staged, written, verdict, latency, cost, memory)
+    return _report(job, staged, written, verdict, latency, judged, cost, memory)
 
 
 def _reference(
@@ -117,28 +120,35 @@ def _reference(
     return ref, judge
 
 
-def _measure(
+def _latency(
     job: job_mod.Job,
     ref: optimize.Reference,
     staged: optimize.Staged,
-    judge: Judge,
     work: Path,
     skipped: str | None,
-) -> tuple[ParityResult, Latency | None]:
-    """The parity stage (with the hidden-state probe for half precision) and the latency
-    stage, where asked for; ``skipped``: why the latency cannot be timed (the memory plan's),
-    or None."""
-    opts = job.opts
+) -> tuple[optimize.Staged, Latency | None, Speed]:
+    """The latency stage with its verdict, before the output is published
+    (:func:`normexport.pipeline.speed.judged`: the staged model, kept or with the rewrites
+    found slower left out), where asked for; ``skipped``: why the latency cannot be timed (the
+    memory plan's), or None."""
+    if not job.opts.benchmark:
+        return staged, None, Speed(unchecked=NOT_TIMED)
+    if skipped is not None:
+        return staged, Latency({}, 0, 0, skipped), Speed(unchecked=skipped)
+    with progress.stage("latency"):
+        return speed.judged(job, ref, staged, work)
+
+
+def _parity(
+    job: job_mod.Job, ref: optimize.Reference, staged: optimize.Staged, judge: Judge, work: Path
+) -> ParityResult:
+    """The parity stage of the published output, with the hidden-state probe for half
+    precision."""
     with progress.stage("parity"):
         verdict = measure.parity(job, staged, judge)
-        if opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
+        if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
             measure.hidden_state_probe(job, ref, verdict, work)
-    if not opts.benchmark:
-        return verdict, None
-    if skipped is not None:
-        return verdict, Latency({}, 0, 0, skipped)
-    with progress.stage("latency"):
-        return verdict, measure.latency(job, ref, staged)
+    return verdict
 
 
 def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
@@ -169,10 +179,11 @@ def _report(
     written: list[Path],
     parity: ParityResult,
     latency: Latency | None,
+    judged: Speed,
     cost: Cost,
     memory: plan.MemoryPlan,
 ) -> Report:
-    """The typed report of a finished run."""
+    """The typed report of a finished run; ``judged``: the latency verdict."""
     optimized = ir.load(job.output)
     return Report(
         model=str(job.opts.model),
@@ -198,6 +209,7 @@ def _report(
         precision=staged.precision,
         versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
         rollback=staged.rollback,
+        speed=judged,
         cost=cost,
         memory=memory,
         cuda_fallbacks=cuda_kernels.without_kernel(optimized) if job.provider == "cuda" else None,

@@ -1,5 +1,6 @@
-"""The stages that judge and time the published output: parity (with the hidden-state probe
-for half precision) and latency."""
+"""What judges and times the output: the parity stage's verdict on the published output (with
+the hidden-state probe for half precision), and the timing of a model against the raw one that
+the latency stage runs before publishing (:mod:`normexport.pipeline.speed`)."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from normexport.runtime import memory as runtime_memory
 from normexport.runtime.latency import (
     counterbalanced,
     latency_threads,
-    rotating,
     time_interleaved,
 )
-from normexport.verdict import hidden_probe
+from normexport.verdict import hidden_probe, speed
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
+from normexport.verdict.speed import Comparison
 
 
 def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
@@ -72,52 +73,76 @@ def hidden_state_probe(job: Job, ref: Reference, verdict: ParityResult, work: Pa
         verdict.add(found)
 
 
-def latency(job: Job, ref: Reference, staged: Staged) -> Latency:
-    """PyTorch eager (where there is a module), the raw model and the published output on the
-    example inputs, timed interleaved in ORT_ENABLE_ALL sessions (what a deployment runs); ms.
-    Where the two sessions would not fit in memory together
-    (:func:`normexport.runtime.memory.copies_that_fit`), each is timed alone in turn, with half
-    the budget, and the report says so. PyTorch and ONNX Runtime get the same number of
-    threads (:func:`normexport.runtime.latency.latency_threads`): each with its default beside
-    the other's pool oversubscribes the cores and times the contention.
+def latency(
+    job: Job,
+    ref: Reference,
+    path: Path,
+    budget_s: float,
+    disabled: tuple[str, ...] = (),
+    eager: bool = False,
+) -> tuple[Latency, Comparison | None]:
+    """The raw model and the model at ``path`` (run with ORT's ``disabled`` optimizers) on the
+    example inputs, timed interleaved for ``budget_s`` seconds in ORT_ENABLE_ALL sessions (what
+    a deployment runs), and with ``eager`` PyTorch eager first (where there is a module), alone,
+    for a quarter of it; ms. PyTorch and ONNX Runtime get the same number of threads
+    (:func:`normexport.runtime.latency.latency_threads`): each with its default beside the
+    other's pool oversubscribes the cores and times the contention. PyTorch is not timed in the
+    ONNX models' rounds: there its thread pool slowed the ORT call after it, by up to twice on 2
+    cores (a Conv-BN-LayerNorm net's 0.03 ms sessions took 0.06-0.08 ms), noise the A/A
+    control does not see.
 
-    On CPU, where two sessions of each fit in memory too, each model is two sessions opened in
-    ABBA order (raw, optimized, optimized, raw) and timed in turn
-    (:func:`normexport.runtime.latency.counterbalanced`): two CPU sessions of one file, opened
+    Each ONNX model is two sessions, called once each a round; its time in a round is their
+    mean, and each model's two, compared with each other, are the latency verdict's A/A
+    controls (:func:`normexport.verdict.speed.compare`). On CPU, where two sessions of each fit
+    in memory, they are four, opened in ABBA order (raw, model, model, raw:
+    :func:`normexport.runtime.latency.counterbalanced`): two CPU sessions of one file, opened
     one after the other, can differ by a percent or more, on some models always the same way
-    (``benchmarks/session_order.py``); one session each would favour one model."""
-    threads, feeds, provider = latency_threads(), job.sets["example"], job.provider
-    # Spinning off: these sessions are timed interleaved with each other and with PyTorch.
+    (``benchmarks/session_order.py``); elsewhere one session of each, called twice. Where even
+    one of each would not fit together (:func:`normexport.runtime.memory.copies_that_fit`),
+    each model is timed alone in turn, with half the budget, the report says so, and there is
+    no comparison (None)."""
+    threads, provider, feeds = latency_threads(), job.provider, job.sets["example"]
+    # Spinning off: these sessions are timed interleaved with each other.
     session = functools.partial(runtime.make_session, spinning=False, threads=threads)
     opens = {
         "ort_raw": lambda: session(ref.path, provider),
-        "ort_optimized": lambda: session(job.output, provider, disabled_optimizers=staged.disabled),
+        "ort_optimized": lambda: session(path, provider, disabled_optimizers=disabled),
     }
-    copies, apart = runtime_memory.copies_that_fit([ref.path, job.output], provider, most=2)
-    groups = [list(opens)] if apart is None else [[name] for name in opens]
-    timed: dict = {}
-    if job.loaded.module is not None:
-        eager = Eager(job.loaded.module)
-        timed["pytorch_eager"] = lambda: eager([feeds[n] for n in job.feed_names])
     timings: dict = {}
+    if eager and job.loaded.module is not None:
+        progress.step("pytorch_eager")
+        run = Eager(job.loaded.module)
+        calls = {"pytorch_eager": lambda: run([feeds[n] for n in job.feed_names])}
+        timings |= _timed(calls, threads, budget_s / 4)
+        budget_s -= budget_s / 4
+    copies, apart = runtime_memory.copies_that_fit([ref.path, path], provider, most=2)
+    groups = [list(opens)] if apart is None else [[name] for name in opens]
     for group in groups:
+        progress.step(", ".join(group) + (", interleaved" if len(group) > 1 else ""))
         opened = counterbalanced({name: opens[name] for name in group}, copies)
-        timed |= _in_turn(opened, feeds)
-        progress.step(", ".join(timed) + (", interleaved" if len(timed) > 1 else ""))
-        timings |= _timed(timed, threads, job.opts.budget_s / len(groups))
-        timed, opened = {}, None  # one group's sessions at a time
+        timings |= _timed(_twice(opened, feeds), threads, budget_s / len(groups))
+        opened = None  # one group's sessions at a time
         runtime_memory.give_back()
-    return Latency(timings, threads, threads, apart, copies)
-
-
-def _in_turn(opened: dict, feeds: dict) -> dict:
-    """name -> one callable that runs its sessions (``opened[name]``) in turn on ``feeds``."""
-    return {
-        name: rotating(
-            [functools.partial(runtime.run, s, precision.cast_feeds(s, feeds)) for s in sessions]
+    pairs = {name: [timings.pop(f"{name}#{i}") for i in (0, 1)] for name in opens}
+    comparison = None
+    if apart is None:
+        timings["ort_raw"], timings["ort_optimized"], comparison = speed.compare(
+            pairs["ort_raw"], pairs["ort_optimized"]
         )
-        for name, sessions in opened.items()
-    }
+    else:  # timed apart: each model's own mean over its calls, no pairing across models
+        for name, pair in pairs.items():
+            timings[name] = speed.pooled(pair)
+    return Latency(timings, threads, threads, apart, copies), comparison
+
+
+def _twice(opened: dict, feeds: dict) -> dict:
+    """``NAME#0`` and ``NAME#1`` -> a callable that runs one of ``opened[NAME]``'s sessions on
+    ``feeds``: each of two sessions, or one session twice."""
+    calls = {}
+    for name, sessions in opened.items():
+        for i, s in enumerate((sessions * 2)[:2]):
+            calls[f"{name}#{i}"] = functools.partial(runtime.run, s, precision.cast_feeds(s, feeds))
+    return calls
 
 
 def _timed(timed: dict, threads: int, budget_s: float) -> dict:

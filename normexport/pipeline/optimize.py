@@ -169,16 +169,7 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
     staged = work / job.output.name
     progress.step("saving")
     files.save_model(raw, staged, external_data=job.external)
-    builds = itertools.count(1)
-
-    def build(excluded):
-        model = ir.load(ref.path)
-        report = fusion.optimize(model, target=target, exclude=excluded, **options)
-        path = work / f"rollback-{next(builds)}" / job.output.name
-        path.parent.mkdir()
-        files.save_model(model, path, external_data=job.external)
-        return path, report
-
+    build = builder(job, ref, work, "rollback")
     verdicts: dict[Path, ParityResult] = {}
 
     def check(path):
@@ -188,7 +179,7 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
 
     outcome = rollback.roll_back(staged, fusions, build, check)
     if outcome.undone:
-        _move_onto(outcome.path, staged)
+        move_onto(outcome.path, staged)
         fusions = outcome.report
         fusions.extend(rollback.refusals(outcome.undone))
     level, problem = ref.checker
@@ -200,6 +191,26 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
         verdicts.get(outcome.path),
         outcome if outcome.undone or outcome.unexplained else None,
     )
+
+
+def builder(
+    job: Job, ref: Reference, work: Path, folder: str, always: frozenset[fusion.Fused] = frozenset()
+) -> rollback.Build:
+    """``build(excluded)`` (:data:`normexport.verdict.rollback.Build`): the reference model
+    optimized again as the optimize stage does, with the rewrites ``excluded`` and ``always``
+    left out, saved under the output's name in a new folder ``work/FOLDER-N``."""
+    target, options = job.opts.target, registry.provider_options(job.opts.target, job.provider)
+    builds = itertools.count(1)
+
+    def build(excluded):
+        model = ir.load(ref.path)
+        report = fusion.optimize(model, target=target, exclude=excluded | always, **options)
+        path = work / f"{folder}-{next(builds)}" / job.output.name
+        path.parent.mkdir()
+        files.save_model(model, path, external_data=job.external)
+        return path, report
+
+    return build
 
 
 def autotune(job: Job, ref: Reference, staged: Staged) -> Staged:
@@ -249,7 +260,7 @@ def half(job: Job, ref: Reference, staged: Staged, work: Path) -> Staged:
         refused=staged.fusions.refused,
         external_data=job.external,
     )
-    _move_onto(path, staged.path)
+    move_onto(path, staged.path)
     checker = check_output(staged.path, *ref.checker)
     return dataclasses.replace(staged, checker=checker, verified=None, precision=report)
 
@@ -260,10 +271,10 @@ def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:
     kept.parent.mkdir()
     files.save_model(chosen, kept, external_data=external)
     fusion.check(kept, full_check=False)
-    _move_onto(kept, staged)
+    move_onto(kept, staged)
 
 
-def _move_onto(source: Path, staged: Path) -> None:
+def move_onto(source: Path, staged: Path) -> None:
     """Move the model at ``source`` (and its external data file, named after it) onto
     ``staged``: both have the same file name, so the data file's name in the model holds."""
     for path in (staged, files.data_path(staged)):

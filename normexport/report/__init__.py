@@ -2,7 +2,8 @@
 the terminal, JSON on request, and a latency chart (PNG).
 
 - :mod:`normexport.report.schema`: :class:`Report` and its parts;
-- :mod:`normexport.report.terminal`: :func:`render`, the tables printed with rich;
+- :mod:`normexport.report.terminal`: :func:`render`, the tables printed with rich (the latency
+  table and the latency verdict's lines from :mod:`normexport.report.timed`);
 - :mod:`normexport.report.save`: :func:`write_json` and :func:`write_chart`;
 - :mod:`normexport.report.explain`: ``normexport explain``.
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from normexport.precision import PrecisionReport
     from normexport.tuning.autotune import AutotuneResult
     from normexport.verdict.rollback import Outcome
+    from normexport.verdict.speed import Speed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +207,9 @@ class Report:
         rollback: the rewrites undone because ONNX Runtime or the checker rejected them or
             they changed the function (:class:`normexport.verdict.rollback.Outcome`), or None where
             the optimized model passed its check as the passes made it.
+        speed: the latency verdict: the published model against the raw one, the rewrites
+            undone as slower here, or why the speed was not checked
+            (:class:`normexport.verdict.speed.Speed`); None only in a report made by hand.
         cost: the run's wall time and peak memory per stage (:class:`Cost`), or None.
         memory: the memory plan made before the first session
             (:class:`normexport.runtime.plan.MemoryPlan`), or None.
@@ -237,6 +241,7 @@ class Report:
     versions: Versions
     precision: PrecisionReport | None = None
     rollback: Outcome | None = None
+    speed: Speed | None = None
     cost: Cost | None = None
     memory: MemoryPlan | None = None
     cuda_fallbacks: list[Fallback] | None = None
@@ -281,6 +286,7 @@ class Report:
             "versions": dataclasses.asdict(self.versions),
             "precision": self.precision.to_dict() if self.precision else None,
             "rollback": self.rollback.to_dict() if self.rollback else None,
+            "speed": self.speed.to_dict() if self.speed else None,
             "cost": self.cost.to_dict() if self.cost else None,
             "memory": self.memory.to_dict() if self.memory else None,
             "cuda_fallbacks": (

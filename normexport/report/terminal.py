@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from normexport.report.schema import Checker, Cost, Fusions, Latency, NormOps, Report
-from normexport.runtime.latency import BUSY_SPREAD
+from normexport.report.schema import Checker, Cost, Fusions, NormOps, Report
+from normexport.report.timed import render_latency, render_speed
 from normexport.verdict.result import OutputError, ParityResult
 from normexport.verdict.tolerance import NOISE_WARN_FACTOR
 
@@ -264,33 +264,6 @@ def _render_fusions(fusions: Fusions, norm: NormOps, console: Console) -> None:
         console.print(refused)
 
 
-def _render_latency(latency: Latency, console: Console) -> None:
-    """Median, p90 and runs per variant, as ratios to the optimized model; the threads."""
-    table = Table(
-        title="Latency (ms per call; interleaved, ORT thread spinning off)",
-        title_justify="left",
-    )
-    for col in ("variant", "median", "p90", "runs", "÷ optimized"):
-        table.add_column(col, justify="right" if col != "variant" else "left")
-    opt = latency.timings["ort_optimized"].median_ms
-    for name, t in latency.timings.items():
-        ratio = f"{t.median_ms / opt:.2f}x"
-        table.add_row(name, f"{t.median_ms:.3f}", f"{t.p90_ms:.3f}", str(t.runs), ratio)
-    console.print(table)
-    console.print(
-        f"threads: PyTorch {latency.pytorch_threads}, ONNX Runtime "
-        f"{latency.onnxruntime_threads} (intra-op; inter-op 1)"
-        + (f"; {latency.sessions} sessions of each model in turn" if latency.sessions > 1 else "")
-    )
-    if latency.busy:
-        console.print(
-            f"[yellow]the machine was busy[/]: p90 over {BUSY_SPREAD:g}x the median for "
-            f"{', '.join(latency.busy)}; compare these numbers with care, or re-run"
-        )
-    if latency.apart:
-        console.print(f"[yellow]note[/]: {latency.apart}")
-
-
 def _render_autotune(tuned: AutotuneResult, console: Console) -> None:
     """Which form autotune kept, and the session setting it needs."""
     line = f"autotune on {tuned.provider}: kept [bold]{tuned.best}[/]"
@@ -345,9 +318,11 @@ def render(report: Report, console: Console) -> None:
     if report.cuda_fallbacks is not None:
         console.print(_cuda_note(report.cuda_fallbacks))
     if report.latency and report.latency.timings:
-        _render_latency(report.latency, console)
+        render_latency(report.latency, console)
     elif report.latency and report.latency.apart:
         console.print(f"[yellow]note[/]: {report.latency.apart}")
+    if report.speed:
+        render_speed(report.speed, console)
     if report.autotune:
         _render_autotune(report.autotune, console)
     if report.cost:

@@ -24,13 +24,16 @@ Rewrites are not independent: leaving one out can make another (a BatchNorm that
 folds into the layer before it may fold into the layer after it). So the model built without
 the ones found is checked again, and the search repeats on what is still failing, until it
 passes (it ends: the model with none passes).
+
+The latency verdict (:mod:`normexport.verdict.speed`) runs the same search with a timing as its
+check, within a budget (:func:`roll_back`'s ``afford``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import fusion
@@ -207,46 +210,57 @@ def _diverged(verdict: ParityResult) -> Rejection | None:
     return Rejection(Code.CHANGED_THE_FUNCTION, why)
 
 
-def roll_back(path: Path, report: FusionReport, build: Build, check: Check) -> Outcome:
+def roll_back(
+    path: Path,
+    report: FusionReport,
+    build: Build,
+    check: Check,
+    *,
+    tolerated: Collection[str] = (Code.CHANGED_THE_FUNCTION,),
+    afford: Callable[[int], bool] = lambda groups: True,
+) -> Outcome:
     """Check the optimized model at ``path`` (whose passes reported ``report``); where it
     fails, find the rewrites responsible and build it again without them (see the module
     docstring).
 
     First the model with no rewrite at all is checked: where it fails too, no rewrite is to
-    blame. If both only changed the function (something after the passes did, or the export
-    and the oracle disagree in a way the rule does not forgive), the model is kept as the
-    passes made it and :attr:`Outcome.unexplained` says why: the parity verdict reports it.
+    blame. If both failed with one code of ``tolerated`` (by default: both only changed the
+    function, because something after the passes did, or the export and the oracle disagree in
+    a way the rule does not forgive), the model is kept as the passes made it and
+    :attr:`Outcome.unexplained` says why: the parity verdict reports it.
+
+    Args:
+        path, report: the optimized model's file and what its passes did.
+        build, check: :data:`Build` and :data:`Check` (which may measure, as the latency
+            verdict's does: :mod:`normexport.verdict.speed`).
+        tolerated: the codes of a failure that is no bug of normexport's where no rewrite is to
+            blame; one that a build with no rewrite left fails with, where the model with none
+            passed, is the measurement's noise: the search ends with that build.
+        afford: ``afford(n)``: whether the search may look for the failing ones among ``n``
+            groups (about ``2 * log2(n) + 1`` more checks), asked before each round (``n``: the
+            passes with rewrites) and before each pass's rewrites are tested one by one (``n``:
+            its rewrites). Where not, a pass found failing is left out whole, and a round
+            leaves out every rewrite of its build (the model with none passed). Always, by
+            default.
 
     Raises:
-        RollbackFailed: the model fails with no rewrite at all, and one of the two is not
-            loaded or run by ONNX Runtime, or fails the checker: nothing can be published.
+        RollbackFailed: the model fails with no rewrite at all, and one of the two failures is
+            not ``tolerated`` (ONNX Runtime cannot load or run it, or it fails the checker):
+            nothing can be published.
     """
-    search = _Search(build, check)
+    search = _Search(build, check, afford)
     rejection = search.check(path)
     if rejection is None:
         return Outcome(path, report, [], search.checks)
     bare = search.bare(report)
     if bare is not None:
-        if rejection.code == bare.code == Code.CHANGED_THE_FUNCTION:
+        if rejection.code == bare.code and rejection.code in tolerated:
             return Outcome(path, report, [], search.checks, unexplained=rejection)
         raise RollbackFailed(
             f"the optimized model fails its check ({rejection.message}), and so does the model "
             f"with no rewrite at all ({bare.message})"
         )
-    excluded: dict[Fused, Rejection] = {}
-    first = path
-    while rejection is not None:
-        found = search.bad(report.fused, frozenset(excluded), rejection)
-        # none found: the failure needs rewrites together that each pass alone; the model
-        # with none passes, so leaving out all that this build made is safe
-        found = found or dict.fromkeys(report.fused, rejection)
-        if not found:  # no rewrite left to leave out, yet it fails where the bare one passed
-            raise RollbackFailed(f"the model with no rewrite fails once: {rejection.message}")
-        excluded.update(found)
-        previous, (path, report) = path, build(frozenset(excluded))
-        if previous != first:
-            _delete(previous)
-        rejection = search.check(path)
+    path, report, excluded = search.leave_out(path, report, rejection, tolerated)
     undone = [Undone(f, r) for f, r in excluded.items()]
     return Outcome(path, report, _in_pass_order(undone), search.checks)
 
@@ -254,14 +268,42 @@ def roll_back(path: Path, report: FusionReport, build: Build, check: Check) -> O
 class _Search:
     """The group tests of one rollback, counted."""
 
-    def __init__(self, build: Build, check: Check):
+    def __init__(self, build: Build, check: Check, afford: Callable[[int], bool]):
         self._build = build
         self._check = check
+        self._afford = afford
         self.checks = 0
 
     def check(self, path: Path) -> Rejection | None:
         self.checks += 1
         return self._check(path)
+
+    def leave_out(
+        self, path: Path, report: FusionReport, failing: Rejection, tolerated: Collection[str]
+    ) -> tuple[Path, FusionReport, dict[Fused, Rejection]]:
+        """Find the rewrites to leave out of the model at ``path`` (failing with ``failing``),
+        build it again without them, and repeat until the build passes (or, with a
+        ``tolerated`` code, fails with no rewrite left); the build kept, what its passes did,
+        and the rewrites left out with their rejections."""
+        excluded: dict[Fused, Rejection] = {}
+        first, rejection = path, failing
+        while rejection is not None:
+            affordable = self._afford(len({_pass_of(f) for f in report.fused}))
+            found = self.bad(report.fused, frozenset(excluded), rejection) if affordable else {}
+            # none found: the failure needs rewrites together that each pass alone (or the
+            # search cannot afford another round); the model with none passes, so leaving out
+            # all that this build made is safe
+            found = found or dict.fromkeys(report.fused, rejection)
+            if not found and rejection.code in tolerated:  # a measurement's noise: keep it
+                break
+            if not found:  # no rewrite left to leave out, yet it fails where the bare one passed
+                raise RollbackFailed(f"the model with no rewrite fails once: {rejection.message}")
+            excluded.update(found)
+            previous, (path, report) = path, self._build(frozenset(excluded))
+            if previous != first:
+                _delete(previous)
+            rejection = self.check(path)
+        return path, report, excluded
 
     def test(self, excluded: frozenset[Fused]) -> Rejection | None:
         """Build without ``excluded``, check it and delete it."""
@@ -290,13 +332,15 @@ class _Search:
         """The rewrites of ``fused`` (not yet in ``excluded``) to leave out, each with the
         rejection of a model where it was the only suspect left; ``failing`` is the rejection
         of the model built with all of them. First the passes, then the rewrites of each pass
-        found (with the passes found after it left out, those before it without theirs)."""
+        found (with the passes found after it left out, those before it without theirs), where
+        the search affords it; else the pass's rewrites all."""
         groups = [[f for f in fused if f not in excluded and _pass_of(f) is p] for p in PASSES]
         bad_groups = self._bad_groups([g for g in groups if g], excluded, failing)
         found: dict[Fused, Rejection] = {}
         for i, (group, rejection) in enumerate(bad_groups):
-            if len(group) == 1:  # its rejection's model had the others found left out
-                found[group[0]] = rejection
+            # one rewrite: its rejection's model had the others found left out
+            if len(group) == 1 or not self._afford(len(group)):
+                found.update(dict.fromkeys(group, rejection))
                 continue
             later = {f for g, _ in bad_groups[i + 1 :] for f in g}
             context = excluded | found.keys() | later

@@ -5,7 +5,9 @@ The search is tested on a stand-in for building and checking (which rewrites are
 the pipeline on real models with a pass broken on purpose: ONNX Runtime rejecting the fused
 attention of LeViT (key and value heads of different sizes, as before the fix in
 ``fusion.fuse_attention``), and a BatchNorm fold off by x1.001 on one channel (within the
-tolerance: warned, a failure with ``--strict``, never rolled back).
+tolerance: warned, a failure with ``--strict``, never rolled back). The same search with a
+measured check, as the latency verdict runs it (a budget, a failure that may be noise), on the
+stand-in too.
 """
 
 from __future__ import annotations
@@ -123,6 +125,54 @@ def test_a_fault_outside_every_rewrite_is_not_blamed_on_one():
     stand_in = StandIn(_rewrites(6), after_passes=BAD)
     with pytest.raises(RollbackFailed, match="no rewrite at all"):
         roll_back(*stand_in.first(), stand_in.build, stand_in.check)
+
+
+# --- a measured check (the latency verdict's), within a budget --------------------------------
+
+SLOW = Rejection(Code.SLOWER_HERE, "2x the raw model's time")
+
+
+def test_a_pass_the_search_cannot_afford_to_descend_into_is_left_out_whole():
+    rewrites = _rewrites(12)  # 4 rewrites in each of 3 passes
+    stand_in = StandIn(rewrites, bad=[rewrites[4]])
+    outcome = roll_back(*stand_in.first(), stand_in.build, stand_in.check, afford=lambda n: n < 4)
+    assert {u.rewrite for u in outcome.undone} == {
+        f for f in rewrites if f.kind == "layernorm_fused"
+    }
+    assert stand_in.check(outcome.path) is None
+    # not even the passes: every rewrite (the model with none passed)
+    stand_in = StandIn(rewrites, bad=[rewrites[4]])
+    outcome = roll_back(*stand_in.first(), stand_in.build, stand_in.check, afford=lambda n: False)
+    assert {u.rewrite for u in outcome.undone} == set(rewrites)
+
+
+def test_a_measured_failure_with_no_rewrite_left_ends_the_search():
+    """The model with none passed once, then a build with none fails (the timing's noise): with
+    a tolerated code the search ends with it; a deterministic check's failure is a bug."""
+    rewrites = _rewrites(4)
+
+    def noisy():
+        checks = []
+
+        def check(path):
+            checks.append(path)
+            return None if len(checks) == 2 else SLOW  # the second: the model with none
+
+        return check
+
+    stand_in = StandIn(rewrites)
+    outcome = roll_back(*stand_in.first(), stand_in.build, noisy(), tolerated=(Code.SLOWER_HERE,))
+    assert {u.rewrite for u in outcome.undone} == set(rewrites)
+    assert not stand_in.models[outcome.path]  # the build with no rewrite
+    stand_in = StandIn(rewrites)
+    with pytest.raises(RollbackFailed, match="fails once"):
+        roll_back(*stand_in.first(), stand_in.build, noisy())
+    # slower with no rewrite too: nothing undone, where the code is tolerated
+    stand_in = StandIn(rewrites, after_passes=SLOW)
+    outcome = roll_back(
+        *stand_in.first(), stand_in.build, stand_in.check, tolerated=(Code.SLOWER_HERE,)
+    )
+    assert not outcome.undone and outcome.unexplained == SLOW
 
 
 # --- the pipeline, with a pass broken on purpose ----------------------------------------------
