@@ -72,6 +72,7 @@ bench: install $(VENV)/.bench-installed $(VENV)/.families-installed
 	$(PY) benchmarks/reparam.py
 	$(PY) benchmarks/session_order.py
 	$(PY) benchmarks/families.py
+	$(PY) benchmarks/attention_forms.py
 
 lint: install
 	$(VENV)/bin/ruff check .

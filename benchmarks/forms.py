@@ -87,7 +87,9 @@ GROUPS = {
 }
 
 
-def _ran(model: bytes, provider: str, disabled: tuple[str, ...]) -> list[str]:
+def ort_ran(model: bytes, provider: str, disabled: tuple[str, ...] = ()) -> list[str]:
+    """The op types of the graph ONNX Runtime really runs for ``model`` on ``provider`` (after
+    its ORT_ENABLE_ALL session optimizations, ``disabled`` transformers left out), in order."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "ran.onnx"
         runtime.make_session(
@@ -121,7 +123,7 @@ def time_forms(
             model, provider, spinning=False, disabled_optimizers=disabled, threads=threads
         )
         runners[label] = runner(session, feeds, io_binding=True)[0]
-        ran[label] = _ran(model, provider, disabled)
+        ran[label] = ort_ran(model, provider, disabled)
     timings = time_interleaved(runners, budget_s=budget_s)
     first, *_, floor = forms
     norms = [label for label in forms if label != floor]
