@@ -6,7 +6,7 @@ exporters' index arithmetic in :mod:`fusion.simplify`, common-subexpression
 elimination (the exporters write ``x - mean`` twice in a hand-written LayerNorm; CSE makes it
 one value, so the matchers see one shape), and removal of unused nodes. onnxscript's full
 ``optimize`` is deliberately not used: its pattern rules match constants with ``abs_tol=1e-8``
-and delete an ``Add`` of an eps of 1e-8 (DESIGN.md, "Measured facts").
+and delete an ``Add`` of an eps of 1e-8 (docs/model-files.md, "How the export is done").
 
 Before folding, trailing optional outputs named '' (absent by the spec) are dropped, and the
 ``axes`` attribute of Unsqueeze and Squeeze (opsets below 13) is written as sorted non-negative

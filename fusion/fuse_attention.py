@@ -37,8 +37,8 @@ GQA rules (KV-cache decoding, not what an exported forward pass holds), its rota
 rules (they match only after that pipeline's own constant folding: run here, they found no
 rotary embedding in the llama-tiny zoo model, where ``optimize_for_ort`` fuses 4), and its
 ``optimize`` (whose constant matching at ``abs_tol=1e-8`` deletes an eps of 1e-8;
-DESIGN.md). These rule sets only match the patterns named above: every other node, and every
-eps, is left as it is.
+docs/model-files.md, "How the export is done"). These rule sets only match the patterns named
+above: every other node, and every eps, is left as it is.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ as the function ``Normalized = Mul(D, Reciprocal(Sqrt(Add(ReduceMean(Mul(D, D)),
 ``Scale = w``, ``B = b`` and ``epsilon`` the model's own float32 eps constant, that is the
 subgraph above, up to float rounding (one division becomes a reciprocal and a product).
 
-A variance scaled by a positive constant ``f`` is exact too (DESIGN.md, "Correctness rules")::
+A variance scaled by a positive constant ``f`` is exact too (docs/fusions.md, "Every
+spelling, and only the exact ones")::
 
     d / sqrt(f * var + eps) = f^(-1/2) * d / sqrt(var + eps / f)
 
@@ -53,11 +54,11 @@ not ``x`` minus its mean. Constants count as ``1 / N`` within a few float32 roun
 (:data:`fusion.norm_match.axes.EXACT`).
 
 No eps. ``torch.onnx.export``'s own optimizer (on by default) removes an ``Add`` of 1e-8 as if
-it were 0 (DESIGN.md), so files from the field hold ``(x - m) / sqrt(var)``. That is
-LayerNormalization with ``epsilon=0``, the file's own function (both give NaN on a constant
-row, where the variance is 0), and it is fused so; the report gets a note that says what
-happened and the fix (export from the PyTorch file through normexport, or with
-``optimize=False``), and what the rewrite became says ``epsilon 0``. An eps of 0 written
+it were 0 (docs/model-files.md, "How the export is done"), so files from the field hold
+``(x - m) / sqrt(var)``. That is LayerNormalization with ``epsilon=0``, the file's own function
+(both give NaN on a constant row, where the variance is 0), and it is fused so; the report gets a
+note that says what happened and the fix (export from the PyTorch file through normexport, or
+with ``optimize=False``), and what the rewrite became says ``epsilon 0``. An eps of 0 written
 as a constant gets the same note.
 
 Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. A float16

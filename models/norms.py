@@ -14,8 +14,8 @@ Written as ``nn.LayerNorm`` / ``F.layer_norm``, or by hand with the variance fro
 ``x.var(unbiased=False)`` or ``mean(d ** 2)`` / ``mean(d * d)``, normalized by a division by
 ``sqrt``, by ``reciprocal(sqrt)`` or by ``rsqrt``, with weight and bias, weight only, bias only
 or neither, in either operand order, over 1, 2 or 3 trailing axes. ``x.var()`` is unbiased
-(divides by ``N - 1``); it is still an exact LayerNormalization (DESIGN.md, "Correctness
-rules")::
+(divides by ``N - 1``); it is still an exact LayerNormalization (docs/fusions.md, "Every
+spelling, and only the exact ones")::
 
     (x - m) / sqrt(var_u + eps) = sqrt((N-1)/N) * (x - m) / sqrt(var_b + eps * (N-1)/N)
 

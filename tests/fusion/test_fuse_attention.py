@@ -87,7 +87,7 @@ def test_opting_out_keeps_attention_unfused():
 
 class TinyEpsDivide(torch.nn.Module):
     """Not a norm: an L1 row scaling with eps 1e-8, the constant onnxscript's own optimizer
-    takes for zero and deletes (DESIGN.md)."""
+    takes for zero and deletes (docs/model-files.md, "How the export is done")."""
 
     def forward(self, x):
         return x / (x.abs().sum(-1, keepdim=True) + 1e-8)
