@@ -99,8 +99,9 @@ def optimize(
         target: one of :data:`TARGETS`.
         skip: also fuse residual Add + norm into com.microsoft Skip(Simplified)LayerNormalization
             (:mod:`fusion.fuse_skip`): a speed choice per execution provider, not an exactness
-            one; ``"kv_cache"``: only in a model with a KV cache (a decode step's attention
-            with a past, fused). Needs ``target="ort"``.
+            one; ``"kv_cache"``: all only in a model with a KV cache (a decode step's attention
+            with a past, fused), elsewhere only where the Skip op also absorbs a dense layer's
+            bias Add. Needs ``target="ort"``.
         attention, gqa: fuse attention and GELU into com.microsoft ops with onnxscript's rules
             (:mod:`fusion.fuse_attention`); decoder attention into GroupQueryAttention
             (:mod:`fusion.fuse_gqa`). None (default): for ``target="ort"`` only.
