@@ -92,10 +92,15 @@ Absorbing the bias changes that: the Skip op then removes two Adds, not one, a p
 tensor ORT's own SkipLayerNormFusion leaves in place. On the CPU provider, BERT (4 layers,
 hidden 256, seq 128, batch 1): Skip ops with the bias absorbed 0.949 of the time of Add +
 LayerNormalization, equal to onnxscript's ``optimize_for_ort`` (0.951); without the bias 0.992
-(whole models: ``benchmarks/results/families_cpu.json``). So the CPU mode, ``skip="kv_cache"``
+(whole models: ``benchmarks/results/families_cpu.json``). Where the sum is read elsewhere too
+(output 3: a pre-norm model's residual stream, ViT's), the Skip ops are slower even with the
+bias: ViT-Tiny's shape (12 layers, hidden 192, 197 tokens, batch 1) ran 1.08x the time of Add +
+LayerNormalization with them (0.921 without; onnxscript's ``optimize_for_ort``, Skip ops
+throughout, 0.996 of ours with them). So the CPU mode, ``skip="kv_cache"``
 (:attr:`FuseSkip.kv_cache_only`), fuses every candidate in a model with a KV cache and, in a
-model without one, the candidates that absorb a bias only; there it reports the refusals of
-those candidates only (an operand made by an Add of a constant vector).
+model without one, only the candidates that absorb a bias and whose sum the norm alone reads
+(a post-norm model's: BERT's); there it reports the refusals of candidates with a bias only (an
+operand made by an Add of a constant vector).
 """
 
 from __future__ import annotations
@@ -250,7 +255,7 @@ class FuseSkip(FusionPass):
     Each fusion is a ``skip_fused`` outcome; each candidate left alone a ``skip`` refusal.
     Runs for ``target="ort"`` only, when ``optimize(skip=True)``; with ``skip="kv_cache"``
     (:attr:`kv_cache_only`) every candidate in a model with a KV cache, and in a model without
-    one only those that absorb a dense layer's bias.
+    one only those that absorb a dense layer's bias and whose sum the norm alone reads.
     """
 
     kinds = (
@@ -266,14 +271,16 @@ class FuseSkip(FusionPass):
     targets = ("ort",)
     option = "skip"
     #: Fuse everything only in a model with a KV cache (:func:`has_kv_cache`), elsewhere only the
-    #: candidates that absorb a bias: set by ``fusion.optimize`` for ``skip="kv_cache"``.
+    #: candidates that absorb a bias, their sum read by the norm alone: set by
+    #: ``fusion.optimize`` for ``skip="kv_cache"``.
     kv_cache_only = False
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether anything was fused."""
         graph = model.graph
         shapes = KnownShapes(model)
-        # CPU mode without a KV cache: only the candidates that absorb a bias (two Adds go).
+        # CPU mode without a KV cache: only the candidates that absorb a bias (two Adds go) and
+        # do not keep the sum (output 3).
         bias_only = self.kv_cache_only and not has_kv_cache(model)
         version = model.opset_imports.get(MS_DOMAIN, 1)
         modified = False
@@ -300,8 +307,9 @@ class FuseSkip(FusionPass):
                     self.refused(norm, refusal)
                 continue
             data, skip, bias = _absorb_bias(data, skip, shapes)
-            if bias_only and bias is None:
-                continue
+            reader = sole_consumer(add.outputs[0])  # the norm (or the no-op Cast) alone, or None
+            if bias_only and (bias is None or reader is None or reader not in (norm, cast)):
+                continue  # no bias, or the sum read elsewhere too (a pre-norm residual stream)
             if cast is not None:  # a no-op: its readers read the sum itself
                 replace_output(graph, cast.outputs[0], cast.inputs[0])
                 graph.remove(cast, safe=True)

@@ -103,14 +103,15 @@ LINEAR_OPS: tuple[str, ...] = algebra.LINEAR
 SKIP_PROVIDERS = ("cuda",)
 
 #: The execution providers on which a run fuses them all only in a model with a KV cache, and
-#: elsewhere only where the Skip op absorbs a dense layer's bias Add too
-#: (``fusion.optimize(skip="kv_cache")``, :mod:`fusion.fuse_skip`). On the CPU provider the
-#: Skip ops make a decoder's decode step faster and its prefill and the encoders slower (the
-#: ``normexport_skip`` variant of ``benchmarks/results/decoders_cpu.json``; one node alone,
-#: ``forms_cpu.json``, slower), unless they remove two Adds: BERT (4 layers, hidden 256, seq
-#: 128, batch 1): Skip ops with the bias absorbed 0.949 of the time of Add +
-#: LayerNormalization, equal to onnxscript's optimize_for_ort (0.951); without the bias 0.992
-#: (``benchmarks/results/families_cpu.json``).
+#: elsewhere only where the Skip op absorbs a dense layer's bias Add too and the norm alone
+#: reads the sum (``fusion.optimize(skip="kv_cache")``, :mod:`fusion.fuse_skip`). On the CPU
+#: provider the Skip ops make a decoder's decode step faster and its prefill and the encoders
+#: slower (the ``normexport_skip`` variant of ``benchmarks/results/decoders_cpu.json``; one
+#: node alone, ``forms_cpu.json``, slower), unless they remove two Adds: BERT (4 layers, hidden
+#: 256, seq 128, batch 1): Skip ops with the bias absorbed 0.949 of the time of Add +
+#: LayerNormalization, equal to onnxscript's optimize_for_ort (0.951); without the bias 0.992;
+#: but ViT's pre-norm Skip ops, whose sum the residual stream reads too, 1.08x its time with
+#: the bias absorbed (``benchmarks/results/families_cpu.json``; :mod:`fusion.fuse_skip`).
 SKIP_KV_CACHE_PROVIDERS = ("cpu",)
 
 
@@ -118,7 +119,7 @@ def skip_fusion(target: str, provider: str) -> bool | str:
     """The ``skip`` of ``fusion.optimize(skip=...)`` for a run for ``target`` on ``provider``
     (``"cpu"`` or ``"cuda"``, as :func:`normexport.runtime.resolve_provider` resolves it):
     True on :data:`SKIP_PROVIDERS`, ``"kv_cache"`` (every candidate in a model with a KV cache,
-    elsewhere those that absorb a bias) on :data:`SKIP_KV_CACHE_PROVIDERS`, False
+    elsewhere those that absorb a bias and keep no sum) on :data:`SKIP_KV_CACHE_PROVIDERS`, False
     elsewhere and for the targets FuseSkip does not run for. The run, ``bench``'s normexport
     variant and ``explain`` all ask this."""
     if target not in FuseSkip.targets:

@@ -1,6 +1,7 @@
 """``normexport explain`` against the run: on every provider, explain lists what the run's passes
-do to the same graph, with the run's policies (the Skip fusion is CUDA's only). Graphs built node
-by node; no PyTorch export, no session on the model."""
+do to the same graph, with the run's policies (the Skip fusion's per provider:
+``fusion.registry.skip_fusion``). Graphs built node by node; no PyTorch export, no session on
+the model."""
 
 from __future__ import annotations
 
