@@ -83,7 +83,7 @@ def _fused(model, feeds, target="onnx", **kwargs):
     return report, after
 
 
-def _refused(model, code: Code, target="onnx") -> None:
+def _assert_refused(model, code: Code, target="onnx") -> None:
     report = fusion.optimize(model, target=target)
     assert report.counts["sdpa_fused"] == 0 and "Softmax" in ops(model)
     assert report.codes("attention") == [code], report.refused
@@ -454,7 +454,7 @@ LOOK_ALIKES = {
 @pytest.mark.parametrize("case", LOOK_ALIKES)
 def test_look_alikes_are_refused_with_their_code(case):
     build, code = LOOK_ALIKES[case]
-    _refused(build(), code)
+    _assert_refused(build(), code)
 
 
 def test_weights_read_elsewhere_are_refused():
@@ -462,7 +462,7 @@ def test_weights_read_elsewhere_are_refused():
              ("MatMul", ["p", "v"], ["y"], {})]  # fmt: skip
     model = make_model(nodes, _inputs(), {"y": (F, None), "p": (F, None)},
                        {"scale": np.float32(SCALE)}, opset=20)  # fmt: skip
-    _refused(model, Code.SHARED_OUTPUT)
+    _assert_refused(model, Code.SHARED_OUTPUT)
 
 
 @pytest.mark.parametrize("where", ["no MatMul before", "no MatMul after"])
