@@ -20,7 +20,10 @@ and value ones of ``context`` (B, L, D) in a cross-attention case), each Reshape
 
 The cases (:data:`CASES`, (B, N, S, L, H)) are the attention of ViT-B, a small CLIP ViT, a
 UNet at a 32x32 latent (self- and cross-attention, ``unet_cross`` over 77 tokens), whisper-tiny's
-encoder, SAM's image encoder (windowed and global) and BERT; ``bert_bias`` is BERT's with a
+encoder, SAM's image encoder (windowed and global), BERT, and the one-head attention of a VAE's
+mid block (``AutoencoderKL`` at the size of ``benchmarks/families.py``), beside the same width in
+two heads (``vae_mid_two_heads``: ONNX Runtime's CPU ``Attention`` runs one thread per batch and
+head, :mod:`fusion.fuse_sdpa`); ``bert_bias`` is BERT's with a
 score bias: each core adds a (1, N, S, L) input ``bias`` to the scores before the Softmax (an
 Add in ``decomposed``, ``attn_mask`` of ``Attention``, ``attention_bias`` of
 ``MultiHeadAttention``).
@@ -135,6 +138,8 @@ CASES = {
     "sam_global": Case(1, 4, 1024, 1024, 64),
     "bert": Case(1, 4, 128, 128, 64),
     "bert_bias": Case(1, 4, 128, 128, 64, bias=True),
+    "vae_mid": Case(1, 1, 1024, 1024, 64),
+    "vae_mid_two_heads": Case(1, 2, 1024, 1024, 32),
 }
 
 

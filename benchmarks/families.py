@@ -328,7 +328,7 @@ def _normexport(raw: Path, out: Path, inputs: Path, provider: str, budget_s: flo
     variant = Variant.extra("normexport", out, DESCRIPTIONS["normexport"])
     variant.build_s = time.perf_counter() - start
     variant.details = {k: n for k, n in done.fusions.counts.items() if n}
-    refused = collections.Counter(f"{r.kind}/{r.code}" for r in done.fusions.refused)
+    refused = collections.Counter(f"{r.family}/{r.code}" for r in done.fusions.refused)
     summary = {
         "parity_passed": done.passed,
         "refused": dict(refused),

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime
 import outside
 import torch
 from rich.console import Console
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, Console(width=160))
     args.out.mkdir(parents=True, exist_ok=True)
     versions = {"torch": torch.__version__, "timm": timm.__version__}
-    versions["onnxruntime"] = runtime.ort.__version__
+    versions["onnxruntime"] = onnxruntime.__version__
     data = {"shape": SHAPE, "threads": THREADS, "versions": versions, "models": results}
     (args.out / "reparam_cpu.json").write_text(json.dumps(data, indent=1) + "\n")
     chart(results, args.out / "reparam_cpu.png")

@@ -175,7 +175,7 @@ class FuseLayerNorm(NormFusionPass):
         k = check_core(core, x, rank)
         dims = normalized_dims(k, x, core.value, node.outputs[0])
         for center in centers:
-            center.check(k, rank, dims)
+            center.require_mean(k, rank, dims)
         centering = list(dict.fromkeys(n for c in centers for n in c.nodes))
         # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays
         # for its other readers: the fused node computes the same value from x itself.

@@ -86,7 +86,7 @@ SkipLayerNormalization form is the slower one. ORT's own session-time ``SkipLaye
 makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up, on the CPU provider
 too, whenever the sum is read by the norm only; a CPU session avoids it with
 ``disabled_optimizers=["SkipLayerNormFusion"]``. So :func:`fusion.optimize` does not run this
-pass by default; it is chosen per execution provider (:func:`fusion.registry.skip_fusion`).
+pass by default; it is chosen per execution provider (:func:`fusion.registry.policy`).
 
 Absorbing the bias changes that: the Skip op then removes two Adds, not one, a pass over the
 tensor ORT's own SkipLayerNormFusion leaves in place. On the CPU provider, BERT (4 layers,
@@ -97,7 +97,7 @@ LayerNormalization, equal to onnxscript's ``optimize_for_ort`` (0.951); without 
 bias: ViT-Tiny's shape (12 layers, hidden 192, 197 tokens, batch 1) ran 1.08x the time of Add +
 LayerNormalization with them (0.921 without; onnxscript's ``optimize_for_ort``, Skip ops
 throughout, 0.996 of ours with them). So the CPU mode, ``skip="kv_cache"``
-(:attr:`FuseSkip.kv_cache_only`), fuses every candidate in a model with a KV cache and, in a
+(:attr:`FuseSkip.skip`), fuses every candidate in a model with a KV cache and, in a
 model without one, only the candidates that absorb a bias and whose sum the norm alone reads
 (a post-norm model's: BERT's); there it reports the refusals of candidates with a bias only (an
 operand made by an Add of a constant vector).
@@ -254,8 +254,8 @@ class FuseSkip(FusionPass):
 
     Each fusion is a ``skip_fused`` outcome; each candidate left alone a ``skip`` refusal.
     Runs for ``target="ort"`` only, when ``optimize(skip=True)``; with ``skip="kv_cache"``
-    (:attr:`kv_cache_only`) every candidate in a model with a KV cache, and in a model without
-    one only those that absorb a dense layer's bias and whose sum the norm alone reads.
+    (:attr:`skip`) every candidate in a model with a KV cache, and in a model without one only
+    those that absorb a dense layer's bias and whose sum the norm alone reads.
     """
 
     kinds = (
@@ -270,10 +270,11 @@ class FuseSkip(FusionPass):
     )
     targets = ("ort",)
     option = "skip"
-    #: Fuse everything only in a model with a KV cache (:func:`has_kv_cache`), elsewhere only the
-    #: candidates that absorb a bias, their sum read by the norm alone: set by
-    #: ``fusion.optimize`` for ``skip="kv_cache"``.
-    kv_cache_only = False
+    settings = ("skip",)
+    #: The policy's ``skip``: True fuses every candidate; ``"kv_cache"`` fuses everything only
+    #: in a model with a KV cache (:func:`has_kv_cache`), elsewhere only the candidates that
+    #: absorb a bias, their sum read by the norm alone.
+    skip: bool | str = True
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether anything was fused."""
@@ -281,7 +282,7 @@ class FuseSkip(FusionPass):
         shapes = KnownShapes(model)
         # CPU mode without a KV cache: only the candidates that absorb a bias (two Adds go) and
         # do not keep the sum (output 3).
-        bias_only = self.kv_cache_only and not has_kv_cache(model)
+        bias_only = self.skip == "kv_cache" and not has_kv_cache(model)
         version = model.opset_imports.get(MS_DOMAIN, 1)
         modified = False
         for norm in [n for n in graph if n.domain == "" and n.op_type in SKIP_OPS]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fusion.base import FusionPass, Kind, Op
+from fusion.base import FusionPass, Kind, Op, Policy
 from fusion.fold_batchnorm import FoldBatchNorm, algebra
 from fusion.fuse_attention import FuseAttention
 from fusion.fuse_gqa import FuseGroupQueryAttention
@@ -28,7 +28,8 @@ from fusion.merge_branches import MergeBranches
 #: whose folds leave each branch of a re-parameterizable block a Conv; FuseGroupQueryAttention
 #: precedes the norms, as it may raise the opset to 23, where an RMSNorm becomes ONNX's
 #: RMSNormalization; FuseSDPA follows FuseAttention, so that the transformers encoders keep ONNX
-#: Runtime's contrib attention (measured faster on them), and fuses the attention it leaves;
+#: Runtime's contrib attention (measured faster on them), and fuses the attention it leaves
+#: (for target "onnx" it raises the opset before the first pass, its plan);
 #: FuseSkip is last: it fuses the norms the passes before it produce.
 PASSES = (
     FoldBatchNorm,
@@ -97,52 +98,53 @@ DECOMPOSED_FAMILIES: tuple[str, ...] = tuple(
 LINEAR_OPS: tuple[str, ...] = algebra.LINEAR
 
 #: The execution providers on which a run fuses residual Add + norm into ONNX Runtime's Skip
-#: ops (:func:`skip_fusion`): on CUDA SkipSimplifiedLayerNormalization is faster than Add +
+#: ops (:func:`policy`): on CUDA SkipSimplifiedLayerNormalization is faster than Add +
 #: SimplifiedLayerNormalization, and SkipLayerNormalization is what ORT makes of Add +
 #: LayerNormalization anyway (``benchmarks/results/forms_cuda.json``, docs/cuda.md).
 SKIP_PROVIDERS = ("cuda",)
 
 #: The execution providers on which a run fuses them all only in a model with a KV cache, and
 #: elsewhere only where the Skip op absorbs a dense layer's bias Add too and the norm alone
-#: reads the sum (``fusion.optimize(skip="kv_cache")``, :mod:`fusion.fuse_skip`). On the CPU
-#: provider the Skip ops make a decoder's decode step faster and its prefill and the encoders
-#: slower (the ``normexport_skip`` variant of ``benchmarks/results/decoders_cpu.json``; one
-#: node alone, ``forms_cpu.json``, slower), unless they remove two Adds: BERT (4 layers, hidden
-#: 256, seq 128, batch 1): Skip ops with the bias absorbed 0.949 of the time of Add +
-#: LayerNormalization, equal to onnxscript's optimize_for_ort (0.951); without the bias 0.992;
-#: but ViT's pre-norm Skip ops, whose sum the residual stream reads too, 1.08x its time with
-#: the bias absorbed (``benchmarks/results/families_cpu.json``; :mod:`fusion.fuse_skip`).
+#: reads the sum (``skip="kv_cache"``, :mod:`fusion.fuse_skip`). On the CPU provider the Skip
+#: ops make a decoder's decode step faster and its prefill and the encoders slower (the
+#: ``normexport_skip`` variant of ``benchmarks/results/decoders_cpu.json``; one node alone,
+#: ``forms_cpu.json``, slower), unless they remove two Adds: BERT's post-norm Skip ops with the
+#: bias absorbed are faster, ViT's pre-norm ones, whose sum the residual stream reads too, slower
+#: (``benchmarks/results/families_cpu.json``; :mod:`fusion.fuse_skip`).
 SKIP_KV_CACHE_PROVIDERS = ("cpu",)
 
-
-def skip_fusion(target: str, provider: str) -> bool | str:
-    """The ``skip`` of ``fusion.optimize(skip=...)`` for a run for ``target`` on ``provider``
-    (``"cpu"`` or ``"cuda"``, as :func:`normexport.runtime.resolve_provider` resolves it):
-    True on :data:`SKIP_PROVIDERS`, ``"kv_cache"`` (every candidate in a model with a KV cache,
-    elsewhere those that absorb a bias and keep no sum) on :data:`SKIP_KV_CACHE_PROVIDERS`, False
-    elsewhere and for the targets FuseSkip does not run for. The run, ``bench``'s normexport
-    variant and ``explain`` all ask this."""
-    if target not in FuseSkip.targets:
-        return False
-    if provider in SKIP_PROVIDERS:
-        return True
-    return "kv_cache" if provider in SKIP_KV_CACHE_PROVIDERS else False
-
-
 #: The execution providers on which a run fuses decoder attention into GroupQueryAttention
-#: (:func:`provider_options`): ONNX Runtime's CUDA kernel of the op takes float16 and bfloat16
-#: only (its kernel table, :mod:`normexport.runtime.cuda_kernels`), and the passes run on the
-#: float32 model.
+#: (:func:`policy`): ONNX Runtime's CUDA kernel of the op takes float16 and bfloat16 only (its
+#: kernel table, :mod:`normexport.runtime.cuda_kernels`), and the passes run on the float32
+#: model.
 GQA_PROVIDERS = ("cpu",)
 
+#: The execution providers whose ``Attention`` kernel runs one thread per batch and head, so
+#: that :mod:`fusion.fuse_sdpa` leaves an attention with fewer than the run's intra-op threads
+#: (the policy's ``threads``).
+THREADED_PROVIDERS = ("cpu",)
 
-def provider_options(target: str, provider: str) -> dict[str, bool]:
-    """The :func:`fusion.optimize` keywords that are a choice per execution provider, for a run
-    for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``): ``skip``
-    (:func:`skip_fusion`) and ``gqa`` (on :data:`GQA_PROVIDERS`). The run, ``bench``'s
-    normexport variant and ``explain`` all ask this."""
+
+def policy(target: str, provider: str, threads: int = 1) -> Policy:
+    """The fusion policy of a run for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``, as
+    :func:`normexport.runtime.resolve_provider` resolves it) with ``threads`` intra-op threads:
+    the fusions that are a speed choice per provider decided by the lists above (``skip``:
+    True on :data:`SKIP_PROVIDERS`, ``"kv_cache"`` on :data:`SKIP_KV_CACHE_PROVIDERS`; ``gqa`` on
+    :data:`GQA_PROVIDERS`; ``threads`` kept on :data:`THREADED_PROVIDERS`, 1 elsewhere), each
+    only for the targets its pass runs for. The run, ``bench``'s normexport variant and
+    ``explain`` all ask this.
+
+    Raises:
+        ValueError: ``target`` is not one of :data:`fusion.base.TARGETS`; ``threads`` below 1.
+    """
+    skip: bool | str = False
+    if target in FuseSkip.targets and provider in SKIP_PROVIDERS:
+        skip = True
+    elif target in FuseSkip.targets and provider in SKIP_KV_CACHE_PROVIDERS:
+        skip = "kv_cache"
     gqa = target in FuseGroupQueryAttention.targets and provider in GQA_PROVIDERS
-    return {"skip": skip_fusion(target, provider), "gqa": gqa}
+    threads = threads if provider in THREADED_PROVIDERS else 1
+    return Policy(target=target, skip=skip, gqa=gqa, threads=threads)
 
 
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.

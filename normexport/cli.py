@@ -120,12 +120,13 @@ def _main(args: argparse.Namespace, console: Console) -> int:
 def _explain(args: argparse.Namespace, console: Console) -> int:
     from normexport import pipeline, runtime
     from normexport.report import explain
+    from normexport.runtime.latency import fusion_policy
 
     opts = options_from_args(args)
     provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
     prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"
-    findings = explain.explain(prepared.raw, target=opts.target, provider=provider)
+    findings = explain.explain(prepared.raw, fusion_policy(opts.target, provider))
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
     return errors.EXIT_OK
 

@@ -8,6 +8,7 @@ every offender with its file and line.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,65 @@ def test_no_import_cycle():
 )
 def test_find_cycle_finds_cycles(graph, expected):
     assert _find_cycle(graph) == expected
+
+
+#: Lines of code (no blank line, comment or docstring) an ``__init__.py`` may hold: a package's
+#: face, its public names and at most a short entry point; the machinery lives in modules
+#: named for it.
+MAX_INIT_CODE = 100
+
+
+def _code_lines(source: str) -> int:
+    """The lines of ``source`` that are code: not blank, not a comment, not in a docstring."""
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            first = body[0] if body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    return sum(
+        1
+        for number, line in enumerate(source.splitlines(), 1)
+        if line.strip() and not line.strip().startswith("#") and number not in docstrings
+    )
+
+
+def test_code_lines_leave_docstrings_and_comments_out():
+    source = '"""Doc\n\nmore."""\n\n# note\nimport os\n\n\ndef f():\n    """Doc."""\n    return 1\n'
+    assert _code_lines(source) == 3
+
+
+def test_no_init_holds_more_than_its_face():
+    big = [
+        f"{path.relative_to(ROOT)} ({n})"
+        for path in _modules().values()
+        if path.name == "__init__.py" and (n := _code_lines(path.read_text())) > MAX_INIT_CODE
+    ]
+    assert not big, f"__init__.py over {MAX_INIT_CODE} lines of code:\n" + "\n".join(big)
+
+
+#: What no file of a clone may cite: the design note that lived outside the repository.
+OUTSIDE_NOTE = re.compile(r"\bDESIGN\.md\b")
+#: What the packages and the docs may not refer to either: the shared folder beside a checkout
+#: (tests and benchmarks read the peer files there as optional inputs, skipped without them).
+OUTSIDE_FOLDER = re.compile(r"\.\./shared\b|\bshared/")
+
+
+def _cites_outside() -> list[str]:
+    """``path:line`` of each citation of a file outside the repository."""
+    own = [*_modules().values(), ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    inputs = [p for d in ("tests", "benchmarks") for p in sorted((ROOT / d).rglob("*.py"))]
+    checks = [(p, (OUTSIDE_NOTE, OUTSIDE_FOLDER)) for p in own]
+    checks += [(p, (OUTSIDE_NOTE,)) for p in inputs if p != Path(__file__)]
+    return [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path, patterns in checks
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if any(pattern.search(line) for pattern in patterns)
+    ]
+
+
+def test_nothing_cites_a_file_outside_the_repository():
+    cites = _cites_outside()
+    assert not cites, "cites a file outside the repository:\n" + "\n".join(cites)

@@ -1,8 +1,9 @@
 """What every fusion pass shares: the kinds of rewrite, typed outcomes, and the pass base class.
 
 A pass is an :class:`onnx_ir.passes.InPlacePass`. It declares what it needs instead of testing
-it inside its matcher: the targets it runs for (:attr:`FusionPass.targets`), the option that
-turns it on (:attr:`FusionPass.option`), and the default-domain opset its ops need per target
+it inside its matcher: the targets it runs for (:attr:`FusionPass.targets`), the field of the
+run's :class:`Policy` that turns it on (:attr:`FusionPass.option`), the fields it reads
+(:attr:`FusionPass.settings`), and the default-domain opset its ops need per target
 (:attr:`FusionPass.needs_opset`). Each call collects its own :class:`FusionReport`
 (:attr:`FusionPass.outcomes`, also on the returned :class:`FusionResult`): a rewrite is a
 :class:`Fused`, a candidate left alone a :class:`Refused` with a stable :class:`Code`.
@@ -11,17 +12,18 @@ To add a fusion: one pass module that subclasses :class:`NodeFusionPass` (or
 :class:`FusionPass`) and declares its :class:`Kind`, one test module, and one line in
 :data:`fusion.registry.PASSES`.
 
-The parts, imported from here: :mod:`fusion.base.passes` (the targets, :class:`Op`,
-:class:`Kind` and the pass classes), :mod:`fusion.base.outcomes` (:class:`Fused`,
-:class:`Refused`, :class:`FusionReport`, :class:`FusionResult`) and :mod:`fusion.base.codes`
-(:class:`Code` and :class:`CannotFuse`).
+The parts, imported from here: :mod:`fusion.base.policy` (the targets and :class:`Policy`),
+:mod:`fusion.base.passes` (:class:`Op`, :class:`Kind` and the pass classes),
+:mod:`fusion.base.outcomes` (:class:`Fused`, :class:`Refused`, :class:`FusionReport`,
+:class:`FusionResult`) and :mod:`fusion.base.codes` (:class:`Code` and :class:`CannotFuse`).
 """
 
 from __future__ import annotations
 
 from fusion.base.codes import CannotFuse, Code
 from fusion.base.outcomes import Fused, FusionReport, FusionResult, Refused
-from fusion.base.passes import MS_DOMAIN, TARGETS, FusionPass, Kind, NodeFusionPass, Op
+from fusion.base.passes import MS_DOMAIN, FusionPass, Kind, NodeFusionPass, Op
+from fusion.base.policy import TARGETS, Policy
 
 __all__ = [
     "MS_DOMAIN",
@@ -35,5 +37,6 @@ __all__ = [
     "Kind",
     "NodeFusionPass",
     "Op",
+    "Policy",
     "Refused",
 ]

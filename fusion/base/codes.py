@@ -152,6 +152,10 @@ class Code(enum.StrEnum):
     #: A mask that the op would apply otherwise than the model: a row masked at every key (the
     #: op's zeros, the model's NaN or mean of the values), or a fill that leaves a weight.
     MASK_NOT_EXACT = "mask_not_exact"
+    #: Batch times heads below the CPU provider's intra-op threads: ONNX Runtime's CPU kernel
+    #: of ``Attention`` runs one thread per batch and head, the MatMuls it would replace use
+    #: every thread (measured slower).
+    FEW_HEADS = "few_heads"
 
     # Rewrites undone after the passes (normexport.verdict.rollback), any family.
     #: The ONNX checker rejects the model with this rewrite.

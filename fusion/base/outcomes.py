@@ -41,13 +41,13 @@ class Refused:
     """One candidate subgraph that a pass matched but left alone.
 
     Attributes:
-        kind: the :attr:`~fusion.base.Kind.family` of the candidate, e.g. ``"batchnorm"``.
+        family: the :attr:`~fusion.base.Kind.family` of the candidate, e.g. ``"batchnorm"``.
         node: name of the anchor node, as it appears in the ONNX graph.
         code: the stable reason (a :class:`Code` value).
         detail: one sentence that says why the rewrite would not be exact.
     """
 
-    kind: str
+    family: str
     node: str
     code: str
     detail: str
@@ -57,7 +57,9 @@ class Refused:
 class FusionReport:
     """What passes did: rewrites and refusals in graph order, notes, counts per kind.
 
-    A refusal of the same (kind, node) is kept once, so a pass run twice does not repeat it.
+    A refusal of the same (family, node, code) is kept once, so a pass run twice does not repeat
+    it; two reasons for one candidate (a rewrite undone, then another pass's refusal) are both
+    kept.
     """
 
     fused: list[Fused] = dataclasses.field(default_factory=list)
@@ -78,11 +80,12 @@ class FusionReport:
         """Record a rewrite of ``kind`` anchored at ``node`` into ``became``."""
         self.fused.append(Fused(kind, node, became, count))
 
-    def refuse(self, kind: str, node: str, code: Code, detail: str) -> None:
-        """Record that the candidate anchored at ``node`` was left alone, and why."""
-        if any(r.kind == kind and r.node == node for r in self.refused):
+    def refuse(self, family: str, node: str, code: Code, detail: str) -> None:
+        """Record that the candidate of ``family`` anchored at ``node`` was left alone, and
+        why."""
+        if any((r.family, r.node, r.code) == (family, node, code) for r in self.refused):
             return
-        self.refused.append(Refused(kind, node, str(Code(code)), detail))
+        self.refused.append(Refused(family, node, str(Code(code)), detail))
 
     def note(self, text: str) -> None:
         """Record a change to the model that is not a fusion (kept once)."""
@@ -93,13 +96,13 @@ class FusionReport:
         """Append ``other``'s rewrites, refusals and notes (refusals and notes kept once)."""
         self.fused.extend(other.fused)
         for r in other.refused:
-            self.refuse(r.kind, r.node, Code(r.code), r.detail)
+            self.refuse(r.family, r.node, Code(r.code), r.detail)
         for text in other.notes:
             self.note(text)
 
-    def codes(self, kind: str | None = None) -> list[str]:
+    def codes(self, family: str | None = None) -> list[str]:
         """The refusal codes, in graph order, of one family or of all."""
-        return [r.code for r in self.refused if kind is None or r.kind == kind]
+        return [r.code for r in self.refused if family is None or r.family == family]
 
     def to_dict(self, kinds: tuple[str, ...] = ()) -> dict[str, Any]:
         """JSON-ready form: ``{kind: count, ..., "fused": [...], "refused": [...],

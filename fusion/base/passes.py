@@ -14,10 +14,7 @@ import onnx_ir as ir
 from fusion._ir import label, opset_version
 from fusion.base.codes import CannotFuse, Code
 from fusion.base.outcomes import FusionReport, FusionResult
-
-#: What optimize() may emit: ``"ort"`` allows ONNX Runtime's contrib and default-domain ops,
-#: ``"onnx"`` only standard ONNX ops of the model's opset.
-TARGETS = ("ort", "onnx")
+from fusion.base.policy import TARGETS, Policy
 
 MS_DOMAIN = "com.microsoft"
 
@@ -62,24 +59,36 @@ class FusionPass(ir.passes.InPlacePass):
             why; the rollback of :mod:`normexport.verdict.rollback` does). Anchors are node
             names of the graph the pass runs on, so a run on the same model with the same
             passes before it finds them again.
+        **settings: the policy fields of :attr:`settings`, kept as attributes of those names
+            (a field not given keeps the class's default).
 
     Raises:
-        ValueError: ``target`` is not one of :data:`TARGETS`, or not one of :attr:`targets`.
+        ValueError: ``target`` is not one of :data:`TARGETS`, or not one of :attr:`targets`;
+            a setting the pass does not declare.
     """
 
     #: The kinds of rewrite this pass makes; the first is the one its refusals belong to.
     kinds: ClassVar[tuple[Kind, ...]]
     #: The targets the pass may run for.
     targets: ClassVar[tuple[str, ...]] = TARGETS
-    #: The ``optimize()`` keyword that turns the pass on, or None if it always runs.
+    #: The field of :class:`fusion.base.policy.Policy` (a keyword of ``optimize()``) that turns the
+    #: pass on where true, or None if it always runs.
     option: ClassVar[str | None] = None
-    #: The targets for which the option defaults to on (an option the caller leaves as None).
+    #: The targets for which the option defaults to on (an option the policy leaves as None).
     on_by_default: ClassVar[tuple[str, ...]] = ()
+    #: The fields of :class:`fusion.base.policy.Policy` the pass reads, each given to the
+    #: constructor and kept as the attribute of the same name (declared on the class with its
+    #: default).
+    settings: ClassVar[tuple[str, ...]] = ()
     #: Per target, the ai.onnx opset that the ops it emits need (absent: any opset).
     needs_opset: ClassVar[Mapping[str, int]] = {}
 
-    def __init__(self, target: str = "ort", exclude: Collection[str] = ()):
+    def __init__(self, target: str = "ort", exclude: Collection[str] = (), **settings: Any):
         super().__init__()
+        if unknown := set(settings) - set(self.settings):
+            raise ValueError(f"{type(self).__name__} has no setting {sorted(unknown)}")
+        for name, value in settings.items():
+            setattr(self, name, value)
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
         if target not in self.targets:
@@ -89,12 +98,12 @@ class FusionPass(ir.passes.InPlacePass):
         self.outcomes = FusionReport()
 
     @classmethod
-    def enabled(cls, target: str, options: Mapping[str, bool | None]) -> bool:
-        """Whether ``optimize(target=target, **options)`` runs this pass."""
+    def enabled(cls, policy: Policy) -> bool:
+        """Whether ``optimize(**policy.keywords())`` runs this pass."""
         if cls.option is None:
-            return target in cls.targets
-        wanted = options.get(cls.option)
-        return bool(wanted) or (wanted is None and target in cls.on_by_default)
+            return policy.target in cls.targets
+        wanted = getattr(policy, cls.option)
+        return bool(wanted) or (wanted is None and policy.target in cls.on_by_default)
 
     @property
     def family(self) -> str:
@@ -124,6 +133,11 @@ class FusionPass(ir.passes.InPlacePass):
         """Record that the candidate anchored at ``node`` was left alone, and why."""
         name = node if isinstance(node, str) else label(node)
         self.outcomes.refuse(self.family, name, refusal.code, refusal.detail)
+
+    def plan(self, model: ir.Model) -> None:
+        """Prepare ``model`` before the first pass of the run runs (after the shapes are
+        filled): a pass whose rewrites need a higher opset raises it here where the passes
+        before it must see the raised one. Nothing by default."""
 
     def call(self, model: ir.Model) -> FusionResult:
         """Run :meth:`apply` with fresh :attr:`outcomes`; the result carries them."""

@@ -17,7 +17,7 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     Transposes and the mask it needs, before the weights' product; move the readers over; drop
     the old nodes. Return what it became."""
     inserted: list[ir.Node] = []
-    key, value = (operand(o, inserted) for o in (match.key, match.value))
+    key, value = (operand(o, inserted, graph) for o in (match.key, match.value))
     inputs = [match.query, key, value]
     if match.mask is not None:
         inputs.append(attn_mask(graph, match.mask, match.query, key, inserted, shared))
@@ -28,7 +28,7 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     inserted.append(fused)
     out = fused.outputs[0]
     if match.transposed:
-        out = operand(core.Operand(out, core.swap(match.rank)), inserted)
+        out = operand(core.Operand(out, core.swap(match.rank)), inserted, graph)
     out.type = match.output.type
     graph.insert_before(match.nodes[-1], inserted)
     replace_output(graph, match.output, out)
@@ -37,8 +37,16 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     return f"Attention (opset {standard.OPSET})"
 
 
-def operand(found: core.Operand, inserted: list[ir.Node]) -> ir.Value:
-    """``found`` as a value: its source, or a new Transpose of it (appended to ``inserted``)."""
+def operand(found: core.Operand, inserted: list[ir.Node], graph: ir.Graph) -> ir.Value:
+    """``found`` as a value: its source, or a new Transpose or Reshape of it (appended to
+    ``inserted``; the Reshape's shape an initializer of ``graph``)."""
+    if found.shape is not None:
+        shape = add_initializer(graph, "attn_kv_shape", np.array(found.shape, np.int64))
+        reshape = ir.node("Reshape", [found.source, shape])
+        out = reshape.outputs[0]
+        out.shape, out.dtype = ir.Shape(found.shape), found.source.dtype
+        inserted.append(reshape)
+        return out
     if found.perm is None:
         return found.source
     transpose = ir.node("Transpose", [found.source], {"perm": list(found.perm)})

@@ -5,6 +5,8 @@ and ``Q`` and ``K`` as ``Attention`` takes them."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 
 import numpy as np
 import onnx_ir as ir
@@ -33,11 +35,13 @@ _TOWARDS = (*_CHAIN, "Tanh", "Cast", "Sub", "Neg", "Clip", "Transpose")
 
 @dataclasses.dataclass
 class Operand:
-    """``K`` or ``V`` as ``Attention`` takes it: ``source``, or ``Transpose(source, perm)``."""
+    """``K`` or ``V`` as ``Attention`` takes it: ``source``, ``Transpose(source, perm)``, or
+    ``Reshape(source, shape)`` (a static shape that splits or merges the leading axes only)."""
 
     source: ir.Value
     perm: tuple[int, ...] | None
     nodes: list[ir.Node] = dataclasses.field(default_factory=list)
+    shape: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass
@@ -158,8 +162,10 @@ def _cast_constant(value: ir.Value | None) -> float | None:
 def operand(transposed: ir.Value, rank: int) -> Operand:
     """The tensor whose last two axes ``transposed`` swaps: the source of a Transpose (through
     one Transpose of the composed perm where it is no swap alone), of the dynamo exporter's
-    ``Reshape -> Transpose(0, 2, 1) -> Reshape`` (:func:`_swapped_view`), else a new
-    Transpose of ``transposed``."""
+    ``Reshape -> Transpose(0, 2, 1) -> Reshape`` (:func:`_swapped_view`), a Reshape of the
+    source of ``Transpose(x, swap) -> Reshape`` over the leading axes (:func:`_swapped_reshape`:
+    ``nn.MultiheadAttention``'s key as torch's decomposition of its attention views it), else a
+    new Transpose of ``transposed``."""
     transpose = producer(transposed, "Transpose")
     if transpose is not None:
         perm = list(transpose.attributes.get_ints("perm", range(rank)[::-1]))
@@ -169,7 +175,31 @@ def operand(transposed: ir.Value, rank: int) -> Operand:
     view = _swapped_view(transposed)
     if view is not None:
         return Operand(view[0], None, view[1])
+    reshaped = _swapped_reshape(transposed)
+    if reshaped is not None:
+        return reshaped
     return Operand(transposed, swap(rank))
+
+
+def _swapped_reshape(value: ir.Value) -> Operand | None:
+    """``Reshape(x, lead + (A, B))`` where ``value = Reshape(Transpose(x, swap), lead + (B,
+    A))`` with ``x`` of static shape ``m + (A, B)``, ``prod(m) == prod(lead)``: a Reshape that
+    splits or merges the leading axes only (row-major) commutes with swapping the last two."""
+    back = producer(value, "Reshape")
+    transpose = producer(back.inputs[0], "Transpose") if back is not None else None
+    if transpose is None:
+        return None
+    x = transpose.inputs[0]
+    source, out = dims(x), dims(value)
+    if source is None or out is None or len(source) < 2 or len(out) < 2:
+        return None
+    if not all(isinstance(d, int) for d in (*source, *out)):
+        return None
+    if tuple(transpose.attributes.get_ints("perm", ())) != swap(len(source)):
+        return None
+    if tuple(out[-2:]) != (source[-1], source[-2]) or math.prod(out[:-2]) != math.prod(source[:-2]):
+        return None
+    return Operand(x, None, [back, transpose], (*out[:-2], source[-2], source[-1]))
 
 
 def _swapped_view(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
@@ -317,3 +347,16 @@ def check_shapes(query: ir.Value, key_t: ir.Value, value: list | None) -> int:
     if not same_dim(kt[-1], value[-2]):
         raise CannotFuse(Code.SHAPE_MISMATCH, "the value's length differs from the key's")
     return rank
+
+
+def slices(query: ir.Value) -> int:
+    """The (batch, head) pairs of an attention whose ``Q`` (3-D or 4-D, checked) is
+    ``query``: the product of its leading dimensions, an unknown batch of a 4-D ``Q`` counted
+    as 1 (a latency's batch); where the heads are unknown (a 3-D ``Q``'s first dimension, a 4-D
+    one's second), as many as there may be threads (:data:`sys.maxsize`)."""
+    q = dims(query)
+    heads = q[0] if len(q) == 3 else q[1]
+    if not isinstance(heads, int):
+        return sys.maxsize
+    batch = q[0] if len(q) == 4 and isinstance(q[0], int) else 1
+    return batch * heads

@@ -179,8 +179,8 @@ class Centering:
     factor: float
     nodes: list[ir.Node]
 
-    def check(self, k: int, rank: int | None, dims: tuple[int | None, ...]) -> None:
-        """Check that the mean is over the ``k`` normalized axes (of sizes ``dims``) and is the
+    def require_mean(self, k: int, rank: int | None, dims: tuple[int | None, ...]) -> None:
+        """Require that the mean is over the ``k`` normalized axes (of sizes ``dims``) and is the
         mean: a ReduceMean, or a ReduceSum divided by exactly the number of elements it sums.
 
         Raises:

@@ -12,10 +12,11 @@ import fusion
 from normexport import precision
 from normexport.arguments import Options
 from normexport.io import files
-from normexport.io import inputs as inputs_mod
+from normexport.io.inputs import id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
 from normexport.report.explain import already_fused
+from normexport.runtime.latency import fusion_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,9 @@ class Job:
             in it.
         external: the output is written with external data
             (:func:`normexport.io.files.wants_external_data`).
+        policy: the fusion policy of the run
+            (:func:`normexport.runtime.latency.fusion_policy`): what the passes, the rollback's
+            rebuilds and the autotuner's variants run with.
     """
 
     opts: Options
@@ -54,6 +58,7 @@ class Job:
     already: list
     computes_in: str
     external: bool
+    policy: fusion.Policy
 
     @property
     def output_rule(self) -> str:
@@ -67,22 +72,22 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
     model holds (read before any pass changes it)."""
     loaded, example, raw, export = prepared
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
-    sets = inputs_mod.input_sets(
-        by_feed_name(example, feed_names), id_ranges=inputs_mod.id_ranges(raw)
-    )
+    sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
     if opts.precision != "fp32":
         sets |= precision.overflow_set(sets["example"])
     return Job(
-        opts,
-        output,
-        *provider,
-        loaded,
-        example,
-        export,
-        feed_names,
-        sets,
+        opts=opts,
+        output=output,
+        provider=provider[0],
+        provider_note=provider[1],
+        loaded=loaded,
+        example=example,
+        export=export,
+        feed_names=feed_names,
+        sets=sets,
         ops_before=fusion.norm_ops(raw),
         already=already_fused(raw),
         computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
+        policy=fusion_policy(opts.target, provider[0]),
     )

@@ -13,7 +13,7 @@ import torch
 from normexport import precision, progress, runtime
 from normexport.io.eager import Eager
 from normexport.pipeline.job import Job
-from normexport.pipeline.optimize import Reference, Staged
+from normexport.pipeline.rewrite import Reference, Staged
 from normexport.report import Latency
 from normexport.runtime import memory as runtime_memory
 from normexport.runtime.latency import (
@@ -36,7 +36,7 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
     against the oracle over all input sets (None where no float64 oracle could be built for
     ONNX input).
 
-    A float32 model that is still the one :func:`normexport.verdict.rollback.check` judged
+    A float32 model that is still the one :func:`normexport.verdict.rollback.verify` judged
     keeps that verdict (its runs are not repeated); autotune's choice or a half-precision model
     is judged anew.
     """
@@ -59,7 +59,7 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
 def hidden_state_probe(job: Job, ref: Reference, verdict: ParityResult, work: Path) -> None:
     """Add the hidden-state overflow probe (:mod:`normexport.verdict.hidden_probe`) to
     ``verdict``, for a model without float inputs, where it has embedding lookups."""
-    found = hidden_probe.check(
+    found = hidden_probe.compare(
         ref.path,
         job.output,
         job.sets["example"],

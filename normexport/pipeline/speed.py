@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 from fusion import Code
-from normexport.pipeline import measure, optimize
+from normexport.pipeline import measure, rewrite
 from normexport.pipeline.job import Job
-from normexport.pipeline.optimize import Reference, Staged
+from normexport.pipeline.rewrite import Reference, Staged
 from normexport.report import Latency
 from normexport.verdict import rollback
 from normexport.verdict import speed as verdict
@@ -33,7 +33,7 @@ def judged(
     """Time the staged model against the raw one for ``--budget`` seconds (the report's
     latency); where it is slower by the rule of :mod:`normexport.verdict.speed`, search for the
     rewrites responsible (:func:`normexport.verdict.rollback.roll_back`, each test a model
-    built again from the raw one by :func:`normexport.pipeline.optimize.builder`, without the
+    built again from the raw one by :func:`normexport.pipeline.rewrite.builder`, without the
     rewrites the parity rollback undid, and timed for ``--budget / SEARCH_SLICES`` seconds,
     the search within ``--budget`` more: :class:`_Budget`), and put the model without them in
     the staged model's place, with them under the fusion report's refusals (``slower_here``)
@@ -72,7 +72,7 @@ def judged(
     outcome = rollback.roll_back(
         staged.path,
         staged.fusions,
-        optimize.builder(job, ref, work, "speed", always),
+        rewrite.builder(job, ref, work, "speed", always),
         check,
         tolerated=(Code.SLOWER_HERE,),
         afford=budget.affords,
@@ -108,7 +108,7 @@ def _keep(ref: Reference, staged: Staged, outcome: rollback.Outcome) -> Staged:
     checked at the input's level, its parity to be judged."""
     if not outcome.undone:
         return staged
-    optimize.move_onto(outcome.path, staged.path)
+    rewrite.move_onto(outcome.path, staged.path)
     fusions = outcome.report
     fusions.extend(rollback.refusals(staged.rollback.undone if staged.rollback else []))
     fusions.extend(rollback.refusals(outcome.undone))

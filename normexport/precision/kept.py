@@ -207,10 +207,10 @@ def decomposed_norms(
     ops = {n.name: n.op_type for n in graph.node}
     kept: dict[str, KeptFloat32] = {}
     for r in refused:
-        if r.kind not in DECOMPOSED_FAMILIES:
+        if r.family not in DECOMPOSED_FAMILIES:
             continue
         detail = (
-            f"part of the {r.kind} at {r.node!r} left decomposed ({r.code}): "
+            f"part of the {r.family} at {r.node!r} left decomposed ({r.code}): "
             + _DECOMPOSED_RISK[precision]
         )
         for name in decomposed_norm_nodes(graph, r.node):

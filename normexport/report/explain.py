@@ -3,8 +3,8 @@
 The question users ask most about these tools is "why wasn't my LayerNorm fused?". This lists,
 for one model, each candidate the passes found: the norms the exporter already emitted as one
 op, each rewrite (what it became), and each candidate left alone with its reason. The passes run
-as a run of the main command on the same provider runs them (the fusions its policies choose,
-:func:`fusion.registry.provider_options`), so the two never disagree.
+as a run of the main command on the same provider runs them (its fusion policy,
+:func:`normexport.runtime.latency.fusion_policy`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -74,28 +74,22 @@ def from_report(
     findings = [Finding(a.kind, a.node, "already fused", a.op) for a in already]
     family = {kind.name: kind.family for kind in fusion.registry.KINDS}
     findings += [Finding(family[f.kind], f.node, "fused", f.became) for f in fused]
-    findings += [Finding(r.kind, r.node, "left alone", r.detail) for r in refused]
+    findings += [Finding(r.family, r.node, "left alone", r.detail) for r in refused]
     findings += [Finding("note", "", "note", text) for text in notes]
     return findings
 
 
-def explain(model: ir.Model, target: str = "ort", provider: str = "cpu") -> list[Finding]:
-    """Run the passes on ``model`` (in place) as a run for ``target`` on ``provider`` runs them,
-    and list what they found.
+def explain(model: ir.Model, policy: fusion.Policy | None = None) -> list[Finding]:
+    """Run the passes on ``model`` (in place) under ``policy``, as a run with that policy runs
+    them (the CLI gives the run's, :func:`normexport.runtime.latency.fusion_policy`), and list
+    what they found.
 
     Args:
         model: the model; it is optimized in place (pass a copy to keep the original).
-        target: one of :data:`fusion.TARGETS`.
-        provider: ``"cpu"`` or ``"cuda"``, the execution provider as the run resolves it
-            (:func:`normexport.runtime.resolve_provider`): it decides the fusions that are a
-            speed choice per provider (:func:`fusion.registry.provider_options`).
-
-    Raises:
-        ValueError: ``target`` is unknown.
+        policy: the fusion policy; None: :class:`fusion.Policy`'s defaults.
     """
     already = already_fused(model)
-    options = fusion.registry.provider_options(target, provider)
-    outcomes = fusion.optimize(model, target=target, **options)
+    outcomes = fusion.optimize(model, **(policy or fusion.Policy()).keywords())
     return from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
 
 

@@ -257,10 +257,10 @@ def _render_fusions(fusions: Fusions, norm: NormOps, console: Console) -> None:
     console.print(table)
     if fusions.refused:
         refused = Table(title="Left alone", title_justify="left")
-        for col in ("kind", "node", "code", "detail"):
+        for col in ("family", "node", "code", "detail"):
             refused.add_column(col, overflow="fold")
         for r in fusions.refused:
-            refused.add_row(r.kind, r.node, r.code, r.detail)
+            refused.add_row(r.family, r.node, r.code, r.detail)
         console.print(refused)
 
 

@@ -32,7 +32,8 @@ from typing import TypeVar
 import numpy as np
 import onnxruntime as ort
 
-from normexport.runtime import CUDA
+import fusion
+from normexport.runtime.sessions import CUDA
 
 #: Bootstrap resamples for the confidence intervals.
 BOOTSTRAP_RESAMPLES = 2000
@@ -227,6 +228,13 @@ def latency_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def fusion_policy(target: str, provider: str) -> fusion.Policy:
+    """The fusion policy of a model made for ``provider`` (``"cpu"`` or ``"cuda"``) on this
+    machine: :func:`fusion.registry.policy` with the threads its latency is timed with
+    (:func:`latency_threads`). The run, ``explain`` and ``bench`` all ask this."""
+    return fusion.registry.policy(target, provider, latency_threads())
 
 
 class BoundRun:

@@ -6,7 +6,7 @@ Two things live here, both graph building (sessions are made by :mod:`normexport
    and on request :data:`OPTIONAL_VARIANTS`: onnxslim, onnxsim); a variant that fails to build
    (or whose optional package is missing) is kept with its error, so one broken optimizer never
    stops the comparison. normexport's own variant fuses as a run on the provider does
-   (:func:`fusion.registry.provider_options`).
+   (:func:`normexport.runtime.latency.fusion_policy`).
 2. :func:`op_model` and :func:`isolate_node`: one-op models for the forms microbenchmark and for
    the elementwise floor (one read, one write of the tensor: the memory-bound limit); the ops
    are defined where :mod:`normexport.tuning.forms` says.
@@ -31,10 +31,11 @@ import onnxruntime as ort
 import fusion
 from fusion._ir import opset_version
 from fusion.base import MS_DOMAIN
-from fusion.registry import FUSION_KINDS, provider_options
+from fusion.registry import FUSION_KINDS
 from normexport import runtime
 from normexport.io.files import save_model
 from normexport.io.quiet import quiet, swallow_prints
+from normexport.runtime.latency import fusion_policy
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.
@@ -184,7 +185,7 @@ def _onnxsim(raw: Path, out: Path, provider: str, target: str) -> dict:
 
 def _normexport(raw: Path, out: Path, provider: str, target: str) -> dict:
     model = ir.load(raw)
-    report = fusion.optimize(model, target=target, **provider_options(target, provider))
+    report = fusion.optimize(model, **fusion_policy(target, provider).keywords())
     save_model(model, out, external_data=True)
     fusion.check(out)
     return {

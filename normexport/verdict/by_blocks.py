@@ -32,8 +32,8 @@ import onnx_ir as ir
 from normexport import progress, runtime
 from normexport.precision import cast_feeds
 from normexport.runtime.memory import give_back
-from normexport.verdict import blocks as blocks_mod
-from normexport.verdict import oracle as oracle_mod
+from normexport.verdict.blocks import Block, blocks, boundaries, cut
+from normexport.verdict.oracle import onnx_float64
 from normexport.verdict.parity import Recorded, check_parity, compare
 from normexport.verdict.result import BlockVerdict, ParityResult
 
@@ -63,8 +63,8 @@ class Chains:
     def __init__(self, raw_path: Path, max_bytes: int, work: Path, provider: str):
         self.raw_path, self.work, self.provider = raw_path, work, provider
         model = ir.load(raw_path)  # the graph; its tensors stay on file
-        self.cuts = blocks_mod.boundaries(model, max_bytes)
-        self.blocks = blocks_mod.blocks(model, self.cuts)
+        self.cuts = boundaries(model, max_bytes)
+        self.blocks = blocks(model, self.cuts)
         self.outputs = [v.name for v in model.graph.outputs]
         if any(v.producer() is None for v in model.graph.outputs):
             raise ValueError(f"{raw_path}: a graph output is not computed by any node")
@@ -101,11 +101,11 @@ class Chains:
             f"blocks, {seconds / max(len(oracle_new), 1):.1f} s per input set"
         )
 
-    def _record_block(self, block: blocks_mod.Block, sets, raw_new, oracle_new) -> None:
+    def _record_block(self, block: Block, sets, raw_new, oracle_new) -> None:
         """One block of the references, on the new sets: the raw model's (chained, and fed
         the oracle's values), then the oracle's, self-checked on the example set."""
         types = _types(block, sets[0], self.raw)
-        model = blocks_mod.cut(self.raw_path, block.inputs, block.outputs, types)
+        model = cut(self.raw_path, block.inputs, block.outputs, types)
         session = runtime.OnDemand(
             _graph(model), self.provider, external_data_folder=self.raw_path.parent
         )
@@ -120,7 +120,7 @@ class Chains:
         if not oracle_new:
             return
         what = f"block {block.index + 1} of the input graph"
-        found = oracle_mod.onnx_float64(model, raw, example, self.work, what)
+        found = onnx_float64(model, raw, example, self.work, what)
         if found.run is None:
             self.fallbacks.append(f"{what}: {'; '.join(found.notes)}; as written instead")
         oracle = Recorded(found.run, found.close) if found.run else raw
@@ -138,7 +138,7 @@ class Chains:
         """The verdict on the model at ``path`` (see the module docstring), opened block by
         block by ``opener``. ``rule``: :func:`check_parity`'s keywords but ``output_names``
         (tolerances, the references as :meth:`final` runs, the rule's bound)."""
-        found = blocks_mod.blocks(ir.load(path), self.cuts)
+        found = blocks(ir.load(path), self.cuts)
         chain: Store = {id(f): {} for f in sets.values()}
         local: Store = {id(f): {} for f in sets.values()}
         verdicts = []
@@ -146,7 +146,7 @@ class Chains:
             progress.step(f"block {block.index + 1} of {len(found)}")
             start = time.perf_counter()
             types = _types(block, next(iter(sets.values())), chain)
-            model = blocks_mod.cut(path, block.inputs, block.outputs, types)
+            model = cut(path, block.inputs, block.outputs, types)
             run, _ = opener(_graph(model), path.parent)
             for feeds in sets.values():
                 own = _fed(block, feeds, chain)
@@ -194,13 +194,13 @@ def _graph(model: ir.Model) -> bytes:
     return ir.to_proto(model).SerializeToString()
 
 
-def _fed(block: blocks_mod.Block, feeds: Mapping, store: Store) -> dict[str, np.ndarray]:
+def _fed(block: Block, feeds: Mapping, store: Store) -> dict[str, np.ndarray]:
     """The block's inputs: the values ``store`` recorded for ``feeds``, else the feeds."""
     values = store[id(feeds)]
     return {n: values[n] if n in values else feeds[n] for n in block.inputs}
 
 
-def _types(block: blocks_mod.Block, feeds: Mapping, store: Store) -> dict[str, ir.DataType]:
+def _types(block: Block, feeds: Mapping, store: Store) -> dict[str, ir.DataType]:
     """The element types of the block's inputs, as the previous blocks computed them."""
     values = store[id(feeds)]
     return {n: ir.DataType.from_numpy(values[n].dtype) for n in block.inputs if n in values}
@@ -214,7 +214,7 @@ def _like(own: dict[str, np.ndarray], oracle: dict[str, np.ndarray]) -> dict[str
     }
 
 
-def _keep(block: blocks_mod.Block, outputs: Sequence[np.ndarray], into: dict) -> None:
+def _keep(block: Block, outputs: Sequence[np.ndarray], into: dict) -> None:
     """Record the block's outputs into ``into`` by name."""
     into.update(zip(block.outputs, outputs, strict=True))
 

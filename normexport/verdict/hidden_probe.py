@@ -24,10 +24,9 @@ import onnx_ir as ir
 
 from normexport import runtime
 from normexport.precision import OVERFLOW_PROBE, cast_feeds, rounded_feeds, with_outliers
-from normexport.verdict import oracle as oracle_mod
-from normexport.verdict import parity as parity_mod
 from normexport.verdict.blocks import cut
-from normexport.verdict.parity import ParityResult
+from normexport.verdict.oracle import onnx_float64
+from normexport.verdict.parity import HALF_MAX_REL_L2, ParityResult, Recorded, check_parity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,13 +72,13 @@ def embedding_lookups(model: ir.Model) -> list[Lookup]:
     return found
 
 
-def _cut_run(model: ir.Model, src: Path, provider: str) -> parity_mod.Recorded:
+def _cut_run(model: ir.Model, src: Path, provider: str) -> Recorded:
     """``model``, a cut of the model at ``src`` (:func:`normexport.verdict.blocks.cut`), run
     as written by a session opened on demand on its graph alone, its weights read from
     ``src``'s own external data file (nothing is copied); ``close()`` frees the session."""
     graph = ir.to_proto(model).SerializeToString()  # the graph: its tensors stay on file
     session = runtime.OnDemand(graph, provider, external_data_folder=src.parent)
-    return parity_mod.Recorded(lambda feeds: _run(session.open(), feeds), session.close)
+    return Recorded(lambda feeds: _run(session.open(), feeds), session.close)
 
 
 def hidden_states(
@@ -100,7 +99,7 @@ def hidden_states(
     return feeds
 
 
-def check(
+def compare(
     raw_path: Path,
     half_path: Path,
     example: Mapping[str, np.ndarray],
@@ -137,15 +136,15 @@ def check(
     feeds = {k: v for k, v in hidden_states(lookups, example).items() if k in read}
     where = ", ".join(repr(v) for v in values)
     what = f"the raw model cut at its embedding lookups ({where})"
-    found = oracle_mod.onnx_float64(raw_cut, raw, feeds, work, what)  # widens raw_cut
-    round_inputs = parity_mod.Recorded(functools.partial(rounded_feeds, precision=precision))
-    oracle = parity_mod.Recorded(found.run, found.close) if found.run else raw
+    found = onnx_float64(raw_cut, raw, feeds, work, what)  # widens raw_cut
+    round_inputs = Recorded(functools.partial(rounded_feeds, precision=precision))
+    oracle = Recorded(found.run, found.close) if found.run else raw
     oracle.record([feeds, round_inputs(feeds)])  # one model at a time, each freed
     raw.record([feeds])
     half_cut = cut(half_path, values)
     half = _cut_run(half_cut, half_path, provider)
     notes = [f"{OVERFLOW_PROBE}: hidden states with outliers fed at {where}, against {what}"]
-    return parity_mod.check_parity(  # the half session is freed with ``half``, on return
+    return check_parity(  # the half session is freed with ``half``, on return
         half,
         oracle,
         {OVERFLOW_PROBE: feeds},
@@ -156,7 +155,7 @@ def check(
         raw=raw if found.run else None,
         oracle_kind=found.kind or "onnx",
         notes=[*notes, *found.notes],
-        max_rel_l2=parity_mod.HALF_MAX_REL_L2[precision],
+        max_rel_l2=HALF_MAX_REL_L2[precision],
         round_inputs=round_inputs,
     )
 

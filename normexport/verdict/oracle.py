@@ -39,8 +39,8 @@ from fusion.registry import STASH_NORM_OPS
 from normexport import runtime
 from normexport.errors import one_line
 from normexport.io import files
-from normexport.io import inputs as inputs_mod
 from normexport.io.eager import Eager
+from normexport.io.inputs import memory_bytes
 from normexport.io.load import LoadedModel
 from normexport.verdict import reference_kernels
 from normexport.verdict.parity import closeness
@@ -83,7 +83,7 @@ def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[
         an :class:`Oracle` of kind ``"pytorch_float64"``, or with ``run`` None and the reason
         (no room, the copy raised, or it returns float32: a forward that casts itself).
     """
-    needed, memory = _torch_float64_bytes(loaded.module), inputs_mod.memory_bytes()
+    needed, memory = _torch_float64_bytes(loaded.module), memory_bytes()
     if memory is not None and needed > memory * MEMORY_SHARE:
         return Oracle(None, "pytorch_float32", [_no_room("the model", needed, memory)])
     copy: dict[str, Eager] = {}  # the float64 copy, made on first use and freed by close
@@ -127,7 +127,7 @@ def onnx_float64(
         with ``run`` None and the reason.
     """
     model = source if isinstance(source, ir.Model) else ir.load(source)
-    needed, memory = 2 * _float32_bytes(model), inputs_mod.memory_bytes()
+    needed, memory = 2 * _float32_bytes(model), memory_bytes()
     if memory is not None and needed > memory * MEMORY_SHARE:
         return Oracle(None, "", [_no_room(what, needed, memory)])
     to_float64(model)

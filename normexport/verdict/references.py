@@ -20,9 +20,14 @@ from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
 from normexport.runtime.memory import give_back
 from normexport.verdict import by_blocks
-from normexport.verdict import oracle as oracle_mod
-from normexport.verdict import parity as parity_mod
-from normexport.verdict.parity import ParityResult, check_parity
+from normexport.verdict.oracle import Oracle, onnx_float64, pytorch_float64
+from normexport.verdict.parity import (
+    HALF_MAX_REL_L2,
+    ParityResult,
+    Recorded,
+    check_parity,
+    ulp_perturbed,
+)
 
 Run = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
 
@@ -62,7 +67,7 @@ class Judge:
         self,
         *,
         loaded: LoadedModel,
-        raw: parity_mod.Recorded,
+        raw: Recorded,
         raw_path: Path,
         sets: dict[str, dict[str, np.ndarray]],
         feed_names: list[str],
@@ -120,12 +125,12 @@ class Judge:
         block: the oracle's and the raw model's chains (recorded by :meth:`record`)."""
         chains = self.chains
         return {
-            "reference": parity_mod.Recorded(chains.final(chains.oracle)),
+            "reference": Recorded(chains.final(chains.oracle)),
             "reference_kind": "onnx",
-            "raw": parity_mod.Recorded(chains.final(chains.raw)),
+            "raw": Recorded(chains.final(chains.raw)),
             "oracle_kind": "onnx_float64",
             "notes": [],
-            "round_inputs": parity_mod.Recorded(parity_mod.ulp_perturbed),
+            "round_inputs": Recorded(ulp_perturbed),
         }
 
     def rounding(self, precision: str) -> dict:
@@ -137,7 +142,7 @@ class Judge:
             return {}
         if precision not in self._rounding:
             rounded = functools.partial(rounded_feeds, precision=precision)
-            self._rounding[precision] = {"round_inputs": parity_mod.Recorded(rounded)}
+            self._rounding[precision] = {"round_inputs": Recorded(rounded)}
         return self._rounding[precision]
 
     def __call__(
@@ -159,7 +164,7 @@ class Judge:
             "sets": self.sets,
             "atol": self.atol,
             "rtol": self.rtol,
-            "max_rel_l2": parity_mod.HALF_MAX_REL_L2.get(precision),
+            "max_rel_l2": HALF_MAX_REL_L2.get(precision),
             "strict": self.strict,
             **(self._references | self.rounding(precision)),
         }
@@ -191,23 +196,23 @@ def references(judge: Judge) -> dict:
     rule's ``round_inputs``, :func:`normexport.verdict.parity.ulp_perturbed`)."""
     raw, example = judge.raw, judge.sets["example"]
     if judge.loaded.module is None:
-        found = oracle_mod.onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph")
+        found = onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph")
         if found.run is None:  # compared with the input file itself, tolerance only
             notes = [*found.notes, "the reference is the input file as written, in float32"]
             return dict(reference=raw, reference_kind="onnx", oracle_kind="onnx", notes=notes)
         return {
-            "reference": parity_mod.Recorded(found.run, found.close),
+            "reference": Recorded(found.run, found.close),
             "reference_kind": "onnx",
             "raw": raw,
             "oracle_kind": found.kind,
             "notes": found.notes,
-            "round_inputs": parity_mod.Recorded(parity_mod.ulp_perturbed),
+            "round_inputs": Recorded(ulp_perturbed),
         }
     eager = Eager(judge.loaded.module)
-    pytorch = parity_mod.Recorded(lambda feeds: eager([feeds[n] for n in judge.feed_names]))
+    pytorch = Recorded(lambda feeds: eager([feeds[n] for n in judge.feed_names]))
     found = _pytorch_oracle(judge, raw)
     return {
-        "reference": parity_mod.Recorded(found.run, found.close) if found.run else pytorch,
+        "reference": Recorded(found.run, found.close) if found.run else pytorch,
         "reference_kind": "pytorch",
         "raw": raw,
         "pytorch": pytorch if found.run else None,
@@ -215,20 +220,20 @@ def references(judge: Judge) -> dict:
         "notes": found.notes,
         # the oracle from the raw export judges PyTorch float32, any other the raw export
         "judge_export": "pytorch" if found.kind.startswith("onnx") else "raw",
-        "round_inputs": parity_mod.Recorded(parity_mod.ulp_perturbed),
+        "round_inputs": Recorded(ulp_perturbed),
     }
 
 
-def _pytorch_oracle(judge: Judge, raw: Run) -> oracle_mod.Oracle:
+def _pytorch_oracle(judge: Judge, raw: Run) -> Oracle:
     """The PyTorch model in float64; where that cannot run, the raw export in float64; where
     neither can, None (PyTorch float32 is the reference), with every reason in the notes."""
     example = judge.sets["example"]
-    found = oracle_mod.pytorch_float64(judge.loaded, example, judge.feed_names)
+    found = pytorch_float64(judge.loaded, example, judge.feed_names)
     if found.run is not None:
         return found
-    export = oracle_mod.onnx_float64(judge.raw_path, raw, example, judge.work, "the raw export")
+    export = onnx_float64(judge.raw_path, raw, example, judge.work, "the raw export")
     notes = [*found.notes, *export.notes]
     if export.run is None:
         notes.append("the reference is PyTorch float32")
-        return oracle_mod.Oracle(None, "pytorch_float32", notes)
-    return oracle_mod.Oracle(export.run, export.kind, notes, export.close)
+        return Oracle(None, "pytorch_float32", notes)
+    return Oracle(export.run, export.kind, notes, export.close)

@@ -43,6 +43,7 @@ from normexport import runtime
 from normexport.errors import one_line
 from normexport.io import files
 from normexport.verdict.parity import ParityResult
+from normexport.verdict.references import Judge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,10 +83,6 @@ class RollbackFailed(RuntimeError):
 Build = Callable[[frozenset[Fused]], tuple[Path, FusionReport]]
 #: ``check(model file) -> why it fails, or None``.
 Check = Callable[[Path], Rejection | None]
-#: ``judge(path, candidate) -> its float32 parity verdict`` against the references, where
-#: ``candidate(model, folder)`` opens the model at ``path`` (or a block of it) and returns how
-#: to run it and its output names (:class:`normexport.verdict.references.Judge`).
-Judge = Callable[[Path, Callable], ParityResult]
 
 
 @dataclasses.dataclass
@@ -120,7 +117,7 @@ class Outcome:
         }
 
 
-def check(
+def verify(
     path: Path, provider: str, checker_level: str, judge: Judge
 ) -> tuple[Rejection | None, ParityResult | None]:
     """Why the optimized model at ``path`` cannot be published, or None, and its parity

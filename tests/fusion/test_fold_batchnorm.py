@@ -230,7 +230,7 @@ def _assert_refused_unchanged(
     assert not modified
     assert report.counts["batchnorm_folded"] == 0
     assert ir.to_proto(model).SerializeToString() == proto
-    refused = {r.node: r for r in report.refused if r.kind == "batchnorm"}
+    refused = {r.node: r for r in report.refused if r.family == "batchnorm"}
     assert anchors and set(anchors) <= set(refused), (anchors, report.refused)
     for anchor in anchors:
         assert refused[anchor].code == code, refused[anchor]

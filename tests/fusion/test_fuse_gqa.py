@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import fusion
-from fusion.registry import provider_options
+from fusion.registry import policy
 from normexport.io.export import export_module
 from normexport.runtime import make_session, run
 
@@ -164,7 +164,7 @@ def test_a_causal_lm_mask_is_evaluated_at_sizes_and_a_batch_1_export_is_left_alo
     one = _export(module, [IDS[:1]], ["input_ids"], dynamic_axes=axes)  # runs at batch 1 only
     report = fusion.optimize(one, target="ort")
     assert report.counts["gqa_fused"] == 0
-    assert {(r.kind, r.code) for r in report.refused} == {("gqa", "shape_mismatch")}
+    assert {(r.family, r.code) for r in report.refused} == {("gqa", "shape_mismatch")}
     assert all("attention_bias shape" in r.detail for r in report.refused)
 
 
@@ -188,7 +188,7 @@ def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():
         model = _export(Hidden("llama"), [IDS], ["input_ids"])
         report = fusion.optimize(model, target=target, attention=False, **options)
         assert report.counts["gqa_fused"] == 0 and not _gqa_nodes(model)
-    assert provider_options("ort", "cpu")["gqa"] and not provider_options("ort", "cuda")["gqa"]
+    assert policy("ort", "cpu").gqa and not policy("ort", "cuda").gqa
     with pytest.raises(ValueError, match="target='ort'"):
         fusion.optimize(_export(Hidden("llama"), [IDS], ["input_ids"]), target="onnx", gqa=True)
 
@@ -262,7 +262,7 @@ def test_rotary_tables_whose_halves_differ_are_not_the_ops_rotation():
     cos, sin = (rng.standard_normal((SEQ, HEAD)).astype(np.float32) for _ in range(2))
     module, model, report = _hand(cos, sin, CAUSAL)
     assert report.counts["gqa_fused"] == 0 and not _gqa_nodes(model)
-    assert [(r.kind, r.code) for r in report.refused] == [("gqa", "not_per_channel")]
+    assert [(r.family, r.code) for r in report.refused] == [("gqa", "not_per_channel")]
     _assert_matches_torch(module, model, {"x": X})
 
 
@@ -271,7 +271,7 @@ def test_a_mask_with_a_row_all_masked_is_left_alone():
     mask[3] = -np.inf  # softmax of that row is NaN in the model; the op would differ
     _, model, report = _hand(*ROPE, mask)
     assert report.counts["gqa_fused"] == 0
-    assert [(r.kind, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
+    assert [(r.family, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
 
 
 class CrossAttention(torch.nn.Module):
@@ -299,7 +299,7 @@ def test_keys_of_another_length_than_the_queries_are_left_alone():
     model = _export(CrossAttention().eval(), [X, y], ["x", "y"])
     report = fusion.optimize(model, target="ort")
     assert report.counts["gqa_fused"] == 0
-    assert [(r.kind, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
+    assert [(r.family, r.code) for r in report.refused] == [("gqa", "shape_mismatch")]
 
 
 def test_unknown_dimensions_do_not_prove_a_key_transposed():

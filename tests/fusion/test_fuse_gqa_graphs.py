@@ -69,7 +69,7 @@ def test_cross_attention_is_a_candidate_only_in_a_decoder(causal, rng):
     before, op_types = run(model, feeds), ops(model)
     fusion_pass = FuseGroupQueryAttention()
     assert fusion_pass(model).modified is False
-    codes = [(r.kind, r.code) for r in fusion_pass.outcomes.refused]
+    codes = [(r.family, r.code) for r in fusion_pass.outcomes.refused]
     assert codes == ([("gqa", Code.SHAPE_MISMATCH)] if causal else [])
     assert ops(model) == op_types
     assert_close(run(model, feeds), before)

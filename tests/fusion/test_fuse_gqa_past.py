@@ -11,7 +11,7 @@ import torch
 
 import fusion
 from fusion.fuse_gqa import standard
-from fusion.registry import provider_options
+from fusion.registry import policy
 from models.llama import WithPast
 from normexport.runtime import make_session, run
 from tests.fusion import decoder_testing as dt
@@ -142,7 +142,7 @@ def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_pa
     model = ir.load(path)
     report = fusion.optimize(model, target="ort", attention=False)
     assert report.counts["gqa_fused"] == 0
-    reasons = [r.detail for r in report.refused if r.kind == "gqa"]
+    reasons = [r.detail for r in report.refused if r.family == "gqa"]
     assert len(reasons) == dt.LAYERS and all("sliding-window" in r for r in reasons), reasons
     _assert_computes_the_export(model, path)
 
@@ -153,9 +153,9 @@ def test_on_the_cpu_provider_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path)
     path = tmp_path / "model.onnx"
     _export_with_past(dt.causal_lm("llama"), path)
     model = ir.load(path)
-    options = provider_options("ort", "cpu")
-    assert options["skip"] == "kv_cache"
-    report = fusion.optimize(model, target="ort", **options)
+    cpu = policy("ort", "cpu")
+    assert cpu.skip == "kv_cache"
+    report = fusion.optimize(model, **cpu.keywords())
     assert report.counts["skip_fused"] == len(dt.nodes(model, "SkipSimplifiedLayerNormalization"))
     assert report.counts["skip_fused"] == 2 * dt.LAYERS  # before attention and MLP, one per layer
     _assert_computes_the_export(model, path)

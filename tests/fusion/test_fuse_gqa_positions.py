@@ -118,5 +118,5 @@ def test_tables_per_batch_row_without_a_cache_or_mask_are_refused_with_the_reaso
     model = ir.load(path)
     report = fusion.optimize(model, target="ort", attention=False)
     assert report.counts["gqa_fused"] == 0
-    reasons = [r.detail for r in report.refused if r.kind == "gqa"]
+    reasons = [r.detail for r in report.refused if r.family == "gqa"]
     assert len(reasons) == dt.LAYERS and all("position_ids" in r for r in reasons), reasons

@@ -66,7 +66,7 @@ def test_optimize_lists_the_kept_groupnorm(rng):
     raw = ops(model)
     report = fusion.optimize(model)
     assert ops(model) == raw and not any(report.counts.values())
-    assert report.codes() == ["no_ort_kernel"] and report.refused[0].kind == "groupnorm"
+    assert report.codes() == ["no_ort_kernel"] and report.refused[0].family == "groupnorm"
 
 
 @pytest.mark.parametrize(

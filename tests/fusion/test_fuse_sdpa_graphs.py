@@ -13,8 +13,11 @@ from graphs import assert_close, make_model, ops, run
 from onnx import TensorProto
 
 import fusion
+from fusion import registry
 from fusion.base import Code
 from fusion.fuse_gqa.standard import ABOVE_LOWEST, LOWEST
+from fusion.fuse_layernorm import FuseLayerNorm
+from fusion.fuse_sdpa import FuseSDPA
 
 F, BOOL = TensorProto.FLOAT, TensorProto.BOOL
 B, N, S, L, H, HV = 2, 3, 5, 7, 8, 6
@@ -139,12 +142,22 @@ def _key_form(form: str):
             ("Reshape", ["k3t", "split"], ["kt"], {}),
         ]
         return nodes, K, lambda k: k
+    if form == "transpose_reshape":  # nn.MultiheadAttention's k (B * N, L, H), swapped, viewed
+        nodes = [
+            ("Transpose", ["k"], ["k3t"], {"perm": [0, 2, 1]}),
+            ("Reshape", ["k3t", "split"], ["kt"], {}),
+        ]
+        return nodes, (B * N, L, H), lambda k: k.reshape(K)
     # YOLO's k: (B, N, H, L) is K^T as it is
     return [("Identity", ["k"], ["kt"], {})], (B, N, H, L), lambda k: np.swapaxes(k, -1, -2)
 
 
-@pytest.mark.parametrize("form", ["perm_0132", "perm_0231", "reshape_chain", "k_transposed"])
+@pytest.mark.parametrize(
+    "form", ["perm_0132", "perm_0231", "reshape_chain", "transpose_reshape", "k_transposed"]
+)
 def test_every_layout_of_k_transposed(rng, form):
+    """K is the source of K^T's Transposes and views (a Reshape of it where the views split the
+    leading axes), a Transpose added only where no layout gives it."""
     nodes, key_shape, key_of = _key_form(form)
     inits = {
         "scale": np.array(SCALE, np.float32),
@@ -161,7 +174,9 @@ def test_every_layout_of_k_transposed(rng, form):
     feeds = _feeds(rng, inputs)
     _fused(model, feeds)
     transposes = [n for n in model.graph if n.op_type == "Transpose"]
-    assert len(transposes) == (0 if form in ("perm_0132", "reshape_chain") else 1)
+    assert len(transposes) == (
+        0 if form in ("perm_0132", "reshape_chain", "transpose_reshape") else 1
+    )
     (got,) = run(model, feeds)
     expected = _reference(feeds["q"], key_of(feeds["k"]), feeds["v"], SCALE)
     assert_close([got], [expected], atol=1e-5)
@@ -519,3 +534,71 @@ def test_the_kernel_computes_rows_masked_everywhere_as_the_masks_module_says(rng
     assert not got[0, :, 1].any()
     with pytest.raises(Exception, match="scale"):
         _kernel(np.zeros((S, L), np.float32), rng, scale=-SCALE)
+
+
+def _heads_model(batch, heads, rank: int = 4):
+    """The scaled attention of ``batch`` x ``heads`` (3-D: ``batch`` is batch times heads)."""
+    lead = (batch, heads) if rank == 4 else (batch,)
+    inputs = {"q": (F, (*lead, S, H)), "k": (F, (*lead, L, H)), "v": (F, (*lead, L, HV))}
+    perm = [0, 1, 3, 2] if rank == 4 else [0, 2, 1]
+    scores = [
+        ("Transpose", ["k"], ["kt"], {"perm": perm}),
+        ("MatMul", ["q", "kt"], ["raw"], {}),
+        ("Mul", ["raw", "scale"], ["scores"], {}),
+    ]
+    return _attention(scores, inputs, {"scale": np.array(SCALE, np.float32)}), inputs
+
+
+@pytest.mark.parametrize(
+    ("batch", "heads", "rank", "threads", "fused"),
+    [
+        (1, 1, 4, 1, True),  # no thread count: every attention (the CUDA policy)
+        (1, 1, 4, 2, False),  # a VAE's single head on 2 threads
+        (1, 2, 4, 2, True),
+        (2, 1, 4, 2, True),  # the batch counts
+        ("batch", 1, 4, 2, False),  # an unknown batch counts as 1
+        ("batch", 4, 4, 4, True),
+        (1, None, 3, 2, False),  # 3-D: batch times heads in the first dimension
+        ("bn", None, 3, 8, True),  # unknown there: no limit
+    ],
+)
+def test_on_the_cpu_an_attention_of_fewer_heads_than_threads_is_left(
+    rng, batch, heads, rank, threads, fused
+):
+    """The CPU policy's ``threads``: ONNX Runtime's CPU Attention runs one thread per batch and
+    head, so an attention with fewer is left alone (``few_heads``); with enough, fused, exact."""
+    model, inputs = _heads_model(batch, heads, rank)
+    if fused:
+        concrete = {
+            n: (t, [3 if isinstance(d, str) else d for d in s]) for n, (t, s) in inputs.items()
+        }
+        _fused(model, _feeds(rng, concrete), threads=threads)
+        return
+    report = fusion.optimize(model, target="onnx", threads=threads)
+    assert report.codes("attention") == [Code.FEW_HEADS], report.refused
+    assert "Softmax" in ops(model) and "Attention" not in ops(model)
+    assert f"fewer than the {threads} intra-op threads" in report.refused[0].detail
+
+
+def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
+    """``sdpa=False`` (the autotuner's unfused variant) leaves every attention and says
+    nothing; the policy's ``threads`` is the pass's setting, which no other pass takes."""
+    model, _ = _heads_model(1, 1)
+    report = fusion.optimize(model, target="onnx", sdpa=False)
+    assert report.counts["sdpa_fused"] == 0 and not report.refused
+    assert "Softmax" in ops(model)
+    assert fusion.Policy(threads=4).without_attention().keywords() == {
+        "target": "ort",
+        "skip": False,
+        "attention": False,
+        "gqa": False,
+        "sdpa": False,
+        "threads": 4,
+    }
+    assert FuseSDPA("onnx", threads=3).threads == 3
+    with pytest.raises(ValueError, match="no setting"):
+        FuseLayerNorm("onnx", threads=3)
+    with pytest.raises(ValueError, match="threads=0"):
+        fusion.Policy(threads=0)
+    assert registry.policy("ort", "cpu", 4).threads == 4
+    assert registry.policy("ort", "cuda", 4).threads == 1

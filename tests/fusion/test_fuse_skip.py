@@ -310,7 +310,7 @@ def _assert_refused(model: ir.Model, code: Code, *detail_parts: str) -> None:
     assert report.fused == []
     assert ir.to_proto(model).SerializeToString() == before
     (refusal,) = report.refused
-    assert (refusal.kind, refusal.node, refusal.code) == ("skip", "norm", code), refusal
+    assert (refusal.family, refusal.node, refusal.code) == ("skip", "norm", code), refusal
     for part in detail_parts:
         assert part in refusal.detail, refusal.detail
 

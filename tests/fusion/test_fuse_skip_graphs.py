@@ -151,10 +151,8 @@ def _bias(rng: np.random.Generator, shape=(H,)) -> np.ndarray:
 
 
 def _cpu_mode() -> FuseSkip:
-    """FuseSkip as ``fusion.optimize(skip="kv_cache")`` sets it (the CPU provider's policy)."""
-    fusion_pass = FuseSkip("ort")
-    fusion_pass.kv_cache_only = True
-    return fusion_pass
+    """FuseSkip as ``fusion.optimize(skip="kv_cache")`` makes it (the CPU provider's policy)."""
+    return FuseSkip("ort", skip="kv_cache")
 
 
 @pytest.mark.parametrize("sum_read", [False, True], ids=["sum_unread", "sum_read"])

@@ -136,3 +136,27 @@ def test_target_ort_may_hold_ops_only_onnx_runtime_runs(rng):
     assert report.codes("layernorm") == ["opset_too_low"]
     assert fusion.onnxruntime_ops(standard) == {}
     onnx.checker.check_model(ir.to_proto(standard), full_check=True)
+
+
+def test_for_the_onnx_target_the_opset_is_raised_before_the_norms(rng):
+    """An opset-20 model with an RMSNorm before an attention, for ``--target onnx``: FuseSDPA
+    raises the opset to 23 before the norm passes run (its plan), so the RMSNorm becomes
+    RMSNormalization in the model that ends at 23, not a refusal for an opset it no longer has."""
+    g = Graph(20)
+    weight = g.const("rms_w", (1 + 0.5 * rng.standard_normal(8)).astype(np.float32))
+    h = g.node("Mul", [weight, rmsnorm(g, "x")], "h")
+    g.node("Transpose", [h], "ht", perm=[0, 1, 3, 2])
+    g.node("MatMul", [h, "ht"], "raw")
+    g.node("Mul", ["raw", g.const("scale", np.float32(8**-0.5))], "scores")
+    g.node("Softmax", ["scores"], "p", axis=-1)
+    y = g.node("MatMul", ["p", h], "y")
+    model = g.model({"x": (FLOAT, (1, 2, 5, 8))}, {y: (FLOAT, (1, 2, 5, 8))})
+    feeds = inputs(rng, model)
+    expected = run(model, feeds)
+    report = fusion.optimize(model, target="onnx")
+    assert report.counts["rmsnorm_fused"] == 1 and report.counts["sdpa_fused"] == 1, report.refused
+    assert fusion.norm_ops(model) == {"RMSNormalization": 1}
+    assert model.opset_imports[""] == 23
+    assert any("raised from 20 to 23" in note for note in report.notes)
+    fusion.check(model)
+    assert_close(run(model, feeds), expected, rtol=1e-4, atol=1e-5)

@@ -1,6 +1,6 @@
 """``normexport explain`` against the run: on every provider, explain lists what the run's passes
 do to the same graph, with the run's policies (the Skip fusion's per provider:
-``fusion.registry.skip_fusion``). Graphs built node by node; no PyTorch export, no session on
+``fusion.registry.policy``). Graphs built node by node; no PyTorch export, no session on
 the model."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from graphs import make_model
 from onnx import TensorProto
 
 import fusion
-from fusion.registry import SKIP_PROVIDERS, skip_fusion
+from fusion.registry import SKIP_PROVIDERS, policy
 from normexport import cli, runtime
 from normexport.report import explain
 
@@ -43,9 +43,9 @@ def _residual_layernorm() -> ir.Model:
 def test_explain_and_the_run_agree_on_each_provider(provider):
     ran = _residual_layernorm()
     already = explain.already_fused(ran)
-    outcomes = fusion.optimize(ran, target="ort", skip=skip_fusion("ort", provider))  # the run's
+    outcomes = fusion.optimize(ran, **policy("ort", provider).keywords())  # the run's
     explained = _residual_layernorm()
-    findings = explain.explain(explained, target="ort", provider=provider)
+    findings = explain.explain(explained, policy("ort", provider))
     assert findings == explain.from_report(outcomes.fused, outcomes.refused, already)
     assert [n.op_type for n in explained.graph] == [n.op_type for n in ran.graph]
     # the policy decides here: one Skip op on the providers it is fused for, the Add elsewhere
@@ -55,9 +55,9 @@ def test_explain_and_the_run_agree_on_each_provider(provider):
 
 def test_the_skip_policy_differs_between_the_providers():
     """What makes the test above able to fail: a fusion that one provider's policy skips."""
-    assert skip_fusion("ort", "cuda") is True
-    assert skip_fusion("ort", "cpu") == "kv_cache"  # this model has none: not fused on the CPU
-    assert not skip_fusion("onnx", "cuda")  # the Skip ops are ONNX Runtime's
+    assert policy("ort", "cuda").skip is True
+    assert policy("ort", "cpu").skip == "kv_cache"  # this model has none: not fused on the CPU
+    assert not policy("onnx", "cuda").skip  # the Skip ops are ONNX Runtime's
 
 
 def test_explain_command_resolves_the_provider_as_the_run_does(monkeypatch, capsys, tmp_path):

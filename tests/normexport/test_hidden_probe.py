@@ -75,7 +75,7 @@ def test_probe_copies_no_weights(rng, tmp_path):
     writes no copy of any model."""
     raw, half, _ = _half(rng, tmp_path)
     probe = tmp_path / "probe"
-    result = hidden_probe.check(raw, half, _example(rng), probe, **_RULE)
+    result = hidden_probe.compare(raw, half, _example(rng), probe, **_RULE)
     assert result is not None and result.passed, result
     written = sorted(p.name for p in probe.rglob("*") if p.is_file())
     assert written == [], written
@@ -106,7 +106,7 @@ def test_probe_passes_a_safe_float16_model(tmp_path):
     raw, half, report = _half(np.random.default_rng(0), tmp_path)
     assert {k.reason for k in report.kept_float32} == {"decomposed_norm"}
     example = _example(np.random.default_rng(1))
-    result = hidden_probe.check(raw, half, example, tmp_path / "probe", **_RULE)
+    result = hidden_probe.compare(raw, half, example, tmp_path / "probe", **_RULE)
     (entry,) = result.probes[precision.OVERFLOW_PROBE]
     assert result.passed and result.oracle == "onnx_float64", result.notes
     assert entry.nonfinite_mismatch == 0 and entry.rel_l2_err < 1e-2
@@ -116,7 +116,7 @@ def test_probe_passes_a_safe_float16_model(tmp_path):
 def test_probe_fails_a_wrong_float16_model(tmp_path):
     raw, half, _ = _half(np.random.default_rng(0), tmp_path, scale=1.1)
     example = _example(np.random.default_rng(1))
-    result = hidden_probe.check(raw, half, example, tmp_path / "probe", **_RULE)
+    result = hidden_probe.compare(raw, half, example, tmp_path / "probe", **_RULE)
     assert not result.passed
     assert result.probes[precision.OVERFLOW_PROBE][0].rel_l2_err > 0.05
 
@@ -126,7 +126,7 @@ def test_no_lookup_no_probe(tmp_path, rng):
     g.node("Relu", ["x"], "y")
     path = tmp_path / "m.onnx"
     files.save_model(g.model({"x": (F, [2, 4])}, {"y": (F, [2, 4])}), path, external_data=False)
-    found = hidden_probe.check(
+    found = hidden_probe.compare(
         path, path, {}, tmp_path / "p", provider="cpu", precision="fp16", atol=0, rtol=0
     )
     assert found is None

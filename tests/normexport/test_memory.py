@@ -19,7 +19,7 @@ from rich.console import Console
 import normexport
 from normexport import progress, runtime
 from normexport.io import files
-from normexport.runtime import memory
+from normexport.runtime import memory, sessions
 from normexport.verdict import parity, speed, tolerance
 from tests.graphs import make_model
 
@@ -58,7 +58,7 @@ def _rmsnorm_model(path: Path, rng, dtype=np.float32) -> Path:
 
 
 @pytest.fixture
-def sessions(monkeypatch):
+def alive_at_open(monkeypatch):
     """Every session the run makes, and how many others were alive when each was made."""
     alive: weakref.WeakSet = weakref.WeakSet()
     others: list[int] = []
@@ -72,6 +72,7 @@ def sessions(monkeypatch):
         return session
 
     monkeypatch.setattr(runtime, "make_session", counted)
+    monkeypatch.setattr(sessions, "make_session", counted)  # check_session's, OnDemand's
     return others
 
 
@@ -83,7 +84,7 @@ def nothing_slower(monkeypatch):
     monkeypatch.setattr(speed, "rejection", lambda comparison: None)
 
 
-def test_parity_holds_one_session_at_a_time(tmp_path, rng, sessions):
+def test_parity_holds_one_session_at_a_time(tmp_path, rng, alive_at_open):
     """No session is opened while another is alive: the input as written, the float64 oracle,
     the load check and the candidate each run alone (the old run held the input's session
     through the whole run)."""
@@ -91,7 +92,7 @@ def test_parity_holds_one_session_at_a_time(tmp_path, rng, sessions):
     report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
     assert report.passed and report.fusions.counts["rmsnorm_fused"] == 1
     assert report.parity.oracle == "onnx_float64", report.parity.notes
-    assert len(sessions) >= 4 and max(sessions) == 0, sessions
+    assert len(alive_at_open) >= 4 and max(alive_at_open) == 0, alive_at_open
 
 
 def test_the_report_says_what_each_stage_took(tmp_path, rng):
@@ -106,7 +107,7 @@ def test_the_report_says_what_each_stage_took(tmp_path, rng):
     assert found["peak_rss_bytes"] == max(s.peak_rss_bytes for s in report.cost.stages)
 
 
-def test_latency_apart_where_two_sessions_do_not_fit(tmp_path, rng, monkeypatch, sessions):
+def test_latency_apart_where_two_sessions_do_not_fit(tmp_path, rng, monkeypatch, alive_at_open):
     """With too little memory for both sessions (available memory faked small), the raw model
     and the output are timed one after the other, never both open, and the report says why."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
@@ -116,27 +117,27 @@ def test_latency_apart_where_two_sessions_do_not_fit(tmp_path, rng, monkeypatch,
     assert set(report.latency.timings) == {"ort_raw", "ort_optimized"}
     assert "timed one at a time" in report.latency.apart
     assert report.to_dict()["latency_conditions"]["apart"] == report.latency.apart
-    assert max(sessions) == 0, sessions
+    assert max(alive_at_open) == 0, alive_at_open
 
 
-def test_latency_interleaved_where_they_fit(tmp_path, rng, sessions, nothing_slower):
+def test_latency_interleaved_where_they_fit(tmp_path, rng, alive_at_open, nothing_slower):
     """Room for two sessions of each: raw, optimized, optimized, raw, all four open at once."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
     report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
     assert report.latency.apart is None and report.latency.sessions == 2
-    assert sessions[-4:] == [0, 1, 2, 3], sessions  # the four timed together
+    assert alive_at_open[-4:] == [0, 1, 2, 3], alive_at_open  # the four timed together
     assert report.to_dict()["latency_conditions"]["sessions_per_model"] == 2
 
 
 def test_latency_one_session_each_where_two_of_each_do_not_fit(
-    tmp_path, rng, monkeypatch, sessions, nothing_slower
+    tmp_path, rng, monkeypatch, alive_at_open, nothing_slower
 ):
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
     fit = memory.copies_that_fit
     monkeypatch.setattr(memory, "copies_that_fit", lambda paths, p, most: fit(paths, p, 1))
     report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
     assert report.latency.apart is None and report.latency.sessions == 1
-    assert sessions[-2:] == [0, 1], sessions  # the two timed together
+    assert alive_at_open[-2:] == [0, 1], alive_at_open  # the two timed together
 
 
 def test_session_bytes_counts_half_weights_as_float32_on_cpu(tmp_path, rng):

@@ -127,7 +127,7 @@ def test_refused_norm_stays_float32_and_finite(tmp_path):
     rng = np.random.default_rng(0)
     model, p = _eps_outside_layernorm(rng)
     report = fusion.optimize(model)
-    assert [(r.kind, r.code) for r in report.refused] == [("layernorm", "eps_outside_sqrt")]
+    assert [(r.family, r.code) for r in report.refused] == [("layernorm", "eps_outside_sqrt")]
     found, dst = _convert(model, tmp_path, report.refused)
     kept = {k.node for k in found.kept_float32}
     assert kept == {"mean", "centre", "square", "var", "root", "plus_eps", "divide"}
@@ -177,7 +177,7 @@ def test_refused_rmsnorm_keeps_its_square_float32(tmp_path):
     rng = np.random.default_rng(4)
     model, p = _eps_outside_rmsnorm(rng)
     report = fusion.optimize(model)
-    assert [(r.kind, r.code) for r in report.refused] == [("rmsnorm", "eps_outside_sqrt")]
+    assert [(r.family, r.code) for r in report.refused] == [("rmsnorm", "eps_outside_sqrt")]
     found, dst = _convert(model, tmp_path, report.refused)
     kept = {k.node for k in found.kept_float32}
     assert kept == {"square", "mean_square", "root", "plus_eps", "divide"}
@@ -538,7 +538,7 @@ def test_bf16_graph_matches_float64_on_onnx_reference(tmp_path, monkeypatch):
     model, p = _bf16_case(rng)
     report = fusion.optimize(model)
     assert (report.counts.get("batchnorm_folded"), report.counts.get("layernorm_fused")) == (1, 1)
-    assert [(r.kind, r.code) for r in report.refused] == [("layernorm", "eps_outside_sqrt")]
+    assert [(r.family, r.code) for r in report.refused] == [("layernorm", "eps_outside_sqrt")]
     found, dst = _convert(model, tmp_path, report.refused, keep_io_types=False, target="bf16")
     assert found.precision == "bf16" and found.keep_io_types and found.float32_op_types == []
     assert {k.node for k in found.kept_float32} == {

@@ -115,7 +115,7 @@ def test_a_rewrite_made_slower_is_undone(tmp_path, rng, capsys):
     assert {code for _, code in undone} == {"slower_here"}
     assert not speed["published"]["slower"] and speed["kept_slower"] is None
     refused = [r for r in report["fusions"]["refused"] if r["code"] == "slower_here"]
-    assert len(refused) == len(undone) and "layernorm" in [r["kind"] for r in refused]
+    assert len(refused) == len(undone) and "layernorm" in [r["family"] for r in refused]
     assert all("the raw model's time (95% interval" in r["detail"] for r in refused)
     assert report["fusions"]["layernorm_fused"] == 0
     ops = [node.op_type for node in ir.load(out).graph]

@@ -14,6 +14,7 @@ from onnx import TensorProto
 from normexport import runtime
 from normexport.errors import UsageError
 from normexport.io.files import data_path
+from normexport.runtime import sessions
 from normexport.tuning import autotune, forms, variants
 from normexport.verdict.parity import closeness
 
@@ -38,7 +39,7 @@ def test_the_verdicts_cuda_sessions_compute_float32_without_tf32(monkeypatch):
         def get_providers(self):
             return ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
-    monkeypatch.setattr(runtime.ort, "InferenceSession", Session)
+    monkeypatch.setattr(sessions.ort, "InferenceSession", Session)
     model = variants.op_model("Relu", (2, 2))
     runtime.make_session(model, "cuda")
     runtime.check_session(model, "cuda")
@@ -54,7 +55,7 @@ def test_auto_without_cuda_says_so_in_one_line(monkeypatch):
     def no_cuda(model, provider, **kwargs):
         raise runtime.ProviderUnavailable("CUDAExecutionProvider did not load")
 
-    monkeypatch.setattr(runtime, "make_session", no_cuda)
+    monkeypatch.setattr(sessions, "make_session", no_cuda)  # resolve_provider's own call
     provider, note = runtime.resolve_provider("auto")
     assert provider == "cpu"
     assert note == "CUDA was not available (the CUDA provider did not load): ran on CPU"

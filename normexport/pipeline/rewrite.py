@@ -18,12 +18,11 @@ import numpy as np
 import onnx_ir as ir
 
 import fusion
-from fusion import registry
 from normexport import precision, progress, runtime
 from normexport.errors import InputFileError, UsageError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job
-from normexport.tuning import autotune as autotune_mod
+from normexport.tuning import autotune
 from normexport.verdict import rollback
 from normexport.verdict.checker import Checker, check_output, checker_level
 from normexport.verdict.parity import ParityResult, Recorded
@@ -67,7 +66,7 @@ class Staged:
     checker: Checker
     verified: ParityResult | None = None
     rollback: rollback.Outcome | None = None
-    tuned: autotune_mod.AutotuneResult | None = None
+    tuned: autotune.AutotuneResult | None = None
     precision: precision.PrecisionReport | None = None
 
     @property
@@ -154,18 +153,17 @@ def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, hint
         ) from None
 
 
-def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -> Staged:
+def rewrite(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -> Staged:
     """Run the passes on ``raw`` in place, stage the result in ``work``, check it
-    (:func:`normexport.verdict.rollback.check`) and, where it fails, put the model without the
+    (:func:`normexport.verdict.rollback.verify`) and, where it fails, put the model without the
     rewrites responsible in its place (:func:`normexport.verdict.rollback.roll_back`, each build
     from ``ref.path``); the undone rewrites join the fusion report's refusals.
 
     Raises:
         normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
     """
-    target, options = job.opts.target, registry.provider_options(job.opts.target, job.provider)
     progress.step("the passes")
-    fusions = fusion.optimize(raw, target=target, **options)
+    fusions = fusion.optimize(raw, **job.policy.keywords())
     staged = work / job.output.name
     progress.step("saving")
     files.save_model(raw, staged, external_data=job.external)
@@ -174,7 +172,7 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
 
     def check(path):
         progress.step(f"checking {path.relative_to(work)}")
-        rejection, verdicts[path] = rollback.check(path, job.provider, ref.checker[0], judge)
+        rejection, verdicts[path] = rollback.verify(path, job.provider, ref.checker[0], judge)
         return rejection
 
     outcome = rollback.roll_back(staged, fusions, build, check)
@@ -186,7 +184,7 @@ def optimize(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) 
     return Staged(
         staged,
         fusions,
-        # rollback.check has checked it at the input's level, where the input has one
+        # rollback.verify has checked it at the input's level, where the input has one
         check_output(staged, level, problem) if level == "none" else Checker(level, problem, level),
         verdicts.get(outcome.path),
         outcome if outcome.undone or outcome.unexplained else None,
@@ -199,12 +197,11 @@ def builder(
     """``build(excluded)`` (:data:`normexport.verdict.rollback.Build`): the reference model
     optimized again as the optimize stage does, with the rewrites ``excluded`` and ``always``
     left out, saved under the output's name in a new folder ``work/FOLDER-N``."""
-    target, options = job.opts.target, registry.provider_options(job.opts.target, job.provider)
     builds = itertools.count(1)
 
     def build(excluded):
         model = ir.load(ref.path)
-        report = fusion.optimize(model, target=target, exclude=excluded | always, **options)
+        report = fusion.optimize(model, **job.policy.keywords(), exclude=excluded | always)
         path = work / f"{folder}-{next(builds)}" / job.output.name
         path.parent.mkdir()
         files.save_model(model, path, external_data=job.external)
@@ -213,20 +210,19 @@ def builder(
     return build
 
 
-def autotune(job: Job, ref: Reference, staged: Staged) -> Staged:
+def tune(job: Job, ref: Reference, staged: Staged) -> Staged:
     """Time the exact alternatives of the staged output (and, where attention was fused, of the
     model without it) and put the fastest in the staged model's place; the fusion report
     becomes that of the model kept."""
     opts, unfused_path, unfused_fusions = job.opts, None, None
     counts = staged.fusions.counts
-    if counts["attention_fused"] or counts["gqa_fused"]:  # a speed choice per shape
+    if counts["attention_fused"] or counts["gqa_fused"] or counts["sdpa_fused"]:  # per shape
         unfused = ir.load(ref.path)
-        options = registry.provider_options(opts.target, job.provider) | {"gqa": False}
-        unfused_fusions = fusion.optimize(unfused, target=opts.target, attention=False, **options)
-        unfused_path = staged.path.with_name(autotune_mod.ATTENTION_UNFUSED + ".onnx")
+        unfused_fusions = fusion.optimize(unfused, **job.policy.without_attention().keywords())
+        unfused_path = staged.path.with_name(autotune.ATTENTION_UNFUSED + ".onnx")
         files.save_model(unfused, unfused_path, external_data=True)
-    tuned = autotune_mod.autotune(
-        autotune_mod.candidates(staged.path, target=opts.target, attention_unfused=unfused_path),
+    tuned = autotune.autotune(
+        autotune.candidates(staged.path, target=opts.target, attention_unfused=unfused_path),
         job.sets["example"],
         job.provider,
         budget_s=opts.budget_s / 2,
@@ -236,7 +232,7 @@ def autotune(job: Job, ref: Reference, staged: Staged) -> Staged:
     changed = tuned.best != tuned.default
     if changed:
         _replace_staged(staged.path, ir.load(tuned.model), job.external)
-    unfused_kept = tuned.best.startswith(autotune_mod.ATTENTION_UNFUSED)
+    unfused_kept = tuned.best.startswith(autotune.ATTENTION_UNFUSED)
     return dataclasses.replace(
         staged,
         fusions=unfused_fusions if unfused_kept else staged.fusions,

@@ -1,0 +1,204 @@
+""":func:`run`, the main job stage by stage (see :mod:`normexport.pipeline`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+import onnxruntime
+import torch
+
+import fusion
+from fusion._ir import opset_version
+from normexport import precision, progress, runtime
+from normexport.arguments import Options
+from normexport.errors import UsageError
+from normexport.io import files
+from normexport.pipeline import measure, rewrite, speed
+from normexport.pipeline.job import Job, start
+from normexport.pipeline.prepare import prepare
+from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
+from normexport.runtime import cuda_kernels, plan
+from normexport.verdict.parity import ParityResult
+from normexport.verdict.references import Judge
+from normexport.verdict.speed import NOT_TIMED, Speed
+
+
+def run(opts: Options) -> Report:
+    """Run the main job and return the report.
+
+    Works from files: an ONNX input is read lazily (its external data stays on disk until a
+    pass needs it), the raw export and every intermediate model live in a scratch folder beside
+    the output, the checker and every ONNX Runtime session open files by path, and the output
+    is written with its own external data file (``OUT.onnx.data``) when the input had one or
+    the model is large (:func:`normexport.io.files.wants_external_data`); no model is ever one
+    protobuf in memory (the float16 converter alone takes one, and refuses models over 2 GiB).
+    One model's weights are in memory at a time where parity runs: each reference runs on
+    every input set and is freed before the next opens (docs/memory.md); the report's ``cost``
+    gives each stage's time and peak memory. The optimized model is written even when parity
+    fails; ``report.parity.passed`` says whether it did.
+
+    Raises:
+        UsageError: a user mistake: unreadable or invalid file, missing or bad option, an
+            output path that would overwrite the input.
+        normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
+    """
+    output, writes = plan_outputs(opts)
+    with progress.recording() as stages:
+        with progress.stage("load"):
+            provider = runtime.resolve_provider(opts.provider)
+            prepared = prepare(opts)
+        loaded, raw = prepared.loaded, prepared.raw
+        files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
+        job = start(opts, output, provider, prepared)
+        del prepared  # the passes change ``raw`` in place; nothing else holds it
+        memory = plan.plan(
+            raw,
+            str(opts.model),
+            job.provider,
+            latency=opts.benchmark,
+            autotune=opts.autotune,
+            by_blocks=job.loaded.module is None,
+        )
+        if memory.said:
+            progress.say(memory.line)
+        with files.work_folder(output) as work:
+            ref, judge = _reference(job, raw, work, memory.block_bytes)
+            weights = files.tensor_bytes(ir.load(ref.path))  # headers only
+            with progress.stage("optimize"):
+                staged = rewrite.rewrite(job, raw, ref, judge, work)
+            del raw
+            if opts.autotune:
+                with progress.stage("autotune"):
+                    staged = rewrite.tune(job, ref, staged)
+            if opts.precision != "fp32":
+                with progress.stage(opts.precision):
+                    staged = rewrite.half(job, ref, staged, work)
+            staged, latency, judged = _latency(job, ref, staged, work, memory.latency)
+            written = files.publish_model(staged.path, output)
+            verdict = _parity(job, ref, staged, judge, work)
+    cost = Cost(stages, weights)
+    return _report(job, staged, written, verdict, latency, judged, cost, memory)
+
+
+def _reference(
+    job: Job, raw: ir.Model, work: Path, block_bytes: int | None
+) -> tuple[rewrite.Reference, Judge]:
+    """The reference stage: the reference model on file, and the parity judge with every
+    reference run on every input set, one model (or one block: ``block_bytes``, the memory
+    plan's) at a time, each freed before the passes."""
+    with progress.stage("reference"):
+        ref = rewrite.reference(job, raw, work)
+        judge = Judge(
+            loaded=job.loaded,
+            raw=ref.raw,
+            raw_path=ref.path,
+            sets=job.sets,
+            feed_names=job.feed_names,
+            work=work,
+            provider=job.provider,
+            atol=job.opts.atol,
+            rtol=job.opts.rtol,
+            strict=job.opts.strict,
+            rule=job.computes_in,
+            block_bytes=block_bytes,
+        )
+        judge.record((job.output_rule,))
+    return ref, judge
+
+
+def _latency(
+    job: Job,
+    ref: rewrite.Reference,
+    staged: rewrite.Staged,
+    work: Path,
+    skipped: str | None,
+) -> tuple[rewrite.Staged, Latency | None, Speed]:
+    """The latency stage with its verdict, before the output is published
+    (:func:`normexport.pipeline.speed.judged`: the staged model, kept or with the rewrites
+    found slower left out), where asked for; ``skipped``: why the latency cannot be timed (the
+    memory plan's), or None."""
+    if not job.opts.benchmark:
+        return staged, None, Speed(unchecked=NOT_TIMED)
+    if skipped is not None:
+        return staged, Latency({}, 0, 0, skipped), Speed(unchecked=skipped)
+    with progress.stage("latency"):
+        return speed.judged(job, ref, staged, work)
+
+
+def _parity(
+    job: Job, ref: rewrite.Reference, staged: rewrite.Staged, judge: Judge, work: Path
+) -> ParityResult:
+    """The parity stage of the published output, with the hidden-state probe for half
+    precision."""
+    with progress.stage("parity"):
+        verdict = measure.parity(job, staged, judge)
+        if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
+            measure.hidden_state_probe(job, ref, verdict, work)
+    return verdict
+
+
+def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
+    """The output path, and every file the run writes by the option that names it, checked
+    before any work: each writable, none on the input, none written twice.
+
+    Raises:
+        UsageError: see :func:`normexport.io.files.check_writable` and
+            :func:`normexport.io.files.refuse_overwriting`.
+    """
+    if opts.output is None and opts.module is not None:
+        raise UsageError("an in-memory module has no file to write beside: give output=PATH")
+    output = Path(opts.output) if opts.output else files.default_output(Path(opts.model))
+    writes = {"-o": [output, files.data_path(output)]}
+    if opts.report is not None:
+        writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
+    for flag, paths in writes.items():
+        for path in paths:
+            files.check_writable(path, flag, given=flag != "-o" or opts.output is not None)
+    if opts.module is None:
+        files.refuse_overwriting([Path(opts.model)], writes)  # before the export (minutes)
+    return output, writes
+
+
+def _report(
+    job: Job,
+    staged: rewrite.Staged,
+    written: list[Path],
+    parity: ParityResult,
+    latency: Latency | None,
+    judged: Speed,
+    cost: Cost,
+    memory: plan.MemoryPlan,
+) -> Report:
+    """The typed report of a finished run; ``judged``: the latency verdict."""
+    optimized = ir.load(job.output)
+    return Report(
+        model=str(job.opts.model),
+        kind=job.loaded.kind,
+        exporter=job.export.exporter,
+        exporter_fallback=job.export.fallback_reason,
+        exporter_warnings=list(job.export.warnings),
+        opset=opset_version(optimized),
+        target=job.opts.target,
+        output=job.output,
+        files_written=list(written),
+        inputs={k: InputInfo(list(v.shape), str(v.dtype)) for k, v in job.example.items()},
+        fusions=Fusions.from_fusion_report(staged.fusions, job.already),
+        norm_ops=NormOps(job.ops_before, fusion.norm_ops(optimized)),
+        onnxruntime_ops=fusion.onnxruntime_ops(optimized),
+        checker=staged.checker,
+        parity=parity,
+        provider=runtime.PROVIDERS[job.provider][0],
+        provider_note=job.provider_note,
+        notes=list(job.loaded.notes),
+        latency=latency,
+        autotune=staged.tuned,
+        precision=staged.precision,
+        versions=Versions(torch.__version__, onnx.__version__, onnxruntime.__version__),
+        rollback=staged.rollback,
+        speed=judged,
+        cost=cost,
+        memory=memory,
+        cuda_fallbacks=cuda_kernels.without_kernel(optimized) if job.provider == "cuda" else None,
+    )
