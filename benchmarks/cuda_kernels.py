@@ -5,8 +5,8 @@ kernel table (normexport.runtime.cuda_kernels, docs/cuda.md).
 Each model is loaded and exported as the pipeline does it (``normexport.pipeline.prepare``:
 the demo models as ``make demo`` saves them, the float32 gallery entries through each exporter
 they have, the ONNX files as they are), checked as exported (``before``), then optimized with
-the passes a CUDA run makes (``fusion.optimize(target="ort", ...)`` with the options
-``registry.provider_options("ort", "cuda")`` say) and checked again (``after``). Then the demo
+the passes a CUDA run makes (``fusion.optimize`` under the policy
+``registry.policy("ort", "cuda")``) and checked again (``after``). Then the demo
 models and the gallery entries (dynamo) are converted to float16 and to bfloat16 as
 ``--precision`` converts them for CUDA (:func:`normexport.precision.convert.to_half`), except
 that its question "which op has no kernel of this type?" is answered from the table instead of
@@ -42,7 +42,7 @@ def _check(raw: ir.Model, half: Path | None) -> dict:
     from normexport.runtime import cuda_kernels
 
     before = cuda_kernels.without_kernel(raw)
-    report = fusion.optimize(raw, target="ort", **registry.provider_options("ort", "cuda"))
+    report = fusion.optimize(raw, **registry.policy("ort", "cuda").keywords())
     after = cuda_kernels.without_kernel(raw)
     halves = {} if half is None else _halves(raw, report.refused, half, len(after))
     return halves | {
@@ -107,7 +107,7 @@ def _cases(scratch: Path):
     from models.demo import demo_options
     from models.norms import GALLERY
     from normexport import pipeline
-    from normexport.arguments import Options
+    from normexport.arguments import make_options
 
     for name in models.ZOO:
         folder = scratch / "demo" / name
@@ -116,7 +116,7 @@ def _cases(scratch: Path):
     for entry in (e for e in GALLERY if e.dtype == torch.float32):
         for exporter in entry.exporters:
             shape = ",".join(map(str, entry.shape))
-            opts = Options(
+            opts = make_options(
                 model="<gallery>", module=entry.build(), input_shape=[shape], exporter=exporter
             )
             raw = pipeline.prepare(opts).raw

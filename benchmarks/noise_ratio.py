@@ -97,7 +97,7 @@ def peer_cases(only, scratch: Path) -> dict[str, dict]:
         output = scratch / name.replace("/", "_")
         out[name] = _quiet(
             lambda p=path, o=output, s=shapes: normexport.optimize(
-                p, output=o, input_shapes=s, benchmark=False, provider="cpu"
+                p, output=o, input_shape=s, benchmark=False, provider="cpu"
             )
         )
     return out

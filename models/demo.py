@@ -74,7 +74,7 @@ EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
 
 def _crepe_refusals(report: dict) -> int:
     left = report["norm_ops"]["after"].get("BatchNormalization", 0)
-    reasons = [r for r in report["fusions"]["refused"] if r["kind"] == "batchnorm"]
+    reasons = [r for r in report["fusions"]["refused"] if r["family"] == "batchnorm"]
     return left if len(reasons) == left else -1
 
 
@@ -153,7 +153,7 @@ def sweep_runs(only: set[str] | None, scratch: Path, **options) -> Iterator[tupl
             yield (
                 f"{entry.name} ({exporter})",
                 lambda e=entry, x=exporter, o=output, s=shape: normexport.optimize(
-                    e.build(), output=o, input_shapes=[s], exporter=x, **options
+                    e.build(), output=o, input_shape=[s], exporter=x, **options
                 ),
             )
     for name in models.ZOO:

@@ -5,7 +5,7 @@ Python API (the CLI's twin; each keyword is the flag of the same name)::
 
     import normexport
 
-    report = normexport.optimize("model.pt", trust_pickle=True, input_shapes=["1,3,224,224"])
+    report = normexport.optimize("model.pt", trust_pickle=True, input_shape=["1,3,224,224"])
     report.parity.passed, report.fusions.counts["batchnorm_folded"], report.output
 
     report = normexport.optimize(module, (torch.randn(1, 3, 224, 224),), output="m.onnx")
@@ -15,10 +15,8 @@ Python API (the CLI's twin; each keyword is the flag of the same name)::
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -36,8 +34,8 @@ def optimize(
     *,
     output: str | os.PathLike | None = None,
     report: str | os.PathLike | None = None,
-    input_shapes: Sequence[str | Sequence[int]] = (),
-    dims: Mapping[str, int] | None = None,
+    input_shape: Sequence[str | Sequence[int]] = (),
+    dim: Mapping[str, int] | None = None,
     inputs: str | os.PathLike | None = None,
     dynamic: str | None = None,
     opset: int | None = None,
@@ -57,7 +55,9 @@ def optimize(
     keep_io_types: bool = False,
 ) -> Report:
     """Export (or take) a model, optimize it, check parity, time it, write it: the main
-    command as a function. Each keyword mirrors the CLI flag of the same name.
+    command as a function. Each keyword is the CLI flag of the same name (``--input-shape``:
+    ``input_shape``; ``--no-benchmark``: ``benchmark=False``; ``--budget``: ``budget_s``) and
+    the :class:`Options` field it fills (:func:`normexport.arguments.make_options`).
 
     Args:
         model: a model file (any kind the CLI takes) or an in-memory ``torch.nn.Module``
@@ -65,19 +65,17 @@ def optimize(
         args, kwargs: an in-memory module's example arguments, as :func:`torch.onnx.export`
             takes them (``model(*args, **kwargs)`` is exported; tensors become the inputs,
             named after ``forward``'s parameters or their keywords; other values stay fixed),
-            instead of ``input_shapes`` / ``inputs``.
+            instead of ``input_shape`` / ``inputs``.
         output: the optimized model's path (``-o``); default: MODEL stem + ``.opt.onnx``
             beside the file. Required for an in-memory module.
         report: also write the JSON report here, and the latency chart beside it as ``.png``.
-        input_shapes: one per input in ``forward()`` order (``--input-shape``), as
-            ``"1,3,224,224"``, ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
-        dims: symbolic axis name -> size, for every input axis of that name (``--dim``;
-            ONNX input).
-        inputs: an ``.npz`` of example inputs by name (``--inputs``).
+        input_shape: one per input in ``forward()`` order, as ``"1,3,224,224"``,
+            ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
+        dim: symbolic axis name -> size, for every input axis of that name (ONNX input).
+        inputs: an ``.npz`` of example inputs by name.
         dynamic, opset, target, provider, exporter, autotune, strict, trust_pickle,
             model_class, precision, keep_io_types: as the flags (:class:`Options`).
-        benchmark: time the variants (False: ``--no-benchmark``).
-        atol, rtol, budget_s: ``--atol``, ``--rtol``, ``--budget`` (None: their defaults).
+        benchmark, atol, rtol, budget_s: as the flags (None: their defaults).
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
 
     Returns:
@@ -95,7 +93,7 @@ def _run(opts: Options) -> Report:
     """Run the pipeline on ``opts`` (a module in eval mode, its training flag restored) and
     write the JSON report and chart where ``opts.report`` asks."""
     from normexport import pipeline
-    from normexport import report as report_mod
+    from normexport.report import write_chart, write_json
 
     training = getattr(opts.module, "training", False)
     try:
@@ -106,37 +104,31 @@ def _run(opts: Options) -> Report:
         if training:
             opts.module.train(True)
     if opts.report is not None:
-        report_mod.write_json(result, opts.report)
-        report_mod.write_chart(result, opts.report.with_suffix(".png"))
+        write_json(result, opts.report)
+        write_chart(result, opts.report.with_suffix(".png"))
     return result
 
 
 def _options(given: dict[str, Any]) -> Options:
-    """:class:`Options` from :func:`optimize`'s arguments: paths made :class:`Path`, shapes
-    and constructor arguments in the CLI's spelling, None meaning the field's default.
+    """:class:`Options` from :func:`optimize`'s arguments
+    (:func:`normexport.arguments.make_options`), the model a path or an in-memory module.
 
     Raises:
-        UsageError: ``model`` is neither a path nor a module; a module without ``output``.
+        UsageError: ``model`` is neither a path nor a module; a module without ``output``;
+            example inputs given twice; a value that cannot be parsed.
     """
-    from normexport.arguments import Options
+    from normexport.arguments import make_options
     from normexport.errors import UsageError
 
     values = {k: v for k, v in given.items() if v is not None}
     model = values.pop("model")
-    for key in ("output", "report", "inputs"):
-        if key in values:
-            values[key] = Path(values[key])
-    values["input_shape"] = [_shape_spec(s) for s in values.pop("input_shapes")]
-    values["dim"] = [f"{k}={v}" for k, v in values.pop("dims", {}).items()]
-    if isinstance(values.get("model_kwargs"), Mapping):
-        values["model_kwargs"] = json.dumps(dict(values["model_kwargs"]))
     if isinstance(model, str | os.PathLike):
         if "args" in values or "kwargs" in values:
             raise UsageError(
                 "args / kwargs are example arguments of an in-memory module; for a model file "
-                "give input_shapes or inputs"
+                "give input_shape or inputs"
             )
-        return Options(model=Path(model), **values)
+        return make_options(model=model, **values)
     if not callable(getattr(model, "forward", None)):
         raise UsageError(
             f"model: give a model file path or a torch.nn.Module, not {type(model).__name__}"
@@ -144,17 +136,13 @@ def _options(given: dict[str, Any]) -> Options:
     if "output" not in values:
         raise UsageError("an in-memory module has no file to write beside: give output=PATH")
     if ("args" in values or "kwargs" in values) and (values["input_shape"] or "inputs" in values):
-        raise UsageError("give the example inputs once: args / kwargs, or input_shapes / inputs")
+        raise UsageError("give the example inputs once: args / kwargs, or input_shape / inputs")
     if "args" in values:
         values["args"] = tuple(values["args"])
     if "kwargs" in values:
         values["kwargs"] = dict(values["kwargs"])
-    return Options(model=Path(f"<nn.Module {type(model).__name__}>"), module=model, **values)
-
-
-def _shape_spec(shape: str | Sequence[int]) -> str:
-    """``(1, 3, 224, 224)`` -> ``"1,3,224,224"`` (``--input-shape``'s form); a str as is."""
-    return shape if isinstance(shape, str) else ",".join(str(int(d)) for d in shape)
+    name = f"<nn.Module {type(model).__name__}>"
+    return make_options(model=name, module=model, **values)
 
 
 def __getattr__(name: str) -> Any:

@@ -1,24 +1,35 @@
 """The main job's options, and the command-line flags that fill them, in one place.
 
 :class:`Options` is what :func:`normexport.pipeline.run` (and :func:`normexport.optimize`)
-take. Each flag's ``dest`` is the name of the field it fills, and its default is that field's
-default (a command may give ``--budget`` its own), so :func:`options_from_args` is a plain copy
-with no special cases. The argument groups are shared: the main command uses all five,
-``explain`` the model and provider groups, ``bench`` the model, provider and timing groups and
-flags of its own (:mod:`normexport.bench.command`). This module imports no PyTorch or ONNX
-Runtime package.
+take, typed: shapes as :class:`~normexport.io.inputs.InputSpec`, ``--dim`` a mapping,
+``--dynamic`` parsed (:class:`DynamicAxes`), constructor arguments a dict, paths
+:class:`~pathlib.Path`. :func:`make_options` builds it from what a user typed or passed, and is
+where every such value is parsed and refused; nothing downstream parses a user's string. Each
+flag's ``dest`` is the name of the field it fills (the API's keyword of the same name), and its
+default is that field's default (a command may give ``--budget`` its own), so
+:func:`options_from_args` is :func:`make_options` of the parsed flags. The argument groups are
+shared: the main command uses all five, ``explain`` the model and provider groups, ``bench`` the
+model, provider and timing groups and flags of its own (:mod:`normexport.bench.command`). This
+module imports no PyTorch or ONNX Runtime package.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from fusion import TARGETS
 from normexport.errors import UsageError
+from normexport.io import dims
+from normexport.io.inputs import InputSpec, parse_input_shape
 from normexport.verdict.parity import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
 
 
@@ -32,11 +43,11 @@ class Options:
         output: where to write the optimized model (default: MODEL stem + ``.opt.onnx``).
         report: where the caller will write the JSON report (and ``.png`` chart beside it), or
             None; checked up front so that no output lands on the input or on another.
-        input_shape: ``--input-shape`` specs, see :mod:`normexport.io.inputs`.
-        dim: ``--dim`` values, ``NAME=SIZE``: the size of every input axis of that symbolic
-            name (ONNX input; :mod:`normexport.io.dims`).
+        input_shape: one :class:`~normexport.io.inputs.InputSpec` per input (``--input-shape``).
+        dim: symbolic axis name -> size, for every input axis of that name (``--dim``; ONNX
+            input; :mod:`normexport.io.dims`).
         inputs: an ``.npz`` file of example inputs by name (real data), or None.
-        dynamic: ``--dynamic`` axes, e.g. ``batch``, ``batch,sequence`` or ``x:0,2``.
+        dynamic: the axes to export dynamic (``--dynamic``, :class:`DynamicAxes`), or None.
         opset: ai.onnx opset to export at (None: the exporter's default).
         target: ``ort`` or ``onnx`` (see :data:`fusion.TARGETS`).
         provider: ``auto``, ``cpu`` or ``cuda``.
@@ -46,8 +57,10 @@ class Options:
         strict: fail the verdict where an output passes but is more than
             :data:`normexport.verdict.parity.NOISE_WARN_FACTOR` times further from the oracle than
             the raw model (float32; by default a warning).
-        trust_pickle, model_class, model_kwargs, exporter: how to load and export the model
-            (see docs/model-files.md).
+        trust_pickle, model_class, exporter: how to load and export the model (see
+            docs/model-files.md).
+        model_kwargs: ``model_class``'s constructor arguments (``--model-kwargs``, a JSON
+            object), or None.
         budget_s: seconds of timed runs to aim for, in all (``--budget``; ``normexport bench``
             has its own default, :data:`normexport.bench.options.BENCH_BUDGET_S`).
         autotune: time the exact alternative forms of the optimized model (and the ORT
@@ -68,10 +81,10 @@ class Options:
     model: Path
     output: Path | None = None
     report: Path | None = None
-    input_shape: list[str] = dataclasses.field(default_factory=list)
-    dim: list[str] = dataclasses.field(default_factory=list)
+    input_shape: tuple[InputSpec, ...] = ()
+    dim: dict[str, int] = dataclasses.field(default_factory=dict)
     inputs: Path | None = None
-    dynamic: str | None = None
+    dynamic: DynamicAxes | None = None
     opset: int | None = None
     target: str = "ort"
     provider: str = "auto"
@@ -81,7 +94,7 @@ class Options:
     strict: bool = False
     trust_pickle: bool = False
     model_class: str | None = None
-    model_kwargs: str | None = None
+    model_kwargs: dict[str, Any] | None = None
     exporter: str = "auto"
     budget_s: float = 10.0
     autotune: bool = False
@@ -90,6 +103,128 @@ class Options:
     module: Any = None
     args: tuple | None = None
     kwargs: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicAxes:
+    """``--dynamic`` parsed: ``batch`` marks axis 0 of every input, ``sequence`` axis 1
+    (``batch,sequence`` both), and ``NAME:0,2`` the listed axes of one input (several such specs
+    separated by ``;``).
+
+    Attributes:
+        spec: the text as given (for messages).
+        every: axis -> dimension name, for every input.
+        named: input name -> its axes (named ``NAME_dimA``).
+    """
+
+    spec: str
+    every: dict[int, str]
+    named: dict[str, tuple[int, ...]]
+
+    def axes(self, names: list[str]) -> dict[str, dict[int, str]]:
+        """``{input: {axis: dimension name}}`` for the inputs ``names``.
+
+        Raises:
+            UsageError: an input named in the spec is not among ``names``.
+        """
+        for name in self.named:
+            if name not in names:
+                raise UsageError(
+                    f"--dynamic {self.spec!r}: no input named {name!r} (inputs: {names})"
+                )
+        out = {name: dict(self.every) for name in names if self.every}
+        for name, axes in self.named.items():
+            out[name] = {axis: f"{name}_dim{axis}" for axis in axes}
+        return out
+
+
+def parse_dynamic(spec: str) -> DynamicAxes:
+    """``--dynamic`` as :class:`DynamicAxes`.
+
+    Raises:
+        UsageError: neither ``batch``, ``sequence`` nor ``NAME:AXES`` with integer axes.
+    """
+    words = {"batch": 0, "sequence": 1}
+    every: dict[int, str] = {}
+    named: dict[str, tuple[int, ...]] = {}
+    for part in spec.split(";"):
+        if ":" in part:
+            name, _, axes = part.partition(":")
+            try:
+                named[name] = tuple(int(d) for d in axes.split(","))
+            except ValueError:
+                raise UsageError(f"--dynamic {spec!r}: axes must be integers") from None
+            continue
+        for word in part.split(","):
+            if word not in words:
+                raise UsageError(
+                    f"--dynamic {spec!r}: use batch, sequence, batch,sequence or NAME:0,1"
+                )
+            every[words[word]] = word
+    return DynamicAxes(spec, every, named)
+
+
+def make_options(**values: Any) -> Options:
+    """The :class:`Options` of what a user gave, each value in the form the CLI or the API
+    takes it (keywords: the fields): ``input_shape`` as ``"1,3,224,224"``,
+    ``"input_ids=2x16:int64"``, a sequence of ints (float32) or an InputSpec; ``dim`` as a
+    mapping or ``NAME=SIZE`` strings; ``dynamic`` as ``--dynamic``'s text; ``model_kwargs`` as a
+    mapping or a JSON object; paths as str or path-like. None keeps a field's default.
+
+    Raises:
+        UsageError: a value that cannot be parsed, naming its flag.
+        TypeError: a keyword that is no field.
+    """
+    given = {k: v for k, v in values.items() if v is not None}
+    for key in ("model", "output", "report", "inputs"):
+        if isinstance(given.get(key), str | os.PathLike):
+            given[key] = Path(given[key])
+    if "input_shape" in given:
+        given["input_shape"] = tuple(_input_spec(s) for s in given["input_shape"])
+    if "dim" in given:
+        given["dim"] = _dims(given["dim"])
+    if isinstance(given.get("dynamic"), str):
+        given["dynamic"] = parse_dynamic(given["dynamic"]) if given["dynamic"] else None
+    if "model_kwargs" in given:
+        given["model_kwargs"] = _model_kwargs(given["model_kwargs"])
+    return Options(**given)
+
+
+def _input_spec(value: str | InputSpec | Iterable[int]) -> InputSpec:
+    """One ``input_shape`` entry as an :class:`~normexport.io.inputs.InputSpec`."""
+    if isinstance(value, InputSpec):
+        return value
+    if isinstance(value, str):
+        return parse_input_shape(value)
+    try:
+        return InputSpec(None, tuple(int(d) for d in value), np.dtype(np.float32))
+    except (TypeError, ValueError):
+        raise UsageError(
+            f"--input-shape {value!r}: give a string such as 1,3,224,224 or a tuple of ints"
+        ) from None
+
+
+def _dims(value: Mapping[str, int] | Iterable[str]) -> dict[str, int]:
+    """``dim`` as name -> size: a mapping checked, ``NAME=SIZE`` strings parsed."""
+    if not isinstance(value, Mapping):
+        return dims.parse(value)
+    for name, size in value.items():
+        if not (isinstance(size, int) and size >= 1):
+            raise UsageError(f"--dim {name}={size!r}: give a positive integer size")
+    return dict(value)
+
+
+def _model_kwargs(value: str | Mapping[str, Any]) -> dict[str, Any]:
+    """``model_kwargs`` as a dict: a JSON object parsed, a mapping copied."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--model-kwargs is not valid JSON: {err}") from None
+    if not isinstance(parsed, dict):
+        raise UsageError("--model-kwargs must be a JSON object, e.g. '{\"depth\": 18}'")
+    return parsed
 
 
 def _default(name: str) -> Any:
@@ -102,7 +237,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     fills (its ``dest`` is the field's name); the others keep their defaults."""
     given = vars(args)
     names = [f.name for f in dataclasses.fields(Options)]
-    return Options(**{name: given[name] for name in names if name in given})
+    return make_options(**{name: given[name] for name in names if name in given})
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -253,33 +388,3 @@ def check_options(opts: Options) -> None:
         raise UsageError(
             f"--opset {opts.opset}: give an ai.onnx opset from 7 to {runtime.max_opset()}"
         )
-
-
-def dynamic_axes(spec: str | None, names: list[str]) -> dict[str, dict[int, str]] | None:
-    """``--dynamic`` -> ``{input: {axis: name}}``.
-
-    ``batch`` marks axis 0 of every input, ``batch,sequence`` axes 0 and 1, and
-    ``NAME:0,2`` the listed axes of one input (several such specs separated by ``;``).
-    """
-    if not spec:
-        return None
-    words = {"batch": 0, "sequence": 1}
-    axes: dict[str, dict[int, str]] = {}
-    for part in spec.split(";"):
-        if ":" in part:
-            name, _, dims = part.partition(":")
-            if name not in names:
-                raise UsageError(f"--dynamic {spec!r}: no input named {name!r} (inputs: {names})")
-            try:
-                axes[name] = {int(d): f"{name}_dim{d}" for d in dims.split(",")}
-            except ValueError:
-                raise UsageError(f"--dynamic {spec!r}: axes must be integers") from None
-            continue
-        for word in part.split(","):
-            if word not in words:
-                raise UsageError(
-                    f"--dynamic {spec!r}: use batch, sequence, batch,sequence or NAME:0,1"
-                )
-            for name in names:
-                axes.setdefault(name, {})[words[word]] = word
-    return axes

@@ -22,6 +22,7 @@ from normexport.arguments import (
     add_provider_arguments,
     add_timing_arguments,
     options_from_args,
+    parse_dynamic,
 )
 from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import bench_model
@@ -198,7 +199,8 @@ def _narrowed(
         return batches, seqs, None
     words = {f.word for f in fixed}
     asked = {"--batch": args.batch, "--seq": args.seq}
-    line = fixed_line(fixed, str(opts.model), kind, opts.dynamic, asked)
+    dynamic = opts.dynamic.spec if opts.dynamic else None
+    line = fixed_line(fixed, str(opts.model), kind, dynamic, asked)
     return (
         [None] if "batch" in words else batches,
         [None] if "sequence" in words else seqs,
@@ -212,7 +214,8 @@ def _options(args: argparse.Namespace, seqs: list[int | None]) -> Options:
     or the model is ONNX already."""
     opts = options_from_args(args)
     if opts.dynamic is None and detect_kind(opts.model) != "onnx":
-        opts = dataclasses.replace(opts, dynamic="batch,sequence" if seqs != [None] else "batch")
+        spec = "batch,sequence" if seqs != [None] else "batch"
+        opts = dataclasses.replace(opts, dynamic=parse_dynamic(spec))
     return opts
 
 

@@ -107,7 +107,7 @@ def load_model(
     *,
     trust_pickle: bool = False,
     model_class: str | None = None,
-    model_kwargs: str | None = None,
+    model_kwargs: dict | None = None,
 ) -> LoadedModel:
     """Load the model at ``path`` in eval mode.
 
@@ -116,7 +116,7 @@ def load_model(
         trust_pickle: allow unpickling a whole nn.Module, or the pickles in a ``.pt2`` archive
             (both run code from the file).
         model_class: ``package.module:Class`` to build for a state_dict.
-        model_kwargs: JSON object of keyword arguments for ``model_class``.
+        model_kwargs: keyword arguments for ``model_class``.
 
     Raises:
         InputFileError: the file cannot be read as a model (or is not what it claims to be), or
@@ -162,7 +162,7 @@ def _load_torchscript(path: Path) -> LoadedModel:
 
 
 def _load_torch_save(
-    path: Path, trust_pickle: bool, model_class: str | None, model_kwargs: str | None
+    path: Path, trust_pickle: bool, model_class: str | None, model_kwargs: dict | None
 ) -> LoadedModel:
     """A ``torch.save`` file: a state_dict (built with ``model_class``), or a whole pickled
     module when ``trust_pickle``."""

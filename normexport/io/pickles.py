@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 import pickle
 import sys
@@ -23,17 +22,17 @@ from normexport.errors import InputFileError, UsageError, one_line
 
 
 def load_torch_save(
-    path: Path, *, trust_pickle: bool, model_class: str | None, model_kwargs: str | None
+    path: Path, *, trust_pickle: bool, model_class: str | None, model_kwargs: dict | None
 ) -> tuple[str, torch.nn.Module]:
     """The model in a ``torch.save`` file: ``("state_dict", the model_class built with
-    model_kwargs (JSON) and the weights loaded, eval mode)``, or ``("pickled_module", the
+    ``model_kwargs`` and the weights loaded, eval mode)``, or ``("pickled_module", the
     unpickled module as it was saved)`` when ``trust_pickle``.
 
     Raises:
         InputFileError: the file is damaged, holds neither an nn.Module nor a state_dict, is a
             pickled module not trusted, or names a class that cannot be found.
         UsageError: a state_dict with no ``model_class``, or one that cannot be imported or
-            built, or does not fit it; ``model_kwargs`` not a JSON object.
+            built, or does not fit it.
     """
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -121,14 +120,14 @@ def _build(
     path: Path,
     state_dict: Mapping[str, torch.Tensor],
     model_class: str | None,
-    model_kwargs: str | None,
+    model_kwargs: dict | None,
 ) -> torch.nn.Module:
-    """``model_class`` (``package.module:Class``) built with ``model_kwargs`` (a JSON object)
+    """``model_class`` (``package.module:Class``) built with ``model_kwargs`` (keywords)
     and ``state_dict`` loaded into it, in eval mode.
 
     Raises:
-        UsageError: no ``model_class``, or it cannot be imported or built, ``model_kwargs`` is
-            not a JSON object, or the state_dict does not fit the class.
+        UsageError: no ``model_class``, or it cannot be imported or built, or the state_dict
+            does not fit the class.
     """
     if not model_class:
         raise UsageError(
@@ -145,13 +144,7 @@ def _build(
         except (ImportError, AttributeError) as err:
             raise UsageError(f"--model-class {model_class!r}: cannot import it ({err})") from None
         try:
-            kwargs = json.loads(model_kwargs) if model_kwargs else {}
-        except json.JSONDecodeError as err:
-            raise UsageError(f"--model-kwargs is not valid JSON: {err}") from None
-        if not isinstance(kwargs, dict):
-            raise UsageError("--model-kwargs must be a JSON object, e.g. '{\"depth\": 18}'")
-        try:
-            module = cls(**kwargs)
+            module = cls(**(model_kwargs or {}))
         except TypeError as err:
             raise UsageError(f"--model-class {model_class}: cannot build it ({err})") from None
     try:

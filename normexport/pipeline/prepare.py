@@ -12,11 +12,17 @@ import onnx_ir as ir
 import torch
 
 from fusion._ir import opset_version
-from normexport.arguments import Options, check_options, dynamic_axes
+from normexport.arguments import Options, check_options
 from normexport.errors import InputFileError, UsageError
-from normexport.io import dims, examples, files
-from normexport.io import inputs as inputs_mod
+from normexport.io import examples, files
 from normexport.io.export import ExportError, export_module
+from normexport.io.inputs import (
+    check_size,
+    conform,
+    declared_dtypes,
+    onnx_input_specs,
+    random_array,
+)
 from normexport.io.load import LoadedModel, load_model
 
 
@@ -82,7 +88,7 @@ def prepare(opts: Options) -> Prepared:
 def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]:
     """Example inputs by name: from ``--inputs``, ``--input-shape``, the file (or the example
     arguments of an in-memory module), or the graph."""
-    specs = [inputs_mod.parse_input_shape(s) for s in opts.input_shape]
+    specs = list(opts.input_shape)
     if opts.inputs is not None:
         try:
             with np.load(opts.inputs) as data:
@@ -90,8 +96,8 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
         except (OSError, ValueError) as err:
             raise UsageError(f"--inputs {opts.inputs}: cannot read it as .npz ({err})") from None
         model = loaded.onnx_model if loaded.kind == "onnx" else loaded.module
-        expected = inputs_mod.declared_dtypes(model, arrays)
-        return inputs_mod.conform(arrays, expected, f"--inputs {opts.inputs}")
+        expected = declared_dtypes(model, arrays)
+        return conform(arrays, expected, f"--inputs {opts.inputs}")
     rng = np.random.default_rng(0)
     if opts.dim and loaded.kind != "onnx":
         raise UsageError(
@@ -99,10 +105,7 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
             "PyTorch model: give its inputs with --input-shape"
         )
     if loaded.kind == "onnx":
-        sizes = dims.parse(opts.dim)
-        specs, defaulted = inputs_mod.onnx_input_specs(
-            loaded.onnx_model, specs, str(loaded.path), sizes
-        )
+        specs, defaulted = onnx_input_specs(loaded.onnx_model, specs, str(loaded.path), opts.dim)
         if defaulted:
             given = ", ".join(f"{k}={v}" for k, v in defaulted.items())
             loaded.notes.append(f"symbolic axes given their usual size: {given} (--dim to choose)")
@@ -115,9 +118,9 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
             "--input-shape input_ids=2x16:int64 (or --inputs FILE.npz)"
         )
     names = [s.name or (f"input_{i}" if len(specs) > 1 else "input") for i, s in enumerate(specs)]
-    inputs_mod.check_size(specs, names)
+    check_size(specs, names)
     return {
-        name: inputs_mod.random_array(dataclasses.replace(s, name=name), rng)
+        name: random_array(dataclasses.replace(s, name=name), rng)
         for name, s in zip(names, specs, strict=True)
     }
 
@@ -139,7 +142,7 @@ def _raw_onnx(
             args,
             opset=opts.opset,
             input_names=names,
-            dynamic_axes=dynamic_axes(opts.dynamic, names),
+            dynamic_axes=opts.dynamic.axes(names) if opts.dynamic else None,
             exporter=opts.exporter,
         )
     except ExportError as err:

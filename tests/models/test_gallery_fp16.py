@@ -33,7 +33,7 @@ def test_gallery_entry_in_float16(entry: Entry, tmp_path):
         report = normexport.optimize(
             entry.build(),
             output=tmp_path / "m.onnx",
-            input_shapes=[",".join(map(str, entry.shape))],
+            input_shape=[",".join(map(str, entry.shape))],
             exporter=entry.exporters[0],
             precision="fp16",
             benchmark=False,

@@ -6,6 +6,7 @@ anything (a second or two); the nn.Module test exports, so it is slow.
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 import subprocess
@@ -18,7 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import normexport
-from normexport.arguments import Options, options_from_args
+from normexport.arguments import Options, make_options, options_from_args
 from normexport.cli import build_explain_parser, build_parser
 from normexport.errors import InputFileError, UsageError
 
@@ -145,7 +146,7 @@ def test_flags_fill_options_by_name():
     args = build_parser().parse_args(
         ["m.pt", "--no-benchmark", "--budget", "3", "--atol", "1e-3", "--input-shape", "1,3"]
     )
-    assert options_from_args(args) == Options(
+    assert options_from_args(args) == make_options(
         model=Path("m.pt"), benchmark=False, budget_s=3.0, atol=1e-3, input_shape=["1,3"]
     )
     assert options_from_args(build_parser().parse_args(["m.pt"])) == Options(model=Path("m.pt"))
@@ -153,10 +154,37 @@ def test_flags_fill_options_by_name():
     assert explain == Options(model=Path("m.pt"), opset=18)
 
 
-def test_every_flag_is_an_option_field():
+def test_flags_keywords_and_fields_are_one_set_of_names():
+    """Each option is one name: the flag's ``dest``, the API's keyword, the Options field
+    (the module and its example arguments are the API's only; ``--explain`` the CLI's)."""
     fields = set(Options.__dataclass_fields__)
     dests = {a.dest for a in build_parser()._actions} - {"help", "debug", "explain"}
-    assert dests <= fields
+    keywords = set(inspect.signature(normexport.optimize).parameters)
+    assert dests == fields - {"module", "args", "kwargs"}
+    assert keywords == fields - {"module"}
+
+
+def test_the_cli_and_the_api_build_the_same_typed_options():
+    """Parsed where they enter: shapes, sizes, dynamic axes and constructor arguments."""
+    flags = ["m.pt", "--input-shape", "ids=2x6:int64", "--dim", "seq=16", "--dynamic", "batch"]
+    flags += ["--model-class", "pkg.mod:Net", "--model-kwargs", '{"width": 4}']
+    typed = options_from_args(build_parser().parse_args(flags))
+    assert typed == make_options(
+        model="m.pt",
+        input_shape=["ids=2x6:int64"],
+        dim={"seq": 16},
+        dynamic="batch",
+        model_class="pkg.mod:Net",
+        model_kwargs={"width": 4},
+    )
+    assert typed.input_shape[0].shape == (2, 6) and typed.input_shape[0].dtype == np.int64
+    assert typed.dim == {"seq": 16} and typed.model_kwargs == {"width": 4}
+    assert typed.dynamic.axes(["ids", "mask"]) == {"ids": {0: "batch"}, "mask": {0: "batch"}}
+    assert make_options(model="m.pt", input_shape=[(1, 3)]).input_shape[0].shape == (1, 3)
+    with pytest.raises(UsageError, match="--dim"):
+        make_options(model="m.pt", dim={"seq": 0})
+    with pytest.raises(UsageError, match="no input named 'x'"):
+        make_options(model="m.pt", dynamic="x:0").dynamic.axes(["ids"])
 
 
 @pytest.mark.slow
@@ -171,7 +199,7 @@ def test_module_is_exported_optimized_and_written(tmp_path):
         net[1].running_var.uniform_(0.5, 2)
     net.train()
     out = tmp_path / "net.onnx"
-    report = normexport.optimize(net, output=out, input_shapes=[(1, 3, 8, 8)], budget_s=0.5)
+    report = normexport.optimize(net, output=out, input_shape=[(1, 3, 8, 8)], budget_s=0.5)
     assert report.passed and report.kind == "nn_module"
     assert report.fusions.counts["batchnorm_folded"] == 1 and out.is_file()
     assert report.parity.oracle == "pytorch_float64"

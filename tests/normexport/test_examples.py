@@ -74,7 +74,7 @@ def test_module_with_args_and_kwargs_is_exported_as_called(tmp_path):
     "given",
     [
         {"model": "model.onnx", "args": (torch.randn(1),)},
-        {"output": "m.onnx", "args": (torch.randn(1),), "input_shapes": ["1"]},
+        {"output": "m.onnx", "args": (torch.randn(1),), "input_shape": ["1"]},
     ],
 )
 def test_example_arguments_only_for_a_module_and_only_once(tmp_path, given):

@@ -373,7 +373,7 @@ def user_folder(tmp_path, monkeypatch):
     ("name", "how"),
     [
         ("whole.pt", {"trust_pickle": True}),
-        ("weights.pt", {"model_class": f"{USER_MODULE}:UserNet", "model_kwargs": '{"width": 4}'}),
+        ("weights.pt", {"model_class": f"{USER_MODULE}:UserNet", "model_kwargs": {"width": 4}}),
     ],
     ids=["pickled_module", "state_dict"],
 )
@@ -388,7 +388,7 @@ def test_user_module_is_found_and_sys_path_is_left_as_it_was(user_folder, name, 
 def test_failed_load_leaves_sys_path_as_it_was(user_folder):
     before = list(sys.path)
     with pytest.raises(UsageError, match="cannot build it"):
-        load_model("weights.pt", model_class=f"{USER_MODULE}:UserNet", model_kwargs='{"x": 1}')
+        load_model("weights.pt", model_class=f"{USER_MODULE}:UserNet", model_kwargs={"x": 1})
     assert sys.path == before
     sys.modules.pop(USER_MODULE, None)
     (user_folder / f"{USER_MODULE}.py").unlink()

@@ -50,9 +50,9 @@ def test_files_made_by_others_pass_with_no_warning(path, tmp_path, monkeypatch):
     run = {"output": tmp_path / "out" / "m.onnx", "benchmark": False, "provider": "cpu"}
     if path.name in REFUSED:
         with pytest.raises(UsageError, match=REFUSED[path.name]):
-            normexport.optimize(path, input_shapes=shapes, **run)
+            normexport.optimize(path, input_shape=shapes, **run)
         return
-    report = normexport.optimize(path, input_shapes=shapes, **run)
+    report = normexport.optimize(path, input_shape=shapes, **run)
     parity = report.parity
     assert parity.passed, parity.failures()[:3]
     assert not parity.warnings(), parity.warnings()[:3]

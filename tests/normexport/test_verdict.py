@@ -18,6 +18,7 @@ from torch import nn
 from models.broken import broken, caught
 from models.norms import GALLERY
 from normexport import cli, pipeline
+from normexport.arguments import make_options
 from normexport.io import inputs
 from normexport.io.quiet import quiet_torch
 
@@ -125,7 +126,7 @@ class BNTransformer(nn.Module):
 def _run(tmp_path, model: nn.Module, shape: str) -> dict:
     path = tmp_path / "m.pt"
     torch.save(model, path)
-    opts = pipeline.Options(model=path, trust_pickle=True, input_shape=[shape], benchmark=False)
+    opts = make_options(model=path, trust_pickle=True, input_shape=[shape], benchmark=False)
     return pipeline.run(opts).to_dict()  # the JSON users read
 
 
@@ -316,7 +317,7 @@ class TokenModel(nn.Module):
 def test_token_id_model_gets_random_sets(tmp_path):
     path = tmp_path / "m.pt"
     torch.save(_randomize(TokenModel()), path)
-    opts = pipeline.Options(
+    opts = make_options(
         model=path,
         trust_pickle=True,
         input_shape=["input_ids=2x6:int64", "attention_mask=2x6:int64"],
