@@ -83,6 +83,10 @@ _RULES = (
     (sdpa_via_mha._rules, False),
 )
 
+#: The domain of the intermediate ops onnxscript's rules make and consume (its sdpa rule's
+#: ``SDPA``).
+_FUSION_DOMAIN = "ai.onnxruntime._fusion"
+
 #: ``node.meta`` key of the nodes a rule made: ``(op_type, label)`` of every node of the graph
 #: before the pass that the rewrites leading to it replaced.
 _ORIGIN = "normexport.fusion.origin"
@@ -104,7 +108,10 @@ class FuseAttention(FusionPass):
     Records one ``attention_fused`` per Attention / MultiHeadAttention node and one
     ``gelu_fused`` per Gelu / FastGelu / BiasGelu node that the pass added.
 
-    Runs for ``target="ort"``, by default or when ``optimize(attention=True)``.
+    Runs for ``target="ort"``, by default or when ``optimize(attention=True)``. With the
+    policy's ``threads`` above 1 (the CPU provider), an attention whose batch times heads is
+    fewer is not made one of these ops (their CPU kernels run one thread per batch and head);
+    FuseSDPA then leaves it too, with the code ``few_heads``.
     """
 
     kinds = (
@@ -124,6 +131,9 @@ class FuseAttention(FusionPass):
     targets = ("ort",)
     option = "attention"
     on_by_default = ("ort",)
+    settings = ("threads",)
+    #: The policy's ``threads``: no Attention / MultiHeadAttention of fewer (batch, head) pairs.
+    threads: int = 1
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether a contrib op was added."""
@@ -134,7 +144,7 @@ class FuseAttention(FusionPass):
             common_passes.ShapeInferencePass()(model)  # the attention rules check shapes
             shape_optimization.rules.apply_to_model(model)
             for rules, infer_shapes in _RULES:
-                traced = [_Traced(rule, self.excluded) for rule in rules.rules]
+                traced = [_Traced(rule, self.excluded, self.threads) for rule in rules.rules]
                 RewriteRuleSet(traced).apply_to_model(model)
                 if infer_shapes:
                     common_passes.ShapeInferencePass()(model)
@@ -162,11 +172,13 @@ class FuseAttention(FusionPass):
 class _Traced:
     """One of onnxscript's rewrite rules, as its rule set calls it, that records where the nodes
     it makes come from (:data:`_ORIGIN`) and refuses a match that would replace a node whose
-    label is in ``excluded`` (or a node made from one)."""
+    label is in ``excluded`` (or a node made from one), or make an attention op of fewer
+    (batch, head) pairs than ``threads`` (:func:`_few_heads`)."""
 
-    def __init__(self, rule, excluded: frozenset[str]):
+    def __init__(self, rule, excluded: frozenset[str], threads: int = 1):
         self._rule = rule
         self._excluded = excluded
+        self._threads = threads
 
     def __getattr__(self, name: str):
         return getattr(self._rule, name)
@@ -179,9 +191,24 @@ class _Traced:
         origin = frozenset().union(*map(_origin, delta.match.nodes))
         if any(name in self._excluded for _, name in origin):
             return None
+        if any(_few_heads(new, self._threads) for new in delta.new_nodes):
+            return None
         for new in delta.new_nodes:
             new.meta[_ORIGIN] = origin
         return delta
+
+
+def _few_heads(node: ir.Node, threads: int) -> bool:
+    """Whether ``node`` is the scaled dot-product attention onnxscript's sdpa rule makes (the
+    op every attention rule after it consumes) on a 4-D query ``(B, N, S, H)`` whose batch (1
+    where unknown) times heads is below ``threads``; a query of unknown heads is not."""
+    if node.domain != _FUSION_DOMAIN or node.op_type != "SDPA" or threads <= 1:
+        return False
+    shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+    if shape is None or len(shape) != 4 or not isinstance(shape[1], int):
+        return False
+    batch = shape[0] if isinstance(shape[0], int) else 1
+    return batch * shape[1] < threads
 
 
 def _origin(node: ir.Node) -> frozenset[tuple[str, str]]:

@@ -119,9 +119,9 @@ SKIP_KV_CACHE_PROVIDERS = ("cpu",)
 #: model.
 GQA_PROVIDERS = ("cpu",)
 
-#: The execution providers whose ``Attention`` kernel runs one thread per batch and head, so
-#: that :mod:`fusion.fuse_sdpa` leaves an attention with fewer than the run's intra-op threads
-#: (the policy's ``threads``).
+#: The execution providers whose attention kernels run one thread per batch and head, so that
+#: :mod:`fusion.fuse_sdpa` and :mod:`fusion.fuse_attention` leave an attention with fewer than
+#: the run's intra-op threads (the policy's ``threads``).
 THREADED_PROVIDERS = ("cpu",)
 
 

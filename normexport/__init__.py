@@ -41,6 +41,7 @@ def optimize(
     opset: int | None = None,
     target: str = "ort",
     provider: str = "auto",
+    threads: int | None = None,
     benchmark: bool = True,
     autotune: bool = False,
     atol: float | None = None,
@@ -66,14 +67,13 @@ def optimize(
             takes them (``model(*args, **kwargs)`` is exported; tensors become the inputs,
             named after ``forward``'s parameters or their keywords; other values stay fixed),
             instead of ``input_shape`` / ``inputs``.
-        output: the optimized model's path (``-o``); default: MODEL stem + ``.opt.onnx``
-            beside the file. Required for an in-memory module.
+        output: the optimized model's path (``-o``; default MODEL stem + ``.opt.onnx``).
         report: also write the JSON report here, and the latency chart beside it as ``.png``.
         input_shape: one per input in ``forward()`` order, as ``"1,3,224,224"``,
             ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
         dim: symbolic axis name -> size, for every input axis of that name (ONNX input).
         inputs: an ``.npz`` of example inputs by name.
-        dynamic, opset, target, provider, exporter, autotune, strict, trust_pickle,
+        dynamic, opset, target, provider, threads, exporter, autotune, strict, trust_pickle,
             model_class, precision, keep_io_types: as the flags (:class:`Options`).
         benchmark, atol, rtol, budget_s: as the flags (None: their defaults).
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).

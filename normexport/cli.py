@@ -30,6 +30,7 @@ from normexport.arguments import (
     add_model_arguments,
     add_output_arguments,
     add_provider_arguments,
+    add_threads_argument,
     add_timing_arguments,
     options_from_args,
 )
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     add_output_arguments(p)
     add_provider_arguments(p)
+    add_threads_argument(p)
     add_timing_arguments(p)
     add_check_arguments(p)
     return p
@@ -74,6 +76,7 @@ def build_explain_parser() -> argparse.ArgumentParser:
     )
     add_model_arguments(p)
     add_provider_arguments(p)
+    add_threads_argument(p)
     return p
 
 
@@ -126,7 +129,7 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
     provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
     prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"
-    findings = explain.explain(prepared.raw, fusion_policy(opts.target, provider))
+    findings = explain.explain(prepared.raw, fusion_policy(opts.target, provider, opts.threads))
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
     return errors.EXIT_OK
 

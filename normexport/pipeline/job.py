@@ -16,7 +16,7 @@ from normexport.io.inputs import id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
 from normexport.report.explain import already_fused
-from normexport.runtime.latency import fusion_policy
+from normexport.runtime.latency import fusion_policy, latency_threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +40,9 @@ class Job:
             in it.
         external: the output is written with external data
             (:func:`normexport.io.files.wants_external_data`).
-        policy: the fusion policy of the run
+        threads: the intra-op threads latency is timed with (``--threads``, else this
+            machine's cores: :func:`normexport.runtime.latency.latency_threads`).
+        policy: the fusion policy of the run, for those threads
             (:func:`normexport.runtime.latency.fusion_policy`): what the passes, the rollback's
             rebuilds and the autotuner's variants run with.
     """
@@ -58,6 +60,7 @@ class Job:
     already: list
     computes_in: str
     external: bool
+    threads: int
     policy: fusion.Policy
 
     @property
@@ -89,5 +92,6 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         already=already_fused(raw),
         computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
-        policy=fusion_policy(opts.target, provider[0]),
+        threads=opts.threads or latency_threads(),
+        policy=fusion_policy(opts.target, provider[0], opts.threads),
     )

@@ -18,7 +18,6 @@ from normexport.report import Latency
 from normexport.runtime import memory as runtime_memory
 from normexport.runtime.latency import (
     counterbalanced,
-    latency_threads,
     time_interleaved,
 )
 from normexport.verdict import hidden_probe, speed
@@ -85,11 +84,11 @@ def latency(
     example inputs, timed interleaved for ``budget_s`` seconds in ORT_ENABLE_ALL sessions (what
     a deployment runs), and with ``eager`` PyTorch eager first (where there is a module), alone,
     for a quarter of it; ms. PyTorch and ONNX Runtime get the same number of threads
-    (:func:`normexport.runtime.latency.latency_threads`): each with its default beside the
-    other's pool oversubscribes the cores and times the contention. PyTorch is not timed in the
-    ONNX models' rounds: there its thread pool slowed the ORT call after it, by up to twice on 2
-    cores (a Conv-BN-LayerNorm net's 0.03 ms sessions took 0.06-0.08 ms), noise the A/A
-    control does not see.
+    (``job.threads``: ``--threads``, else the cores this process may run on): each with its
+    default beside the other's pool oversubscribes the cores and times the contention. PyTorch
+    is not timed in the ONNX models' rounds: there its thread pool slowed the ORT call after it,
+    by up to twice on 2 cores (a Conv-BN-LayerNorm net's 0.03 ms sessions took 0.06-0.08 ms),
+    noise the A/A control does not see.
 
     Each ONNX model is two sessions, called once each a round; its time in a round is their
     mean, and each model's two, compared with each other, are the latency verdict's A/A
@@ -101,7 +100,7 @@ def latency(
     one of each would not fit together (:func:`normexport.runtime.memory.copies_that_fit`),
     each model is timed alone in turn, with half the budget, the report says so, and there is
     no comparison (None)."""
-    threads, provider, feeds = latency_threads(), job.provider, job.sets["example"]
+    threads, provider, feeds = job.threads, job.provider, job.sets["example"]
     # Spinning off: these sessions are timed interleaved with each other.
     session = functools.partial(runtime.make_session, spinning=False, threads=threads)
     opens = {

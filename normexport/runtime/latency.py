@@ -230,11 +230,12 @@ def latency_threads() -> int:
         return os.cpu_count() or 1
 
 
-def fusion_policy(target: str, provider: str) -> fusion.Policy:
-    """The fusion policy of a model made for ``provider`` (``"cpu"`` or ``"cuda"``) on this
-    machine: :func:`fusion.registry.policy` with the threads its latency is timed with
-    (:func:`latency_threads`). The run, ``explain`` and ``bench`` all ask this."""
-    return fusion.registry.policy(target, provider, latency_threads())
+def fusion_policy(target: str, provider: str, threads: int | None = None) -> fusion.Policy:
+    """The fusion policy of a model made for ``provider`` (``"cpu"`` or ``"cuda"``) with
+    ``threads`` intra-op threads (``--threads``; None: this machine's,
+    :func:`latency_threads`): :func:`fusion.registry.policy`. The run, ``explain`` and
+    ``bench`` all ask this."""
+    return fusion.registry.policy(target, provider, threads or latency_threads())
 
 
 class BoundRun:

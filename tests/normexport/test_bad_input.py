@@ -348,6 +348,7 @@ CASES = [
          "opset 13", "parity passed")),
     Case("atol-negative", [*SD, *SHAPE, "--atol", "-1"], 2, ("--atol -1.0",)),
     Case("atol-nan", [*SD, *SHAPE, "--atol", "nan"], 2, ("--atol nan",)),
+    Case("threads-zero", [*SD, *SHAPE, "--threads", "0"], 2, ("--threads 0: give a number",)),
     Case("provider-cuda-missing", [*SD, *SHAPE, "--provider", "cuda", "--no-benchmark"], 2,
          ("--provider cuda", "--provider cpu"), setup=_no_cuda, fast=False),
     # --- outputs

@@ -74,3 +74,37 @@ def test_explain_command_resolves_the_provider_as_the_run_does(monkeypatch, caps
     out = " ".join(capsys.readouterr().out.split())
     assert code == 0 and asked == ["auto"]  # explain's options: the run's default provider
     assert "SkipLayerNormalization" in out and "fused: 1" in out
+
+
+def _one_head_attention(path) -> None:
+    """softmax(Q @ K^T / 4) @ V of one head, (1, 1, 8, 16), at opset 23."""
+    shape = (1, 1, 8, 16)
+    nodes = [
+        ("Transpose", ["k"], ["kt"], {"perm": [0, 1, 3, 2]}),
+        ("MatMul", ["q", "kt"], ["raw"], {}),
+        ("Mul", ["raw", "scale"], ["scores"], {}),
+        ("Softmax", ["scores"], ["p"], {"axis": -1}),
+        ("MatMul", ["p", "v"], ["y"], {}),
+    ]
+    inputs = {name: (F, shape) for name in ("q", "k", "v")}
+    scale = {"scale": np.array(0.25, np.float32)}
+    ir.save(make_model(nodes, inputs, {"y": (F, shape)}, scale, opset=23), path)
+
+
+@pytest.mark.parametrize(("threads", "outcome"), [(1, "fused"), (2, "few_heads")])
+def test_threads_is_the_machine_the_fusions_are_chosen_for(
+    tmp_path, capsys, monkeypatch, threads, outcome
+):
+    """``--threads``: on the CPU provider an attention of fewer heads than the threads the model
+    will run on is left alone by both attention passes (``few_heads``); on one thread it is
+    fused (into ONNX Runtime's MultiHeadAttention, FuseAttention's, for ``--target ort``)."""
+    path = tmp_path / "attention.onnx"
+    _one_head_attention(path)
+    monkeypatch.setenv("COLUMNS", "300")  # the reason on one line
+    code = cli.main(["explain", str(path), "--provider", "cpu", "--threads", str(threads)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert code == 0, out
+    if outcome == "fused":
+        assert "MultiHeadAttention" in out and "fewer than" not in out, out
+    else:
+        assert "fewer than the 2 intra-op threads" in out, out

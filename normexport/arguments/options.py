@@ -1,21 +1,9 @@
-"""The main job's options, and the command-line flags that fill them, in one place.
-
-:class:`Options` is what :func:`normexport.pipeline.run` (and :func:`normexport.optimize`)
-take, typed: shapes as :class:`~normexport.io.inputs.InputSpec`, ``--dim`` a mapping,
-``--dynamic`` parsed (:class:`DynamicAxes`), constructor arguments a dict, paths
-:class:`~pathlib.Path`. :func:`make_options` builds it from what a user typed or passed, and is
-where every such value is parsed and refused; nothing downstream parses a user's string. Each
-flag's ``dest`` is the name of the field it fills (the API's keyword of the same name), and its
-default is that field's default (a command may give ``--budget`` its own), so
-:func:`options_from_args` is :func:`make_options` of the parsed flags. The argument groups are
-shared: the main command uses all five, ``explain`` the model and provider groups, ``bench`` the
-model, provider and timing groups and flags of its own (:mod:`normexport.bench.command`). This
-module imports no PyTorch or ONNX Runtime package.
-"""
+""":class:`Options`, typed, and :func:`make_options`, where what a user typed or passed is parsed
+and refused (see :mod:`normexport.arguments`); :func:`check_options`, the ranges checked before
+any work is done."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -30,7 +18,7 @@ from fusion import TARGETS
 from normexport.errors import UsageError
 from normexport.io import dims
 from normexport.io.inputs import InputSpec, parse_input_shape
-from normexport.verdict.parity import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
+from normexport.verdict.parity import DEFAULT_ATOL, DEFAULT_RTOL
 
 
 @dataclasses.dataclass
@@ -51,6 +39,10 @@ class Options:
         opset: ai.onnx opset to export at (None: the exporter's default).
         target: ``ort`` or ``onnx`` (see :data:`fusion.TARGETS`).
         provider: ``auto``, ``cpu`` or ``cuda``.
+        threads: the intra-op threads of the CPU provider the model is made for and timed
+            with (``--threads``: the CPU fusion policy's, :attr:`fusion.Policy.threads`), or
+            None: the cores this process may run on
+            (:func:`normexport.runtime.latency.latency_threads`).
         benchmark: time the variants (``--no-benchmark`` clears it).
         atol, rtol: parity tolerances (see :func:`normexport.verdict.parity.closeness`); atol in the
             outputs' units, rtol times the oracle's largest magnitude.
@@ -88,6 +80,7 @@ class Options:
     opset: int | None = None
     target: str = "ort"
     provider: str = "auto"
+    threads: int | None = None
     benchmark: bool = True
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
@@ -227,144 +220,6 @@ def _model_kwargs(value: str | Mapping[str, Any]) -> dict[str, Any]:
     return parsed
 
 
-def _default(name: str) -> Any:
-    """The default of the :class:`Options` field ``name`` (for a flag's ``default=``)."""
-    return next(f.default for f in dataclasses.fields(Options) if f.name == name)
-
-
-def options_from_args(args: argparse.Namespace) -> Options:
-    """The :class:`Options` that parsed flags ask for: every field a flag of this parser
-    fills (its ``dest`` is the field's name); the others keep their defaults."""
-    given = vars(args)
-    names = [f.name for f in dataclasses.fields(Options)]
-    return make_options(**{name: given[name] for name in names if name in given})
-
-
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """MODEL and the flags that say how to load and export it (main command, explain, bench)."""
-    p.add_argument(
-        "model",
-        type=Path,
-        help="torch.save'd nn.Module (needs --trust-pickle) or state_dict (needs "
-        "--model-class), TorchScript archive, torch.export .pt2, or .onnx",
-    )
-    p.add_argument(
-        "--input-shape",
-        action="append",
-        default=[],
-        metavar="SHAPE",
-        help="one per input, in forward() order: 1,3,224,224 or input_ids=2x16:int64",
-    )
-    p.add_argument(
-        "--dim",
-        action="append",
-        default=[],
-        metavar="NAME=SIZE",
-        help="size of every input axis of that symbolic name, e.g. sequence_length=16 (ONNX)",
-    )
-    p.add_argument("--inputs", type=Path, help=".npz of example inputs by name (real data)")
-    p.add_argument(
-        "--dynamic", metavar="AXES", help="dynamic axes: batch, batch,sequence or NAME:0,1"
-    )
-    p.add_argument("--opset", type=int, help="ai.onnx opset to export at (PyTorch models)")
-    p.add_argument(
-        "--target",
-        choices=TARGETS,
-        default=_default("target"),
-        help="ort: ONNX Runtime ops allowed (default); onnx: standard ops only",
-    )
-    p.add_argument(
-        "--trust-pickle",
-        action="store_true",
-        help="allow unpickling code from the file: a pickled nn.Module, or pickled weights or "
-        "constants inside a .pt2 (this runs code from the file)",
-    )
-    p.add_argument("--model-class", metavar="PKG.MODULE:CLASS", help="class for a state_dict")
-    p.add_argument("--model-kwargs", metavar="JSON", help="constructor arguments, JSON object")
-    p.add_argument(
-        "--exporter",
-        choices=["auto", "dynamo", "torchscript"],
-        default=_default("exporter"),
-        help="see README",
-    )
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
-
-
-def add_output_arguments(p: argparse.ArgumentParser) -> None:
-    """Where the main command writes: the model, the report, and the optional explanation."""
-    p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
-    p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
-    p.add_argument(
-        "--explain", action="store_true", help="also list every candidate and what became of it"
-    )
-    p.add_argument(
-        "--precision",
-        choices=["fp32", "fp16", "bf16"],
-        default=_default("precision"),
-        help="write the model in this precision (fp16, bf16: norms keep float32 statistics; "
-        "bf16 needs bfloat16 kernels on the provider, refused on CPU; see docs/precision.md)",
-    )
-    p.add_argument(
-        "--keep-io-types",
-        action="store_true",
-        help="with --precision fp16: keep float32 model inputs and outputs (bf16 always does)",
-    )
-
-
-def add_provider_arguments(p: argparse.ArgumentParser) -> None:
-    """Where the model runs: ``--provider`` (main command, explain, bench)."""
-    p.add_argument(
-        "--provider",
-        choices=["auto", "cpu", "cuda"],
-        default=_default("provider"),
-        help="ONNX Runtime execution provider (auto: CUDA where it loads, else CPU, said so)",
-    )
-
-
-def add_timing_arguments(p: argparse.ArgumentParser, budget_s: float | None = None) -> None:
-    """How long to time: ``--budget`` (main command, and bench with its own default
-    ``budget_s``; else :class:`Options`')."""
-    budget_s = _default("budget_s") if budget_s is None else budget_s
-    p.add_argument(
-        "--budget",
-        dest="budget_s",
-        type=float,
-        default=budget_s,
-        metavar="SECONDS",
-        help=f"seconds of timing, in all (default {budget_s:g})",
-    )
-
-
-def add_check_arguments(p: argparse.ArgumentParser) -> None:
-    """How the main command checks and times the result: timing on or off, autotune, parity
-    tolerances."""
-    p.add_argument(
-        "--no-benchmark",
-        dest="benchmark",
-        action="store_false",
-        help="skip the latency comparison and its verdict (the report says the speed is unchecked)",
-    )
-    p.add_argument(
-        "--autotune",
-        action="store_true",
-        help="time the exact alternative forms on this machine's provider and keep the fastest",
-    )
-    p.add_argument("--atol", type=float, default=_default("atol"), help="parity absolute tolerance")
-    p.add_argument(
-        "--rtol",
-        type=float,
-        default=_default("rtol"),
-        help="parity relative tolerance (times the output's max magnitude)",
-    )
-    p.add_argument(
-        "--strict",
-        action="store_true",
-        help="fail parity where an output is within the tolerance but more than "
-        f"{NOISE_WARN_FACTOR:g}x further from the oracle than the raw model (float32 rounding "
-        "does not explain it; by default a warning)",
-    )
-
-
 def check_options(opts: Options) -> None:
     """Refuse option values that cannot mean anything, before any work is done.
 
@@ -383,6 +238,8 @@ def check_options(opts: Options) -> None:
         raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
     if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
         raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")
+    if opts.threads is not None and opts.threads < 1:
+        raise UsageError(f"--threads {opts.threads}: give a number of threads >= 1")
     # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load
     if opts.opset is not None and not 7 <= opts.opset <= runtime.max_opset():
         raise UsageError(
