@@ -355,11 +355,7 @@ def require_external_data(model: ir.Model, path: Path) -> None:
     """
     for data, values in external_files(model).items():
         size = data.stat().st_size if data.is_file() else -1
-        short = [
-            v.name
-            for v in values
-            if size < v.const_value.offset + (v.const_value.length or v.const_value.nbytes)
-        ]
+        short = [v.name for v in values if size < _external_end(v.const_value)]
         if not short:
             continue
         what = "is missing" if not data.exists() else "is shorter than its tensors say"
@@ -368,3 +364,10 @@ def require_external_data(model: ir.Model, path: Path) -> None:
             f"{', '.join(short[:3])}{', ...' if len(short) > 3 else ''}); keep the data file "
             "that was written with the model beside it, under the name the model gives"
         )
+
+
+def _external_end(tensor: ir.ExternalTensor) -> int:
+    """Where ``tensor``'s bytes end in its data file: ``offset`` and ``length`` are optional in
+    ONNX's external data (onnx/docs/ExternalData.md: ``offset`` defaults to 0, ``length`` to the
+    tensor's own size)."""
+    return (tensor.offset or 0) + (tensor.length or tensor.nbytes)

@@ -4,6 +4,7 @@ the file modes of what is written."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -276,3 +277,59 @@ def test_a_killed_runs_work_folder_is_removed_by_the_next_run(tmp_path):
         left = sorted(p.name for p in tmp_path.iterdir() if p != work)
     kept = [folders[k][0] for k in ("running", "unowned", "other")]
     assert left == sorted(kept) and not work.exists()
+
+
+def _external_weight_model(folder: Path, fields: dict[str, int | bool]) -> tuple[Path, np.ndarray]:
+    """``y = x @ w`` with ``w`` (4, 3) in ``w.bin`` beside the model, its ``external_data``
+    entries ``location`` and those of ``fields`` (``offset``, ``length``, ``checksum``: True
+    for the SHA-1 of its bytes); the data file holds ``offset`` bytes of padding first."""
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    offset = fields.get("offset", 0)
+    folder.mkdir(parents=True)
+    (folder / "w.bin").write_bytes(b"\0" * offset + w.tobytes())
+    tensor = onnx.TensorProto(name="w", data_type=onnx.TensorProto.FLOAT, dims=w.shape)
+    tensor.data_location = onnx.TensorProto.EXTERNAL
+    entries = {"location": "w.bin"}
+    if "offset" in fields:
+        entries["offset"] = str(offset)
+    if "length" in fields:
+        entries["length"] = str(w.nbytes)
+    if fields.get("checksum"):
+        entries["checksum"] = hashlib.sha1(w.tobytes()).hexdigest()
+    for key, value in entries.items():
+        tensor.external_data.add(key=key, value=value)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 4])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 3])],
+        [tensor],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = folder / "m.onnx"
+    onnx.save(model, path)
+    return path, w
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"offset": 64}, {"length": True}, {"offset": 64, "length": True}, {"checksum": True}],
+    ids=["location", "offset", "length", "offset_length", "checksum"],
+)
+def test_every_legal_external_data_entry_is_read(tmp_path, fields, capsys):
+    """ONNX's external data (onnx/docs/ExternalData.md) needs ``location`` only; ``offset``
+    (default 0), ``length`` and ``checksum`` are optional. Each combination ONNX Runtime loads
+    is a model normexport runs (it once ended a location-only file with exit 3)."""
+    path, w = _external_weight_model(tmp_path / "in", fields)
+    x = np.ones((2, 4), np.float32)
+    (expected,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x}
+    )
+    np.testing.assert_allclose(expected, x @ w, rtol=1e-6)
+    out = tmp_path / "out" / "m.onnx"
+    code = cli.main([str(path), "-o", str(out), "--no-benchmark", "--provider", "cpu"])
+    assert code == 0, capsys.readouterr().out
+    (got,) = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    np.testing.assert_allclose(got, expected, rtol=1e-6)

@@ -19,8 +19,8 @@ from models.broken import broken, caught
 from models.norms import GALLERY
 from normexport import cli, pipeline
 from normexport.arguments import make_options
-from normexport.io import inputs
 from normexport.io.quiet import quiet_torch
+from normexport.verdict import oracle
 
 pytestmark = pytest.mark.slow  # every test exports a PyTorch model and runs the pipeline
 
@@ -335,11 +335,11 @@ def test_no_float64_copy_where_it_would_not_fit(tmp_path, monkeypatch):
     needed = 8 * sum(
         t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()
     )
-    monkeypatch.setattr(inputs, "memory_bytes", lambda: 3 * needed)
+    monkeypatch.setattr(oracle, "memory_bytes", lambda: 3 * needed)  # what the oracle reads
     parity = _run(tmp_path, model, "2,3,8,8")["parity"]
     assert parity["passed"] and parity["oracle"] == "pytorch_float32"
     assert any("float64 copy of the model would take" in n for n in parity["oracle_notes"])
-    monkeypatch.setattr(inputs, "memory_bytes", lambda: 5 * needed)
+    monkeypatch.setattr(oracle, "memory_bytes", lambda: 5 * needed)
     assert _run(tmp_path, model, "2,3,8,8")["parity"]["oracle"] == "pytorch_float64"
 
 
