@@ -32,8 +32,11 @@ from normexport.arguments import (
     add_provider_arguments,
     add_threads_argument,
     add_timing_arguments,
+    check_options,
     options_from_args,
+    preflight,
 )
+from normexport.io.kinds import detect_kind
 
 #: The subcommands, each with the line ``normexport --help`` gives it.
 SUBCOMMANDS = {
@@ -101,11 +104,14 @@ def _subcommand(name: str | None) -> tuple[argparse.ArgumentParser, Command]:
 
 
 def _main(args: argparse.Namespace, console: Console) -> int:
+    opts = options_from_args(args)
+    preflight(opts)  # before PyTorch and the pipeline are imported: a mistake answers at once
+
     from normexport import pipeline, progress, report
     from normexport.report import explain
 
     with progress.shown(Console(stderr=True)):  # the stages as they run, on a terminal only
-        result = pipeline.run(options_from_args(args))
+        result = pipeline.run(opts)
     report.render(result, console)
     if args.explain:
         fusions = result.fusions
@@ -121,11 +127,14 @@ def _main(args: argparse.Namespace, console: Console) -> int:
 
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
+    opts = options_from_args(args)
+    check_options(opts)  # before PyTorch and the pipeline are imported
+    detect_kind(opts.model)
+
     from normexport import pipeline, runtime
     from normexport.report import explain
     from normexport.runtime.latency import fusion_policy
 
-    opts = options_from_args(args)
     provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
     prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"

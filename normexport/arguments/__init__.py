@@ -31,6 +31,7 @@ from normexport.arguments.options import (
     make_options,
     parse_dynamic,
 )
+from normexport.arguments.preflight import plan_outputs, preflight
 
 __all__ = [
     "DynamicAxes",
@@ -45,4 +46,6 @@ __all__ = [
     "make_options",
     "options_from_args",
     "parse_dynamic",
+    "plan_outputs",
+    "preflight",
 ]

@@ -31,7 +31,7 @@ from normexport.bench.render import render, write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, UsageError
 from normexport.io import files
-from normexport.io.load import detect_kind
+from normexport.io.kinds import detect_kind
 from normexport.pipeline import prepare
 from normexport.tuning import variants
 

@@ -13,6 +13,7 @@ every input with its symbolic axes and gives a command to copy.
 from __future__ import annotations
 
 import ast
+import shlex
 from collections.abc import Iterable, Mapping, Sequence
 
 import onnx_ir as ir
@@ -80,9 +81,9 @@ def names(dim: object) -> list[str]:
 def size(dim: object, given: Mapping[str, int], defaulted: dict[str, int]) -> int | None:
     """The size of axis ``dim`` (an int, or a symbolic one) from ``given`` sizes, expressions
     of them and :data:`USUAL` (each default used is recorded in ``defaulted``); None where it
-    has none."""
+    has none (a negative size, as Paddle's exporter writes ``-1`` for an axis of any size)."""
     if isinstance(dim, int):
-        return dim
+        return dim if dim >= 0 else None
     text = _name(dim)
     if text is None:
         return None
@@ -143,20 +144,23 @@ def missing(
 ) -> UsageError:
     """The one error for axes with no size: every input with its symbolic axes, and a
     command that gives each unknown name a size (``--dim``) and each input with an unnamed
-    axis its shape (``--input-shape``)."""
+    axis its shape (``--input-shape``), quoted for a POSIX shell (Paddle names axes ``?``)."""
     listed = [
         f"{v.name} ({', '.join(_shown(d) for d in v.shape)})"
         for v in inputs
         if v.shape is not None and any(not isinstance(d, int) for d in v.shape)
     ]
-    flags = [f"--dim {n}=16" for n in dict.fromkeys(unknown)]
-    for value in unnamed:  # no name to size it by: its whole shape
-        shape = "x".join(str(d) if isinstance(d, int) else "1" for d in value.shape)
-        flags.append(f"--input-shape {value.name}={shape}")
+    flags = [f"--dim {shlex.quote(f'{n}=16')}" for n in dict.fromkeys(unknown)]
+    for value in unnamed:  # no name to size it by: its whole shape (a batch of 1, else 16)
+        shape = "x".join(
+            str(d) if isinstance(d, int) and d >= 0 else "1" if axis == 0 else "16"
+            for axis, d in enumerate(value.shape)
+        )
+        flags.append(f"--input-shape {shlex.quote(f'{value.name}={shape}')}")
     what = (
         "axes with no size" if not unnamed else "axes with no size (give its shape where unnamed)"
     )
     return UsageError(
         f"{path}: symbolic {what}; its inputs: {'; '.join(listed)}. Give each a size, e.g.: "
-        f"normexport {path} {' '.join(flags)}"
+        f"normexport {shlex.quote(path)} {' '.join(flags)}"
     )

@@ -19,15 +19,14 @@ The last two are read by :mod:`normexport.io.pickles`.
 from __future__ import annotations
 
 import dataclasses
-import zipfile
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import torch
 
 from normexport.errors import InputFileError, one_line
+from normexport.io.kinds import detect_kind
 from normexport.io.pickles import load_torch_save
 from normexport.io.program import example_inputs, load_program
 from normexport.io.quiet import quiet
@@ -55,51 +54,6 @@ class LoadedModel:
     onnx_model: ir.Model | None = None
     example_inputs: dict[str, np.ndarray] | None = None
     notes: list[str] = dataclasses.field(default_factory=list)
-
-
-def detect_kind(path: Path) -> str:
-    """The kind of model file at ``path`` (see the module docstring), from its contents.
-
-    Raises:
-        InputFileError: the file is missing, or is none of the known kinds.
-    """
-    if path.is_dir():
-        raise InputFileError(f"{path} is a folder, not a model file: give the model file in it")
-    if not path.exists():
-        raise InputFileError(f"{path}: no such file")
-    if not path.is_file():
-        raise InputFileError(f"{path} is not a regular file (a device, a pipe?): give a model file")
-    if path.stat().st_size == 0:
-        raise InputFileError(f"{path} is empty (0 bytes): was it written completely?")
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            names = archive.namelist()
-        if any(n.endswith("/archive_format") for n in names):
-            return "exported_program"
-        if any("/code/" in n for n in names) and any(n.endswith("constants.pkl") for n in names):
-            return "torchscript"
-        if any(n.endswith("data.pkl") for n in names):
-            return "torch_save"
-        raise InputFileError(f"{path}: a zip archive that is not a PyTorch or ONNX model file")
-    with path.open("rb") as f:
-        head = f.read(2)
-    if head[:1] == b"\x80":  # a pickle protocol marker: legacy (non-zip) torch.save
-        return "torch_save"
-    try:
-        proto = onnx.load_model(str(path), load_external_data=False)
-    except Exception:  # protobuf raises DecodeError or RuntimeError; any means "not ONNX"
-        proto = None
-    if proto is not None and proto.graph.node:
-        return "onnx"
-    if proto is not None and proto.HasField("graph") and proto.opset_import:
-        raise InputFileError(
-            f"{path}: an ONNX model with no nodes (graph {proto.graph.name!r} computes "
-            "nothing): nothing to optimize; export the model again"
-        )
-    raise InputFileError(
-        f"{path}: not a model file normexport can read (expected a torch.save'd nn.Module or "
-        "state_dict, a TorchScript archive, a torch.export .pt2 program, or an .onnx model)"
-    )
 
 
 def load_model(

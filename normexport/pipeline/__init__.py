@@ -12,9 +12,9 @@ changes it) and the parity judge (:class:`normexport.verdict.references.Judge`).
 
 from __future__ import annotations
 
-from normexport.arguments import Options
+from normexport.arguments import Options, plan_outputs
 from normexport.pipeline.prepare import Prepared, prepare
-from normexport.pipeline.stages import plan_outputs, run
+from normexport.pipeline.stages import run
 from normexport.report import Report
 
 __all__ = ["Options", "Prepared", "Report", "plan_outputs", "prepare", "run"]

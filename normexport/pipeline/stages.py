@@ -12,8 +12,7 @@ import torch
 import fusion
 from fusion._ir import opset_version
 from normexport import precision, progress, runtime
-from normexport.arguments import Options
-from normexport.errors import UsageError
+from normexport.arguments import Options, plan_outputs
 from normexport.io import files
 from normexport.pipeline import measure, rewrite, speed
 from normexport.pipeline.job import Job, start
@@ -137,28 +136,6 @@ def _parity(
         if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
             measure.hidden_state_probe(job, ref, verdict, work)
     return verdict
-
-
-def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
-    """The output path, and every file the run writes by the option that names it, checked
-    before any work: each writable, none on the input, none written twice.
-
-    Raises:
-        UsageError: see :func:`normexport.io.files.check_writable` and
-            :func:`normexport.io.files.refuse_overwriting`.
-    """
-    if opts.output is None and opts.module is not None:
-        raise UsageError("an in-memory module has no file to write beside: give output=PATH")
-    output = Path(opts.output) if opts.output else files.default_output(Path(opts.model))
-    writes = {"-o": [output, files.data_path(output)]}
-    if opts.report is not None:
-        writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
-    for flag, paths in writes.items():
-        for path in paths:
-            files.check_writable(path, flag, given=flag != "-o" or opts.output is not None)
-    if opts.module is None:
-        files.refuse_overwriting([Path(opts.model)], writes)  # before the export (minutes)
-    return output, writes
 
 
 def _report(

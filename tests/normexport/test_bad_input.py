@@ -185,6 +185,7 @@ def shared(tmp_path_factory) -> Path:
     (folder / "empty.pt").write_bytes(b"")
     (folder / "random.bin").write_bytes(np.random.default_rng(1).bytes(4096))
     (folder / "notes.txt").write_text("not a folder\n")
+    (folder / "notes.onnx").write_text("a text file named like a model\n")
     (folder / "adir").mkdir()
     marker = folder / MARKER
     # hostile files: a legacy (non-zip) pickle, a .pt2 whose example inputs are a pickle, .npz
@@ -292,8 +293,9 @@ CASES = [
     Case("missing-file", ["nope.pt"], 2, ("nope.pt: no such file",)),
     Case("directory", ["adir"], 2, ("adir is a folder, not a model file",)),
     Case("empty-file", ["empty.pt"], 2, ("empty.pt is empty",)),
-    Case("truncated-zip", ["truncated.pt", *SHAPE], 2, ("truncated.pt: not a model file",)),
-    Case("random-bytes", ["random.bin"], 2, ("random.bin: not a model file",)),
+    Case("truncated-zip", ["truncated.pt", *SHAPE], 2, ("truncated.pt: not a torch.save file",)),
+    Case("random-bytes", ["random.bin"], 2, ("random.bin: not a torch.save file",)),
+    Case("text-named-onnx", ["notes.onnx"], 2, ("notes.onnx: not an ONNX model: it does not",)),
     Case("hostile-pickle", ["hostile.pt"], 2, ("hostile.pt", "--trust-pickle")),
     Case("hostile-pt2", ["hostile.pt2"], 2, ("hostile.pt2", "--trust-pickle")),
     Case("hostile-npz", [*SD, "--inputs", "hostile.npz"], 2, ("--inputs hostile.npz",)),
@@ -520,3 +522,25 @@ def test_bad_input(case, shared, tmp_path, monkeypatch, capsys):
         session = ort.InferenceSession(str(output), providers=["CPUExecutionProvider"])
         feeds = {session.get_inputs()[0].name: np.zeros((2, 8), np.float32)}
         assert session.run(None, feeds)[0].shape == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["nope.onnx"], ["notes.onnx"], ["notes.onnx", "--atol", "nan"], ["explain", "nope.onnx"]],
+    ids=["missing", "not_onnx", "bad_option", "explain_missing"],
+)
+def test_a_mistake_is_answered_before_pytorch_is_imported(tmp_path, argv):
+    """The options and the input file are checked before PyTorch, ONNX Runtime's sessions or
+    the pipeline are imported (those imports alone took about 13 s): the usual mistakes answer
+    in about a second, exit 2."""
+    (tmp_path / "notes.onnx").write_text("a text file named like a model\n")
+    code = (
+        "import sys\nfrom normexport import cli\ncode = cli.main(sys.argv[1:])\n"
+        "print(code, 'torch' in sys.modules, 'normexport.pipeline' in sys.modules)\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", code, *argv], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert result.stdout.split() == ["2", "False", "False"], result.stdout + result.stderr
+    assert "normexport: error:" in result.stderr and "Traceback" not in result.stderr

@@ -168,7 +168,8 @@ def test_onnx_input_is_checked_against_unoptimized_onnx(capsys, tmp_path):
     ("argv", "needle"),
     [
         (["missing.pt"], "no such file"),
-        (["garbage.bin"], "not a model file"),
+        (["garbage.bin"], "not a torch.save file"),
+        (["garbage.dat"], "not a model file"),
         (["net.pt", "--trust-pickle"], "--input-shape"),
         (["net.pt", "--trust-pickle", "--input-shape", "1;3"], "--input-shape"),
         (["net.pt", "--trust-pickle", "--input-shape", SHAPE, "--dynamic", "x:zz"], "--dynamic"),
@@ -179,6 +180,7 @@ def test_usage_errors_exit_2_with_one_line(capsys, tmp_path, monkeypatch, argv, 
     monkeypatch.chdir(tmp_path)
     torch.save(make_net(), tmp_path / "net.pt")
     (tmp_path / "garbage.bin").write_bytes(b"\x00not a model\x01" * 10)
+    (tmp_path / "garbage.dat").write_bytes(b"\x00not a model\x01" * 10)
     code, _, err = run_cli(capsys, *argv, "--no-benchmark")
     assert code == 2
     assert needle in err

@@ -88,6 +88,53 @@ def test_unknown_axes_are_one_error_with_a_command_that_works(tmp_path, rng, cap
     assert code == EXIT_OK and report["inputs"]["mask"]["shape"] == [1, 32]
 
 
+def _paddle_input(path):
+    """A Paddle export's input ``x (-1, 3, ?, ?)``: a batch of any size written ``-1``, two
+    axes named ``?``, and one ``(-1, 3, ?, ?)`` with the last axis unnamed; y = x * w."""
+    weights = {"w": np.array([0.5, 1.5, 2.0], np.float32).reshape(1, 3, 1, 1)}
+    nodes = [("Mul", ["x", "w"], ["y"], {})]
+    shape = [-1, 3, "?", "?"]
+    model = make_model(nodes, {"x": (F, shape)}, {"y": (F, shape)}, weights)
+    model.opset_imports[""] = 17
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.save_model(model, path, external_data=False)
+    return path
+
+
+def test_the_command_suggested_for_a_paddle_input_runs(tmp_path, capsys):
+    """``x (-1, 3, ?, ?)``: the suggestion sizes the axes named ``?`` (quoted for the shell)
+    and the ``-1`` batch is a batch of 1, not a negative size (it ended the run with exit 3:
+    ``negative dimensions are not allowed``)."""
+    path = _paddle_input(tmp_path / "in folder" / "ppocr.onnx")
+    out = tmp_path / "o" / "m.onnx"
+    code, _ = _run([str(path), "-o", str(out)], tmp_path)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_USAGE and "x (-1, 3, ?, ?)" in line, line
+    command = shlex.split(line.split("e.g.: ", 1)[1])
+    assert command[:2] == ["normexport", str(path)] and "?=16" in command, command
+    code, report = _run([*command[1:], "-o", str(out)], tmp_path)
+    assert code == EXIT_OK and report["inputs"]["x"]["shape"] == [1, 3, 16, 16]
+
+
+def test_an_unnamed_axis_gets_an_input_shape_that_runs(tmp_path, capsys):
+    """A ``-1`` past the first axis has no name to size it by: the suggestion gives the input's
+    whole shape (the batch 1, the others 16), and it runs."""
+    weights = {"w": np.array([0.5, 1.5, 2.0], np.float32).reshape(1, 3, 1)}
+    model = make_model([("Mul", ["x", "w"], ["y"], {})], {"x": (F, [1, 3, -1])}, {"y": (F, None)},
+                       weights)  # fmt: skip
+    model.opset_imports[""] = 17
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir()
+    files.save_model(model, path, external_data=False)
+    out = tmp_path / "o" / "m.onnx"
+    code, _ = _run([str(path), "-o", str(out)], tmp_path)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    command = shlex.split(line.split("e.g.: ", 1)[1])
+    assert code == EXIT_USAGE and "x=1x3x16" in command, line
+    code, report = _run([*command[1:], "-o", str(out)], tmp_path)
+    assert code == EXIT_OK and report["inputs"]["x"]["shape"] == [1, 3, 16]
+
+
 @pytest.mark.parametrize(
     ("flag", "words"),
     [
