@@ -57,15 +57,19 @@ def _ops(*passes: type[FusionPass]) -> tuple[Op, ...]:
     return tuple(dict.fromkeys(op for p in passes for kind in p.kinds for op in kind.ops))
 
 
-#: The normalization ops, each with its family: what ``fusion.norm_ops`` counts. An op that
-#: two families leave belongs to the first (InstanceNormalization: ``instancenorm``, also
-#: ``groupnorm``'s between its Reshapes).
+#: The normalization ops, each with its family: what ``fusion.norm_ops`` counts and what
+#: ``explain`` calls a norm the model already has. An op that two families leave belongs to the
+#: one whose rewrite leaves it alone (InstanceNormalization: ``instancenorm``, not
+#: ``groupnorm``, which leaves Reshapes around it), the later pass where both do
+#: (LayerNormalization: ``layernorm``, not ``layernorm_cf``, which runs first and leaves
+#: Transposes around it).
 def _norm_ops() -> dict[Op, str]:
-    ops: dict[Op, str] = {}
+    ops: dict[Op, Kind] = {}
     for kind in KINDS:
         for op in kind.ops if kind.norm else ():
-            ops.setdefault(op, kind.family)
-    return ops
+            if op not in ops or len(kind.ops) <= len(ops[op].ops):
+                ops[op] = kind
+    return {op: kind.family for op, kind in ops.items()}
 
 
 NORM_OPS: Mapping[Op, str] = _norm_ops()

@@ -727,6 +727,8 @@ class Entry:
             candidate must be refused.
         refused: a fragment of the refusal reason the report must carry (only when ``expect``
             is None).
+        refused_by: the family whose refusal that is, where it is not ``family``'s (a
+            re-parameterizable block's look-alike: ``"reparam"``, MergeBranches').
         dtype: the model's precision: float32, float16 or float64 (the module and its input
             converted), or bfloat16 (the module wrapped in :class:`InBFloat16`).
         fused_dtype: the type the fused op takes: the model's half-precision type where its
@@ -746,6 +748,7 @@ class Entry:
     shape: tuple[int, ...] = BTC
     expect: str | None = None
     refused: str | None = None
+    refused_by: str | None = None
     dtype: torch.dtype = torch.float32
     fused_dtype: torch.dtype = torch.float32
     exporters: tuple[str, ...] = ("dynamo", "torchscript")
@@ -805,6 +808,11 @@ def _rms(name, factory, shape=BTC, **kw) -> Entry:
 
 def _refused(family, name, factory, reason, shape=BTC, **kw) -> Entry:
     return Entry(name, family, factory, shape, None, reason, **kw)
+
+
+def _reparam_refused(name, factory, reason, shape) -> Entry:
+    """A re-parameterizable block's look-alike: its BatchNorms left, MergeBranches' refusal."""
+    return Entry(name, "batchnorm", factory, shape, None, reason, refused_by="reparam")
 
 
 def _bn(name, factory, shape, **kw) -> Entry:
@@ -997,23 +1005,14 @@ GALLERY: list[Entry] = [
     _bn("reparam_fastvit_repmixer", lambda: RepMixer(), REPARAM, norms=4, convs=1),
     _bn("reparam_repvit_mixer", lambda: RepVitMixer(), REPARAM, norms=2, convs=1),
     _bn("reparam_1x1_then_3x3", lambda: OneByOneThenKxK(), (2, 4, 6, 6), norms=2, convs=1),
-    _refused(
-        "batchnorm", "reparam_relu_in_branch", lambda: ReluInBranch(), "through Relu", REPARAM
-    ),
-    _refused(
-        "batchnorm",
+    _reparam_refused("reparam_relu_in_branch", lambda: ReluInBranch(), "through Relu", REPARAM),
+    _reparam_refused(
         "reparam_strided_identity",
         lambda: StridedIdentity(),
         "the identity does not subsample",
         (2, 8, 1, 1),
     ),
-    _refused(
-        "batchnorm",
-        "reparam_misaligned",
-        lambda: MisalignedBranches(),
-        "do not line up",
-        REPARAM,
-    ),
+    _reparam_refused("reparam_misaligned", lambda: MisalignedBranches(), "do not line up", REPARAM),
     # InstanceNorm / GroupNorm (and the channels-first LayerNorm); modules at the end of the
     # file. After a Conv (input (2, 3, 5, 6)), so that the TorchScript export has no shapes to
     # match with.

@@ -19,6 +19,7 @@ bug: please report it with the ``--debug`` output).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -110,7 +111,8 @@ def _main(args: argparse.Namespace, console: Console) -> int:
     from normexport import pipeline, progress, report
     from normexport.report import explain
 
-    with progress.shown(Console(stderr=True)):  # the stages as they run, on a terminal only
+    # the stages as they run: live on a terminal, else a line as each starts and ends
+    with progress.shown(Console(stderr=True), log=console):
         result = pipeline.run(opts)
     report.render(result, console)
     if args.explain:
@@ -147,7 +149,7 @@ def _guarded(command, args: argparse.Namespace) -> int:
     """Run ``command(args, console)``, turning errors into one line and an exit code
     (:func:`normexport.errors.exit_status`); SIGINT and SIGTERM stop it through its
     ``finally`` blocks, so that no temporary file is left."""
-    console = Console(highlight=False)
+    console = Console(highlight=False, width=_width())
     with errors.on_signals():
         try:
             code = command(args, console)
@@ -159,6 +161,16 @@ def _guarded(command, args: argparse.Namespace) -> int:
                 raise
             print(line, file=sys.stderr)
             return code
+
+
+#: The output's width where it is no terminal (a pipe, a log) and ``COLUMNS`` does not say:
+#: wide enough for every column of the report's tables (rich's 80 cut numbers short).
+LOG_WIDTH = 200
+
+
+def _width() -> int | None:
+    """The output console's width: the terminal's, ``COLUMNS``, else :data:`LOG_WIDTH`."""
+    return None if sys.stdout.isatty() or "COLUMNS" in os.environ else LOG_WIDTH
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ memory, and, while it runs, a live line on a terminal.
 
 The pipeline marks its stages (:func:`stage`) and, inside the long ones, the step in turn
 (:func:`step`: the input set, the variant being timed). :func:`recording` collects the stages
-of one run for the report; :func:`shown` (the CLI, on a terminal only) draws them with rich on
-stderr, transient, so nothing is left in the output, in logs or in pipes. Without either, both
-calls do nothing: the Python API stays silent.
+of one run for the report; :func:`shown` (the CLI) draws them with rich on stderr, transient,
+on a terminal, and where the output is a pipe or a log prints one line as each stage starts and
+one as it ends, with its time and peak memory (a log then shows the run as it goes, not
+everything at the end). Without either, both calls do nothing: the Python API stays silent.
 
 Peak memory is the process's resident set (RSS, Linux ``/proc/self``): a stage's peak is
 ``VmHWM`` where the high-water mark rose during the stage (exact), else the largest RSS a
@@ -60,7 +61,7 @@ def _status(field: str) -> int | None:
 class _Recorder:
     """The stages of one run, with an RSS sampling thread while a stage is open."""
 
-    def __init__(self, display: _Display | None):
+    def __init__(self, display: _Display | _Lines | None):
         self.stages: list[Stage] = []
         self.display = display
         self._peak: int | None = None
@@ -84,7 +85,7 @@ class _Recorder:
             peak = end_mark if rose else self._peak
             self.stages.append(Stage(name, time.perf_counter() - start, peak))
             if self.display:
-                self.display.finish()
+                self.display.finish(self.stages[-1])
 
     def _sample(self, stop: threading.Event) -> None:
         while not stop.wait(SAMPLE_S):
@@ -107,13 +108,35 @@ class _Display:
         if self.task is not None:
             self.progress.update(self.task, description=f"{self.name}: {text}")
 
-    def finish(self) -> None:
+    def finish(self, done: Stage) -> None:
         if self.task is not None:
             self.progress.update(self.task, description=self.name, completed=1)
             self.task = None
 
 
-_display: contextvars.ContextVar[_Display | None] = contextvars.ContextVar(
+class _Lines:
+    """The stages as lines on a console that is no terminal (a pipe, a log): one as each
+    starts, one as it ends with its wall time and peak memory; steps are not printed."""
+
+    def __init__(self, console: Console):
+        self.console = console
+
+    def _print(self, text: str) -> None:
+        self.console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    def start(self, name: str) -> None:
+        self._print(f"stage {name}: started")
+
+    def step(self, text: str) -> None:
+        pass
+
+    def finish(self, done: Stage) -> None:
+        peak = done.peak_rss_bytes
+        memory = f", peak memory {peak / 2**30:.2f} GiB" if peak else ""
+        self._print(f"stage {done.name}: {done.wall_s:.1f} s{memory}")
+
+
+_display: contextvars.ContextVar[_Display | _Lines | None] = contextvars.ContextVar(
     "normexport_display", default=None
 )
 _recorder: contextvars.ContextVar[_Recorder | None] = contextvars.ContextVar(
@@ -127,14 +150,19 @@ _console: contextvars.ContextVar[Console | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def shown(console: Console) -> Iterator[None]:
+def shown(console: Console, log: Console | None = None) -> Iterator[None]:
     """Draw the stages of the runs inside on ``console`` (use a stderr console) while they
-    run, where it is a terminal; elsewhere (a pipe, a log, ``TERM=dumb``) draw nothing. What
-    the runs :func:`say` is printed on it either way."""
+    run, where it is a terminal; elsewhere (a pipe, a log, ``TERM=dumb``) print a line as each
+    starts and ends on ``log`` (the output's console; nothing where None). What the runs
+    :func:`say` is printed on ``console`` either way."""
     said = _console.set(console)
     try:
         if not console.is_terminal or console.is_dumb_terminal:
-            yield
+            token = _display.set(_Lines(log) if log is not None else None)
+            try:
+                yield
+            finally:
+                _display.reset(token)
             return
         columns = (SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"))
         with Progress(*columns, TimeElapsedColumn(), console=console, transient=True) as bar:

@@ -65,7 +65,7 @@ class MergeBranches(FusionPass):
     leave each branch a Conv with a bias. Graph outputs keep their names.
     """
 
-    kinds = (Kind("reparam_merged", "batchnorm", norm=False),)
+    kinds = (Kind("reparam_merged", "reparam", norm=False),)
 
     def apply(self, model: ir.Model) -> bool:
         """Merge in place: 1x1 -> kxk pairs first (a pair may be a branch of a sum), then the

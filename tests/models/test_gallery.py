@@ -76,7 +76,8 @@ def _check_expectation(entry: Entry, opset: int, raw: Counter, model: ir.Model, 
     ops = _ops(model)
     count = report.counts[COUNT_KEY[entry.family]]
     if entry.expect is None:
-        reasons = [r.detail for r in report.refused if r.family == entry.family]
+        family = entry.refused_by or entry.family
+        reasons = [r.detail for r in report.refused if r.family == family]
         assert any(entry.refused in reason for reason in reasons), report.refused
         assert count == 0 and ops == raw, (report.to_dict(), ops)
         return

@@ -373,3 +373,19 @@ def test_exit_codes_are_the_documented_numbers():
     assert errors.exit_status(errors.Interrupted(signal.SIGTERM))[0] == 143
     assert errors.exit_status(KeyboardInterrupt())[0] == 130
     assert errors.exit_status(RuntimeError("boom"))[0] == 3
+
+
+def test_in_a_log_the_stages_are_lines_and_the_tables_whole(capsys, tmp_path, monkeypatch):
+    """Where the output is no terminal (a pipe, a CI log: capsys here) each stage prints a line
+    as it starts and as it ends (time, memory), before the report, and the tables are drawn
+    wide enough that no header or number is cut (rich's 80 columns cut them to ``optimi…``)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    model = tmp_path / "in" / "m.onnx"
+    model.parent.mkdir()
+    torch.onnx.export(make_net().eval(), (torch.randn(2, 3, 8, 8),), model, dynamo=False)
+    code, out, _ = run_cli(capsys, model, "-o", tmp_path / "out" / "m.onnx", "--no-benchmark")
+    assert code == 0, out
+    lines = out.splitlines()
+    assert lines.index("stage load: started") < lines.index("parity passed")
+    assert any(line.startswith("stage parity: ") and " s" in line for line in lines), out
+    assert "…" not in out and "optimized" in out, out

@@ -15,6 +15,7 @@ import fusion
 from fusion.registry import SKIP_PROVIDERS, policy
 from normexport import cli, runtime
 from normexport.report import explain
+from tests.fusion.test_merge_branches_graphs import MERGED, Block
 
 SHAPE = (2, 5, 16)
 F = TensorProto.FLOAT
@@ -108,3 +109,20 @@ def test_threads_is_the_machine_the_fusions_are_chosen_for(
         assert "MultiHeadAttention" in out and "fewer than" not in out, out
     else:
         assert "fewer than the 2 intra-op threads" in out, out
+
+
+def test_a_norm_the_model_has_is_named_by_the_pass_that_makes_it():
+    """BERT's LayerNormalization is a ``layernorm`` (the op FuseLayerNorm writes), not the
+    channels-first family's, whose pass also writes the op and runs first."""
+    model = _residual_layernorm()
+    findings = explain.explain(model, policy("ort", "cpu"))
+    (already,) = [f for f in findings if f.outcome == "already fused"]
+    assert (already.kind, already.detail) == ("layernorm", "LayerNormalization")
+
+
+def test_explain_names_a_merge_reparam_not_batchnorm(rng):
+    """A RepVGG-style merge is listed under its own family (it was listed as ``batchnorm``)."""
+    build, _, _ = MERGED["mobileone_k2"]
+    block = Block(rng)
+    findings = explain.explain(block.model(build(block)))
+    assert {f.kind for f in findings if f.outcome == "fused"} == {"reparam", "batchnorm"}
