@@ -124,7 +124,7 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         if report.write_chart(result, args.report.with_suffix(".png")):
             console.print(f"report: {args.report} and {args.report.with_suffix('.png')}")
         else:
-            console.print(f"report: {args.report}")
+            console.print(f"report: {args.report} (no chart: nothing was timed)")
     return errors.EXIT_OK if result.passed else errors.EXIT_PARITY_FAILED
 
 

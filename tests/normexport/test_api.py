@@ -22,6 +22,7 @@ import normexport
 from normexport.arguments import Options, make_options, options_from_args
 from normexport.cli import build_explain_parser, build_parser
 from normexport.errors import InputFileError, UsageError
+from normexport.report.save import chart
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -205,3 +206,9 @@ def test_module_is_exported_optimized_and_written(tmp_path):
     assert report.parity.oracle == "pytorch_float64"
     assert set(report.latency.timings) == {"pytorch_eager", "ort_raw", "ort_optimized"}
     assert net.training  # given back as it came
+    # the chart: ONNX Runtime's two models on a scale of their own, eager beside, medians written
+    ort, eager = chart(report).axes
+    assert len(ort.patches) == 2 and len(eager.patches) == 1
+    labels = [t.get_text() for t in ort.texts]
+    medians = [report.latency.timings[n].median_ms for n in ("ort_raw", "ort_optimized")]
+    assert labels == [f"{m:.3g} ms" for m in medians], labels
