@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -173,6 +174,18 @@ def shown(console: Console, log: Console | None = None) -> Iterator[None]:
                 _display.reset(token)
     finally:
         _console.reset(said)
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (its start time in ``/proc/self/stat``, field 22, in
+    clock ticks since boot, against ``/proc/uptime``), or None where the system does not say:
+    a run's time with the interpreter's start and the imports counted."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def say(text: str) -> None:

@@ -77,7 +77,7 @@ def run(opts: Options) -> Report:
             staged, latency, judged = _latency(job, ref, staged, work, memory.latency)
             written = files.publish_model(staged.path, output)
             verdict = _parity(job, ref, staged, judge, work)
-    cost = Cost(stages, weights)
+    cost = Cost(stages, weights, progress.process_age_s())
     return _report(job, staged, written, verdict, latency, judged, cost, memory)
 
 

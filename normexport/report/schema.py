@@ -149,10 +149,14 @@ class Cost:
         stages: each stage in the order it ran (:class:`normexport.progress.Stage`).
         weight_bytes: bytes of the input model's initializers (of the raw export for a
             PyTorch model): the yardstick of the memory figures.
+        process_s: seconds from the process's start to the end of the run (the interpreter's
+            start and the imports counted: :func:`normexport.progress.process_age_s`), or None
+            where the system does not say.
     """
 
     stages: list[Stage]
     weight_bytes: int
+    process_s: float | None = None
 
     @property
     def peak_rss_bytes(self) -> int | None:
@@ -165,6 +169,7 @@ class Cost:
         peak = self.peak_rss_bytes
         return {
             "wall_s": sum(s.wall_s for s in self.stages),
+            "process_s": self.process_s,
             "peak_rss_bytes": peak,
             "weight_bytes": self.weight_bytes,
             "peak_over_weights": peak / self.weight_bytes if peak and self.weight_bytes else None,

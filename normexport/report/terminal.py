@@ -337,10 +337,12 @@ WEIGHTS_SHOWN = 2**26
 def _cost(cost: Cost) -> str:
     """One line: the run's time, and its peak memory against the weights, with the stage."""
     line = f"the run took {sum(s.wall_s for s in cost.stages):.1f} s"
+    if cost.process_s is not None:
+        line += f" ({cost.process_s:.1f} s since the process started, imports included)"
     peak = cost.peak_rss_bytes
     if peak is not None:
         where = max(cost.stages, key=lambda s: s.peak_rss_bytes or 0).name
-        line += f", peak memory {peak / 2**30:.2f} GiB (in {where})"
+        line += f", peak memory {peak / 2**30:.2f} GiB (during the {where} stage)"
         if (
             cost.weight_bytes >= WEIGHTS_SHOWN
         ):  # beside the interpreter's own, small ones say little

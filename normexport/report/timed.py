@@ -43,6 +43,12 @@ def render_latency(latency: Latency, console: Console) -> None:
         )
     if latency.apart:
         console.print(f"[yellow]note[/]: {latency.apart}")
+    past = [n for n, t in latency.timings.items() if t.bound == "min_runs"]
+    if past:
+        console.print(
+            f"[yellow]note[/]: {', '.join(past)} timed past --budget: a round took longer than "
+            "the budget held, and the fewest rounds were run"
+        )
 
 
 def render_speed(speed: Speed, console: Console) -> None:

@@ -52,6 +52,9 @@ class Timing:
         runs: number of timed runs.
         max_ms: slowest timed run.
         ci_low_ms, ci_high_ms: 95% bootstrap confidence interval of the median.
+        bound: what decided the number of runs (:func:`time_interleaved`): ``"budget"``
+            (the seconds given), ``"min_runs"`` (the budget held fewer rounds than the least
+            asked for: the timing took longer than the budget) or ``"max_runs"``.
         samples_ms: every timed run, in round order (left out of :meth:`to_dict`).
     """
 
@@ -62,11 +65,15 @@ class Timing:
     max_ms: float = float("nan")
     ci_low_ms: float = float("nan")
     ci_high_ms: float = float("nan")
+    bound: str = "budget"
     samples_ms: tuple[float, ...] = dataclasses.field(default=(), repr=False, compare=False)
 
     @classmethod
-    def from_samples(cls, samples_ms: Sequence[float], seed: int = 0) -> Timing:
-        """Summarize per-call times (ms, in round order)."""
+    def from_samples(
+        cls, samples_ms: Sequence[float], seed: int = 0, bound: str = "budget"
+    ) -> Timing:
+        """Summarize per-call times (ms, in round order); ``bound``: what decided their
+        number."""
         s = np.asarray(samples_ms, dtype=float)
         low, high = bootstrap_ci(s, np.median, seed=seed)
         return cls(
@@ -77,6 +84,7 @@ class Timing:
             max_ms=float(s.max()),
             ci_low_ms=low,
             ci_high_ms=high,
+            bound=bound,
             samples_ms=tuple(float(x) for x in s),
         )
 
@@ -167,7 +175,8 @@ def time_interleaved(
         seed: of the rounds' orders (a random permutation each).
 
     Returns:
-        name -> :class:`Timing`; sample ``i`` of every variant comes from round ``i``.
+        name -> :class:`Timing` (its ``bound`` says which of the budget, ``min_runs`` and
+        ``max_runs`` decided the rounds); sample ``i`` of every variant comes from round ``i``.
     """
     names = list(variants)
     start = time.perf_counter()
@@ -175,7 +184,9 @@ def time_interleaved(
         for name in names:
             variants[name]()
     per_round = (time.perf_counter() - start) / max(warmup, 1)
-    runs = int(min(max_runs, max(min_runs, budget_s / max(per_round, 1e-9))))
+    by_budget = budget_s / max(per_round, 1e-9)
+    runs = int(min(max_runs, max(min_runs, by_budget)))
+    bound = "max_runs" if by_budget > max_runs else "min_runs" if by_budget < min_runs else "budget"
     samples: dict[str, list[float]] = {name: [] for name in names}
     rng = np.random.default_rng(seed)
     for _ in range(runs):
@@ -184,7 +195,7 @@ def time_interleaved(
             t0 = time.perf_counter()
             variants[name]()
             samples[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: Timing.from_samples(s) for name, s in samples.items()}
+    return {name: Timing.from_samples(s, bound=bound) for name, s in samples.items()}
 
 
 _T = TypeVar("_T")

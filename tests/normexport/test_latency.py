@@ -3,6 +3,8 @@ assertions: fake samples and call-order checks only."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,8 @@ def test_from_samples_summarizes_in_ms():
 
 def test_to_dict_has_spread_and_no_samples():
     d = Timing.from_samples([1.0, 2.0, 3.0]).to_dict()
-    assert set(d) == {"median_ms", "p90_ms", "min_ms", "runs", "max_ms", "ci_low_ms", "ci_high_ms"}
+    keys = {"median_ms", "p90_ms", "min_ms", "runs", "max_ms", "ci_low_ms", "ci_high_ms", "bound"}
+    assert set(d) == keys
 
 
 def test_timing_positional_form_still_works():
@@ -108,3 +111,22 @@ def test_rotating_calls_each_copy_in_turn():
     for _ in range(7):
         call()
     assert calls == [0, 1, 2, 0, 1, 2, 0]
+
+
+#: (budget_s, max_runs, the bound that decides, the rounds): two calls of 2 ms a round.
+BOUNDS = [(0.0, 50, "min_runs", 3), (1e9, 7, "max_runs", 7), (0.08, 50, "budget", None)]
+
+
+@pytest.mark.parametrize(("budget_s", "max_runs", "bound", "runs"), BOUNDS)
+def test_each_timing_says_which_bound_decided_its_runs(budget_s, max_runs, bound, runs):
+    """The budget decides the rounds between ``min_runs`` and ``max_runs``; where one of those
+    does, the timing says so (``--budget 5`` with 20 rounds at least timed past it, unsaid)."""
+
+    def call():
+        time.sleep(0.002)
+
+    variants = {"a": call, "b": call}
+    result = time_interleaved(variants, warmup=1, min_runs=3, max_runs=max_runs, budget_s=budget_s)
+    assert {t.bound for t in result.values()} == {bound}
+    assert runs is None or all(t.runs == runs for t in result.values())
+    assert result["a"].to_dict()["bound"] == bound
