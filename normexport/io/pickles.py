@@ -69,21 +69,54 @@ def _load_trusted(path: Path) -> object:
     try:
         with _cwd_importable():  # torch resolves the pickled classes as it loads
             return torch.load(path, map_location="cpu", weights_only=False)
-    except (AttributeError, ImportError) as err:
+    except Exception as err:
+        raise InputFileError(_why_not_unpickled(path, err)) from None
+
+
+def _why_not_unpickled(path: Path, err: Exception) -> str:
+    """The message for a trusted pickle that did not load: a library that fails to import
+    (named, with its error), a module that is not there (a library to install, or the user's
+    own code to put on the path), a class of a script's ``__main__``, else a damaged file."""
+    library = _failed_import(err)
+    if library is not None:
+        return (
+            f"{path}: this model needs {library}, which fails to import here "
+            f"({one_line(err)}); install a {library} that works with this PyTorch"
+        )
+    if isinstance(err, ModuleNotFoundError) and err.name and "__main__" not in str(err):
+        top = err.name.split(".")[0]
+        return (
+            f"{path}: this model needs the module {err.name!r}, which is not installed here: if "
+            f"it is a library, install it (pip install {top}); if it is your own code, run from "
+            "the folder that holds it, or put it on the Python path"
+        )
+    if isinstance(err, AttributeError | ImportError):
         where = (
             "its script's __main__ module, which only exists while that script runs"
             if "__main__" in str(err)
             else "a module that cannot be imported here"
         )
-        raise InputFileError(
+        return (
             f"{path}: the pickled model's class is in {where} ({one_line(err)}); move the "
             "class into a module on the Python path (or the current folder) and save it again, "
             "or save its state_dict and pass --model-class package.module:Class"
-        ) from None
-    except Exception as err:  # EOFError, UnpicklingError, RuntimeError: a damaged file
-        raise InputFileError(
-            f"{path}: cannot unpickle it ({one_line(err)}); is the file complete?"
-        ) from None
+        )
+    return f"{path}: cannot unpickle it ({one_line(err)}); is the file complete?"
+
+
+def _failed_import(err: BaseException) -> str | None:
+    """The top-level package whose import raised ``err`` (a frame of its module-level code in
+    the traceback), or None: an installed library that is broken here (torchvision whose C++
+    operators do not load beside this torch)."""
+    tb = err.__traceback__
+    found = None
+    while tb is not None:
+        frame = tb.tb_frame
+        name = frame.f_globals.get("__name__", "")
+        if frame.f_code.co_name == "<module>" and name.split(".")[0] not in ("torch", "normexport"):
+            found = found or name.split(".")[0]
+        tb = tb.tb_next
+    return found
 
 
 @contextlib.contextmanager

@@ -393,6 +393,25 @@ def test_failed_load_leaves_sys_path_as_it_was(user_folder):
     sys.modules.pop(USER_MODULE, None)
     (user_folder / f"{USER_MODULE}.py").unlink()
     importlib.invalidate_caches()
-    with pytest.raises(InputFileError, match="cannot be imported here"):
+    with pytest.raises(InputFileError, match="which is not installed here"):
         load_model("whole.pt", trust_pickle=True)
     assert sys.path == before
+
+
+def test_a_library_that_fails_to_import_is_named(user_folder):
+    """A pickled model whose library is installed but fails to import here (torchvision whose
+    C++ operators do not load beside this torch: a RuntimeError at import) is said so, with the
+    library's name and its error (it was 'cannot unpickle it; is the file complete?')."""
+    (user_folder / f"{USER_MODULE}.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    importlib.invalidate_caches()
+    with pytest.raises(InputFileError, match=f"needs {USER_MODULE}, which fails to import here"):
+        load_model("whole.pt", trust_pickle=True)
+
+
+def test_a_module_that_is_not_there_is_a_library_to_install_or_code_to_find(user_folder):
+    (user_folder / f"{USER_MODULE}.py").unlink()
+    importlib.invalidate_caches()
+    with pytest.raises(InputFileError, match=f"pip install {USER_MODULE}"):
+        load_model("whole.pt", trust_pickle=True)
