@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import itertools
 
 import numpy as np
@@ -32,6 +33,24 @@ def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
 def label(node: ir.Node) -> str:
     """A name for ``node`` in reports: its name, else its first output's name, else its op."""
     return node.name or (node.outputs[0].name if node.outputs else "") or node.op_type
+
+
+#: The metadata key under which PyTorch's dynamo exporter records a node's module scopes (its
+#: ``nn_module_stack``): a list, the last the op, the one before it the module path.
+NAME_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+def module_path(node: ir.Node) -> str | None:
+    """The path of the ``nn.Module`` the user wrote that ``node`` came from (``layer1.0.bn1``),
+    where the exporter recorded it (:data:`NAME_SCOPES`), else None."""
+    text = node.metadata_props.get(NAME_SCOPES)
+    try:
+        scopes = ast.literal_eval(text) if text else None
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(scopes, list) or len(scopes) < 2 or not scopes[-2]:
+        return None
+    return str(scopes[-2])
 
 
 def sole_consumer(value: ir.Value) -> ir.Node | None:

@@ -45,12 +45,15 @@ class Refused:
         node: name of the anchor node, as it appears in the ONNX graph.
         code: the stable reason (a :class:`Code` value).
         detail: one sentence that says why the rewrite would not be exact.
+        module: the path of the ``nn.Module`` the anchor came from (``layer1.0.bn1``), where
+            the exporter recorded it (:func:`fusion._ir.module_path`), else None.
     """
 
     family: str
     node: str
     code: str
     detail: str
+    module: str | None = None
 
 
 @dataclasses.dataclass
@@ -80,12 +83,14 @@ class FusionReport:
         """Record a rewrite of ``kind`` anchored at ``node`` into ``became``."""
         self.fused.append(Fused(kind, node, became, count))
 
-    def refuse(self, family: str, node: str, code: Code, detail: str) -> None:
-        """Record that the candidate of ``family`` anchored at ``node`` was left alone, and
-        why."""
+    def refuse(
+        self, family: str, node: str, code: Code, detail: str, module: str | None = None
+    ) -> None:
+        """Record that the candidate of ``family`` anchored at ``node`` (from the user's
+        ``module``, where known) was left alone, and why."""
         if any((r.family, r.node, r.code) == (family, node, code) for r in self.refused):
             return
-        self.refused.append(Refused(family, node, str(Code(code)), detail))
+        self.refused.append(Refused(family, node, str(Code(code)), detail, module))
 
     def note(self, text: str) -> None:
         """Record a change to the model that is not a fusion (kept once)."""
@@ -96,7 +101,7 @@ class FusionReport:
         """Append ``other``'s rewrites, refusals and notes (refusals and notes kept once)."""
         self.fused.extend(other.fused)
         for r in other.refused:
-            self.refuse(r.family, r.node, Code(r.code), r.detail)
+            self.refuse(r.family, r.node, Code(r.code), r.detail, r.module)
         for text in other.notes:
             self.note(text)
 

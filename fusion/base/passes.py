@@ -11,7 +11,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import onnx_ir as ir
 
-from fusion._ir import label, opset_version
+from fusion._ir import label, module_path, opset_version
 from fusion.base.codes import CannotFuse, Code
 from fusion.base.outcomes import FusionReport, FusionResult
 from fusion.base.policy import TARGETS, Policy
@@ -131,8 +131,11 @@ class FusionPass(ir.passes.InPlacePass):
 
     def refused(self, node: ir.Node | str, refusal: CannotFuse) -> None:
         """Record that the candidate anchored at ``node`` was left alone, and why."""
-        name = node if isinstance(node, str) else label(node)
-        self.outcomes.refuse(self.family, name, refusal.code, refusal.detail)
+        if isinstance(node, str):
+            self.outcomes.refuse(self.family, node, refusal.code, refusal.detail)
+            return
+        module = module_path(node)
+        self.outcomes.refuse(self.family, label(node), refusal.code, refusal.detail, module)
 
     def plan(self, model: ir.Model) -> None:
         """Prepare ``model`` before the first pass of the run runs (after the shapes are

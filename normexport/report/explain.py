@@ -74,7 +74,10 @@ def from_report(
     findings = [Finding(a.kind, a.node, "already fused", a.op) for a in already]
     family = {kind.name: kind.family for kind in fusion.registry.KINDS}
     findings += [Finding(family[f.kind], f.node, "fused", f.became) for f in fused]
-    findings += [Finding(r.family, r.node, "left alone", r.detail) for r in refused]
+    findings += [
+        Finding(r.family, f"{r.module} ({r.node})" if r.module else r.node, "left alone", r.detail)
+        for r in refused
+    ]
     findings += [Finding("note", "", "note", text) for text in notes]
     return findings
 

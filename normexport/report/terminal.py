@@ -257,10 +257,11 @@ def _render_fusions(fusions: Fusions, norm: NormOps, console: Console) -> None:
     console.print(table)
     if fusions.refused:
         refused = Table(title="Left alone", title_justify="left")
-        for col in ("family", "node", "code", "detail"):
+        for col in ("family", "module (node)", "code", "detail"):
             refused.add_column(col, overflow="fold")
         for r in fusions.refused:
-            refused.add_row(r.family, r.node, r.code, r.detail)
+            where = f"{r.module} ({r.node})" if r.module else r.node
+            refused.add_row(r.family, where, r.code, r.detail)
         console.print(refused)
 
 

@@ -262,6 +262,9 @@ def test_refuses_batchnorm_after_relu_crepe_style():
         "goes to Pad (through MaxPool)",
     )
     assert _ops(model).count("BatchNormalization") == 1
+    # the refusal names the module the user wrote (the exporter's name_scopes), beside the node
+    (refusal,) = _fold(model)[0].refused
+    assert refusal.module == "2" and refusal.node.startswith("node_"), refusal
 
 
 class SharedConvOutput(torch.nn.Module):
@@ -281,6 +284,7 @@ def test_refuses_conv_output_with_second_consumer():
     _assert_refused_unchanged(
         model, feeds, eager, "BatchNormalization", Code.SHARED_OUTPUT, "has 2 consumers"
     )
+    assert [r.module for r in _fold(model)[0].refused] == ["bn"]  # the attribute's name
 
 
 class MulNotPerChannel(torch.nn.Module):
