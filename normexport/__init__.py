@@ -48,6 +48,7 @@ def optimize(
     rtol: float | None = None,
     strict: bool = False,
     budget_s: float | None = None,
+    run_timeout: float | None = None,
     trust_pickle: bool = False,
     model_class: str | None = None,
     model_kwargs: str | Mapping[str, Any] | None = None,
@@ -67,15 +68,14 @@ def optimize(
             takes them (``model(*args, **kwargs)`` is exported; tensors become the inputs,
             named after ``forward``'s parameters or their keywords; other values stay fixed),
             instead of ``input_shape`` / ``inputs``.
-        output: the optimized model's path (``-o``; default MODEL stem + ``.opt.onnx``).
-        report: also write the JSON report here, and the latency chart beside it as ``.png``.
+        output, report: the optimized model's path (``-o``; default MODEL stem +
+            ``.opt.onnx``); the JSON report's, and the latency chart's beside it (``.png``).
         input_shape: one per input in ``forward()`` order, as ``"1,3,224,224"``,
             ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
-        dim: symbolic axis name -> size, for every input axis of that name (ONNX input).
-        inputs: an ``.npz`` of example inputs by name.
+        dim, inputs: symbolic axis name -> size (ONNX input); an ``.npz`` of example inputs.
         dynamic, opset, target, provider, threads, exporter, autotune, strict, trust_pickle,
             model_class, precision, keep_io_types: as the flags (:class:`Options`).
-        benchmark, atol, rtol, budget_s: as the flags (None: their defaults).
+        benchmark, atol, rtol, budget_s, run_timeout: as the flags (None: their defaults).
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
 
     Returns:

@@ -53,6 +53,11 @@ class EnvironmentProblem(UsageError):
     """This machine lacks what was asked for (a CUDA provider that loads)."""
 
 
+class RunTimedOut(UsageError):
+    """An ONNX Runtime run of the model went past ``--run-timeout`` and was cancelled (a graph
+    that runs for ever, a Loop of 2**62 iterations, is the file's, not a bug): exit 2."""
+
+
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM arrived; raised from the signal handler that :func:`on_signals`
     installs. A KeyboardInterrupt, so that ``except Exception`` never swallows it."""

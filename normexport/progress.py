@@ -65,6 +65,8 @@ class _Recorder:
     def __init__(self, display: _Display | _Lines | None):
         self.stages: list[Stage] = []
         self.display = display
+        #: The stage open now and its latest step (:func:`where`).
+        self.now: tuple[str, str] = ("", "")
         self._peak: int | None = None
         self._stop = threading.Event()
 
@@ -74,6 +76,7 @@ class _Recorder:
         self._peak, self._stop = _status("VmRSS"), threading.Event()
         sampler = threading.Thread(target=self._sample, args=(self._stop,), daemon=True)
         sampler.start()
+        self.now = (name, "")
         if self.display:
             self.display.start(name)
         try:
@@ -223,5 +226,16 @@ def step(text: str) -> None:
     """Say which step of the current stage runs now (an input set, a variant), on the display
     where there is one."""
     recorder = _recorder.get()
-    if recorder is not None and recorder.display is not None:
-        recorder.display.step(text)
+    if recorder is not None:
+        recorder.now = (recorder.now[0], text)
+        if recorder.display is not None:
+            recorder.display.step(text)
+
+
+def where() -> str:
+    """Where the recorded run is: ``"the reference stage, input set random_0"``, or ``""``."""
+    recorder = _recorder.get()
+    if recorder is None or not recorder.now[0]:
+        return ""
+    name, text = recorder.now
+    return f"the {name} stage" + (f", {text}" if text else "")

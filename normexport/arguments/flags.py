@@ -142,6 +142,14 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         help="skip the latency comparison and its verdict (the report says the speed is unchecked)",
     )
     p.add_argument(
+        "--run-timeout",
+        type=float,
+        default=_default("run_timeout"),
+        metavar="SECONDS",
+        help="cancel an ONNX Runtime run of the checks that takes longer (exit 2; default "
+        f"{_default('run_timeout'):g})",
+    )
+    p.add_argument(
         "--autotune",
         action="store_true",
         help="time the exact alternative forms on this machine's provider and keep the fastest",

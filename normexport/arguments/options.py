@@ -55,6 +55,8 @@ class Options:
             object), or None.
         budget_s: seconds of timed runs to aim for, in all (``--budget``; ``normexport bench``
             has its own default, :data:`normexport.bench.options.BENCH_BUDGET_S`).
+        run_timeout: seconds an ONNX Runtime run of the verdict may take before it is
+            cancelled (``--run-timeout``; :class:`normexport.errors.RunTimedOut`, exit 2).
         autotune: time the exact alternative forms of the optimized model (and the ORT
             session settings they need; where attention was fused, also the model without
             it) on ``provider`` and keep the fastest.
@@ -90,6 +92,7 @@ class Options:
     model_kwargs: dict[str, Any] | None = None
     exporter: str = "auto"
     budget_s: float = 10.0
+    run_timeout: float = 600.0
     autotune: bool = False
     precision: str = "fp32"
     keep_io_types: bool = False
@@ -238,6 +241,8 @@ def check_options(opts: Options) -> None:
         raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
     if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
         raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")
+    if not (math.isfinite(opts.run_timeout) and opts.run_timeout > 0):
+        raise UsageError(f"--run-timeout {opts.run_timeout}: give a number of seconds > 0")
     if opts.threads is not None and opts.threads < 1:
         raise UsageError(f"--threads {opts.threads}: give a number of threads >= 1")
     # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load

@@ -19,7 +19,7 @@ import onnx_ir as ir
 
 import fusion
 from normexport import precision, progress, runtime
-from normexport.errors import InputFileError, UsageError, one_line
+from normexport.errors import InputFileError, RunTimedOut, UsageError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job
 from normexport.tuning import autotune
@@ -145,6 +145,8 @@ def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, hint
     """
     try:
         raw(feeds)  # the failure is reported once, by us
+    except RunTimedOut as err:  # said as it is: the model ran, too long
+        raise RunTimedOut(f"{path}: {err}") from None
     except Exception as err:  # ORT's own error types
         shapes = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
         raise UsageError(

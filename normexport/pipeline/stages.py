@@ -44,7 +44,7 @@ def run(opts: Options) -> Report:
         normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
     """
     output, writes = plan_outputs(opts)
-    with progress.recording() as stages:
+    with progress.recording() as stages, runtime.run_timeout(opts.run_timeout):
         with progress.stage("load"):
             provider = runtime.resolve_provider(opts.provider)
             prepared = prepare(opts)

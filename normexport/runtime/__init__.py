@@ -8,6 +8,7 @@ if CUDA did not load, rather than ever calling a CPU number a CUDA number.
 
 from __future__ import annotations
 
+from normexport.runtime.running import message, run, run_timeout
 from normexport.runtime.sessions import (
     AS_WRITTEN,
     CPU,
@@ -19,9 +20,7 @@ from normexport.runtime.sessions import (
     load_check,
     make_session,
     max_opset,
-    message,
     resolve_provider,
-    run,
 )
 
 __all__ = [
@@ -38,4 +37,5 @@ __all__ = [
     "message",
     "resolve_provider",
     "run",
+    "run_timeout",
 ]

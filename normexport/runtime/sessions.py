@@ -7,12 +7,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
@@ -347,34 +345,3 @@ def _probe_model(opset: int = 17) -> onnx.ModelProto:
     return onnx.helper.make_model(
         graph, opset_imports=[onnx.helper.make_opsetid("", opset)], ir_version=8
     )
-
-
-def message(err: BaseException) -> str:
-    """ONNX Runtime's error ``err`` in a few words: its status message without the
-    ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` prefix, and for a node that failed to run,
-    ``OpType: message`` (the node's name is of the session's model, not the user's)."""
-    text = " ".join(str(err).split())
-    text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
-    node = re.search(r"running (\S+) node\. Name:'[^']*' Status Message: (.*)", text)
-    return f"{node[1]}: {node[2]}" if node else text
-
-
-def run(
-    session: ort.InferenceSession,
-    feeds: Mapping[str, np.ndarray],
-    *,
-    quiet: bool = False,
-    kept: bool = False,
-) -> list[np.ndarray]:
-    """Run ``session`` on ``feeds`` (input name -> array) and return its outputs in order;
-    ``quiet``: ONNX Runtime logs nothing of a failure (the caller reports it); ``kept``: the
-    outputs are copies that own their memory, for outputs kept after the session is freed
-    (ONNX Runtime's outputs live in the session's memory arena and keep the whole arena
-    alive: 0.4 GiB per session on a 0.6 GB float16 model)."""
-    if quiet:
-        options = ort.RunOptions()
-        options.log_severity_level = 4  # fatal only
-        outputs = session.run(None, dict(feeds), options)
-    else:
-        outputs = session.run(None, dict(feeds))
-    return [np.array(o, copy=True) for o in outputs] if kept else outputs

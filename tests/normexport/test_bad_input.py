@@ -27,10 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 import torch
+from onnx import TensorProto, helper
 
 from normexport import cli, runtime
 from normexport.io.files import default_output
@@ -544,3 +546,50 @@ def test_a_mistake_is_answered_before_pytorch_is_imported(tmp_path, argv):
     )
     assert result.stdout.split() == ["2", "False", "False"], result.stdout + result.stderr
     assert "normexport: error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def _endless_loop(path: Path) -> None:
+    """A valid model whose Loop runs 2**62 iterations (the fuzzer's hang)."""
+    value = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in ("v_in", "v_out")]
+    cond = [helper.make_tensor_value_info(n, TensorProto.BOOL, []) for n in ("c_in", "c_out")]
+    body = helper.make_graph(
+        [helper.make_node("Add", ["v_in", "one"], ["v_out"]),
+         helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []), cond[0], value[0]],
+        [cond[1], value[1]],
+        [helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0])],
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["M", "cond", "x"], ["y"], body=body)],
+        "endless",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        [helper.make_tensor("M", TensorProto.INT64, [], [2**62]),
+         helper.make_tensor("cond", TensorProto.BOOL, [], [True])],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path.parent.mkdir(parents=True)
+    onnx.save(model, path)
+
+
+def test_a_run_past_the_run_timeout_is_cancelled(tmp_path):
+    """A Loop of 2**62 iterations ran until it was killed, leaving the work folder behind: the
+    run is cancelled at --run-timeout (RunOptions.terminate), exit 2 with one line naming the
+    limit and the stage, nothing left in the output's folder, the input unchanged."""
+    model = tmp_path / "in" / "loop.onnx"
+    _endless_loop(model)
+    before = model.read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = [str(model), "-o", str(out / "loop.onnx"), "--no-benchmark", "--run-timeout", "2"]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-m", "normexport", *argv], env=env, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    (line,) = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert "went past --run-timeout 2 s (the reference stage)" in line, line
+    assert list(out.iterdir()) == [] and model.read_bytes() == before
