@@ -6,8 +6,9 @@ What the stages hold, read from the tensors' headers (nothing is loaded):
 - the passes and every session's working memory: a few tensors at a time (a BatchNorm fold
   reads a weight and writes its folded copy; the CPU provider casts a half-precision weight to
   float32 just before its node runs, in the verdict's priority order), so about
-  :data:`WORKING_TENSORS` times the largest tensor in float32, plus the graph. Where even that
-  does not fit, the run stops before any work (exit 2) with what it needs and what there is;
+  :data:`WORKING_TENSORS` times the largest tensor in float32 (a weight, or a tensor the graph
+  makes from constant shapes: :func:`made_tensor`), plus the graph. Where even that does not
+  fit, the run stops before any work (exit 2) with what it needs and what there is;
 - parity: each session runs every node on every input set, so its weights (memory-mapped from
   the external data file: page cache the kernel can drop, not a copy) must stay resident or be
   read from disk again on every run; the largest is the float64 oracle's (float32 tensors
@@ -26,6 +27,7 @@ every memory cgroup's limit over the process).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import onnx_ir as ir
 
@@ -99,12 +101,19 @@ def plan(
     tensors = [v.const_value for g in model.graphs() for v in g.initializers.values()]
     tensors = [t for t in tensors if t is not None]
     weights = sum(t.nbytes for t in tensors)
-    widest = max((t.size * 4 for t in tensors), default=0)
+    made, maker = made_tensor(model)
+    widest = max([t.size * 4 for t in tensors] + [made])
     working = WORKING_TENSORS * widest + _graph_bytes(model)
     oracle = weights + sum(t.nbytes for t in tensors if t.dtype == ir.DataType.FLOAT)
     available = memory.available_bytes()
     share = memory.SESSIONS_SHARE * available if available is not None else None
     have = f"{_gib(available)} available{_where(available)}" if available is not None else ""
+    if share is not None and made * WORKING_TENSORS > share:
+        raise EnvironmentProblem(
+            f"{source}: not enough memory to run this model: {maker} makes a tensor of "
+            f"{_gib(made)} from constant shapes, and a run holds about {WORKING_TENSORS} such "
+            f"tensors, {have}; run it where more memory is free, or make the shape smaller"
+        )
     if share is not None and working > share:
         raise EnvironmentProblem(
             f"{source}: not enough memory to optimize this model: the passes need about "
@@ -128,6 +137,58 @@ def plan(
     line += f"; {skipped}" if skipped and latency else ""
     skipped = skipped if latency else None
     return MemoryPlan(available, weights, working, oracle + working, fits, blocks, skipped, line)
+
+
+def made_tensor(model: ir.Model) -> tuple[int, str]:
+    """The largest tensor (bytes) a node of the main graph makes whose size its constant
+    inputs fix (``ConstantOfShape``, ``Expand``, ``Tile``, ``Range``), and that node
+    (``"ConstantOfShape 'name'"``); ``(0, "")`` where there is none. The weights alone do not
+    bound a run's memory: an 8 GiB ``ConstantOfShape`` of a constant shape holds no weight."""
+    largest, maker = 0, ""
+    for node in model.graph:
+        size = _made_elements(node)
+        out = node.outputs[0] if node.outputs else None
+        dtype = out.dtype if out is not None and out.dtype is not None else ir.DataType.FLOAT
+        nbytes = size * max(dtype.itemsize, 1) if size else 0
+        if nbytes > largest:
+            largest, maker = nbytes, f"{node.op_type} {node.name or out.name!r}"
+    return largest, maker
+
+
+def _made_elements(node: ir.Node) -> int | None:
+    """How many elements ``node`` makes, where its constant inputs (and known input shape)
+    fix it; None elsewhere."""
+
+    def const(index: int):
+        if len(node.inputs) <= index or node.inputs[index] is None:
+            return None
+        tensor = ir.convenience.get_const_tensor(node.inputs[index])
+        return None if tensor is None else tensor.numpy()
+
+    def dims(index: int) -> list[int] | None:
+        shape = node.inputs[index].shape if node.inputs[index] is not None else None
+        return list(shape) if shape is not None and shape.is_static() else None
+
+    if node.domain != "":
+        return None
+    try:
+        if node.op_type == "ConstantOfShape" and (shape := const(0)) is not None:
+            return int(math.prod(int(d) for d in shape.reshape(-1)))
+        if node.op_type == "Expand" and (shape := const(1)) is not None:
+            source = dims(0) or []
+            target = [int(d) for d in shape.reshape(-1)]
+            width = max(len(source), len(target))
+            source = [1] * (width - len(source)) + source
+            target = [1] * (width - len(target)) + target
+            return int(math.prod(max(a, b) for a, b in zip(source, target, strict=True)))
+        if node.op_type == "Tile" and (repeats := const(1)) is not None and dims(0):
+            return int(math.prod(d * int(r) for d, r in zip(dims(0), repeats, strict=True)))
+        if node.op_type == "Range" and all(const(i) is not None for i in range(3)):
+            start, limit, delta = (float(const(i)) for i in range(3))
+            return max(int(math.ceil((limit - start) / delta)), 0) if delta else None
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None
 
 
 def _parity_line(fits: bool, blocks: int | None, needed: int) -> str:

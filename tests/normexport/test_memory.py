@@ -17,9 +17,9 @@ import pytest
 from rich.console import Console
 
 import normexport
-from normexport import progress, runtime
+from normexport import cli, progress, runtime
 from normexport.io import files
-from normexport.runtime import memory, sessions
+from normexport.runtime import memory, plan, sessions
 from normexport.verdict import parity, speed, tolerance
 from tests.graphs import make_model
 
@@ -199,3 +199,32 @@ def test_a_recorded_model_runs_and_says_so_once(monkeypatch):
     recorded.record([first, second], "nothing to run")
     assert calls == [first, second] and len(closed) == 3
     assert said == ["the oracle", "the oracle again"]
+
+
+def _constant_of_shape(path: Path, elements: int) -> Path:
+    """A valid model whose ConstantOfShape makes ``elements`` float32 zeros from a constant
+    shape, then adds ``x`` (shape (1,)): no weights to speak of."""
+    nodes = [
+        ("ConstantOfShape", ["shape"], ["zeros"], {}),
+        ("Add", ["zeros", "x"], ["y"], {}),
+    ]
+    consts = {"shape": np.array([elements], np.int64)}
+    model = make_model(nodes, {"x": (F, [1])}, {"y": (F, [elements])}, consts)
+    model.opset_imports[""] = 17
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.save_model(model, path, external_data=False)
+    return path
+
+
+def test_the_plan_counts_the_tensors_made_from_constant_shapes(tmp_path, capsys, monkeypatch):
+    """An 8 GiB ConstantOfShape of a constant shape passed the plan (it counted weights only)
+    and grew past 6 GiB before anything said so: the plan names it, exit 2, before any work."""
+    big = _constant_of_shape(tmp_path / "in" / "big.onnx", 2**31)
+    made, maker = plan.made_tensor(ir.load(big))
+    assert made == 2**33 and maker.startswith("ConstantOfShape"), maker
+    monkeypatch.setattr(memory, "available_bytes", lambda: 16 * 2**30)  # any machine's answer
+    code = cli.main([str(big), "-o", str(tmp_path / "out" / "m.onnx"), "--no-benchmark"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "ConstantOfShape" in line and "8.00 GiB" in line, line
+    small = _constant_of_shape(tmp_path / "in" / "small.onnx", 16)
+    assert plan.made_tensor(ir.load(small))[0] == 64
