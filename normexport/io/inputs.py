@@ -205,6 +205,11 @@ def onnx_input_specs(
     unnamed = [s for s in given if s.name is None]
     specs, defaulted, unknown, nameless = [], {}, [], []
     for i, value in enumerate(inputs):
+        if value.dtype is not None and not _has_numpy(value.dtype):
+            raise UsageError(
+                f"{path}: input {value.name!r} is of element type {value.dtype.name}, which no "
+                "example input can be made of: the file is damaged, or give --inputs FILE.npz"
+            )
         dtype = value.dtype.numpy() if value.dtype is not None else np.dtype("float32")
         spec = by_name.get(value.name) or (unnamed[i] if i < len(unnamed) else None)
         if spec is not None:

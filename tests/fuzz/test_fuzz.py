@@ -1,0 +1,45 @@
+"""The fuzzer in CI: one mutated file per kind of mutation (:mod:`tests.fuzz.mutate`), each run
+through the CLI and held to the promises of docs/errors.md (:mod:`tests.fuzz.run`); ``make fuzz
+N=300`` runs more. Each defect the fuzzer found stays below as a regression case."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from normexport import cli
+from tests.fuzz.mutate import STRUCTURED
+from tests.fuzz.run import run_case, seeds
+
+#: One case per mutation (the seed picks the mutation by its remainder).
+CASES = range(len(STRUCTURED) + 1)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    return seeds(tmp_path_factory.mktemp("seeds"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", CASES)
+def test_a_mutated_file_keeps_every_promise(seed, sources, tmp_path):
+    case = run_case(seed, sources, tmp_path)
+    assert not case.violations, (case.mutation, case.source, case.code, case.line)
+
+
+def test_an_input_of_undefined_type_is_refused_with_one_line(tmp_path):
+    """Found by the fuzzer (a graph input's element type set to UNDEFINED): exit 3, a
+    TypeError from numpy; now exit 2 naming the input."""
+    model = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [onnx.helper.make_node("Relu", ["x"], ["y"])],
+            "g",
+            [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.UNDEFINED, [2])],
+            [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+        ),
+        opset_imports=[onnx.helper.make_opsetid("", 17)],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    code = cli.main([str(path), "-o", str(tmp_path / "o.onnx"), "--no-benchmark"])
+    assert code == 2
