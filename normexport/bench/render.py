@@ -43,7 +43,10 @@ def render(result: BenchResult, console: Console) -> None:
         ops = ", ".join(f"{k} {n}" for k, n in v.variant.norm_ops.items()) or "no norm ops"
         ran = v.ran_norm_ops
         ran = "?" if ran is None else ", ".join(f"{k} {n}" for k, n in ran.items()) or "none"
-        console.print(f"  {name}: {v.variant.nodes} nodes, {ops}; ORT ran: {ran}")
+        console.print(
+            f"  {name}: {v.variant.nodes} nodes, {ops}; the norm ops ONNX Runtime ran after its "
+            f"own session optimizations: {ran}"
+        )
     for point in result.points:
         if point.timings:
             console.print(_point_table(point))

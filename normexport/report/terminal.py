@@ -199,10 +199,10 @@ def _worst_set(parity: ParityResult, worst: OutputError) -> str:
 
 def _render_header(report: Report, console: Console) -> None:
     """The model, how it was exported, where it went, and the notes about it."""
+    made = "as given" if report.exporter == "none" else f"exporter {report.exporter}"
     console.print(
-        f"[bold]{report.model}[/] ({report.kind.replace('_', ' ')}, exporter "
-        f"{report.exporter}, target {report.target}) -> [bold]{report.output}[/] "
-        f"(opset {report.opset})"
+        f"[bold]{report.model}[/] ({report.kind.replace('_', ' ')}, {made}, target "
+        f"{report.target}) -> [bold]{report.output}[/] (opset {report.opset})"
     )
     if report.exporter_fallback:
         console.print(

@@ -135,7 +135,7 @@ def onnx_float64(
     try:
         session.open()
     except Exception as err:  # ORT raises its own error types; NOT_IMPLEMENTED is the usual
-        ort_error = one_line(err)
+        ort_error = runtime.message(err)  # the status, without ORT's code prefix
     else:
 
         def run(feeds):

@@ -160,6 +160,7 @@ def test_onnx_input_is_checked_against_unoptimized_onnx(capsys, tmp_path):
     report_path = tmp_path / "r.json"
     code, out, _ = run_cli(capsys, path, "--report", report_path, *FAST)
     assert code == 0, out
+    assert "(onnx, as given, target ort)" in out  # not "exporter none"
     report = json.loads(report_path.read_text())
     assert report["parity"]["reference"] == "onnx"
     assert set(report["latency_ms"]) == {"ort_raw", "ort_optimized"}
