@@ -15,13 +15,40 @@ import onnxruntime as ort
 from normexport import progress
 from normexport.errors import RunTimedOut
 
+#: ONNX Runtime's usual statuses, each with what it means for the user's model (the regex
+#: on the status without its prefix, and the sentence, ``{}`` fields filled from its groups).
+MEANINGS = (
+    (
+        r"Got invalid dimensions for input: (\S+) for the following indices index: (\d+) "
+        r"Got: (\d+) Expected: (\d+).*",
+        "input {0}: axis {1} is {2} here, but the model fixes it at {3}",
+    ),
+    (
+        r"Invalid rank for input: (\S+) Got: (\d+) Expected: (\d+).*",
+        "input {0} has {1} axes here, but the model takes {2}",
+    ),
+    (
+        r"Unexpected input data type\. Actual: \((\S+)\) , expected: \((\S+)\)",
+        "an input is {0} here, but the model takes {1}",
+    ),
+    (
+        r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'",
+        "ONNX Runtime has no kernel for {0} (opset {1}) with these input types on this "
+        "provider (node '{2}')",
+    ),
+)
+
 
 def message(err: BaseException) -> str:
     """ONNX Runtime's error ``err`` in a few words: its status message without the
-    ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` prefix, and for a node that failed to run,
-    ``OpType: message`` (the node's name is of the session's model, not the user's)."""
+    ``[ONNXRuntimeError] : 2 : INVALID_ARGUMENT :`` prefix, in the words of :data:`MEANINGS`
+    where it is one of the usual ones, and for a node that failed to run, ``OpType: message``
+    (the node's name is of the session's model, not the user's)."""
     text = " ".join(str(err).split())
     text = re.sub(r"^\[ONNXRuntimeError\] : \d+ : \w+ : ", "", text)
+    for pattern, meaning in MEANINGS:
+        if found := re.fullmatch(pattern, text):
+            return meaning.format(*found.groups()).replace(" (node '')", "")
     node = re.search(r"running (\S+) node\. Name:'[^']*' Status Message: (.*)", text)
     return f"{node[1]}: {node[2]}" if node else text
 
