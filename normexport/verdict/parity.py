@@ -1,85 +1,15 @@
 """Numerical parity: did the optimizer keep the function the model computes?
 
-Three models are run on every input set and compared, per output, with an *oracle*:
-
-- the **optimized** model (normexport's output);
-- the **raw** model: the unoptimized export (or, for ``.onnx`` input, the input file);
-- PyTorch **float32** eager, where the model is PyTorch.
-
-The oracle is the most exact run there is: the PyTorch model in float64 (or, for ``.onnx``
-input, the input graph in float64); where that cannot be built, the float32 reference, and the
-result says which. Metrics against the oracle:
-
-- max abs error: ``max |y - r|`` over the elements where the oracle is finite;
-- relative L2 error: ``||y - r||_2 / ||r||_2`` (0 when both are zero).
-
-The verdict judges what normexport did, not float32 itself. An output fails on an input set when
-
-- it has NaN or Inf where the oracle is finite (a lost eps on a constant input), or
-- ``max_abs_err > atol + rtol * max|oracle|`` **and** ``max_abs_err > NOISE_FACTOR *`` the raw
-  model's own max abs error against the oracle.
-
-The second clause is the point: on ill-conditioned inputs (a constant image through stacked
-norms, inputs of magnitude 1e3 through BatchNorm'd attention) float32 itself is far from the
-exact answer, the raw export is as far, and an optimized model that is no further than the
-export's own rounding noise did nothing wrong. A wrong fold is orders of magnitude beyond that
-noise, so it still fails. Without a raw model the rule is the tolerance alone.
-
-A half-precision model (``--precision fp16`` or ``bf16``) is judged by another rule, since the
-raw export is float32 and its noise says nothing of half-precision rounding: an output fails
-where it has NaN or Inf where the oracle is finite, or where its relative L2 error exceeds the
-allowance and its max abs error exceeds ``atol`` (outputs near zero). The allowance is the sum of
-
-- ``max_rel_l2`` (:data:`HALF_MAX_REL_L2`): the half type's rounding through a
-  well-conditioned network;
-- the raw float32 model's own relative L2 error (where float32 itself is far from the oracle, as
-  ``nn.RMSNorm``'s dtype-dependent eps on tiny inputs, float16 is not blamed for it);
-- ``noise_factor`` times the input's *rounding error*: the relative L2 distance between the
-  oracle on the inputs and the oracle on the inputs rounded to the half type. It is what
-  rounding one tensor costs at the output, so it measures how much this input's function
-  amplifies half-precision rounding (a sigmoid output near 0 turns a small logit error into a
-  large relative one); a half-precision model rounds every tensor, and a small multiple of it is
-  its own noise. A clamped weight, a lost eps or an overflow leaves errors of order 1, beyond it.
-
-Where the allowance reaches 1 (an output of zeros would pass) the check is reported weak.
-
-**The export is judged too.** For a PyTorch model, the raw export is the ONNX graph that
-normexport made of the model, and nothing in the rule above would see it compute another
-function (a data-dependent branch the TorchScript tracer fixed on one side passes it, the
-optimized model being exactly as far off as the raw export). So, per output and input set, the
-two float32 runs of the model, PyTorch eager and the raw export, must agree through the oracle:
-the one the oracle was not made from must be within ``atol + rtol * max|oracle|`` of it, or
-within ``noise_factor`` times the other's own error (where float32 itself is far from the
-oracle, as on ill-conditioned inputs, both are). With the PyTorch model in float64 as the
-oracle that is the raw export's error; with the raw export in float64 as the oracle, PyTorch
-float32's; with PyTorch float32 as the reference, the raw export within the tolerance. An
-output that fails it fails the verdict, and names the export, not the optimizer. Where the
-oracle is constant within ``atol`` (a weak check: a constant image through stacked norms, where
-both float32 runs normalize their own rounding noise, 2.9e-3 and 5.1e-5 from an oracle of
-3e-11 in ``tests/normexport/test_verdict.py``) the export is not judged.
-
-**A sharper check beside the verdict.** The tolerance is wide (1e-3 of the output's scale)
-where float32 rounding is 1e-7 of it, so a rewrite that changes the function a little (one
-channel scaled by 1.001) passes it. Each float32 output therefore also gets its *noise ratio*:
-its max abs error over the raw model's. An exact rewrite reorders float32 operations and its
-error is another sample of the same rounding noise, within a small multiple of the raw
-model's; where the ratio passes :data:`NOISE_WARN_FACTOR` on an output that passes, the result
-warns (``--strict``: fails). The raw model's error can be smaller than the rounding any other
-exact kernel makes (it may get an output exact by luck, or compute it in the oracle's order), so
-it is floored at the larger of :data:`NOISE_FLOOR_ROUNDOFFS` unit roundoffs of the output's type
-times ``max|oracle|`` (the rounding of the output itself) and the oracle's change when every
-float input moves by one ulp (:func:`ulp_perturbed`: how much this input amplifies one
-rounding; a constant row through a norm turns rounding noise into output, where ONNX Runtime's
-InstanceNormalization kernel and the decomposed ops it replaces differ by 20 times what the
-raw model was off). The factor and the floor were set on measurements: see
-:data:`NOISE_WARN_FACTOR`.
-
-"Close enough" (``atol + rtol * max|ref|``, no NaN/Inf where the reference is finite) is
-:func:`closeness`, the one definition for the verdict and for every other comparison (autotune's
-candidates, the tests).
-
-A check is *weak* where the oracle's output varies by no more than ``atol`` (all zeros, or
-constant): any constant near it would pass, so the result says so.
+The optimized model, the raw model (the unoptimized export, or the input file) and, for a
+PyTorch model, PyTorch float32 eager run on every input set and are compared, per output, with
+the *oracle*, the most exact run there is (float64 where it can be built); the metrics are max
+abs error and relative L2 error. An output fails where it has NaN or Inf where the oracle is
+finite, or where it is beyond the tolerance **and** beyond :data:`NOISE_FACTOR` times the raw
+model's own error (float32 noise is not the optimizer's); a half-precision model by the
+relative-L2 rule of its type; the export is judged too (PyTorch eager and the raw export must
+agree through the oracle); beside the verdict, each output's *noise ratio* against the raw model
+(``--strict`` fails on it); a check whose oracle is constant within ``atol`` is reported weak.
+The rule, the numbers and the measurements behind them: docs/parity.md.
 
 This module holds the rule (:func:`compare`, :func:`check_parity`); the numbers it uses
 (tolerances, factors) and :func:`closeness` are defined in :mod:`normexport.verdict.tolerance`,
@@ -318,21 +248,17 @@ def check_parity(
 
     Args:
         candidate, reference: input feeds -> outputs: the optimized ONNX model, and the
-            oracle (float64 where it can be built, else PyTorch eager float32 or the
-            unoptimized ONNX model).
+            oracle (float64 where it can be built, else PyTorch float32 or the raw ONNX model).
         sets: input set name -> feeds (see :func:`normexport.io.inputs.input_sets`).
-        output_names, reference_kind: the candidate's output names, and ``"pytorch"`` or
-            ``"onnx"``, for the report.
-        atol, rtol: tolerances, see the module docstring.
+        output_names, reference_kind: the candidate's output names; ``"pytorch"``/``"onnx"``.
+        atol, rtol, noise_factor: the tolerances and :data:`NOISE_FACTOR` (docs/parity.md).
         raw: the unoptimized model; with it the verdict allows the export's own noise.
         pytorch: PyTorch float32, compared with the oracle (the export check, the report).
-        oracle_kind, notes: what ``reference`` is (e.g. ``"pytorch_float64"``), and why.
-        noise_factor: see :data:`NOISE_FACTOR`.
-        max_rel_l2: judge by the half-precision rule with this bound (None: float32 rule).
-        round_inputs: feeds -> the feeds rounded to the half type (the oracle is run on them
-            too, for the half-precision rule's rounding allowance); for the float32 rule the
-            feeds moved by one ulp (the noise ratio's floor), :func:`ulp_perturbed` by default
-            where there is a raw model.
+        oracle_kind, notes: what ``reference`` is (``"pytorch_float64"``, ...), and why.
+        max_rel_l2: the half-precision rule's bound (None: the float32 rule).
+        round_inputs: feeds -> the feeds rounded to the half type (for the half rule's rounding
+            allowance); for the float32 rule, moved by one ulp (the noise ratio's floor),
+            :func:`ulp_perturbed` by default where there is a raw model.
         judge_export: judge the export too, by this float32 run (:data:`EXPORT_JUDGED`).
         strict: a noise-ratio warning fails the verdict.
 
@@ -340,20 +266,38 @@ def check_parity(
         ValueError: the models return different numbers of outputs or shapes.
     """
     rule = {"noise_factor": noise_factor, "max_rel_l2": max_rel_l2, "judge_export": judge_export}
+    rule |= {"atol": atol, "rtol": rtol}
     if round_inputs is None and max_rel_l2 is None and raw is not None:  # the noise floor's
         round_inputs = ulp_perturbed
     rounded = _on_rounded(reference, round_inputs) if round_inputs is not None else None
-    probes = {}
-    for set_name, feeds in sets.items():
-        progress.step(f"input set {set_name}")
-        got, ref, *others = _outputs(feeds, candidate, reference, raw, pytorch, rounded)
-        probes[set_name] = [
-            compare(n, g, r, atol, rtol, raw=w, pytorch=t, rounded=h, **rule)
-            for n, g, r, w, t, h in zip(output_names, got, ref, *others, strict=True)
-        ]
+    models = (candidate, reference, raw, pytorch, rounded)
+    probes = {n: _compared(n, feeds, models, output_names, rule) for n, feeds in sets.items()}
     noise = noise_factor if (raw is not None or round_inputs is not None) else None
-    found = (reference_kind, atol, rtol, probes, oracle_kind, noise, list(notes), max_rel_l2)
-    return ParityResult(*found, strict=strict)
+    return ParityResult(
+        reference=reference_kind,
+        atol=atol,
+        rtol=rtol,
+        probes=probes,
+        oracle=oracle_kind,
+        noise_factor=noise,
+        notes=list(notes),
+        max_rel_l2=max_rel_l2,
+        strict=strict,
+    )
+
+
+def _compared(
+    set_name: str, feeds: Mapping[str, np.ndarray], models: tuple, names: Sequence[str], rule: dict
+) -> list[OutputError]:
+    """Each output of input set ``set_name`` compared with the oracle (:func:`compare`);
+    ``models``: the candidate, the reference, and the raw, PyTorch and rounded runs (None where
+    there is none)."""
+    progress.step(f"input set {set_name}")
+    got, ref, *others = _outputs(feeds, *models)
+    return [
+        compare(n, g, r, raw=w, pytorch=t, rounded=h, **rule)
+        for n, g, r, w, t, h in zip(names, got, ref, *others, strict=True)
+    ]
 
 
 def _on_rounded(reference: Model, round_inputs) -> Callable:
