@@ -115,7 +115,7 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
         if parity.max_rel_l2 is not None:
             why += ", or the half-precision allowance reaches 1,"
 
-        console.print(f"[yellow]weak check[/]: output {name!r}'s {why} on " + where)
+        console.print(f"[yellow]weak check[/]: the {why} for output {name!r} on " + where)
     for probe, f in parity.failures()[:10]:
         console.print(
             f"[red]diverges[/]: output {f.output!r} on input set {probe!r}: max abs err "

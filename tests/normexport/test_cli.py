@@ -10,6 +10,7 @@ import signal
 import onnx_ir as ir
 import pytest
 import torch
+from onnx import TensorProto, helper, save
 from torch import nn
 
 import fusion
@@ -393,3 +394,23 @@ def test_in_a_log_the_stages_are_lines_and_the_tables_whole(capsys, tmp_path, mo
     assert lines.index("stage load: started") < lines.index("parity passed")
     assert any(line.startswith("stage parity: ") and " s" in line for line in lines), out
     assert "…" not in out and "optimized" in out, out
+
+
+def test_a_weak_check_is_said_without_a_doubled_quote(capsys, tmp_path):
+    """An output whose reference is constant: 'the reference is constant (within atol) for
+    output 'y'' (it said "output 'y''s reference", a doubled quote)."""
+    zero = helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])
+    graph = helper.make_graph(
+        [helper.make_node("Mul", ["x", "zero"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+        [zero],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    save(model, tmp_path / "m.onnx")
+    code, out, _ = run_cli(capsys, tmp_path / "m.onnx", "-o", tmp_path / "o.onnx", "--no-benchmark")
+    text = " ".join(out.split())
+    assert code == 0 and "the reference is constant (within atol) for output 'y'" in text, out
+    assert "''" not in text
