@@ -165,7 +165,7 @@ def rewrite(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -
         normexport.verdict.rollback.RollbackFailed: the model fails its check with no rewrite.
     """
     progress.step("the passes")
-    fusions = fusion.optimize(raw, **job.policy.keywords())
+    fusions = _passes(job, raw, ref)
     staged = work / job.output.name
     progress.step("saving")
     files.save_model(raw, staged, external_data=job.external)
@@ -191,6 +191,26 @@ def rewrite(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -
         verdicts.get(outcome.path),
         outcome if outcome.undone or outcome.unexplained else None,
     )
+
+
+def _passes(job: Job, raw: ir.Model, ref: Reference) -> fusion.FusionReport:
+    """:func:`fusion.optimize` of ``raw`` under the run's policy. A pass that fails on a model
+    the ONNX checker rejects (a Constant with no value, an attribute no schema has) fails on
+    the file, not on a bug: said as the file's, with the checker's complaint.
+
+    Raises:
+        InputFileError: a pass failed, and the ONNX checker rejects the input.
+    """
+    try:
+        return fusion.optimize(raw, **job.policy.keywords())
+    except Exception as err:
+        level, problem = ref.checker
+        if level == "full":
+            raise  # a valid model: a bug of the passes
+        raise InputFileError(
+            f"{job.opts.model}: the graph passes cannot read this model ({one_line(err)}), and "
+            f"the ONNX checker rejects it: {problem}; fix the file or export it again"
+        ) from None
 
 
 def builder(

@@ -43,3 +43,24 @@ def test_an_input_of_undefined_type_is_refused_with_one_line(tmp_path):
     onnx.save(model, path)
     code = cli.main([str(path), "-o", str(tmp_path / "o.onnx"), "--no-benchmark"])
     assert code == 2
+
+
+def test_a_pass_failing_on_a_model_the_checker_rejects_is_the_files(tmp_path, capsys):
+    """Found by the fuzzer (an attribute renamed): a Constant whose value attribute is
+    ``no_such_attribute`` loads and runs in ONNX Runtime, but onnx-ir's constant folding raises
+    on it: exit 3; now exit 2, the passes' error and the ONNX checker's complaint."""
+    value = onnx.helper.make_tensor("t", onnx.TensorProto.FLOAT, [1], [2.0])
+    constant = onnx.helper.make_node("Constant", [], ["c"], no_such_attribute=value)
+    graph = onnx.helper.make_graph(
+        [constant, onnx.helper.make_node("Add", ["x", "c"], ["y"])],
+        "g",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2])],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    code = cli.main([str(path), "-o", str(tmp_path / "o.onnx"), "--no-benchmark"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "the ONNX checker rejects it" in line, line
