@@ -4,6 +4,7 @@ second)."""
 
 from __future__ import annotations
 
+import functools
 import zipfile
 from pathlib import Path
 
@@ -25,8 +26,17 @@ def detect_kind(path: Path) -> str:
         raise InputFileError(f"{path}: no such file")
     if not path.is_file():
         raise InputFileError(f"{path} is not a regular file (a device, a pipe?): give a model file")
-    if path.stat().st_size == 0:
+    stat = path.stat()
+    if stat.st_size == 0:
         raise InputFileError(f"{path} is empty (0 bytes): was it written completely?")
+    return _kind(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _kind(path: Path, size: int, mtime_ns: int) -> str:
+    """:func:`detect_kind` of a regular, non-empty file, once per file as it is (its size and
+    modification time in the key): the CLI asks before the pipeline, the pipeline's load again,
+    and an ONNX protobuf is parsed whole to tell (exceptions are not cached)."""
     if zipfile.is_zipfile(path):
         with zipfile.ZipFile(path) as archive:
             names = archive.namelist()

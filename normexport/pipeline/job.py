@@ -78,6 +78,7 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
     sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
     if opts.precision != "fp32":
         sets |= precision.overflow_set(sets["example"])
+    threads = opts.threads or latency_threads()
     return Job(
         opts=opts,
         output=output,
@@ -92,6 +93,6 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         already=already_fused(raw),
         computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
-        threads=opts.threads or latency_threads(),
-        policy=fusion_policy(opts.target, provider[0], opts.threads),
+        threads=threads,
+        policy=fusion_policy(opts.target, provider[0], threads),
     )

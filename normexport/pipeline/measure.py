@@ -16,10 +16,7 @@ from normexport.pipeline.job import Job
 from normexport.pipeline.rewrite import Reference, Staged
 from normexport.report import Latency
 from normexport.runtime import memory as runtime_memory
-from normexport.runtime.latency import (
-    counterbalanced,
-    time_interleaved,
-)
+from normexport.runtime.latency import counterbalanced, runner, time_interleaved
 from normexport.verdict import hidden_probe, speed
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
@@ -136,11 +133,13 @@ def latency(
 
 def _twice(opened: dict, feeds: dict) -> dict:
     """``NAME#0`` and ``NAME#1`` -> a callable that runs one of ``opened[NAME]``'s sessions on
-    ``feeds``: each of two sessions, or one session twice."""
+    ``feeds``: each of two sessions, or one session twice. A plain ``session.run``
+    (:func:`~normexport.runtime.latency.runner`): not :func:`normexport.runtime.run`, whose
+    ``--run-timeout`` timer thread, started per call, would be timed with each run."""
     calls = {}
     for name, sessions in opened.items():
         for i, s in enumerate((sessions * 2)[:2]):
-            calls[f"{name}#{i}"] = functools.partial(runtime.run, s, precision.cast_feeds(s, feeds))
+            calls[f"{name}#{i}"] = runner(s, precision.cast_feeds(s, feeds), io_binding=False)[0]
     return calls
 
 
