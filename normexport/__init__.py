@@ -34,6 +34,7 @@ def optimize(
     *,
     output: str | os.PathLike | None = None,
     report: str | os.PathLike | None = None,
+    make_dirs: bool = False,
     input_shape: Sequence[str | Sequence[int]] = (),
     dim: Mapping[str, int] | None = None,
     inputs: str | os.PathLike | None = None,
@@ -68,15 +69,14 @@ def optimize(
             takes them (``model(*args, **kwargs)`` is exported; tensors become the inputs,
             named after ``forward``'s parameters or their keywords; other values stay fixed),
             instead of ``input_shape`` / ``inputs``.
-        output, report: the optimized model's path (``-o``; default MODEL stem +
-            ``.opt.onnx``); the JSON report's, and the latency chart's beside it (``.png``).
+        output, report, make_dirs: the optimized model's path (``-o``; default MODEL stem +
+            ``.opt.onnx``); the JSON report's, and the latency chart's beside it (``.png``);
+            make their missing folders (else an OutputPathError before any work).
         input_shape: one per input in ``forward()`` order, as ``"1,3,224,224"``,
             ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
         dim, inputs: symbolic axis name -> size (ONNX input); an ``.npz`` of example inputs.
-        dynamic, opset, target, provider, threads, exporter, autotune, strict, trust_pickle,
-            model_class, precision, keep_io_types: as the flags (:class:`Options`).
-        benchmark, atol, rtol, budget_s, run_timeout: as the flags (None: their defaults).
         model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
+        the others: as the flags (:class:`Options`; None: their defaults).
 
     Returns:
         The :class:`normexport.report.Report`; ``report.to_dict()`` is the CLI's JSON and

@@ -16,3 +16,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 def rng() -> np.random.Generator:
     """A seeded generator: every test draws the same random weights and statistics."""
     return np.random.default_rng(0)
+
+
+@pytest.fixture
+def out_dir(tmp_path: Path) -> Path:
+    """An empty folder for a run's outputs, apart from its model's (a missing output folder
+    is refused without ``--make-dirs``)."""
+    folder = tmp_path / "out"
+    folder.mkdir()
+    return folder

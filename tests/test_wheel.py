@@ -68,7 +68,7 @@ def _layernorm_model(path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_the_wheel_installs_normexport_and_fusion_and_its_cli_runs(tmp_path):
+def test_the_wheel_installs_normexport_and_fusion_and_its_cli_runs(tmp_path, out_dir):
     wheel = _wheel(tmp_path)
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names if ".dist-info/" not in name}
@@ -78,7 +78,7 @@ def test_the_wheel_installs_normexport_and_fusion_and_its_cli_runs(tmp_path):
     _pip("install", "--no-deps", "--target", str(site), str(wheel))
     model, output, elsewhere = (
         tmp_path / "in" / "m.onnx",
-        tmp_path / "out" / "m.onnx",
+        out_dir / "m.onnx",
         tmp_path / "cwd",
     )
     _layernorm_model(model)

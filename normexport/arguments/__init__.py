@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from normexport.arguments.flags import (
     add_check_arguments,
+    add_make_dirs_argument,
     add_model_arguments,
     add_output_arguments,
     add_provider_arguments,
@@ -37,6 +38,7 @@ __all__ = [
     "DynamicAxes",
     "Options",
     "add_check_arguments",
+    "add_make_dirs_argument",
     "add_model_arguments",
     "add_output_arguments",
     "add_provider_arguments",

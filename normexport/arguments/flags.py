@@ -80,6 +80,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     """Where the main command writes: the model, the report, and the optional explanation."""
     p.add_argument("-o", "--output", type=Path, help="optimized model (default: MODEL.opt.onnx)")
     p.add_argument("--report", type=Path, help="write the report as JSON here (+ a .png chart)")
+    add_make_dirs_argument(p)
     p.add_argument(
         "--explain", action="store_true", help="also list every candidate and what became of it"
     )
@@ -94,6 +95,16 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         "--keep-io-types",
         action="store_true",
         help="with --precision fp16: keep float32 model inputs and outputs (bf16 always does)",
+    )
+
+
+def add_make_dirs_argument(p: argparse.ArgumentParser) -> None:
+    """``--make-dirs``: the output folders that do not exist are made, not refused (main
+    command, bench)."""
+    p.add_argument(
+        "--make-dirs",
+        action="store_true",
+        help="make the folders of the output paths that do not exist (default: refuse them)",
     )
 
 

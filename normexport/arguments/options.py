@@ -31,6 +31,8 @@ class Options:
         output: where to write the optimized model (default: MODEL stem + ``.opt.onnx``).
         report: where the caller will write the JSON report (and ``.png`` chart beside it), or
             None; checked up front so that no output lands on the input or on another.
+        make_dirs: make the folders of ``output`` and ``report`` that do not exist; else such
+            a path is refused before any work (a typo would otherwise make folders).
         input_shape: one :class:`~normexport.io.inputs.InputSpec` per input (``--input-shape``).
         dim: symbolic axis name -> size, for every input axis of that name (``--dim``; ONNX
             input; :mod:`normexport.io.dims`).
@@ -75,6 +77,7 @@ class Options:
     model: Path
     output: Path | None = None
     report: Path | None = None
+    make_dirs: bool = False
     input_shape: tuple[InputSpec, ...] = ()
     dim: dict[str, int] = dataclasses.field(default_factory=dict)
     inputs: Path | None = None

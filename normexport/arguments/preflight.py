@@ -44,7 +44,8 @@ def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
         writes["--report"] = [Path(opts.report), Path(opts.report).with_suffix(".png")]
     for flag, paths in writes.items():
         for path in paths:
-            files.check_writable(path, flag, given=flag != "-o" or opts.output is not None)
+            given = flag != "-o" or opts.output is not None
+            files.check_writable(path, flag, given=given, make_dirs=opts.make_dirs)
     if opts.module is None:
         files.refuse_overwriting([Path(opts.model)], writes)  # before the export (minutes)
     return output, writes

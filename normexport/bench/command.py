@@ -18,6 +18,7 @@ from rich.console import Console
 from normexport import report, runtime
 from normexport.arguments import (
     Options,
+    add_make_dirs_argument,
     add_model_arguments,
     add_provider_arguments,
     add_timing_arguments,
@@ -91,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     p.add_argument("--chart", type=Path, metavar="OUT.png", help="latency vs batch chart")
+    add_make_dirs_argument(p)
     return p
 
 
@@ -129,6 +131,8 @@ def run(args: argparse.Namespace, console: Console) -> int:
     writes = {
         flag: [path] for flag, path in (("--json", args.json), ("--chart", args.chart)) if path
     }
+    for flag, (path,) in writes.items():
+        files.check_writable(path, flag, make_dirs=args.make_dirs)
     files.refuse_overwriting([Path(opts.model)], writes)
     provider, note = runtime.resolve_provider(opts.provider)
     if note:

@@ -70,15 +70,17 @@ def _short(name: str, keep: int = 40) -> str:
     return name if len(name) <= keep + 3 else f"{name[:keep]}..."
 
 
-def check_writable(path: Path, flag: str, given: bool = True) -> None:
+def check_writable(path: Path, flag: str, given: bool = True, make_dirs: bool = False) -> None:
     """Refuse, before any work is done, an output path that cannot be written: a folder, a
     name longer than the file system allows, a folder that is a file or cannot be written
-    (tried by creating and removing a hidden file in it).
+    (tried by creating and removing a hidden file in it), and, unless ``make_dirs``, a folder
+    that does not exist (a typo would otherwise make folders).
 
     Args:
         path: the file to be written.
         flag: the option that names it (``-o``, ``--report``), for the message.
         given: whether the user gave ``flag``; else ``path`` is its default, named so.
+        make_dirs: the missing folders of ``path`` may be made (``--make-dirs``).
 
     Raises:
         OutputPathError: naming ``flag``, the path and the fix.
@@ -105,6 +107,11 @@ def check_writable(path: Path, flag: str, given: bool = True) -> None:
         )
     if not ancestor.is_dir():
         raise OutputPathError(f"{flag} {path}: {ancestor} is a file, not a folder")
+    if ancestor != path.parent and not make_dirs:
+        raise OutputPathError(
+            f"{flag} {path}: the folder {path.parent} does not exist: create it (mkdir -p "
+            f"{path.parent}), or pass --make-dirs"
+        )
     try:  # a real write: permissions, read-only mounts, and root on /sys all tell the truth
         fd, probe = tempfile.mkstemp(dir=ancestor, prefix=".normexport-probe-")
     except OSError as err:

@@ -21,7 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 import normexport
 from normexport.arguments import Options, make_options, options_from_args
 from normexport.cli import build_explain_parser, build_parser
-from normexport.errors import InputFileError, UsageError
+from normexport.errors import InputFileError, OutputPathError, UsageError
 from normexport.report.save import chart
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,9 +65,9 @@ def test_import_is_light():
     assert out.stdout.strip() == "[]"
 
 
-def test_onnx_file_report_fields_and_files(tmp_path):
+def test_onnx_file_report_fields_and_files(tmp_path, out_dir):
     model = _matmul_bn_onnx(tmp_path / "m.onnx")
-    out, json_path = tmp_path / "out" / "m.opt.onnx", tmp_path / "r.json"
+    out, json_path = out_dir / "m.opt.onnx", tmp_path / "r.json"
     report = normexport.optimize(
         model, output=out, report=json_path, benchmark=False, provider="cpu"
     )
@@ -80,6 +80,20 @@ def test_onnx_file_report_fields_and_files(tmp_path):
     assert report.inputs["x"].shape == [2, 4] and report.latency is None
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(report.to_dict()))
     assert not json_path.with_suffix(".png").exists()  # no latency, no chart
+
+
+def test_a_missing_output_folder_is_made_only_when_asked(tmp_path):
+    """``make_dirs``: without it a missing folder is refused before any work and none is
+    made (a typo makes no folders); with it the folders of the model and report are made."""
+    model = _matmul_bn_onnx(tmp_path / "m.onnx")
+    out, json_path = tmp_path / "a" / "b" / "m.onnx", tmp_path / "r" / "r.json"
+    with pytest.raises(OutputPathError, match="the folder .*a/b does not exist.*--make-dirs"):
+        normexport.optimize(model, output=out, benchmark=False, provider="cpu")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx"]
+    report = normexport.optimize(
+        model, output=out, report=json_path, make_dirs=True, benchmark=False, provider="cpu"
+    )
+    assert report.passed and out.is_file() and json_path.is_file()
 
 
 def test_chart_leaves_the_callers_matplotlib_backend_alone(tmp_path):

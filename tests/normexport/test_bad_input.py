@@ -288,7 +288,7 @@ class Case:
 
 SD = ["state.pt", "--model-class", "tinynet:Net"]
 SHAPE = ["--input-shape", "2,8"]
-OUT = ["-o", "out/m.onnx"]
+OUT = ["-o", "out/m.onnx", "--make-dirs"]
 
 CASES = [
     # --- files: missing, empty, damaged, random, hostile, of the wrong kind
@@ -357,8 +357,13 @@ CASES = [
          ("--provider cuda", "--provider cpu"), setup=_no_cuda, fast=False),
     # --- outputs
     Case("output-is-input", [*SD, *SHAPE, "-o", "state.pt"], 2, ("never overwrites",)),
-    Case("output-resolves-to-input", [*SD, *SHAPE, "-o", "new/../state.pt"], 2,
+    Case("output-resolves-to-input", [*SD, *SHAPE, "-o", "new/../state.pt", "--make-dirs"], 2,
          ("never overwrites",)),
+    Case("output-folder-missing", [*SD, *SHAPE, "-o", "no/such/m.onnx"], 2,
+         ("-o no/such/m.onnx: the folder no/such does not exist", "--make-dirs"),
+         absent=("no",)),
+    Case("report-folder-missing", [*SD, *SHAPE, "-o", "m.onnx", "--report", "typo/r.json"], 2,
+         ("--report typo/r.json: the folder typo does not exist",), absent=("m.onnx", "typo")),
     Case("output-is-a-folder", [*SD, *SHAPE, "-o", "adir"], 2, ("-o adir is a folder",)),
     Case("output-under-a-file", [*SD, *SHAPE, "-o", "notes.txt/m.onnx"], 2,
          ("-o notes.txt/m.onnx: notes.txt is a file, not a folder",)),

@@ -271,6 +271,8 @@ def test_cli_bench_usage_errors(model_file, capsys, monkeypatch):
     assert "--variants" in capsys.readouterr().err
     assert cli.main([*base, "--min-runs", "1"]) == EXIT_USAGE
     assert "--min-runs 1: give at least 3" in capsys.readouterr().err
+    assert cli.main([*base, "--chart", "typo/b.png"]) == EXIT_USAGE  # before any timing
+    assert "--chart typo/b.png: the folder typo does not exist" in capsys.readouterr().err
     # bench's own budget, checked by the shared check_options
     assert cli.main([*base, "--provider", "cpu", "--budget", "0"]) == EXIT_USAGE
     assert "--budget 0.0: give a number of seconds > 0" in capsys.readouterr().err

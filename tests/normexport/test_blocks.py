@@ -162,13 +162,15 @@ def _fake_budget(monkeypatch, path: Path, share_of_whole: float) -> None:
     monkeypatch.setattr(memory, "available_bytes", lambda: available)
 
 
-def test_a_small_budget_goes_block_by_block_with_the_same_verdict(tmp_path, rng, monkeypatch):
+def test_a_small_budget_goes_block_by_block_with_the_same_verdict(
+    tmp_path, out_dir, rng, monkeypatch
+):
     """The same model, optimized with room for whole-model parity and with half of it: the
     second says so, runs parity by blocks, and gives the same verdict and final errors."""
     path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6)
-    whole = normexport.optimize(path, output=tmp_path / "a" / "m.onnx", benchmark=False)
+    whole = normexport.optimize(path, output=out_dir / "a.onnx", benchmark=False)
     _fake_budget(monkeypatch, path, 0.6)
-    parted = normexport.optimize(path, output=tmp_path / "b" / "m.onnx", benchmark=False)
+    parted = normexport.optimize(path, output=out_dir / "b.onnx", benchmark=False)
     assert whole.parity.blocks is None and whole.memory.block_bytes is None
     assert parted.memory.block_bytes is not None and len(parted.parity.blocks) >= 2
     assert whole.fusions.counts["rmsnorm_fused"] == parted.fusions.counts["rmsnorm_fused"] == 6
@@ -186,27 +188,31 @@ def _room_to_optimize_only(monkeypatch, path: Path) -> None:
     monkeypatch.setattr(memory, "available_bytes", lambda: int(share / memory.SESSIONS_SHARE))
 
 
-def test_blocks_of_a_file_without_intermediate_types(tmp_path, rng, monkeypatch):
+def test_blocks_of_a_file_without_intermediate_types(tmp_path, out_dir, rng, monkeypatch):
     """A file that annotates no intermediate value (TorchScript exports, Optimum's): each cut
     value gets the element type its block computed, and parity by blocks passes."""
     path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6, annotated=False)
     _fake_budget(monkeypatch, path, 0.6)
-    report = normexport.optimize(path, output=tmp_path / "o" / "m.onnx", benchmark=False)
+    report = normexport.optimize(path, output=out_dir / "m.onnx", benchmark=False)
     assert report.passed and len(report.parity.blocks) >= 2
 
 
-def test_latency_is_not_timed_where_a_deployed_session_does_not_fit(tmp_path, rng, monkeypatch):
+def test_latency_is_not_timed_where_a_deployed_session_does_not_fit(
+    tmp_path, out_dir, rng, monkeypatch
+):
     """Room for the passes but not for a deployed session (its prepacked weights): parity
     runs, the latency is not timed, and the report says why."""
     path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6, d=256)
     _room_to_optimize_only(monkeypatch, path)
-    report = normexport.optimize(path, output=tmp_path / "o" / "m.onnx", budget_s=0.2)
+    report = normexport.optimize(path, output=out_dir / "m.onnx", budget_s=0.2)
     assert report.latency.timings == {} and "latency not timed" in report.latency.apart
     assert report.passed and report.parity.blocks
 
 
 @pytest.mark.parametrize("autotune", [False, True])
-def test_no_room_to_optimize_is_one_line_and_exit_2(tmp_path, rng, monkeypatch, capsys, autotune):
+def test_no_room_to_optimize_is_one_line_and_exit_2(
+    tmp_path, out_dir, rng, monkeypatch, capsys, autotune
+):
     """Where not even the passes fit (or --autotune's deployed sessions do not), the run stops
     before any work: exit 2, one line naming the file, what it needs and what there is."""
     path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6, d=256)
@@ -214,7 +220,7 @@ def test_no_room_to_optimize_is_one_line_and_exit_2(tmp_path, rng, monkeypatch, 
         _room_to_optimize_only(monkeypatch, path)
     else:
         _fake_budget(monkeypatch, path, 0.05)
-    out = tmp_path / "o" / "m.onnx"
+    out = out_dir / "m.onnx"
     code = cli.main([str(path), "-o", str(out), *(["--autotune"] if autotune else [])])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USAGE and len(err) == 1 and str(path) in err[0], err
@@ -250,7 +256,7 @@ def test_cgroup_limits_are_read_v1_and_v2(tmp_path):
     assert memory.cgroup_available(proc2, v2) is None
 
 
-def test_a_pytorch_model_runs_whole_and_the_plan_says_so(tmp_path, rng, monkeypatch):
+def test_a_pytorch_model_runs_whole_and_the_plan_says_so(tmp_path, out_dir, rng, monkeypatch):
     """A PyTorch model is in memory whole: with too little room for whole-model parity, it
     still runs whole (its sessions read their weights from disk), and the plan says so."""
     import torch
@@ -266,6 +272,6 @@ def test_a_pytorch_model_runs_whole_and_the_plan_says_so(tmp_path, rng, monkeypa
     needed = plan_mod.plan(ir.load(exported), "m", "cpu", latency=False, autotune=False)
     available = int(0.9 * needed.parity_bytes / memory.SESSIONS_SHARE)
     monkeypatch.setattr(memory, "available_bytes", lambda: available)
-    report = normexport.optimize(module, (x,), output=tmp_path / "o" / "m.onnx", benchmark=False)
+    report = normexport.optimize(module, (x,), output=out_dir / "m.onnx", benchmark=False)
     assert report.memory.block_bytes is None and report.parity.blocks is None
     assert "runs whole" in report.memory.line and report.passed

@@ -79,9 +79,9 @@ def test_pickled_module_needs_trust(capsys, pickled):
 
 
 @pytest.mark.slow
-def test_pickled_module_end_to_end(capsys, pickled, tmp_path):
+def test_pickled_module_end_to_end(capsys, pickled, tmp_path, out_dir):
     before = digest(pickled)
-    report_path = tmp_path / "out" / "report.json"
+    report_path = out_dir / "report.json"
     code, out, _ = run_cli(
         capsys, pickled, "--trust-pickle", "--input-shape", SHAPE, "--report", report_path, *FAST
     )
@@ -309,7 +309,7 @@ def test_autotune_records_candidates_and_keeps_parity(capsys, tmp_path):
 
 
 @pytest.mark.slow
-def test_autotune_choice_becomes_the_output(capsys, tmp_path, monkeypatch):
+def test_autotune_choice_becomes_the_output(capsys, tmp_path, out_dir, monkeypatch):
     """Where autotune keeps another form than the default, that form is what is written (with
     its own external data) and what parity judges."""
     from normexport.tuning import autotune
@@ -324,7 +324,7 @@ def test_autotune_choice_becomes_the_output(capsys, tmp_path, monkeypatch):
     monkeypatch.setattr(autotune, "autotune", prefer_no_skip_fusion)
     path = tmp_path / "residual.pt"
     torch.save(Residual().eval(), path)
-    out_path = tmp_path / "out" / "residual.opt.onnx"
+    out_path = out_dir / "residual.opt.onnx"
     report_path = tmp_path / "r.json"
     code, out, _ = run_cli(
         capsys, path, "--trust-pickle", "--input-shape", "2,16,32", "--autotune", "-o", out_path,
@@ -380,7 +380,7 @@ def test_exit_codes_are_the_documented_numbers():
     assert errors.exit_status(RuntimeError("boom"))[0] == 3
 
 
-def test_in_a_log_the_stages_are_lines_and_the_tables_whole(capsys, tmp_path, monkeypatch):
+def test_in_a_log_the_stages_are_lines_and_the_tables_whole(capsys, tmp_path, out_dir, monkeypatch):
     """Where the output is no terminal (a pipe, a CI log: capsys here) each stage prints a line
     as it starts and as it ends (time, memory), before the report, and the tables are drawn
     wide enough that no header or number is cut (rich's 80 columns cut them to ``optimi…``)."""
@@ -388,7 +388,7 @@ def test_in_a_log_the_stages_are_lines_and_the_tables_whole(capsys, tmp_path, mo
     model = tmp_path / "in" / "m.onnx"
     model.parent.mkdir()
     torch.onnx.export(make_net().eval(), (torch.randn(2, 3, 8, 8),), model, dynamo=False)
-    code, out, _ = run_cli(capsys, model, "-o", tmp_path / "out" / "m.onnx", "--no-benchmark")
+    code, out, _ = run_cli(capsys, model, "-o", out_dir / "m.onnx", "--no-benchmark")
     assert code == 0, out
     lines = out.splitlines()
     assert lines.index("stage load: started") < lines.index("parity passed")

@@ -49,9 +49,9 @@ def _run(argv, tmp_path):
     return code, json.loads(report.read_text()) if report.exists() else None
 
 
-def test_usual_names_get_their_defaults_and_the_report_says_so(tmp_path, rng):
+def test_usual_names_get_their_defaults_and_the_report_says_so(tmp_path, out_dir, rng):
     path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
-    code, report = _run([str(path), "-o", str(tmp_path / "o" / "m.onnx")], tmp_path)
+    code, report = _run([str(path), "-o", str(out_dir / "m.onnx")], tmp_path)
     assert code == EXIT_OK
     assert report["inputs"]["x"]["shape"] == [1, 16, 8]
     assert report["inputs"]["mask"]["shape"] == [1, 32]  # 16 + 16
@@ -59,22 +59,22 @@ def test_usual_names_get_their_defaults_and_the_report_says_so(tmp_path, rng):
     assert "sequence_length=16" in note and "past_sequence_length=16" in note
 
 
-def test_dim_sets_every_axis_of_that_name_and_their_sums(tmp_path, rng):
+def test_dim_sets_every_axis_of_that_name_and_their_sums(tmp_path, out_dir, rng):
     path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
     given = ["--dim", "sequence_length=3", "--dim", "past_sequence_length=5", "--dim",
              "batch_size=2"]  # fmt: skip
-    code, report = _run([str(path), "-o", str(tmp_path / "o" / "m.onnx"), *given], tmp_path)
+    code, report = _run([str(path), "-o", str(out_dir / "m.onnx"), *given], tmp_path)
     assert code == EXIT_OK
     assert report["inputs"]["x"]["shape"] == [2, 3, 8]
     assert report["inputs"]["mask"]["shape"] == [2, 8]
     assert not [n for n in report["notes"] if "usual size" in n]
 
 
-def test_unknown_axes_are_one_error_with_a_command_that_works(tmp_path, rng, capsys):
+def test_unknown_axes_are_one_error_with_a_command_that_works(tmp_path, out_dir, rng, capsys):
     """An axis of a name with no default: exit 2, one line naming every input and its axes,
     and the command it prints runs."""
     path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng, mask_axis="n_memory + n_text")
-    out = tmp_path / "o" / "m.onnx"
+    out = out_dir / "m.onnx"
     code, _ = _run([str(path), "-o", str(out)], tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USAGE and len(err) == 1, err
@@ -101,12 +101,12 @@ def _paddle_input(path):
     return path
 
 
-def test_the_command_suggested_for_a_paddle_input_runs(tmp_path, capsys):
+def test_the_command_suggested_for_a_paddle_input_runs(tmp_path, out_dir, capsys):
     """``x (-1, 3, ?, ?)``: the suggestion sizes the axes named ``?`` (quoted for the shell)
     and the ``-1`` batch is a batch of 1, not a negative size (it ended the run with exit 3:
     ``negative dimensions are not allowed``)."""
     path = _paddle_input(tmp_path / "in folder" / "ppocr.onnx")
-    out = tmp_path / "o" / "m.onnx"
+    out = out_dir / "m.onnx"
     code, _ = _run([str(path), "-o", str(out)], tmp_path)
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USAGE and "x (-1, 3, ?, ?)" in line, line
@@ -116,7 +116,7 @@ def test_the_command_suggested_for_a_paddle_input_runs(tmp_path, capsys):
     assert code == EXIT_OK and report["inputs"]["x"]["shape"] == [1, 3, 16, 16]
 
 
-def test_an_unnamed_axis_gets_an_input_shape_that_runs(tmp_path, capsys):
+def test_an_unnamed_axis_gets_an_input_shape_that_runs(tmp_path, out_dir, capsys):
     """A ``-1`` past the first axis has no name to size it by: the suggestion gives the input's
     whole shape (the batch 1, the others 16), and it runs."""
     weights = {"w": np.array([0.5, 1.5, 2.0], np.float32).reshape(1, 3, 1)}
@@ -126,7 +126,7 @@ def test_an_unnamed_axis_gets_an_input_shape_that_runs(tmp_path, capsys):
     path = tmp_path / "in" / "m.onnx"
     path.parent.mkdir()
     files.save_model(model, path, external_data=False)
-    out = tmp_path / "o" / "m.onnx"
+    out = out_dir / "m.onnx"
     code, _ = _run([str(path), "-o", str(out)], tmp_path)
     (line,) = capsys.readouterr().err.strip().splitlines()
     command = shlex.split(line.split("e.g.: ", 1)[1])
@@ -143,9 +143,9 @@ def test_an_unnamed_axis_gets_an_input_shape_that_runs(tmp_path, capsys):
         ("sequence_length=0", "expected NAME=SIZE"),
     ],
 )
-def test_a_bad_dim_is_one_line_naming_it(tmp_path, rng, capsys, flag, words):
+def test_a_bad_dim_is_one_line_naming_it(tmp_path, out_dir, rng, capsys, flag, words):
     path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
-    code, _ = _run([str(path), "-o", str(tmp_path / "o" / "m.onnx"), "--dim", flag], tmp_path)
+    code, _ = _run([str(path), "-o", str(out_dir / "m.onnx"), "--dim", flag], tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USAGE and len(err) == 1 and words in err[0] and "--dim" in err[0]
 
@@ -162,7 +162,7 @@ def test_axis_expressions():
     assert dims.names(ir.SymbolicDim("a + b * 2")) == ["a", "b"]
 
 
-def test_sizes_that_disagree_are_named_in_the_error(tmp_path, rng, capsys):
+def test_sizes_that_disagree_are_named_in_the_error(tmp_path, out_dir, rng, capsys):
     """A mask over the past and the new tokens, its axis named apart (as a dynamo export with
     its own ``Dim`` names writes it): sizes given that disagree are the user's to fix, and the
     error says which flags to check."""
@@ -179,7 +179,7 @@ def test_sizes_that_disagree_are_named_in_the_error(tmp_path, rng, capsys):
     path = tmp_path / "in" / "m.onnx"
     path.parent.mkdir(parents=True)
     files.save_model(model, path, external_data=False)
-    out = ["-o", str(tmp_path / "o" / "m.onnx")]
+    out = ["-o", str(out_dir / "m.onnx")]
     code, _ = _run([str(path), *out, "--dim", "past=4", "--dim", "total=4"], tmp_path)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == EXIT_USAGE and len(err) == 1, err

@@ -81,12 +81,13 @@ def test_external_data_from_another_folder_output_moved_and_input_deleted(
     try:
         code = cli.main(
             ["../models/m.onnx", "-o", "../out/m.opt.onnx", "--report", "../out/r.json"]
-            + ["--no-benchmark", "--provider", "cpu"]
+            + ["--no-benchmark", "--provider", "cpu", "--make-dirs"]
         )
     finally:
         os.umask(old_mask)
     assert code == 0
     out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750  # made as mkdir makes it, under the umask
     written = sorted(p.name for p in out.iterdir())
     assert written == ["m.opt.onnx", "m.opt.onnx.data", "r.json"]  # no temp files left
     for name in written:  # what open() gives under the umask, not mkstemp's 0600
@@ -109,15 +110,14 @@ def test_external_data_from_another_folder_output_moved_and_input_deleted(
 
 
 def test_output_without_external_data_replaces_a_stale_data_file(
-    exported_with_external_data, tmp_path
+    exported_with_external_data, tmp_path, out_dir
 ):
     """A small model from a file without external data is written inline; a ``.data`` file
     left beside the output by an earlier run is removed, not left to mislead."""
     model, x, expected = exported_with_external_data
     inline = tmp_path / "inline.onnx"
     files.save_model(ir.load(model), inline, external_data=False)
-    out = tmp_path / "o" / "inline.opt.onnx"
-    out.parent.mkdir()
+    out = out_dir / "inline.opt.onnx"
     files.data_path(out).write_bytes(b"stale")
     assert cli.main([str(inline), "-o", str(out), "--no-benchmark", "--provider", "cpu"]) == 0
     assert not files.data_path(out).exists()
@@ -185,10 +185,10 @@ def _big_model(folder: Path, rows: int, width: int = 64) -> Path:
     return path
 
 
-def test_model_over_2_gib(tmp_path):
+def test_model_over_2_gib(tmp_path, out_dir):
     rows = (2**31 + 2**26) // (64 * 4)  # 2.06 GiB of table
     model = _big_model(tmp_path, rows)
-    out = tmp_path / "out" / "big.opt.onnx"
+    out = out_dir / "big.opt.onnx"
     try:
         code = cli.main([str(model), "-o", str(out), "--no-benchmark", "--provider", "cpu"])
         assert code == 0
@@ -205,7 +205,7 @@ def test_model_over_2_gib(tmp_path):
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "ir_version_99"])
 def test_broken_input_files_are_the_users_to_fix(
-    exported_with_external_data, tmp_path, capsys, damage
+    exported_with_external_data, tmp_path, out_dir, capsys, damage
 ):
     model, _, _ = exported_with_external_data
     data = files.data_path(model)
@@ -217,7 +217,7 @@ def test_broken_input_files_are_the_users_to_fix(
         proto = onnx.load(model, load_external_data=False)
         proto.ir_version = 99
         onnx.save(proto, model)
-    out = tmp_path / "out" / "m.opt.onnx"
+    out = out_dir / "m.opt.onnx"
     code = cli.main([str(model), "-o", str(out), "--no-benchmark", "--provider", "cpu"])
     err = capsys.readouterr().err
     assert code == 2, err
@@ -236,7 +236,7 @@ def test_broken_input_files_are_the_users_to_fix(
     [
         ["m.onnx", "--report", "m.onnx"],
         ["m.onnx", "--report", "m.onnx.data"],
-        ["m.onnx", "-o", "new_dir/../m.onnx"],
+        ["m.onnx", "-o", "new_dir/../m.onnx", "--make-dirs"],
         ["m.onnx", "-o", "o.onnx", "--report", "o.onnx"],
         ["bench", "m.onnx", "--json", "m.onnx"],
         ["bench", "m.onnx", "--chart", "./m.onnx.data"],
@@ -318,7 +318,7 @@ def _external_weight_model(folder: Path, fields: dict[str, int | bool]) -> tuple
     [{}, {"offset": 64}, {"length": True}, {"offset": 64, "length": True}, {"checksum": True}],
     ids=["location", "offset", "length", "offset_length", "checksum"],
 )
-def test_every_legal_external_data_entry_is_read(tmp_path, fields, capsys):
+def test_every_legal_external_data_entry_is_read(tmp_path, out_dir, fields, capsys):
     """ONNX's external data (onnx/docs/ExternalData.md) needs ``location`` only; ``offset``
     (default 0), ``length`` and ``checksum`` are optional. Each combination ONNX Runtime loads
     is a model normexport runs (it once ended a location-only file with exit 3)."""
@@ -328,7 +328,7 @@ def test_every_legal_external_data_entry_is_read(tmp_path, fields, capsys):
         None, {"x": x}
     )
     np.testing.assert_allclose(expected, x @ w, rtol=1e-6)
-    out = tmp_path / "out" / "m.onnx"
+    out = out_dir / "m.onnx"
     code = cli.main([str(path), "-o", str(out), "--no-benchmark", "--provider", "cpu"])
     assert code == 0, capsys.readouterr().out
     (got,) = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"x": x})

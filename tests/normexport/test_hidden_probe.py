@@ -132,7 +132,7 @@ def test_no_lookup_no_probe(tmp_path, rng):
     assert found is None
 
 
-def test_cli_token_ids_get_the_hidden_state_probe(tmp_path, rng, capsys):
+def test_cli_token_ids_get_the_hidden_state_probe(tmp_path, out_dir, rng, capsys):
     """A token-id ONNX file with a hand-written LayerNorm, given from another folder: the fp16
     report has the probe, fed at the embedding, against the cut raw model in float64."""
     given = tmp_path / "given" / "tokens.onnx"
@@ -140,8 +140,7 @@ def test_cli_token_ids_get_the_hidden_state_probe(tmp_path, rng, capsys):
     files.save_model(_token_model(rng), given, external_data=True)
     inputs = tmp_path / "given" / "inputs.npz"
     np.savez(inputs, **_example(rng))
-    out, report = tmp_path / "out" / "t.onnx", tmp_path / "out" / "r.json"
-    out.parent.mkdir()
+    out, report = out_dir / "t.onnx", out_dir / "r.json"
     argv = [given, "--inputs", inputs, "--precision", "fp16", "--no-benchmark"]
     code = cli.main([str(a) for a in [*argv, "-o", out, "--report", report, "--provider", "cpu"]])
     text = capsys.readouterr().out

@@ -142,6 +142,7 @@ def test_transformers_program_through_the_cli(transformers, tmp_path, name):
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     argv = ["--no-benchmark", "--provider", "cpu", "-o", out_dir / "m.onnx", "--report", report]
+    argv.append("--make-dirs")  # as a user who asks for the folders to be made
     result = python("-m", "normexport", str(path), *map(str, argv), cwd=elsewhere)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""

@@ -84,20 +84,20 @@ def nothing_slower(monkeypatch):
     monkeypatch.setattr(speed, "rejection", lambda comparison: None)
 
 
-def test_parity_holds_one_session_at_a_time(tmp_path, rng, alive_at_open):
+def test_parity_holds_one_session_at_a_time(tmp_path, out_dir, rng, alive_at_open):
     """No session is opened while another is alive: the input as written, the float64 oracle,
     the load check and the candidate each run alone (the old run held the input's session
     through the whole run)."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
-    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
+    report = normexport.optimize(model, output=out_dir / "m.onnx", benchmark=False)
     assert report.passed and report.fusions.counts["rmsnorm_fused"] == 1
     assert report.parity.oracle == "onnx_float64", report.parity.notes
     assert len(alive_at_open) >= 4 and max(alive_at_open) == 0, alive_at_open
 
 
-def test_the_report_says_what_each_stage_took(tmp_path, rng):
+def test_the_report_says_what_each_stage_took(tmp_path, out_dir, rng):
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
-    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
+    report = normexport.optimize(model, output=out_dir / "m.onnx", benchmark=False)
     names = [s.name for s in report.cost.stages]
     assert names == ["load", "reference", "optimize", "parity"]
     assert all(s.wall_s >= 0 and s.peak_rss_bytes > 2**20 for s in report.cost.stages)
@@ -107,35 +107,37 @@ def test_the_report_says_what_each_stage_took(tmp_path, rng):
     assert found["peak_rss_bytes"] == max(s.peak_rss_bytes for s in report.cost.stages)
 
 
-def test_latency_apart_where_two_sessions_do_not_fit(tmp_path, rng, monkeypatch, alive_at_open):
+def test_latency_apart_where_two_sessions_do_not_fit(
+    tmp_path, out_dir, rng, monkeypatch, alive_at_open
+):
     """With too little memory for both sessions (available memory faked small), the raw model
     and the output are timed one after the other, never both open, and the report says why."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
     answers = iter([2**40])  # the memory plan, before the run, sees room for everything
     monkeypatch.setattr(memory, "available_bytes", lambda: next(answers, 2**10))
-    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
+    report = normexport.optimize(model, output=out_dir / "m.onnx", budget_s=0.2)
     assert set(report.latency.timings) == {"ort_raw", "ort_optimized"}
     assert "timed one at a time" in report.latency.apart
     assert report.to_dict()["latency_conditions"]["apart"] == report.latency.apart
     assert max(alive_at_open) == 0, alive_at_open
 
 
-def test_latency_interleaved_where_they_fit(tmp_path, rng, alive_at_open, nothing_slower):
+def test_latency_interleaved_where_they_fit(tmp_path, out_dir, rng, alive_at_open, nothing_slower):
     """Room for two sessions of each: raw, optimized, optimized, raw, all four open at once."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
-    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
+    report = normexport.optimize(model, output=out_dir / "m.onnx", budget_s=0.2)
     assert report.latency.apart is None and report.latency.sessions == 2
     assert alive_at_open[-4:] == [0, 1, 2, 3], alive_at_open  # the four timed together
     assert report.to_dict()["latency_conditions"]["sessions_per_model"] == 2
 
 
 def test_latency_one_session_each_where_two_of_each_do_not_fit(
-    tmp_path, rng, monkeypatch, alive_at_open, nothing_slower
+    tmp_path, out_dir, rng, monkeypatch, alive_at_open, nothing_slower
 ):
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng)
     fit = memory.copies_that_fit
     monkeypatch.setattr(memory, "copies_that_fit", lambda paths, p, most: fit(paths, p, 1))
-    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", budget_s=0.2)
+    report = normexport.optimize(model, output=out_dir / "m.onnx", budget_s=0.2)
     assert report.latency.apart is None and report.latency.sessions == 1
     assert alive_at_open[-2:] == [0, 1], alive_at_open  # the two timed together
 
@@ -147,11 +149,11 @@ def test_session_bytes_counts_half_weights_as_float32_on_cpu(tmp_path, rng):
     assert memory.session_bytes(model, "cuda") == half + rest
 
 
-def test_a_float16_model_is_judged_by_the_float16_rule(tmp_path, rng):
+def test_a_float16_model_is_judged_by_the_float16_rule(tmp_path, out_dir, rng):
     """Its float64 oracle keeps its float16 arithmetic: the float16 rule (relative L2) judges
     it, and the report says so."""
     model = _rmsnorm_model(tmp_path / "in" / "m.onnx", rng, dtype=np.float16)
-    report = normexport.optimize(model, output=tmp_path / "out" / "m.onnx", benchmark=False)
+    report = normexport.optimize(model, output=out_dir / "m.onnx", benchmark=False)
     assert report.passed and report.fusions.counts["rmsnorm_fused"] == 1
     assert report.parity.max_rel_l2 == tolerance.FP16_MAX_REL_L2
     assert any("judged by the fp16 rule" in n for n in report.parity.notes)
@@ -216,14 +218,16 @@ def _constant_of_shape(path: Path, elements: int) -> Path:
     return path
 
 
-def test_the_plan_counts_the_tensors_made_from_constant_shapes(tmp_path, capsys, monkeypatch):
+def test_the_plan_counts_the_tensors_made_from_constant_shapes(
+    tmp_path, out_dir, capsys, monkeypatch
+):
     """An 8 GiB ConstantOfShape of a constant shape passed the plan (it counted weights only)
     and grew past 6 GiB before anything said so: the plan names it, exit 2, before any work."""
     big = _constant_of_shape(tmp_path / "in" / "big.onnx", 2**31)
     made, maker = plan.made_tensor(ir.load(big))
     assert made == 2**33 and maker.startswith("ConstantOfShape"), maker
     monkeypatch.setattr(memory, "available_bytes", lambda: 16 * 2**30)  # any machine's answer
-    code = cli.main([str(big), "-o", str(tmp_path / "out" / "m.onnx"), "--no-benchmark"])
+    code = cli.main([str(big), "-o", str(out_dir / "m.onnx"), "--no-benchmark"])
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "ConstantOfShape" in line and "8.00 GiB" in line, line
     small = _constant_of_shape(tmp_path / "in" / "small.onnx", 16)

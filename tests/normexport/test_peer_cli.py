@@ -54,11 +54,11 @@ SHAPES = {"layer_norm.onnx": ["--input-shape", "X=4x8", "--input-shape", "Scale=
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.name for p in FILES])
-def test_peer_file_through_the_cli(path, tmp_path, monkeypatch, capsys):
+def test_peer_file_through_the_cli(path, tmp_path, out_dir, monkeypatch, capsys):
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    out = tmp_path / "out" / path.name.replace(".onnx", ".opt.onnx")
-    report = tmp_path / "out" / "report.json"
+    out = out_dir / path.name.replace(".onnx", ".opt.onnx")
+    report = out_dir / "report.json"
     args = [str(path), "-o", str(out), "--report", str(report), "--no-benchmark"]
     code = cli.main([*args, "--provider", "cpu", *SHAPES.get(path.name, [])])
     err = capsys.readouterr().err

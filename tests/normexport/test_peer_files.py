@@ -42,12 +42,12 @@ FIELD_SHAPES = [
 
 
 @pytest.mark.parametrize("path", [*PEER, FIELD], ids=lambda p: p.name if p in PEER else "field")
-def test_files_made_by_others_pass_with_no_warning(path, tmp_path, monkeypatch):
+def test_files_made_by_others_pass_with_no_warning(path, tmp_path, out_dir, monkeypatch):
     if not path.exists():
         pytest.skip(f"{path} is missing: ../shared/ is not beside this checkout")
     monkeypatch.chdir(tmp_path)  # another folder than the model's
     shapes = FIELD_SHAPES if path == FIELD else []
-    run = {"output": tmp_path / "out" / "m.onnx", "benchmark": False, "provider": "cpu"}
+    run = {"output": out_dir / "m.onnx", "benchmark": False, "provider": "cpu"}
     if path.name in REFUSED:
         with pytest.raises(UsageError, match=REFUSED[path.name]):
             normexport.optimize(path, input_shape=shapes, **run)

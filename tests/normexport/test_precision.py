@@ -419,7 +419,7 @@ def test_unknown_precision_and_stray_keep_io_types_are_refused(tmp_path, capsys)
     assert "--precision fp16" in capsys.readouterr().err
 
 
-def test_bf16_below_opset_13_is_refused_with_the_fix(tmp_path, capsys):
+def test_bf16_below_opset_13_is_refused_with_the_fix(tmp_path, out_dir, capsys):
     """An old export (opset 10, as ONNX Runtime's own test files): no Cast to bfloat16 exists
     there, so the refusal names the opset and what to do, exit 2."""
     model = make_model(
@@ -427,8 +427,7 @@ def test_bf16_below_opset_13_is_refused_with_the_fix(tmp_path, capsys):
     )
     path = tmp_path / "old.onnx"
     files.save_model(model, path, external_data=False)
-    out = tmp_path / "out" / "m.onnx"
-    out.parent.mkdir()
+    out = out_dir / "m.onnx"
     argv = [str(path), "--precision", "bf16", "--no-benchmark", "-o", str(out)]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err

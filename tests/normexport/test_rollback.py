@@ -206,15 +206,15 @@ class Levit(nn.Module):
 
 
 @pytest.mark.slow
-def test_attention_onnx_runtime_rejects_is_rolled_back(tmp_path, capsys):
+def test_attention_onnx_runtime_rejects_is_rolled_back(tmp_path, out_dir, capsys):
     """LeViT saved with torch.export.save, as the issue had it; with the key/value shape check
     of fusion.fuse_attention off, every fused attention is one ONNX Runtime cannot run: each is
     undone (rejected_by_runtime, ONNX Runtime's message), the rest kept, exit 0."""
     path = tmp_path / "given" / "levit.pt2"
     path.parent.mkdir()
     torch.export.save(torch.export.export(Levit(), (torch.randn(1, 3, 32, 32),)), path)
-    report_path = tmp_path / "out" / "report.json"
-    args = [str(path), "--no-benchmark", "-o", str(tmp_path / "out" / "levit.onnx")]
+    report_path = out_dir / "report.json"
+    args = [str(path), "--no-benchmark", "-o", str(out_dir / "levit.onnx")]
     args += ["--report", str(report_path), "--provider", "cpu"]
     assert cli.main(args) == 0  # the fix: nothing to undo
     clean = json.loads(report_path.read_text())

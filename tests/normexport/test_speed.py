@@ -93,14 +93,14 @@ def test_slower_only_beyond_the_controls_spread():
         compare(raw[:1], raw)
 
 
-def test_a_rewrite_made_slower_is_undone(tmp_path, rng, capsys):
+def test_a_rewrite_made_slower_is_undone(tmp_path, out_dir, rng, capsys):
     """The fused LayerNormalization made some ten times slower (exactly): the verdict finds
     it, undoes it (``slower_here`` with the ratio and its interval) and publishes the model
     without it, not slower, parity judged anew. (The BatchNorm fold is kept but for a timing
     that calls it slower too, a measured call: that the search isolates the one responsible is
     tested exactly on the stand-in of tests/normexport/test_rollback.py.)"""
     model = _layernorm_matmul_bn(tmp_path / "in" / "m.onnx", rng)
-    out, report_path = tmp_path / "out" / "m.onnx", tmp_path / "r.json"
+    out, report_path = out_dir / "m.onnx", tmp_path / "r.json"
     args = [str(model), "-o", str(out), "--report", str(report_path), "--provider", "cpu"]
     # a budget the search cannot run out of on a busy machine (it would undo both, safely):
     # the timings stop at 500 rounds, a few seconds here
@@ -125,15 +125,15 @@ def test_a_rewrite_made_slower_is_undone(tmp_path, rng, capsys):
     assert report["parity"]["passed"] and "slower here" in text and "layernorm_fused at" in text
 
 
-def test_a_model_nothing_made_slower_is_published_unchanged(tmp_path, rng, capsys):
+def test_a_model_nothing_made_slower_is_published_unchanged(tmp_path, out_dir, rng, capsys):
     """Timed and not slower: the very file a run without timing writes, nothing undone."""
     model = _layernorm_matmul_bn(tmp_path / "in" / "m.onnx", rng)
-    plain = normexport.optimize(model, output=tmp_path / "a" / "m.onnx", benchmark=False)
-    args = [str(model), "-o", str(tmp_path / "b" / "m.onnx"), "--provider", "cpu"]
+    plain = normexport.optimize(model, output=out_dir / "a.onnx", benchmark=False)
+    args = [str(model), "-o", str(out_dir / "b.onnx"), "--provider", "cpu"]
     assert cli.main([*args, "--report", str(tmp_path / "r.json"), "--budget", "0.5"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     report = json.loads((tmp_path / "r.json").read_text())
-    assert (tmp_path / "b" / "m.onnx").read_bytes() == plain.output.read_bytes()
+    assert (out_dir / "b.onnx").read_bytes() == plain.output.read_bytes()
     speed = report["speed"]
     assert speed["checked"] and not speed["as_optimized"]["slower"] and not speed["undone"]
     assert speed["models_timed"] == 1 and speed["published"] == speed["as_optimized"]
