@@ -12,7 +12,9 @@ is what ``Attention`` computes from 4-D ``Q``, ``K``, ``V`` and ``attn_mask`` wi
 ``q_num_heads = kv_num_heads = 1``). The op takes the tensors as they are, so the projections
 and the split into heads (Reshape / Transpose, Split, Slice, a packed in-projection,
 cross-attention from other tensors, with or without bias) are not matched: only the core
-around each Softmax (:mod:`.core`).
+around each Softmax (:mod:`.core`). Where the heads are a view of the projections and are merged
+back after, the op takes the projections in its 3-D form instead, without the Transposes
+(:mod:`.layout`).
 
 What is fused
 -------------

@@ -6,9 +6,16 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, dims, label, remove_nodes, replace_output
+from fusion._ir import (
+    add_initializer,
+    dims,
+    drop_if_unused,
+    label,
+    remove_nodes,
+    replace_output,
+)
 from fusion.fuse_gqa import standard
-from fusion.fuse_sdpa import core
+from fusion.fuse_sdpa import core, layout
 from fusion.fuse_sdpa.masks import Mask, View
 
 
@@ -19,22 +26,58 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     inserted: list[ir.Node] = []
     key, value = (operand(o, inserted, graph) for o in (match.key, match.value))
     inputs = [match.query, key, value]
-    if match.mask is not None:
-        inputs.append(attn_mask(graph, match.mask, match.query, key, inserted, shared))
     attributes = {"scale": match.scale}
     if match.rank == 3:
         attributes |= {"q_num_heads": 1, "kv_num_heads": 1}
+    merged = _three_d(graph, match, inputs, inserted, attributes)
+    if match.mask is not None:
+        inputs.append(attn_mask(graph, match.mask, inputs[0], inputs[1], inserted, shared))
     fused = ir.node("Attention", inputs, attributes, name=f"{label(match.softmax)}_Attention")
     inserted.append(fused)
     out = fused.outputs[0]
     if match.transposed:
         out = operand(core.Operand(out, core.swap(match.rank)), inserted, graph)
-    out.type = match.output.type
     graph.insert_before(match.nodes[-1], inserted)
-    replace_output(graph, match.output, out)
+    if merged is None:
+        out.type = match.output.type
+        replace_output(graph, match.output, out)
+    else:
+        out.dtype, y = match.output.dtype, dims(match.output)
+        if isinstance(y[1], int) and isinstance(y[3], int):
+            out.shape = ir.Shape([y[0], y[2], y[1] * y[3]])
+        for reshape in merged:
+            reshape.replace_input_with(0, out)
+        _drop_unread(graph, [use.node for use in match.output.uses()])
     remove_nodes(graph, match.nodes[::-1])
     _drop_unread(graph, match.side)
     return f"Attention (opset {standard.OPSET})"
+
+
+def _three_d(
+    graph: ir.Graph, match, inputs: list[ir.Value], inserted: list[ir.Node], attributes: dict
+) -> list[ir.Node] | None:
+    """Where ``Q``, ``K``, ``V`` are all views of the tensors before their split into heads and
+    the output's heads are merged back (:mod:`.layout`), put those tensors in ``inputs`` (the
+    4-D views' new nodes out of ``inserted``, their other nodes to ``match.side``), the head
+    counts in ``attributes``, and return the Reshapes that merge the output's heads, to read
+    the 3-D output instead; else None."""
+    if match.rank != 4 or match.transposed:
+        return None
+    views = [layout.of(v) for v in inputs]
+    merged = layout.merged_readers(match.output)
+    if merged is None or any(v is None for v in views):
+        return None
+    for node in [n for n in inserted if n.outputs[0] in inputs]:  # a 4-D view made above
+        inserted.remove(node)
+        sources = list(node.inputs)
+        for index in range(len(sources)):
+            node.replace_input_with(index, None)
+        for value in sources:
+            drop_if_unused(graph, value)
+    inputs[:] = [layout.source(v, graph, inserted) for v in views]
+    attributes |= {"q_num_heads": views[0].heads, "kv_num_heads": views[1].heads}
+    match.side += [node for view in views for node in view.nodes]
+    return merged
 
 
 def operand(found: core.Operand, inserted: list[ir.Node], graph: ir.Graph) -> ir.Value:

@@ -178,3 +178,42 @@ def test_torchscript_at_opset_17_is_refused_and_left_as_it_was(rng):
     assert report.counts["sdpa_fused"] == 0
     assert report.codes("attention") == ["opset_too_low"] * 4, report.refused
     assert model.opset_imports[""] == 17
+
+
+class AttentionPool(nn.Module):
+    """open_clip's ``AttentionPool2d`` (RN50's head), after its source: the mean token and
+    the grid's, positions added, sequence first, ``nn.MultiheadAttention``, token 0 out."""
+
+    def __init__(self, dim=32, heads=4, grid=3):
+        super().__init__()
+        self.positions = nn.Parameter(torch.randn(grid * grid + 1, dim) / dim**0.5)
+        self.mha = nn.MultiheadAttention(dim, heads)
+
+    def forward(self, x):
+        x = x.flatten(2).permute(2, 0, 1)
+        x = torch.cat([x.mean(dim=0, keepdim=True), x]) + self.positions[:, None]
+        return self.mha(x, x, x, need_weights=False)[0][0]
+
+
+def test_heads_split_by_a_view_take_attentions_3d_form(rng):
+    """diffusers' cross-attention (batch first) and open_clip's attention pooling at batch 1
+    (sequence first): Attention takes the projections as they are, 3-D, with no Transpose of
+    the heads left, and gives the library's numbers."""
+    torch.manual_seed(0)
+    shapes = {"tokens": (2, 5, 32), "context": (2, 9, 24), "grid": (1, 32, 3, 3)}
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    for module, names in ((CrossAttention(), ["tokens", "context"]), (AttentionPool(), ["grid"])):
+        module.eval()
+        given = {n: feeds[n] for n in names}
+        model = _export(module, given, exporter="dynamo")
+        report = fusion.optimize(model, target="onnx")
+        assert report.counts["sdpa_fused"] == 1, report.refused
+        (node,) = [n for n in model.graph if n.op_type == "Attention"]
+        assert [len(v.shape) for v in node.inputs[:3]] == [3, 3, 3]
+        assert node.attributes["q_num_heads"].value == 4
+        assert not [
+            n for n in model.graph if n.op_type == "Transpose" and len(n.inputs[0].shape) == 4
+        ]
+        with torch.no_grad():
+            expected = module(*(torch.from_numpy(a) for a in given.values()))
+        assert_close(run(model, given), [expected.numpy()], atol=1e-5, rtol=1e-4)

@@ -602,3 +602,98 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
         fusion.Policy(threads=0)
     assert registry.policy("ort", "cpu", 4).threads == 4
     assert registry.policy("ort", "cuda", 4).threads == 1
+
+
+E = N * H  # the width before the split into heads
+
+
+def _views_model(rng, layout: str, reader: str = "merged", batch: int = B):
+    """Projections of ``x``, their split into heads by a view, the scaled attention, its heads
+    merged back: ``batch_first`` (``x`` ``(batch, S, E)``: transformers, diffusers) or
+    ``sequence_first`` (``x`` ``(S, batch, E)``: torch's decomposition of
+    ``nn.MultiheadAttention``). ``reader``: ``merged`` (Transpose, Reshape), ``wrong_order``
+    (a Transpose to ``(B, S, H, N)``), ``also_4d`` (the attention's output is an output too)."""
+    inits = {f"w{t}": rng.standard_normal((E, E)).astype(np.float32) / 4 for t in "qkv"}
+    inits["scale"] = np.array(SCALE, np.float32)
+    if layout == "batch_first":
+        x, merged = (batch, S, E), (batch, S, E)
+        inits["split"] = np.array([batch, S, N, H], np.int64)
+        nodes = [
+            n
+            for t in "qkv"
+            for n in (
+                ("MatMul", ["x", f"w{t}"], [f"p{t}"], {}),
+                ("Reshape", [f"p{t}", "split"], [f"s{t}"], {}),
+                ("Transpose", [f"s{t}"], [t], {"perm": [0, 2, 1, 3]}),
+            )
+        ]
+        back = [0, 2, 1, 3] if reader != "wrong_order" else [0, 2, 3, 1]
+    else:
+        x, merged = (S, batch, E), (S * batch, E)
+        inits["split"] = np.array([S, batch * N, H], np.int64)
+        inits["heads"] = np.array([batch, N, S, H], np.int64)
+        nodes = [
+            n
+            for t in "qkv"
+            for n in (
+                ("MatMul", ["x", f"w{t}"], [f"p{t}"], {}),
+                ("Reshape", [f"p{t}", "split"], [f"s{t}"], {}),
+                ("Transpose", [f"s{t}"], [f"h{t}"], {"perm": [1, 0, 2]}),
+                ("Reshape", [f"h{t}", "heads"], [t], {}),
+            )
+        ]
+        back = [2, 0, 1, 3]
+    inits["merged"] = np.array(merged, np.int64)
+    nodes += [
+        *_scaled("scores"),
+        ("Softmax", ["scores"], ["p"], {"axis": -1}),
+        ("MatMul", ["p", "v"], ["y"], {}),
+        ("Transpose", ["y"], ["yt"], {"perm": back}),
+        ("Reshape", ["yt", "merged"], ["out"], {}),
+    ]
+    outputs = {"out": (F, None)} | ({"y": (F, None)} if reader == "also_4d" else {})
+    model = make_model(nodes, {"x": (F, x)}, outputs, inits, opset=20)
+    return model, {"x": rng.standard_normal(x).astype(np.float32)}
+
+
+def _attention_node(model):
+    (node,) = [n for n in model.graph if n.op_type == "Attention"]
+    return node
+
+
+@pytest.mark.parametrize(
+    ("layout", "batch"), [("batch_first", B), ("batch_first", 1), ("sequence_first", 1)]
+)
+def test_heads_made_by_a_view_are_attentions_3d_form_without_transposes(rng, layout, batch):
+    """Where Q, K, V are views of the projections split into heads and the output's heads are
+    merged back, Attention takes the projections (3-D, ``q_num_heads``) and gives the merged
+    tensor: no Transpose is left, the numbers are the graph's."""
+    model, feeds = _views_model(rng, layout, batch=batch)
+    (before,) = run(model, feeds)
+    report = fusion.optimize(model, target="onnx")
+    assert report.counts["sdpa_fused"] == 1, report.refused
+    node = _attention_node(model)
+    assert [len(v.shape) for v in node.inputs[:3]] == [3, 3, 3]
+    assert node.attributes["q_num_heads"].value == node.attributes["kv_num_heads"].value == N
+    assert "Transpose" not in ops(model), ops(model)
+    fusion.check(model)
+    assert_close(run(model, feeds), [before])
+
+
+@pytest.mark.parametrize(
+    ("layout", "reader", "batch"),
+    [
+        ("sequence_first", "merged", 2),  # the batch is no reshape away from the sequence
+        ("batch_first", "wrong_order", B),  # heads merged as (B, S, H, N)
+        ("batch_first", "also_4d", B),  # the 4-D output is read as it is
+    ],
+)
+def test_views_that_are_not_the_3d_form_keep_the_4d_form(rng, layout, reader, batch):
+    """Fused all the same, with the 4-D tensors, exact."""
+    model, feeds = _views_model(rng, layout, reader, batch)
+    before = run(model, feeds)
+    report = fusion.optimize(model, target="onnx")
+    assert report.counts["sdpa_fused"] == 1, report.refused
+    assert [len(v.shape) for v in _attention_node(model).inputs[:3]] == [4, 4, 4]
+    fusion.check(model)
+    assert_close(run(model, feeds), before)

@@ -1,0 +1,124 @@
+"""``Attention``'s 3-D form where the heads are a view: the tensors before the split into heads.
+
+ONNX's ``Attention`` takes ``Q``, ``K``, ``V`` either 4-D ``(B, N, S, H)`` or 3-D ``(B, S, N*H)``
+with ``q_num_heads`` / ``kv_num_heads`` (Operators.md, Attention-23); its output has the form of
+``Q``. The 3-D form is the 4-D one with each tensor read through the view ``(B, S, N*H) ->
+(B, S, N, H) -> Transpose(0, 2, 1, 3)``, so where the model makes its 4-D tensors by that view
+(and merges the heads of the output back by its inverse), the 3-D form computes the same numbers
+without the Transposes: ONNX Runtime's CPU kernel reads the heads of a 3-D tensor in place
+(strided GEMMs, ``AttentionGemm``'s ``lda > K``, onnxruntime/core/providers/cpu/llm/
+attention.cc), where each Transpose is a copy of the tensor. Two views are recognized:
+
+* batch first, ``Transpose(Reshape(x, (B, S, N, H)), (0, 2, 1, 3))`` with ``x`` ``(B, S, N*H)``
+  (transformers, diffusers, whisper, open_clip's ViT);
+* sequence first at batch 1, ``Reshape(Transpose(Reshape(x, (S, N, H)), (1, 0, 2)), (1, N, S,
+  H))`` with ``x`` ``(S, 1, N*H)`` (torch's decomposition of ``nn.MultiheadAttention``'s
+  attention, as open_clip's attention pooling runs it): ``x`` is ``(1, S, N*H)`` reshaped.
+
+The output side: every reader of the 4-D output a Transpose whose result is read by Reshapes
+only, that Transpose ordering the axes of static size other than 1 as ``(B, S, N, H)`` does:
+the Reshapes then read the 3-D output in the same element order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx_ir as ir
+
+from fusion._ir import add_initializer, dims, producer, same_dim
+
+
+@dataclasses.dataclass
+class Heads:
+    """A 4-D ``(B, N, S, H)`` tensor as a view of ``source``, 3-D ``(B, S, N*H)`` (or, where
+    ``shape`` is set, ``Reshape(source, shape)`` is), by ``nodes``."""
+
+    source: ir.Value
+    heads: int
+    nodes: list[ir.Node]
+    shape: tuple[int, ...] | None = None
+
+
+def of(value: ir.Value) -> Heads | None:
+    """``value`` (4-D) as a view of the tensor before its split into heads, or None."""
+    out = dims(value)
+    if out is None or len(out) != 4 or not all(isinstance(d, int) for d in out[1::2]):
+        return None
+    heads, size = out[1], out[3]
+    transpose = producer(value, "Transpose")
+    if transpose is not None:
+        split = producer(transpose.inputs[0], "Reshape")
+        if split is None or tuple(transpose.attributes.get_ints("perm", ())) != (0, 2, 1, 3):
+            return None
+        x = dims(split.inputs[0])
+        if x is None or len(x) != 3 or not (same_dim(x[0], out[0]) and same_dim(x[1], out[2])):
+            return None
+        return Heads(split.inputs[0], heads, [transpose, split]) if x[2] == heads * size else None
+    return _sequence_first(value, out)
+
+
+def _sequence_first(value: ir.Value, out: list) -> Heads | None:
+    """The sequence-first view at batch 1 (see the module docstring), or None."""
+    back = producer(value, "Reshape")
+    transpose = producer(back.inputs[0], "Transpose") if back is not None else None
+    split = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
+    if split is None or tuple(transpose.attributes.get_ints("perm", ())) != (1, 0, 2):
+        return None
+    x, heads, size = dims(split.inputs[0]), out[1], out[3]
+    if x is None or len(x) != 3 or x[1] != 1 or x[2] != heads * size:
+        return None
+    parts = dims(split.outputs[0])
+    if parts is None or not same_dim(parts[0], out[2]) or list(parts[1:]) != [heads, size]:
+        return None
+    return Heads(split.inputs[0], heads, [back, transpose, split], (1, -1, heads * size))
+
+
+def merged_readers(value: ir.Value) -> list[ir.Node] | None:
+    """The Reshapes that read ``value``'s heads merged back (see the module docstring), or
+    None where anything else reads it."""
+    out = dims(value)
+    if out is None or len(out) != 4 or value.is_graph_output():
+        return None
+    readers = [use.node for use in value.uses()]
+    reshapes = []
+    for node in readers:
+        if node.op_type != "Transpose" or node.domain != "" or node.outputs[0].is_graph_output():
+            return None
+        perm = tuple(node.attributes.get_ints("perm", ()))
+        if not _same_order(perm, out):
+            return None
+        after = list(node.outputs[0].uses())
+        if not after or not all(_reshaped(use) for use in after):
+            return None
+        reshapes += [use.node for use in after]
+    return reshapes or None
+
+
+def _reshaped(use) -> bool:
+    """Whether ``use`` (a value's use) is the data input of an ONNX Reshape."""
+    return use.node.op_type == "Reshape" and use.node.domain == "" and use.idx == 0
+
+
+def _same_order(perm: tuple[int, ...], shape: list) -> bool:
+    """Whether ``Transpose(x, perm)`` of ``x`` of ``shape`` ``(B, N, S, H)`` lays out its
+    elements as ``(B, S, N, H)`` does: the axes not of static size 1 in the same order."""
+    if sorted(perm) != [0, 1, 2, 3]:
+        return False
+    moved = [axis for axis in perm if shape[axis] != 1]
+    return moved == [axis for axis in (0, 2, 1, 3) if shape[axis] != 1]
+
+
+def source(heads: Heads, graph: ir.Graph, inserted: list[ir.Node]) -> ir.Value:
+    """The 3-D tensor of ``heads``: its source, or a new Reshape of it (appended to
+    ``inserted``)."""
+    if heads.shape is None:
+        return heads.source
+    shape = add_initializer(graph, "attn_bsd_shape", np.array(heads.shape, np.int64))
+    reshape = ir.node("Reshape", [heads.source, shape])
+    x = dims(heads.source)
+    out = reshape.outputs[0]
+    out.shape, out.dtype = ir.Shape([1, x[0], x[2]]), heads.source.dtype
+    inserted.append(reshape)
+    return out
