@@ -8,9 +8,8 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from fusion import TARGETS
-from normexport.arguments.options import Options, make_options
-from normexport.verdict.parity import NOISE_WARN_FACTOR
+from normexport.arguments.options import PRECISIONS, TARGETS, Options, make_options
+from normexport.verdict.tolerance import NOISE_WARN_FACTOR
 
 
 def _default(name: str) -> Any:
@@ -86,7 +85,7 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--precision",
-        choices=["fp32", "fp16", "bf16"],
+        choices=PRECISIONS,
         default=_default("precision"),
         help="write the model in this precision (fp16, bf16: norms keep float32 statistics; "
         "bf16 needs bfloat16 kernels on the provider, refused on CPU; see docs/precision.md)",

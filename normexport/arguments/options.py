@@ -14,11 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from fusion import TARGETS
 from normexport.errors import UsageError
 from normexport.io import dims
 from normexport.io.inputs import InputSpec, parse_input_shape
-from normexport.verdict.parity import DEFAULT_ATOL, DEFAULT_RTOL
+from normexport.verdict.tolerance import DEFAULT_ATOL, DEFAULT_RTOL
+
+#: The fusion targets, as :data:`fusion.TARGETS` names them (a test holds the two equal): the
+#: options are checked before ``fusion`` is imported (it loads onnxscript and ONNX Runtime,
+#: about a second), so that a mistake answers at once.
+TARGETS = ("ort", "onnx")
+
+#: The values of ``--precision`` (:mod:`normexport.precision`; whether ``bf16`` can be delivered
+#: is asked of ONNX Runtime when converting).
+PRECISIONS = ("fp32", "fp16", "bf16")
 
 
 @dataclasses.dataclass
@@ -232,14 +240,13 @@ def check_options(opts: Options) -> None:
     Raises:
         UsageError: naming the option and its valid range.
     """
-    from normexport import precision, runtime  # ONNX and ONNX Runtime: imported on first use
-
     if opts.target not in TARGETS:
         raise UsageError(f"--target {opts.target!r}: choose one of {', '.join(TARGETS)}")
+    if opts.precision not in PRECISIONS:
+        raise UsageError(f"--precision {opts.precision!r}: choose one of {', '.join(PRECISIONS)}")
     for flag, value in (("--atol", opts.atol), ("--rtol", opts.rtol)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
-    precision.check_precision(opts.precision)
     if opts.keep_io_types and opts.precision == "fp32":
         raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
     if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
@@ -248,8 +255,18 @@ def check_options(opts: Options) -> None:
         raise UsageError(f"--run-timeout {opts.run_timeout}: give a number of seconds > 0")
     if opts.threads is not None and opts.threads < 1:
         raise UsageError(f"--threads {opts.threads}: give a number of threads >= 1")
-    # ONNX Runtime guarantees opset 7 and up; the newest is what this onnx and ORT both load
-    if opts.opset is not None and not 7 <= opts.opset <= runtime.max_opset():
-        raise UsageError(
-            f"--opset {opts.opset}: give an ai.onnx opset from 7 to {runtime.max_opset()}"
-        )
+    if opts.opset is not None:
+        _check_opset(opts.opset)
+
+
+def _check_opset(opset: int) -> None:
+    """Refuse an ai.onnx opset ONNX Runtime cannot load: it guarantees 7 and up; the newest is
+    what this onnx and ONNX Runtime both load (asked of them: imported here, not before).
+
+    Raises:
+        UsageError: naming ``--opset`` and the range.
+    """
+    from normexport import runtime
+
+    if not 7 <= opset <= runtime.max_opset():
+        raise UsageError(f"--opset {opset}: give an ai.onnx opset from 7 to {runtime.max_opset()}")

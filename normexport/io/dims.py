@@ -15,10 +15,12 @@ from __future__ import annotations
 import ast
 import shlex
 from collections.abc import Iterable, Mapping, Sequence
-
-import onnx_ir as ir
+from typing import TYPE_CHECKING
 
 from normexport.errors import UsageError
+
+if TYPE_CHECKING:  # the CLI checks its options before onnx_ir is imported (half a second)
+    import onnx_ir as ir
 
 #: Usual symbolic axis names and the sizes they get where ``--dim`` gives none.
 USUAL = {

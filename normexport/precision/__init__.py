@@ -52,7 +52,6 @@ rounded to the half type). The names the rest of normexport uses are imported he
 
 from normexport.precision.convert import (
     PrecisionReport,
-    check_precision,
     computes_in,
     model_bytes,
     to_half,
@@ -69,7 +68,6 @@ __all__ = [
     "OVERFLOW_PROBE",
     "PrecisionReport",
     "cast_feeds",
-    "check_precision",
     "computes_in",
     "model_bytes",
     "overflow_set",

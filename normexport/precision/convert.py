@@ -29,7 +29,6 @@ from normexport.precision.bfloat16 import to_bfloat16
 from normexport.precision.kept import KeptFloat32, kept_float32
 
 #: ``--precision`` values; ``fp32`` is the model as optimized.
-PRECISIONS = ("fp32", "fp16", "bf16")
 #: The first ai.onnx opset whose ops take bfloat16 (Cast-13, Add-13, MatMul-13, ...).
 BF16_MIN_OPSET = 13
 #: Protobuf's limit on one serialized message.
@@ -60,17 +59,6 @@ class PrecisionReport:
     def to_dict(self) -> dict:
         """JSON form (``docs/report.md``, ``precision``)."""
         return dataclasses.asdict(self)
-
-
-def check_precision(precision: str) -> None:
-    """Refuse an unknown ``--precision`` (whether ``bf16`` can be delivered is asked of ONNX
-    Runtime when converting, :func:`to_half`).
-
-    Raises:
-        UsageError: a value not in :data:`PRECISIONS`.
-    """
-    if precision not in PRECISIONS:
-        raise UsageError(f"--precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
 
 
 #: Half-precision initializer types, by the ``--precision`` name of their rule.

@@ -18,8 +18,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+import fusion
 import normexport
-from normexport.arguments import Options, make_options, options_from_args
+from normexport.arguments import Options, make_options, options, options_from_args
 from normexport.cli import build_explain_parser, build_parser
 from normexport.errors import InputFileError, OutputPathError, UsageError
 from normexport.report.save import chart
@@ -177,6 +178,11 @@ def test_flags_keywords_and_fields_are_one_set_of_names():
     keywords = set(inspect.signature(normexport.optimize).parameters)
     assert dests == fields - {"module", "args", "kwargs"}
     assert keywords == fields - {"module"}
+
+
+def test_the_options_name_the_targets_fusion_has():
+    """The CLI checks ``--target`` before ``fusion`` is imported, from its own list."""
+    assert options.TARGETS == fusion.TARGETS
 
 
 def test_the_cli_and_the_api_build_the_same_typed_options():

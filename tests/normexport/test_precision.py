@@ -19,6 +19,7 @@ from torch import nn
 
 import fusion
 from normexport import cli, precision
+from normexport.arguments import check_options, make_options
 from normexport.errors import UsageError
 from normexport.io import files
 from normexport.precision import convert, kernels
@@ -409,9 +410,9 @@ def test_overflow_probe_has_outliers_and_keeps_integers():
 
 
 def test_unknown_precision_and_stray_keep_io_types_are_refused(tmp_path, capsys):
-    precision.check_precision("bf16")  # asked of ONNX Runtime when converting
+    check_options(make_options(model="m.onnx", precision="bf16"))  # asked of ORT when converting
     with pytest.raises(UsageError, match="choose one of fp32, fp16, bf16"):
-        precision.check_precision("fp8")
+        check_options(make_options(model="m.onnx", precision="fp8"))
     model = make_model([("Relu", ["x"], ["y"], {})], {"x": (F, [2, 4])}, {"y": (F, [2, 4])})
     path = tmp_path / "m.onnx"
     files.save_model(model, path, external_data=False)
