@@ -141,6 +141,25 @@ def check_given(given: Mapping[str, int], inputs: Sequence[ir.Value], path: str)
             )
 
 
+#: The size suggested for a spatial axis of an image (axes 2 and 3 of a 4-D input): networks
+#: downsample by up to 32 (ResNet, MobileNet, YOLO's P5), so 16 or 32 leaves an empty tensor (the
+#: PaddleOCR classifier's outputs came out constant at 16 and 32), 64 a 2 x 2 grid; any other
+#: axis gets :data:`SUGGESTED_SIZE`.
+SUGGESTED_IMAGE_SIZE = 64
+SUGGESTED_SIZE = 16
+
+
+def _suggested(value: ir.Value, axis: int) -> int:
+    """The size suggested for ``value``'s ``axis`` (see :data:`SUGGESTED_IMAGE_SIZE`)."""
+    return SUGGESTED_IMAGE_SIZE if len(value.shape) == 4 and axis >= 2 else SUGGESTED_SIZE
+
+
+def _axes(value: ir.Value, name: str) -> list[int]:
+    """The axes of ``value`` whose size is or depends on the symbolic ``name``."""
+    shape = value.shape if value.shape is not None else ()
+    return [axis for axis, d in enumerate(shape) if name in names(d)]
+
+
 def missing(
     path: str, inputs: Sequence[ir.Value], unknown: Iterable[str], unnamed: Sequence[ir.Value]
 ) -> UsageError:
@@ -152,10 +171,20 @@ def missing(
         for v in inputs
         if v.shape is not None and any(not isinstance(d, int) for d in v.shape)
     ]
-    flags = [f"--dim {shlex.quote(f'{n}=16')}" for n in dict.fromkeys(unknown)]
-    for value in unnamed:  # no name to size it by: its whole shape (a batch of 1, else 16)
+    sizes = {
+        name: max(
+            (_suggested(v, axis) for v in inputs for axis in _axes(v, name)), default=SUGGESTED_SIZE
+        )
+        for name in dict.fromkeys(unknown)
+    }
+    flags = [f"--dim {shlex.quote(f'{n}={size}')}" for n, size in sizes.items()]
+    for value in unnamed:  # no name to size it by: its whole shape (a batch of 1, else sized)
         shape = "x".join(
-            str(d) if isinstance(d, int) and d >= 0 else "1" if axis == 0 else "16"
+            str(d)
+            if isinstance(d, int) and d >= 0
+            else "1"
+            if axis == 0
+            else str(_suggested(value, axis))
             for axis, d in enumerate(value.shape)
         )
         flags.append(f"--input-shape {shlex.quote(f'{value.name}={shape}')}")
