@@ -618,31 +618,29 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B):
     if layout == "batch_first":
         x, merged = (batch, S, E), (batch, S, E)
         inits["split"] = np.array([batch, S, N, H], np.int64)
-        nodes = [
-            n
-            for t in "qkv"
-            for n in (
-                ("MatMul", ["x", f"w{t}"], [f"p{t}"], {}),
-                ("Reshape", [f"p{t}", "split"], [f"s{t}"], {}),
-                ("Transpose", [f"s{t}"], [t], {"perm": [0, 2, 1, 3]}),
-            )
-        ]
+        views = {t: [("Transpose", [f"s{t}"], [t], {"perm": [0, 2, 1, 3]})] for t in "qkv"}
         back = [0, 2, 1, 3] if reader != "wrong_order" else [0, 2, 3, 1]
     else:
         x, merged = (S, batch, E), (S * batch, E)
         inits["split"] = np.array([S, batch * N, H], np.int64)
         inits["heads"] = np.array([batch, N, S, H], np.int64)
-        nodes = [
-            n
-            for t in "qkv"
-            for n in (
-                ("MatMul", ["x", f"w{t}"], [f"p{t}"], {}),
-                ("Reshape", [f"p{t}", "split"], [f"s{t}"], {}),
+        views = {
+            t: [
                 ("Transpose", [f"s{t}"], [f"h{t}"], {"perm": [1, 0, 2]}),
                 ("Reshape", [f"h{t}", "heads"], [t], {}),
-            )
-        ]
+            ]
+            for t in "qkv"
+        }
         back = [2, 0, 1, 3]
+    nodes = [
+        n
+        for t in "qkv"
+        for n in (
+            ("MatMul", ["x", f"w{t}"], [f"p{t}"], {}),
+            ("Reshape", [f"p{t}", "split"], [f"s{t}"], {}),
+            *views[t],
+        )
+    ]
     inits["merged"] = np.array(merged, np.int64)
     nodes += [
         *_scaled("scores"),
