@@ -27,6 +27,7 @@ import torch
 import models
 from fusion.registry import FUSION_KINDS
 from normexport.arguments import Options
+from normexport.cli import LOG_WIDTH
 
 #: What each model's report must show: (description, predicate over the report).
 EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
@@ -256,7 +257,7 @@ def print_summary(rows: list[dict]) -> None:
             ms("ort_optimized"),
             "pass" if r["parity"]["passed"] and not row["unmet"] else "FAIL",
         )
-    Console(width=max(Console().width, 160)).print(table)
+    Console(width=max(Console().width, LOG_WIDTH)).print(table)  # whole in a log, too
 
 
 if __name__ == "__main__":
