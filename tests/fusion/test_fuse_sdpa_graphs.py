@@ -607,12 +607,13 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
 E = N * H  # the width before the split into heads
 
 
-def _views_model(rng, layout: str, reader: str = "merged", batch: int = B):
+def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, masked=False):
     """Projections of ``x``, their split into heads by a view, the scaled attention, its heads
     merged back: ``batch_first`` (``x`` ``(batch, S, E)``: transformers, diffusers) or
     ``sequence_first`` (``x`` ``(S, batch, E)``: torch's decomposition of
     ``nn.MultiheadAttention``). ``reader``: ``merged`` (Transpose, Reshape), ``wrong_order``
-    (a Transpose to ``(B, S, H, N)``), ``also_4d`` (the attention's output is an output too)."""
+    (a Transpose to ``(B, S, H, N)``), ``also_4d`` (the attention's output is an output too);
+    ``masked``: a constant additive mask ``(batch, 1, S, S)`` on the scores."""
     inits = {f"w{t}": rng.standard_normal((E, E)).astype(np.float32) / 4 for t in "qkv"}
     inits["scale"] = np.array(SCALE, np.float32)
     if layout == "batch_first":
@@ -643,13 +644,16 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B):
     ]
     inits["merged"] = np.array(merged, np.int64)
     nodes += [
-        *_scaled("scores"),
+        *_scaled("qk"),
+        ("Add" if masked else "Identity", ["qk", "m"][: 1 + masked], ["scores"], {}),
         ("Softmax", ["scores"], ["p"], {"axis": -1}),
         ("MatMul", ["p", "v"], ["y"], {}),
         ("Transpose", ["y"], ["yt"], {"perm": back}),
         ("Reshape", ["yt", "merged"], ["out"], {}),
     ]
     outputs = {"out": (F, None)} | ({"y": (F, None)} if reader == "also_4d" else {})
+    if masked:
+        inits["m"] = rng.standard_normal((batch, 1, S, S)).astype(np.float32)
     model = make_model(nodes, {"x": (F, x)}, outputs, inits, opset=20)
     return model, {"x": rng.standard_normal(x).astype(np.float32)}
 
@@ -660,13 +664,15 @@ def _attention_node(model):
 
 
 @pytest.mark.parametrize(
-    ("layout", "batch"), [("batch_first", B), ("batch_first", 1), ("sequence_first", 1)]
-)
-def test_heads_made_by_a_view_are_attentions_3d_form_without_transposes(rng, layout, batch):
+    ("layout", "batch", "masked"),
+    [("batch_first", B, False), ("batch_first", 1, False), ("sequence_first", 1, False),
+     ("batch_first", B, True), ("sequence_first", 1, True)],
+)  # fmt: skip
+def test_heads_made_by_a_view_are_attentions_3d_form_without_transposes(rng, layout, batch, masked):
     """Where Q, K, V are views of the projections split into heads and the output's heads are
     merged back, Attention takes the projections (3-D, ``q_num_heads``) and gives the merged
     tensor: no Transpose is left, the numbers are the graph's."""
-    model, feeds = _views_model(rng, layout, batch=batch)
+    model, feeds = _views_model(rng, layout, batch=batch, masked=masked)
     (before,) = run(model, feeds)
     report = fusion.optimize(model, target="onnx")
     assert report.counts["sdpa_fused"] == 1, report.refused
