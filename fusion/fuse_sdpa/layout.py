@@ -17,7 +17,8 @@ attention.cc), where each Transpose is a copy of the tensor. Two views are recog
 
 The output side: every reader of the 4-D output a Transpose whose result is read by Reshapes
 only, that Transpose ordering the axes of static size other than 1 as ``(B, S, N, H)`` does:
-the Reshapes then read the 3-D output in the same element order.
+the Reshapes then read the 3-D output in the same element order (where their shapes copy no
+axis of their input by a 0).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, dims, producer, same_dim
+from fusion._ir import add_initializer, const_array, dims, producer, same_dim
 
 
 @dataclasses.dataclass
@@ -97,8 +98,16 @@ def merged_readers(value: ir.Value) -> list[ir.Node] | None:
 
 
 def _reshaped(use) -> bool:
-    """Whether ``use`` (a value's use) is the data input of an ONNX Reshape."""
-    return use.node.op_type == "Reshape" and use.node.domain == "" and use.idx == 0
+    """Whether ``use`` (a value's use) is the data input of an ONNX Reshape whose shape means
+    the same of the 3-D output: no 0 that copies an axis of its input (``allowzero`` 0), which
+    would copy another axis of the 3-D output than of the 4-D one."""
+    node = use.node
+    if node.op_type != "Reshape" or node.domain != "" or use.idx != 0:
+        return False
+    if node.attributes.get_int("allowzero", 0) == 1:
+        return True
+    shape = const_array(node.inputs[1])
+    return shape is not None and not (shape == 0).any()
 
 
 def _same_order(perm: tuple[int, ...], shape: list) -> bool:

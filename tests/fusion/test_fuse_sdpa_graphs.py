@@ -612,7 +612,8 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, maske
     merged back: ``batch_first`` (``x`` ``(batch, S, E)``: transformers, diffusers) or
     ``sequence_first`` (``x`` ``(S, batch, E)``: torch's decomposition of
     ``nn.MultiheadAttention``). ``reader``: ``merged`` (Transpose, Reshape), ``wrong_order``
-    (a Transpose to ``(B, S, H, N)``), ``also_4d`` (the attention's output is an output too);
+    (a Transpose to ``(B, S, H, N)``), ``also_4d`` (the attention's output is an output too),
+    ``copied`` (the merging Reshape copies its input's first axis by a 0);
     ``masked``: a constant additive mask ``(batch, 1, S, S)`` on the scores."""
     inits = {f"w{t}": rng.standard_normal((E, E)).astype(np.float32) / 4 for t in "qkv"}
     inits["scale"] = np.array(SCALE, np.float32)
@@ -642,7 +643,7 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, maske
             *views[t],
         )
     ]
-    inits["merged"] = np.array(merged, np.int64)
+    inits["merged"] = np.array(merged if reader != "copied" else (0, *merged[1:]), np.int64)
     nodes += [
         *_scaled("qk"),
         ("Add" if masked else "Identity", ["qk", "m"][: 1 + masked], ["scores"], {}),
@@ -690,6 +691,7 @@ def test_heads_made_by_a_view_are_attentions_3d_form_without_transposes(rng, lay
         ("sequence_first", "merged", 2),  # the batch is no reshape away from the sequence
         ("batch_first", "wrong_order", B),  # heads merged as (B, S, H, N)
         ("batch_first", "also_4d", B),  # the 4-D output is read as it is
+        ("sequence_first", "copied", 1),  # its 0 would copy the 3-D output's batch, not S
     ],
 )
 def test_views_that_are_not_the_3d_form_keep_the_4d_form(rng, layout, reader, batch):
