@@ -33,11 +33,9 @@ from normexport.arguments import (
     add_provider_arguments,
     add_threads_argument,
     add_timing_arguments,
-    check_options,
     options_from_args,
     preflight,
 )
-from normexport.io.kinds import detect_kind
 
 #: The subcommands, each with the line ``normexport --help`` gives it.
 SUBCOMMANDS = {
@@ -130,8 +128,7 @@ def _main(args: argparse.Namespace, console: Console) -> int:
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
     opts = options_from_args(args)
-    check_options(opts)  # before PyTorch and the pipeline are imported
-    detect_kind(opts.model)
+    preflight(opts, writes=False)  # before PyTorch and the pipeline are imported
 
     from normexport import pipeline, runtime
     from normexport.report import explain

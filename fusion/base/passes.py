@@ -131,11 +131,8 @@ class FusionPass(ir.passes.InPlacePass):
 
     def refused(self, node: ir.Node | str, refusal: CannotFuse) -> None:
         """Record that the candidate anchored at ``node`` was left alone, and why."""
-        if isinstance(node, str):
-            self.outcomes.refuse(self.family, node, refusal.code, refusal.detail)
-            return
-        module = module_path(node)
-        self.outcomes.refuse(self.family, label(node), refusal.code, refusal.detail, module)
+        name, module = (node, None) if isinstance(node, str) else (label(node), module_path(node))
+        self.outcomes.refuse(self.family, name, refusal.code, refusal.detail, module)
 
     def plan(self, model: ir.Model) -> None:
         """Prepare ``model`` before the first pass of the run runs (after the shapes are

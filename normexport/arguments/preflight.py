@@ -13,19 +13,19 @@ from normexport.io import files
 from normexport.io.kinds import detect_kind
 
 
-def preflight(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
-    """Check ``opts`` (:func:`~normexport.arguments.options.check_options`), the paths the run
-    writes (:func:`plan_outputs`) and the model file's kind
-    (:func:`normexport.io.kinds.detect_kind`); return what :func:`plan_outputs` returns.
+def preflight(opts: Options, *, writes: bool = True) -> None:
+    """Check ``opts`` (:func:`~normexport.arguments.options.check_options`), where ``writes``
+    the paths the run writes (:func:`plan_outputs`), and the model file's kind
+    (:func:`normexport.io.kinds.detect_kind`).
 
     Raises:
         UsageError: a bad option value or output path; InputFileError: no model file.
     """
     check_options(opts)
-    planned = plan_outputs(opts)
+    if writes:
+        plan_outputs(opts)
     if opts.module is None:
         detect_kind(Path(opts.model))
-    return planned
 
 
 def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:

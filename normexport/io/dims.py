@@ -150,7 +150,10 @@ SUGGESTED_SIZE = 16
 
 
 def _suggested(value: ir.Value, axis: int) -> int:
-    """The size suggested for ``value``'s ``axis`` (see :data:`SUGGESTED_IMAGE_SIZE`)."""
+    """The size suggested for ``value``'s ``axis``: a batch of 1, an image's
+    :data:`SUGGESTED_IMAGE_SIZE`, else :data:`SUGGESTED_SIZE`."""
+    if axis == 0:
+        return 1
     return SUGGESTED_IMAGE_SIZE if len(value.shape) == 4 and axis >= 2 else SUGGESTED_SIZE
 
 
@@ -177,14 +180,10 @@ def missing(
         )
         for name in dict.fromkeys(unknown)
     }
-    flags = [f"--dim {shlex.quote(f'{n}={size}')}" for n, size in sizes.items()]
-    for value in unnamed:  # no name to size it by: its whole shape (a batch of 1, else sized)
+    flags = [f"--dim {shlex.quote(f'{name}={n}')}" for name, n in sizes.items()]
+    for value in unnamed:  # no name to size it by: its whole shape
         shape = "x".join(
-            str(d)
-            if isinstance(d, int) and d >= 0
-            else "1"
-            if axis == 0
-            else str(_suggested(value, axis))
+            str(d) if isinstance(d, int) and d >= 0 else str(_suggested(value, axis))
             for axis, d in enumerate(value.shape)
         )
         flags.append(f"--input-shape {shlex.quote(f'{value.name}={shape}')}")

@@ -97,7 +97,8 @@ def run(
         outputs = session.run(None, dict(feeds), options)
     except Exception:
         if timer is not None and options.terminate:
-            at = f" ({progress.where()})" if progress.where() else ""
+            where = progress.where()
+            at = f" ({where})" if where else ""
             raise RunTimedOut(
                 f"an ONNX Runtime run of the model went past --run-timeout {limit:g} s{at} and "
                 "was cancelled: a graph that runs this long (a Loop of very many iterations?) "
