@@ -1,7 +1,7 @@
 """The main job's options, and the command-line flags that fill them, in one place.
 
 :class:`Options` is what :func:`normexport.pipeline.run` (and :func:`normexport.optimize`)
-take, typed: shapes as :class:`~normexport.io.inputs.InputSpec`, ``--dim`` a mapping,
+take, typed: shapes as :class:`~normexport.io.specs.InputSpec`, ``--dim`` a mapping,
 ``--dynamic`` parsed (:class:`DynamicAxes`), constructor arguments a dict, paths
 :class:`~pathlib.Path`. :func:`make_options` builds it from what a user typed or passed, and is
 where every such value is parsed and refused; nothing downstream parses a user's string. Each

@@ -16,7 +16,7 @@ import numpy as np
 
 from normexport.errors import UsageError
 from normexport.io import dims
-from normexport.io.inputs import InputSpec, parse_input_shape
+from normexport.io.specs import InputSpec, parse_input_shape
 from normexport.verdict.tolerance import DEFAULT_ATOL, DEFAULT_RTOL
 
 #: The fusion targets, as :data:`fusion.TARGETS` names them (a test holds the two equal): the
@@ -41,7 +41,7 @@ class Options:
             None; checked up front so that no output lands on the input or on another.
         make_dirs: make the folders of ``output`` and ``report`` that do not exist; else such
             a path is refused before any work (a typo would otherwise make folders).
-        input_shape: one :class:`~normexport.io.inputs.InputSpec` per input (``--input-shape``).
+        input_shape: one :class:`~normexport.io.specs.InputSpec` per input (``--input-shape``).
         dim: symbolic axis name -> size, for every input axis of that name (``--dim``; ONNX
             input; :mod:`normexport.io.dims`).
         inputs: an ``.npz`` file of example inputs by name (real data), or None.
@@ -198,7 +198,7 @@ def make_options(**values: Any) -> Options:
 
 
 def _input_spec(value: str | InputSpec | Iterable[int]) -> InputSpec:
-    """One ``input_shape`` entry as an :class:`~normexport.io.inputs.InputSpec`."""
+    """One ``input_shape`` entry as an :class:`~normexport.io.specs.InputSpec`."""
     if isinstance(value, InputSpec):
         return value
     if isinstance(value, str):

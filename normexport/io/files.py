@@ -16,9 +16,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import onnx_ir as ir
-import onnx_ir.passes.common
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 from normexport.errors import InputFileError, OutputPathError, UsageError
 
@@ -214,6 +215,8 @@ def tensor_bytes(model: ir.Model) -> int:
 
 def has_external_data(model: ir.Model) -> bool:
     """Whether any initializer of ``model`` lives in an external data file."""
+    import onnx_ir as ir  # here, not at the top: the preflight's paths need no onnx (0.9 s)
+
     return any(
         isinstance(v.const_value, ir.ExternalTensor)
         for g in model.graphs()
@@ -245,6 +248,9 @@ def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
     (its tensors neither: onnx-ir restores them after writing). Without it, every tensor is
     written into the .onnx file, external ones read into memory first.
     """
+    import onnx_ir as ir
+    import onnx_ir.passes.common
+
     if external_data:
         lift = ir.passes.common.LiftConstantsToInitializersPass(
             lift_all_constants=False, size_limit=_INLINE_BYTES
@@ -338,6 +344,8 @@ def refuse_overwriting(inputs: list[Path], outputs: dict[str, list[Path]]) -> No
 
 def external_files(model: ir.Model) -> dict[Path, list[ir.Value]]:
     """The external data files the initializers of ``model`` live in -> those initializers."""
+    import onnx_ir as ir
+
     found: dict[Path, list[ir.Value]] = {}
     for graph in model.graphs():
         for value in graph.initializers.values():

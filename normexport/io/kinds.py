@@ -7,10 +7,12 @@ from __future__ import annotations
 import functools
 import zipfile
 from pathlib import Path
-
-import onnx
+from typing import TYPE_CHECKING
 
 from normexport.errors import InputFileError, one_line
+
+if TYPE_CHECKING:
+    import onnx
 
 
 def detect_kind(path: Path) -> str:
@@ -74,6 +76,8 @@ EXTENSIONS = {
 
 def _onnx(path: Path) -> tuple[onnx.ModelProto | None, str | None]:
     """The file as an ONNX protobuf (its external data not read), or None and why not."""
+    import onnx  # here: a missing file or a bad option is answered without onnx (0.7 s)
+
     try:
         return onnx.load_model(str(path), load_external_data=False), None
     except Exception as err:  # protobuf raises DecodeError or RuntimeError; any means "not ONNX"

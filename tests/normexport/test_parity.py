@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from normexport.io.inputs import id_ranges, input_sets, parse_input_shape
+from normexport.io.inputs import id_ranges, input_sets
+from normexport.io.specs import parse_input_shape
 from normexport.verdict.parity import check_parity, closeness, compare
 
 
@@ -122,7 +123,8 @@ def test_constant_reference_is_a_weak_check(ref):
 def test_random_sets_do_not_repeat_a_generated_example():
     """The example that --input-shape generates and the random sets come from different seeds:
     a random set equal to the example would be a parity run wasted."""
-    from normexport.io.inputs import parse_input_shape, random_array
+    from normexport.io.inputs import random_array
+    from normexport.io.specs import parse_input_shape
 
     spec = parse_input_shape("x=2x3x8")
     example = {"x": random_array(spec, np.random.default_rng(0))}
