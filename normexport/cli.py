@@ -36,6 +36,7 @@ from normexport.arguments import (
     options_from_args,
     preflight,
 )
+from normexport.io.quiet import logs_for_debug
 
 #: The subcommands, each with the line ``normexport --help`` gives it.
 SUBCOMMANDS = {
@@ -147,7 +148,7 @@ def _guarded(command, args: argparse.Namespace) -> int:
     (:func:`normexport.errors.exit_status`); SIGINT and SIGTERM stop it through its
     ``finally`` blocks, so that no temporary file is left."""
     console = Console(highlight=False, width=_width())
-    with errors.on_signals():
+    with errors.on_signals(), logs_for_debug(args.debug):
         try:
             code = command(args, console)
             errors.raise_if_interrupted()  # a signal some library caught: still an interrupt

@@ -72,7 +72,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
         default=_default("exporter"),
         help="see README",
     )
-    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument(
+        "--debug",
+        action="store_true",
+        help="show tracebacks, and the libraries' warnings and log lines (hidden otherwise)",
+    )
 
 
 def add_output_arguments(p: argparse.ArgumentParser) -> None:

@@ -2,10 +2,12 @@
 
 The exporters, optimizers and loaders that normexport calls report progress and failures in
 their own words; normexport reports what matters in one line of its own (see
-:mod:`normexport.errors`). Three context managers, each undoing what it changed on exit:
+:mod:`normexport.errors`). Four context managers, each undoing what it changed on exit:
 
 - :func:`quiet`: named loggers raised to ERROR, warnings ignored;
 - :func:`quiet_torch`: torch's loggers, whose errors it collects;
+- :func:`logs_for_debug`: the command line's whole run: every library's log records and
+  warnings shown only with ``--debug``;
 - :func:`swallow_prints`: ``sys.stdout`` / ``sys.stderr`` swapped for a buffer. That is the
   process's streams, for every thread, while the block runs; it is for the libraries that
   ``print()`` with no switch to stop them, and used only around those (each use says which).
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import sys
 import warnings
 
 
@@ -90,3 +93,28 @@ def quiet_torch():
     finally:
         for logger, handlers in saved.items():
             logger.handlers = handlers
+
+
+@contextlib.contextmanager
+def logs_for_debug(debug: bool, stream=None):
+    """For the command line's run: every log record that reaches the root logger (the
+    libraries' warnings and logged exceptions, onnx-ir's shape inference and onnxscript's
+    rewriter among them) and every Python warning (through ``logging.captureWarnings``) go to
+    ``stream`` (default ``sys.stderr``) with their tracebacks where ``debug``, and nowhere
+    otherwise: Python's last-resort handler, which prints them on stderr when no handler is set,
+    is not reached. What matters to the user normexport says in a line of its own. Put back
+    on exit; the Python API does not call it (a library leaves logging to its caller)."""
+    root = logging.getLogger()
+    handler: logging.Handler
+    if debug:
+        handler = logging.StreamHandler(sys.stderr if stream is None else stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    else:
+        handler = logging.NullHandler()
+    root.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)

@@ -4,12 +4,16 @@ N=300`` runs more. Each defect the fuzzer found stays below as a regression case
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import onnx
 import pytest
 
 from normexport import cli
 from tests.fuzz.mutate import STRUCTURED
-from tests.fuzz.run import run_case, seeds
+from tests.fuzz.run import ROOT, run_case, seeds
 
 #: One case per mutation (the seed picks the mutation by its remainder).
 CASES = range(len(STRUCTURED) + 1)
@@ -64,3 +68,25 @@ def test_a_pass_failing_on_a_model_the_checker_rejects_is_the_files(tmp_path, ca
     code = cli.main([str(path), "-o", str(tmp_path / "o.onnx"), "--no-benchmark"])
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and "the ONNX checker rejects it" in line, line
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["plain", "debug"])
+def test_a_successful_run_prints_no_library_traceback(tmp_path, debug):
+    """Found by the fuzzer (a graph output renamed to an initializer's name): the run passes,
+    but onnx-ir's shape inference logged its InferenceError with a traceback on stderr. The
+    libraries' log records now go to ``--debug`` only."""
+    (source,) = [p for p in seeds(tmp_path) if p.name == "layernorm.onnx"]
+    model = onnx.load(source)
+    weight = model.graph.initializer[0].name
+    model.graph.output.append(onnx.helper.make_tensor_value_info(weight, 1, [2, 4, 8]))
+    path = tmp_path / "renamed.onnx"
+    onnx.save(model, path)
+    argv = [str(path), "-o", str(tmp_path / "o.onnx"), "--no-benchmark", "--provider", "cpu"]
+    # a process of its own, as a user runs it: pytest's log capture would take the records
+    ran = subprocess.run(
+        [sys.executable, "-m", "normexport", *argv, *["--debug"] * debug],
+        env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+    )  # fmt: skip
+    code, err = ran.returncode, ran.stderr
+    assert code == 0, err
+    assert ("Traceback" in err) == debug and ("InferenceError" in err) == debug, err
