@@ -16,6 +16,7 @@ Python API (the CLI's twin; each keyword is the flag of the same name)::
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -93,8 +94,12 @@ def _run(opts: Options) -> Report:
     """Run the pipeline on ``opts`` (a module in eval mode, its training flag restored) and
     write the JSON report and chart where ``opts.report`` asks."""
     from normexport import pipeline
+    from normexport.arguments import onnxruntime_conflict
     from normexport.report import write_chart, write_json
 
+    conflict = onnxruntime_conflict()
+    if conflict:
+        warnings.warn(conflict, RuntimeWarning, stacklevel=3)
     training = getattr(opts.module, "training", False)
     try:
         if opts.module is not None:

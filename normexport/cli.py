@@ -105,7 +105,9 @@ def _subcommand(name: str | None) -> tuple[argparse.ArgumentParser, Command]:
 
 def _main(args: argparse.Namespace, console: Console) -> int:
     opts = options_from_args(args)
-    preflight(opts)  # before PyTorch and the pipeline are imported: a mistake answers at once
+    # before PyTorch and the pipeline are imported: a mistake answers at once
+    for warning in preflight(opts):
+        print(f"normexport: warning: {warning}", file=sys.stderr)
 
     from normexport import pipeline, progress, report
     from normexport.report import explain
@@ -129,7 +131,8 @@ def _main(args: argparse.Namespace, console: Console) -> int:
 
 def _explain(args: argparse.Namespace, console: Console) -> int:
     opts = options_from_args(args)
-    preflight(opts, writes=False)  # before PyTorch and the pipeline are imported
+    for warning in preflight(opts, writes=False):  # before PyTorch and the pipeline
+        print(f"normexport: warning: {warning}", file=sys.stderr)
 
     from normexport import pipeline, runtime
     from normexport.report import explain

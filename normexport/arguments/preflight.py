@@ -1,31 +1,91 @@
 """What is checked before any work, and before PyTorch or the pipeline is imported: the
-options' values, the paths the run writes, and that the model file is a model
-(:func:`preflight`). A mistake answers in about a second, not after the imports (seconds) and
-the export (minutes)."""
+options' values, the paths the run writes, that the model file is a model, and that one ONNX
+Runtime package is installed (:func:`preflight`). A mistake answers in a fraction of a second,
+not after the imports (seconds) and the export (minutes)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 
 from normexport.arguments.options import Options, check_options
-from normexport.errors import UsageError
+from normexport.errors import EnvironmentProblem, UsageError
 from normexport.io import files
 from normexport.io.kinds import detect_kind
 
 
-def preflight(opts: Options, *, writes: bool = True) -> None:
+def preflight(opts: Options, *, writes: bool = True) -> list[str]:
     """Check ``opts`` (:func:`~normexport.arguments.options.check_options`), where ``writes``
-    the paths the run writes (:func:`plan_outputs`), and the model file's kind
-    (:func:`normexport.io.kinds.detect_kind`).
+    the paths the run writes (:func:`plan_outputs`), the model file's kind
+    (:func:`normexport.io.kinds.detect_kind`) and the ONNX Runtime packages
+    (:func:`onnxruntime_conflict`).
+
+    Returns:
+        The warnings to show before the run, one line each.
 
     Raises:
-        UsageError: a bad option value or output path; InputFileError: no model file.
+        UsageError: a bad option value or output path; InputFileError: no model file;
+            EnvironmentProblem: see :func:`onnxruntime_conflict`.
     """
     check_options(opts)
     if writes:
         plan_outputs(opts)
     if opts.module is None:
         detect_kind(Path(opts.model))
+    conflict = onnxruntime_conflict()
+    return [conflict] if conflict else []
+
+
+#: The distributions on PyPI that install the ``onnxruntime`` import package; the first is the
+#: one normexport depends on.
+ONNXRUNTIME_DISTRIBUTIONS = (
+    "onnxruntime-gpu",
+    "onnxruntime",
+    "onnxruntime-directml",
+    "onnxruntime-openvino",
+    "onnxruntime-qnn",
+    "onnxruntime-rocm",
+    "onnxruntime-migraphx",
+    "onnxruntime-training",
+    "ort-nightly",
+    "ort-nightly-gpu",
+)
+
+
+def onnxruntime_conflict() -> str | None:
+    """Where two ONNX Runtime distributions are installed in this environment (say
+    ``onnxruntime`` beside ``onnxruntime-gpu``; ONNX Runtime's install guide: install one), the
+    warning line that says so with the fix; None where there is one. They write the same
+    package folder, so the one installed last overwrote the other's files: ``onnxruntime``
+    installed after ``onnxruntime-gpu`` leaves no CUDA provider, and uninstalling either one
+    removes files the other needs. Reads the installed distributions' metadata (milliseconds);
+    ONNX Runtime is imported only where two are found.
+
+    Raises:
+        EnvironmentProblem: two are installed and ``import onnxruntime`` fails or gives no
+            ``InferenceSession`` (a package left half removed).
+    """
+    found = []
+    for name in ONNXRUNTIME_DISTRIBUTIONS:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if len(found) < 2:
+        return None
+    names = " ".join(entry.split()[0] for entry in found)
+    line = (
+        f"{' and '.join(found)} are installed in one environment: they overwrite each other's "
+        f"files (ONNX Runtime's install guide: keep one); fix: pip uninstall -y {names} && "
+        f"pip install {ONNXRUNTIME_DISTRIBUTIONS[0]}"
+    )
+    try:
+        import onnxruntime
+
+        onnxruntime.InferenceSession  # noqa: B018 - a package left half removed has none
+    except (ImportError, AttributeError) as err:
+        raise EnvironmentProblem(f"{line} (now `import onnxruntime` fails: {err})") from err
+    return line
 
 
 def plan_outputs(opts: Options) -> tuple[Path, dict[str, list[Path]]]:
