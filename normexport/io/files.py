@@ -246,7 +246,8 @@ def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
     Constant nodes are turned into initializers so that they go there too, in a copy of the graph
     (:meth:`onnx_ir.Model.clone`, which shares the tensors): ``model`` itself is not changed
     (its tensors neither: onnx-ir restores them after writing). Without it, every tensor is
-    written into the .onnx file, external ones read into memory first.
+    written into the .onnx file, external ones read into memory first. The files are on disk
+    when it returns (:func:`write_back`).
     """
     import onnx_ir as ir
     import onnx_ir.passes.common
@@ -266,6 +267,25 @@ def save_model(model: ir.Model, path: Path, *, external_data: bool) -> None:
     else:
         ir.external_data.load_to_model(model)  # inline means inline: no references left
         ir.save(model, path)
+    write_back([path, data_path(path)])
+
+
+def write_back(paths: list[Path]) -> None:
+    """Write what the page cache holds of each existing file of ``paths`` to disk and wait
+    (``fsync``; a file opened for reading will do). A file just written is dirty page cache:
+    a memory cgroup charges it and the kernel cannot drop it until it is written back, so a
+    run under a container's limit with gigabytes of it can be killed where the same pages
+    clean would simply be dropped (docs/memory.md); and a file renamed into place must be on
+    disk first, or a crash leaves an empty one under the new name."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def wants_external_data(model: ir.Model) -> bool:

@@ -49,7 +49,9 @@ def run(opts: Options) -> Report:
             provider = runtime.resolve_provider(opts.provider)
             prepared = prepare(opts)
         loaded, raw = prepared.loaded, prepared.raw
-        files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
+        inputs = files.input_files(loaded.path, loaded.onnx_model)
+        files.refuse_overwriting(inputs, writes)
+        files.write_back(inputs)  # a model file just written: clean pages, which a limit drops
         job = start(opts, output, provider, prepared)
         del prepared  # the passes change ``raw`` in place; nothing else holds it
         memory = plan.plan(

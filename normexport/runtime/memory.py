@@ -75,14 +75,17 @@ def cgroup_available(
     proc_cgroup: Path = Path("/proc/self/cgroup"), root: Path = Path("/sys/fs/cgroup")
 ) -> int | None:
     """What the memory cgroups this process is in still allow it (bytes): over the process's
-    group and each group above it that has a limit, the smallest ``limit - usage + file
-    cache``, the file cache (active and inactive) being what the kernel reclaims before it
-    kills, as ``MemAvailable`` counts it (a model file read by an earlier run stays in the
-    group's cache, charged to it). cgroup v1 (the ``memory`` controller:
-    ``memory.limit_in_bytes``, ``memory.usage_in_bytes``, ``memory.stat``'s
-    ``total_inactive_file`` and ``total_active_file``) and v2 (``memory.max``,
-    ``memory.current``, ``inactive_file`` and ``active_file``). None where no group has a
-    limit or the files cannot be read.
+    group and each group above it that has a limit, the smallest ``limit - usage + clean file
+    cache``, the clean file cache (active and inactive, less what is dirty or under
+    writeback) being what the kernel reclaims before it kills, as ``MemAvailable`` counts it
+    (a model file read by an earlier run stays in the group's cache, charged to it; one just
+    written in the group is dirty until the kernel writes it back, and cannot be dropped
+    before). cgroup v1 (the ``memory`` controller: ``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``, ``memory.stat``'s ``total_inactive_file``,
+    ``total_active_file``, ``total_dirty`` and ``total_writeback``) and v2 (the smaller of
+    ``memory.max`` and ``memory.high``, ``memory.current``, ``inactive_file``,
+    ``active_file``, ``file_dirty`` and ``file_writeback``). None where no group has a limit
+    or the files cannot be read.
 
     Args:
         proc_cgroup: the process's cgroup membership file.
@@ -102,33 +105,56 @@ def cgroup_available(
     return min(found) if found else None
 
 
-#: Per cgroup version: the limit file, the usage file, the file cache's keys in
-#: ``memory.stat`` (v1's ``total_``: this group and its children).
+#: Per cgroup version: the limit files (the smallest binds: v2's ``memory.high``, above which
+#: the kernel throttles the group and reclaims its memory hard, as well as ``memory.max``,
+#: above which it kills), the usage file, the file cache's keys in ``memory.stat`` and its
+#: dirty part's (v1's ``total_``: this group and its children).
 _FILES = {
     "v1": (
-        "memory.limit_in_bytes",
+        ("memory.limit_in_bytes",),
         "memory.usage_in_bytes",
         ("total_inactive_file", "total_active_file"),
+        ("total_dirty", "total_writeback"),
     ),
-    "v2": ("memory.max", "memory.current", ("inactive_file", "active_file")),
+    "v2": (
+        ("memory.max", "memory.high"),
+        "memory.current",
+        ("inactive_file", "active_file"),
+        ("file_dirty", "file_writeback"),
+    ),
 }
 
 
+def _limit(group: Path, names: tuple[str, ...]) -> int | None:
+    """The smallest of the limit files ``names`` of ``group`` that exist and set one (bytes);
+    None where none does ("max", or v1's :data:`_UNLIMITED`)."""
+    found = []
+    for name in names:
+        try:
+            text = (group / name).read_text().strip()
+        except OSError:
+            continue
+        if text != "max" and int(text) < _UNLIMITED:
+            found.append(int(text))
+    return min(found) if found else None
+
+
 def _group_room(mount: Path, path: str, version: str) -> list[int]:
-    """``limit - usage + file cache`` of the group at ``path`` under ``mount`` and of each
-    group above it that has a limit (bytes)."""
-    limit_file, usage_file, cache_keys = _FILES[version]
+    """``limit - usage + clean file cache`` of the group at ``path`` under ``mount`` and of
+    each group above it that has a limit (bytes)."""
+    limit_files, usage_file, cache_keys, dirty_keys = _FILES[version]
     rooms, group = [], mount / path.strip("/")
     while True:
         try:
-            limit = (group / limit_file).read_text().strip()
-            if limit != "max" and int(limit) < _UNLIMITED:
+            limit = _limit(group, limit_files)
+            if limit is not None:
                 usage = int((group / usage_file).read_text())
                 stat = dict(
                     line.split() for line in (group / "memory.stat").read_text().splitlines()
                 )
                 cache = sum(int(stat.get(key, 0)) for key in cache_keys)
-                rooms.append(max(0, int(limit) - usage + cache))
+                cache -= min(cache, sum(int(stat.get(key, 0)) for key in dirty_keys))
+                rooms.append(max(0, limit - usage + cache))
         except (OSError, ValueError):
             pass  # a level we may not read, or none mounted here
         if group == mount or mount not in group.parents:

@@ -215,8 +215,13 @@ def _like(own: dict[str, np.ndarray], oracle: dict[str, np.ndarray]) -> dict[str
 
 
 def _keep(block: Block, outputs: Sequence[np.ndarray], into: dict) -> None:
-    """Record the block's outputs into ``into`` by name."""
-    into.update(zip(block.outputs, outputs, strict=True))
+    """Record the block's outputs into ``into`` by name, each an array that owns its memory:
+    they outlive the block's session, and an ONNX Runtime output is a view into the session's
+    memory arena that keeps the whole arena alive (a float16 block's float32 casts of its
+    weights among it: one such arena per block, kept, took a 2 GiB container's run past its
+    limit by the sixth block)."""
+    owned = [o if o.flags.owndata else np.array(o, copy=True) for o in map(np.asarray, outputs)]
+    into.update(zip(block.outputs, owned, strict=True))
 
 
 def _run(session, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:

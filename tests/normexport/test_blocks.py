@@ -8,6 +8,10 @@ runs on ONNX Runtime.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,7 @@ import onnx_ir as ir
 import pytest
 
 import normexport
+from benchmarks import cgroup
 from normexport import cli, runtime
 from normexport.errors import EXIT_USAGE
 from normexport.io import files
@@ -22,6 +27,8 @@ from normexport.runtime import memory
 from normexport.runtime import plan as plan_mod
 from normexport.verdict import blocks, by_blocks, parity
 from tests.graphs import make_model
+
+ROOT = Path(__file__).resolve().parents[2]
 
 F = ir.DataType.FLOAT
 D = 64
@@ -180,6 +187,108 @@ def test_a_small_budget_goes_block_by_block_with_the_same_verdict(
     assert "block by block" in parted.to_dict()["memory"]["line"]
 
 
+def test_values_kept_between_blocks_own_their_memory(tmp_path, out_dir, rng, monkeypatch):
+    """Every value a block hands on, the references' and the candidate's, is an array of its
+    own: an ONNX Runtime output is a view that keeps its session's whole memory arena alive
+    after the session is freed (one arena per block kept took a 2.7 B float16 model's run in a
+    2 GiB container past its limit)."""
+    path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6)
+    _fake_budget(monkeypatch, path, 0.6)
+    kept: list[np.ndarray] = []
+    keep = by_blocks._keep
+
+    def spy(block, outputs, into):
+        keep(block, outputs, into)
+        kept.extend(into[name] for name in block.outputs)
+
+    monkeypatch.setattr(by_blocks, "_keep", spy)
+    report = normexport.optimize(path, output=out_dir / "m.onnx", benchmark=False)
+    assert report.passed and len(report.parity.blocks) >= 2 and kept
+    assert all(array.flags.owndata for array in kept)
+
+
+def _half_stack(path: Path, rng, layers: int, d: int) -> Path:
+    """x (1, 8, d) float32 through ``layers`` residual layers x + Cast(MatMul(Cast(RMSNorm(x),
+    float16), W)), W float16 (d, d) random, the norm's weight random: a decoder's float16
+    weights, the CPU provider casting each to float32 to run its MatMul."""
+    weights = {"two": np.array(2.0, np.float32), "eps": np.array(1e-6, np.float32)}
+    nodes, x = [], "x"
+    for i in range(layers):
+        weights[f"g{i}"] = rng.uniform(0.5, 1.5, d).astype(np.float32)
+        weights[f"w{i}"] = np.zeros((1, 1), np.float16)  # the real one set below, unserialized
+        nodes += [
+            ("Pow", [x, "two"], [f"sq{i}"], {}),
+            ("ReduceMean", [f"sq{i}"], [f"ms{i}"], {"axes": [-1], "keepdims": 1}),
+            ("Add", [f"ms{i}", "eps"], [f"mse{i}"], {}),
+            ("Sqrt", [f"mse{i}"], [f"rms{i}"], {}),
+            ("Div", [x, f"rms{i}"], [f"n{i}"], {}),
+            ("Mul", [f"n{i}", f"g{i}"], [f"ns{i}"], {}),
+            ("Cast", [f"ns{i}"], [f"nh{i}"], {"to": ir.DataType.FLOAT16}),
+            ("MatMul", [f"nh{i}", f"w{i}"], [f"hh{i}"], {}),
+            ("Cast", [f"hh{i}"], [f"h{i}"], {"to": F}),
+            ("Add", [x, f"h{i}"], [f"r{i}"], {}),
+        ]
+        x = f"r{i}"
+    nodes.append(("Identity", [x], ["y"], {}))
+    model = make_model(nodes, {"x": (F, [1, 8, d])}, {"y": (F, [1, 8, d])}, weights, opset=17)
+    for i in range(layers):
+        w = (rng.standard_normal((d, d), np.float32) / np.sqrt(d)).astype(np.float16)
+        model.graph.initializers[f"w{i}"].const_value = ir.tensor(w, name=f"w{i}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.save_model(model, path, external_data=True)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cgroup.why_not() is not None, reason=f"{cgroup.why_not()}")
+def test_a_container_whose_limit_is_below_the_whole_model_need_runs_by_blocks(tmp_path, rng):
+    """The CLI in a 768 MiB memory cgroup made as a container runtime makes one (at the root
+    of the hierarchy, the page cache dropped first), on 0.88 GiB of float16 weights: the plan
+    reads the group's limit, parity runs by blocks (5 here) and passes, exit 0, no OOM kill.
+    With each block's ONNX Runtime arena kept alive by its outputs, the kernel killed it."""
+    path = _half_stack(tmp_path / "in" / "m.onnx", rng, layers=28, d=4096)
+    out = tmp_path / "out"
+    argv = [str(path), "-o", str(out / "m.onnx"), "--make-dirs", "--provider", "cpu"]
+    argv += ["--no-benchmark", "--report", str(out / "r.json")]
+    with cgroup.limited(768 * 2**20, cache="cold") as group:
+        ran = subprocess.run(
+            [sys.executable, "-m", "normexport", *argv], cwd=tmp_path, preexec_fn=group.enter,
+            env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        )  # fmt: skip
+        stats = group.stats()
+    assert ran.returncode == 0 and stats["oom_kill"] == 0, (ran.stderr[-2000:], stats)
+    report = json.loads((out / "r.json").read_text())
+    assert "under a memory cgroup's limit" in report["memory"]["line"]
+    assert len(report["parity"]["blocks"]) >= 2 and report["parity"]["passed"]
+    assert report["fusions"]["rmsnorm_fused"] == 28
+
+
+@pytest.mark.skipif(cgroup.why_not() is not None, reason=f"{cgroup.why_not()}")
+def test_a_saved_model_leaves_no_dirty_pages_in_its_group(tmp_path):
+    """A model file just written is dirty page cache, charged to the writer's memory cgroup
+    and not droppable until written back; :func:`normexport.io.files.save_model` returns
+    with it on disk (the group's dirty bytes read in the writing process itself)."""
+    writer = (
+        "import sys, numpy as np\nfrom pathlib import Path\nimport onnx_ir as ir\n"
+        "from normexport.io import files\nfrom tests.graphs import make_model\n"
+        "F = ir.DataType.FLOAT\n"
+        "model = make_model([('MatMul', ['x', 'w'], ['y'], {})], {'x': (F, [1, 2048])}, "
+        "{'y': (F, [1, 8192])}, {'w': np.ones((2048, 8192), np.float32)})\n"
+        "files.save_model(model, Path(sys.argv[1]), external_data=True)\n"
+        "group = [l.split(':', 2)[2] for l in open('/proc/self/cgroup') if ':memory:' in l]\n"
+        "stat = Path(f'/sys/fs/cgroup/memory{group[0].strip()}/memory.stat').read_text()\n"
+        "print(dict(l.split() for l in stat.splitlines())['total_dirty'])\n"
+    )
+    with cgroup.limited(2**30, cache="warm") as group:
+        ran = subprocess.run(
+            [sys.executable, "-c", writer, str(tmp_path / "m.onnx")], cwd=ROOT,
+            preexec_fn=group.enter, capture_output=True, text=True,
+        )  # fmt: skip
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert (tmp_path / "m.onnx.data").stat().st_size == 2048 * 8192 * 4
+    assert int(ran.stdout) < 2**20, f"{int(ran.stdout) / 2**20:.0f} MiB dirty of 64 MiB written"
+
+
 def _room_to_optimize_only(monkeypatch, path: Path) -> None:
     """Available memory faked between what the passes need and a deployed session's weights."""
     found = plan_mod.plan(ir.load(path), "m", "cpu", latency=True, autotune=False)
@@ -229,8 +338,9 @@ def test_no_room_to_optimize_is_one_line_and_exit_2(
 
 
 def test_cgroup_limits_are_read_v1_and_v2(tmp_path):
-    """The tightest group on the path wins; its file cache (active and inactive) counts as
-    available; no limit anywhere is None."""
+    """The tightest group on the path wins; its clean file cache (active and inactive, less
+    the dirty and the written-back pages) counts as available; v2's ``memory.high`` binds
+    where it is below ``memory.max``; no limit anywhere is None."""
     v1 = tmp_path / "v1"
     for group, limit, usage in (("", 2**63 - 4096, 10), ("a", 8 * 2**30, 2**30), ("a/b", 2**62, 1)):
         folder = v1 / "memory" / group
@@ -238,20 +348,26 @@ def test_cgroup_limits_are_read_v1_and_v2(tmp_path):
         (folder / "memory.limit_in_bytes").write_text(f"{limit}\n")
         (folder / "memory.usage_in_bytes").write_text(f"{usage}\n")
         stat = f"cache 5\ntotal_inactive_file {2**29}\ntotal_active_file {2**28}\n"
+        stat += f"total_dirty {2**27}\ntotal_writeback {2**26}\n"
         (folder / "memory.stat").write_text(stat)
     proc = tmp_path / "cgroup1"
     proc.write_text("9:cpu:/\n4:memory:/a/b\n0::/\n")
-    assert memory.cgroup_available(proc, v1) == 8 * 2**30 - 2**30 + 2**29 + 2**28
+    clean = 2**29 + 2**28 - 2**27 - 2**26
+    assert memory.cgroup_available(proc, v1) == 8 * 2**30 - 2**30 + clean
     v2 = tmp_path / "v2"
     (v2 / "c").mkdir(parents=True)
     (v2 / "cgroup.controllers").write_text("memory\n")
     (v2 / "c" / "memory.max").write_text(f"{4 * 2**30}\n")
     (v2 / "c" / "memory.current").write_text(f"{2**30}\n")
-    (v2 / "c" / "memory.stat").write_text("anon 1\ninactive_file 0\nactive_file 5\n")
+    stat = "anon 1\ninactive_file 0\nactive_file 5\nfile_dirty 2\nfile_writeback 1\n"
+    (v2 / "c" / "memory.stat").write_text(stat)
     (v2 / "memory.max").write_text("max\n")
     proc2 = tmp_path / "cgroup2"
     proc2.write_text("0::/c\n")
-    assert memory.cgroup_available(proc2, v2) == 3 * 2**30 + 5
+    assert memory.cgroup_available(proc2, v2) == 3 * 2**30 + 2
+    (v2 / "c" / "memory.high").write_text(f"{3 * 2**30}\n")
+    assert memory.cgroup_available(proc2, v2) == 2 * 2**30 + 2
+    (v2 / "c" / "memory.high").write_text("max\n")
     (v2 / "c" / "memory.max").write_text("max\n")
     assert memory.cgroup_available(proc2, v2) is None
 
