@@ -31,7 +31,7 @@ from normexport.bench.options import BENCH_BUDGET_S, BenchOptions
 from normexport.bench.render import render, write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, UsageError
-from normexport.io import files
+from normexport.io import external, files
 from normexport.io.kinds import detect_kind
 from normexport.pipeline import prepare
 from normexport.tuning import variants
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         why = "not --provider cpu" if opts.provider == "cpu" else "and it is not in use here"
         raise UsageError(f"--cuda-graph needs the CUDA provider, {why}")
     loaded, example, raw, _ = prepare(opts)
-    files.refuse_overwriting(files.input_files(loaded.path, loaded.onnx_model), writes)
+    files.refuse_overwriting(external.input_files(loaded.path, loaded.onnx_model), writes)
     batches, seqs, sweep_note = _narrowed(raw, example, batches, seqs, loaded.kind, opts, args)
     if sweep_note:
         console.print(f"[yellow]{sweep_note}[/]", soft_wrap=True)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import onnx_ir as ir
 
-from normexport.errors import InputFileError, OutputPathError, UsageError
+from normexport.errors import OutputPathError, UsageError
 
 #: Above this many bytes of tensors a model is written with external data even when its input
 #: had none: protobuf cannot serialize a message over 2 GiB, and the graph, its Constant nodes
@@ -203,27 +203,6 @@ def _remove_stale(folder: Path, prefix: str) -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def tensor_bytes(model: ir.Model) -> int:
-    """Bytes of the model's initializer tensors (external ones included), in bytes."""
-    return sum(
-        v.const_value.nbytes
-        for g in model.graphs()
-        for v in g.initializers.values()
-        if v.const_value is not None
-    )
-
-
-def has_external_data(model: ir.Model) -> bool:
-    """Whether any initializer of ``model`` lives in an external data file."""
-    import onnx_ir as ir  # here, not at the top: the preflight's paths need no onnx (0.9 s)
-
-    return any(
-        isinstance(v.const_value, ir.ExternalTensor)
-        for g in model.graphs()
-        for v in g.initializers.values()
-    )
-
-
 def data_path(model_path: Path) -> Path:
     """The external data file written beside ``model_path``: ``out.onnx`` -> ``out.onnx.data``
     (what torch.onnx.export writes too). Where that name would pass
@@ -292,6 +271,8 @@ def wants_external_data(model: ir.Model) -> bool:
     """Whether an output of ``model`` is written with external data: when its tensors come
     from an external data file (as torch.onnx.export writes them by default), or they are over
     :data:`EXTERNAL_DATA_THRESHOLD_BYTES`."""
+    from normexport.io.external import has_external_data, tensor_bytes  # onnx-ir: not at the top
+
     return has_external_data(model) or tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD_BYTES
 
 
@@ -360,49 +341,3 @@ def refuse_overwriting(inputs: list[Path], outputs: dict[str, list[Path]]) -> No
             if real in seen and seen[real] != flag:
                 raise UsageError(f"{flag} {path} is also written by {seen[real]}: choose another")
             seen[real] = flag
-
-
-def external_files(model: ir.Model) -> dict[Path, list[ir.Value]]:
-    """The external data files the initializers of ``model`` live in -> those initializers."""
-    import onnx_ir as ir
-
-    found: dict[Path, list[ir.Value]] = {}
-    for graph in model.graphs():
-        for value in graph.initializers.values():
-            tensor = value.const_value
-            if isinstance(tensor, ir.ExternalTensor):
-                found.setdefault(Path(tensor.base_dir) / tensor.location, []).append(value)
-    return found
-
-
-def input_files(path: Path, model: ir.Model | None) -> list[Path]:
-    """The files a run reads: the model file at ``path`` and, for an ONNX ``model``, the external
-    data files its tensors live in."""
-    return list(dict.fromkeys([Path(path), *(external_files(model) if model else {})]))
-
-
-def require_external_data(model: ir.Model, path: Path) -> None:
-    """Check that every external data file the ONNX model at ``path`` names is there, and big
-    enough for the tensors that say they live in it.
-
-    Raises:
-        InputFileError: one is missing or shorter than a tensor in it says.
-    """
-    for data, values in external_files(model).items():
-        size = data.stat().st_size if data.is_file() else -1
-        short = [v.name for v in values if size < _external_end(v.const_value)]
-        if not short:
-            continue
-        what = "is missing" if not data.exists() else "is shorter than its tensors say"
-        raise InputFileError(
-            f"{path}: its external data file {data} {what} (tensors "
-            f"{', '.join(short[:3])}{', ...' if len(short) > 3 else ''}); keep the data file "
-            "that was written with the model beside it, under the name the model gives"
-        )
-
-
-def _external_end(tensor: ir.ExternalTensor) -> int:
-    """Where ``tensor``'s bytes end in its data file: ``offset`` and ``length`` are optional in
-    ONNX's external data (onnx/docs/ExternalData.md: ``offset`` defaults to 0, ``length`` to the
-    tensor's own size)."""
-    return (tensor.offset or 0) + (tensor.length or tensor.nbytes)

@@ -14,7 +14,7 @@ import torch
 from fusion._ir import opset_version
 from normexport.arguments import Options, check_options
 from normexport.errors import InputFileError, UsageError
-from normexport.io import examples, files
+from normexport.io import examples, external
 from normexport.io.export import ExportError, export_module
 from normexport.io.inputs import (
     check_size,
@@ -79,7 +79,7 @@ def prepare(opts: Options) -> Prepared:
             model_kwargs=opts.model_kwargs,
         )
     if loaded.kind == "onnx":
-        files.require_external_data(loaded.onnx_model, loaded.path)
+        external.require_external_data(loaded.onnx_model, loaded.path)
     example = _example_inputs(loaded, opts)
     raw, export = _raw_onnx(loaded, example, opts)
     return Prepared(loaded, example, raw, export)

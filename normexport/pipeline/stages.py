@@ -13,7 +13,7 @@ import fusion
 from fusion._ir import opset_version
 from normexport import precision, progress, runtime
 from normexport.arguments import Options, plan_outputs
-from normexport.io import files
+from normexport.io import external, files
 from normexport.pipeline import measure, rewrite, speed
 from normexport.pipeline.job import Job, start
 from normexport.pipeline.prepare import prepare
@@ -49,7 +49,7 @@ def run(opts: Options) -> Report:
             provider = runtime.resolve_provider(opts.provider)
             prepared = prepare(opts)
         loaded, raw = prepared.loaded, prepared.raw
-        inputs = files.input_files(loaded.path, loaded.onnx_model)
+        inputs = external.input_files(loaded.path, loaded.onnx_model)
         files.refuse_overwriting(inputs, writes)
         files.write_back(inputs)  # a model file just written: clean pages, which a limit drops
         job = start(opts, output, provider, prepared)
@@ -66,7 +66,7 @@ def run(opts: Options) -> Report:
             progress.say(memory.line)
         with files.work_folder(output) as work:
             ref, judge = _reference(job, raw, work, memory.block_bytes)
-            weights = files.tensor_bytes(ir.load(ref.path))  # headers only
+            weights = external.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
                 staged = rewrite.rewrite(job, raw, ref, judge, work)
             del raw
