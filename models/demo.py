@@ -107,11 +107,27 @@ def save_model_file(zoo: models.ZooModel, folder: Path) -> tuple[Path, list[str]
             {axis: torch.export.Dim(label, min=1) for axis, label in zoo.dynamic_axes[n].items()}
             for n in zoo.inputs
         )
-        torch.export.save(torch.export.export(zoo.module, tensors, dynamic_shapes=dims), path)
+        torch.export.save(_exported(zoo, tensors, dims), path)
         return path, []
     path = folder / f"{zoo.name.replace('-', '_')}.pt"
     torch.save(zoo.module, path)
     return path, ["--trust-pickle"]
+
+
+def _exported(zoo: models.ZooModel, tensors: tuple, dims: tuple) -> torch.export.ExportedProgram:
+    """``torch.export.export`` of ``zoo`` with the symbolic axes ``dims``; where this torch
+    cannot keep them symbolic (torch 2.10 with transformers 5.24 specializes LLaMA's sequence
+    axis: "Constraints violated (sequence)"), with the example's shapes, and says so."""
+    try:
+        return torch.export.export(zoo.module, tensors, dynamic_shapes=dims)
+    except Exception as err:  # noqa: BLE001 - torch's UserError and the like: any means "static"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(
+            f"demo: {zoo.name}: saved with the example's shapes: this torch's torch.export "
+            f"cannot keep its axes symbolic ({type(err).__name__}: {first})",
+            file=sys.stderr,
+        )
+        return torch.export.export(zoo.module, tensors)
 
 
 def demo_options(zoo: models.ZooModel, folder: Path, **overrides) -> Options:

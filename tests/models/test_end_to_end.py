@@ -41,3 +41,25 @@ def test_zoo_model_end_to_end(name, tmp_path):
     for description, holds in EXPECTED[name]:
         assert holds(report), f"{name}: {description}: {report['fusions']} {report['norm_ops']}"
     assert files.default_output(path).exists()
+
+
+def test_a_torch_that_cannot_keep_the_axes_symbolic_saves_the_example_shapes(
+    tmp_path, monkeypatch, capsys
+):
+    """``make demo`` saves llama-tiny with symbolic batch and sequence; a torch whose
+    torch.export cannot (2.10 with transformers 5.24) gets the example's shapes, said once."""
+    import torch
+
+    real = torch.export.export
+
+    def export(module, args, *rest, dynamic_shapes=None, **kwargs):
+        if dynamic_shapes is not None:
+            raise RuntimeError("Constraints violated (sequence)!")
+        return real(module, args, *rest, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", export)
+    path, _ = save_model_file(models.load("llama-tiny"), tmp_path)
+    program = torch.export.load(path)
+    shapes = [tuple(v.meta["val"].shape) for v in program.graph.nodes if v.op == "placeholder"]
+    assert all(isinstance(d, int) for shape in shapes for d in shape), shapes
+    assert "saved with the example's shapes" in capsys.readouterr().err

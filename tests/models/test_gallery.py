@@ -27,7 +27,7 @@ import torch
 import fusion
 from fusion.registry import KINDS
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
-from normexport.io.export import export_module
+from normexport.io.export import ExportError, export_module
 from normexport.io.inputs import input_sets
 from normexport.runtime import cuda_kernels, make_session, run
 from normexport.verdict.parity import check_parity
@@ -117,9 +117,14 @@ def _runner(model: ir.Model):
 def test_gallery_entry(entry: Entry, exporter: str, opset: int):
     module = entry.build()
     example = entry.example()
-    model = export_module(
-        module, (example,), opset=opset, input_names=["x"], exporter=exporter
-    ).model
+    try:
+        model = export_module(
+            module, (example,), opset=opset, input_names=["x"], exporter=exporter
+        ).model
+    except ExportError as err:
+        if exporter == "dynamo" and "No ONNX function found" in str(err):  # asked of this torch
+            pytest.skip(f"this torch's dynamo exporter lacks an op of the entry ({err})")
+        raise
     raw = _ops(model)
     raw_run = _runner(model)  # before the passes
     raw_fallbacks = _fallbacks(model)
