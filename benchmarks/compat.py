@@ -1,0 +1,231 @@
+"""normexport under another torch (and transformers) than the pinned one: does installing the
+project keep the user's torch, and do ``make demo``'s models and the graph-level tests pass?
+
+For ``--torch VERSION``: a virtual environment of its own, ``.compat/torch-VERSION`` (made by
+``make install VENV=... TORCH=VERSION``, the same steps as the development venv's, with that
+torch installed first: torch's own wheels from the package index carry CUDA libraries, GBs);
+the project is installed into it with its declared dependencies, so a range in
+``pyproject.toml`` that excludes that torch replaces it, which is recorded (``torch_kept``).
+With ``--transformers VERSION``, that release replaces the one the install chose. Then, with
+that venv's Python, from the repository root:
+
+- ``python -m models.demo`` (``make demo``'s models, PyTorch's and the ONNX files, each saved in
+  its own format and run through the CLI, latency included): each model's exit code, parity,
+  fusions and the checks ``make demo`` holds (:data:`models.demo.EXPECTED`);
+- ``pytest -m "not slow"`` (the graph-level tests) and the test files whose subject is the
+  torch side (:data:`TORCH_TESTS`: the export, the loaders, the gallery of norm spellings
+  through both exporters): passed, failed, skipped, and the failures' ids.
+
+Each step's wall time is kept. The entry is merged into ``benchmarks/results/compat.json``
+under its versions, and the table of every entry is printed as ``docs/compat.md`` holds it.
+
+    python benchmarks/compat.py --torch 2.15.0 [--transformers 5.23.0] [--keep]
+    make compat TORCH=2.15.0 [TRANSFORMERS=5.23.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The test files that exercise torch itself (beside the graph-level ones, which need none).
+TORCH_TESTS = (
+    "tests/normexport/test_export.py",
+    "tests/normexport/test_load.py",
+    "tests/models/test_gallery.py",
+)
+#: The tests that hold the repository's records of these runs (the table in docs/compat.md,
+#: the declared range) to ``compat.json``, which a run is in the middle of rewriting: left out.
+RECORD_TESTS = (
+    "tests/test_docs.py::test_the_compat_table_is_the_measured_one",
+    "tests/test_docs.py::test_the_declared_torch_range_is_the_measured_one",
+)
+#: The packages whose versions each entry records.
+PACKAGES = ("torch", "transformers", "onnx", "onnx_ir", "onnxscript", "onnxruntime", "numpy")
+
+
+def _run(cmd: list[str], log: Path, **kwargs) -> tuple[int, float]:
+    """Run ``cmd`` from the repository root, its output appended to ``log``; (exit code, s)."""
+    start = time.perf_counter()
+    with log.open("a") as out:
+        out.write(f"\n$ {' '.join(cmd)}\n")
+        out.flush()
+        code = subprocess.call(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, **kwargs)
+    return code, round(time.perf_counter() - start, 1)
+
+
+def versions(python: Path) -> dict[str, str | None]:
+    """The installed version of each of :data:`PACKAGES` in the venv of ``python``."""
+    probe = (
+        "import importlib, json\nfound = {}\n"
+        f"for name in {list(PACKAGES)!r}:\n"
+        "    try:\n        found[name] = importlib.import_module(name).__version__\n"
+        "    except Exception:\n        found[name] = None\n"
+        "print(json.dumps(found))"
+    )
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
+    return json.loads(out.stdout) if out.returncode == 0 else dict.fromkeys(PACKAGES)
+
+
+def run_demo(python: Path, scratch: Path, log: Path) -> dict:
+    """``make demo``'s run in the venv: each model's exit code, parity and checks."""
+    out = scratch / "demo"
+    code, seconds = _run([str(python), "-m", "models.demo", "--out", str(out)], log)
+    summary = out / "summary.json"
+    rows = json.loads(summary.read_text()) if summary.exists() else []
+    found = {}
+    for row in rows:
+        report = row["report"] or {}
+        fusions = report.get("fusions", {})
+        found[row["model"]] = {
+            "exit_code": row["exit_code"],
+            "parity_passed": (report.get("parity") or {}).get("passed"),
+            "exporter": report.get("exporter"),
+            "fusions": {k: v for k, v in fusions.items() if isinstance(v, int) and v},
+            "unmet": row["unmet"],
+        }
+    return {"exit_code": code, "seconds": seconds, "passed": code == 0, "models": found}
+
+
+def run_tests(python: Path, scratch: Path, log: Path) -> dict:
+    """The graph-level tests and :data:`TORCH_TESTS` in the venv: counts and failures."""
+    entry = {}
+    graph_level = ["-m", "not slow", *(f"--deselect={t}" for t in RECORD_TESTS)]
+    for name, selection in (("graph_level", graph_level), ("torch", list(TORCH_TESTS))):
+        junit = scratch / f"{name}.xml"
+        cmd = [str(python), "-m", "pytest", "-q", "-n", "auto", "-p", "no:cacheprovider"]
+        code, seconds = _run([*cmd, f"--junitxml={junit}", *selection], log)
+        entry[name] = {"exit_code": code, "seconds": seconds, **_junit(junit)}
+    return entry
+
+
+def _junit(path: Path) -> dict:
+    """Passed, failed, skipped and the failing tests' ids from a pytest JUnit XML file."""
+    if not path.exists():
+        return {"passed": 0, "failed": None, "skipped": 0, "failures": ["no results"]}
+    cases = ET.parse(path).getroot().iter("testcase")
+    failed, skipped, total = [], 0, 0
+    for case in cases:
+        total += 1
+        if case.find("failure") is not None or case.find("error") is not None:
+            failed.append(f"{case.get('classname')}::{case.get('name')}")
+        elif case.find("skipped") is not None:
+            skipped += 1
+    passed = total - len(failed) - skipped
+    return {"passed": passed, "failed": len(failed), "skipped": skipped, "failures": failed}
+
+
+def measure(torch: str, transformers: str | None, root: Path, keep: bool) -> dict:
+    """Build the venv for ``torch`` (and ``transformers``) and run everything in it."""
+    name = f"torch-{torch}" + (f"-transformers-{transformers}" if transformers else "")
+    venv = root / name
+    python = venv / "bin" / "python"
+    logs = root / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{name}.log"
+    log.write_text("")
+    entry: dict = {"asked": {"torch": torch, "transformers": transformers}}
+    make = ["make", "install", f"VENV={venv}", f"TORCH={torch}", f"PYTHON={sys.executable}"]
+    code, entry["install_s"] = _run(make, log)
+    if code == 0 and transformers:
+        pip = [str(python), "-m", "pip", "install", "-q", f"transformers=={transformers}"]
+        code, seconds = _run(pip, log)
+        entry["install_s"] += seconds
+    entry["installed"] = versions(python)
+    entry["install_ok"] = code == 0
+    got = entry["installed"]["torch"] or ""
+    entry["torch_kept"] = got.split("+")[0] == torch
+    if code == 0:
+        with tempfile.TemporaryDirectory(prefix="compat-") as tmp:
+            entry["demo"] = run_demo(python, Path(tmp), log)
+            entry["tests"] = run_tests(python, Path(tmp), log)
+    entry["passed"] = bool(
+        entry["install_ok"]
+        and entry["torch_kept"]
+        and entry.get("demo", {}).get("passed")
+        and all(t["failed"] == 0 for t in entry.get("tests", {}).values())
+    )
+    entry["log"] = str(log.relative_to(ROOT)) if log.is_relative_to(ROOT) else str(log)
+    if not keep:
+        shutil.rmtree(venv, ignore_errors=True)
+    return entry
+
+
+def machine() -> dict:
+    """This machine, as each entry records it."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def table(results: dict) -> str:
+    """The markdown table of ``docs/compat.md``: one row per entry."""
+    head = (
+        "| torch | transformers | onnxscript | install keeps torch | demo (7 models) | "
+        "graph-level tests | torch tests | time (install + runs) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    )
+    rows = []
+    for entry in sorted(results.values(), key=lambda e: _key(e["asked"]["torch"])):
+        got = entry["installed"]
+        demo = entry.get("demo", {})
+        models = demo.get("models", {})
+        ok = sum(m["exit_code"] == 0 and not m["unmet"] for m in models.values())
+        tests = entry.get("tests", {})
+        seconds = entry["install_s"] + demo.get("seconds", 0)
+        seconds += sum(t["seconds"] for t in tests.values())
+
+        def counts(kind: str, tests=tests) -> str:
+            t = tests.get(kind)
+            return f"{t['passed']} passed, {t['failed']} failed" if t else "-"
+
+        rows.append(
+            f"| {got['torch']} | {got['transformers']} | {got['onnxscript']} | "
+            f"{'yes' if entry['torch_kept'] else 'no'} | "
+            f"{f'{ok} of {len(models)} pass' if models else '-'} | {counts('graph_level')} | "
+            f"{counts('torch')} | {seconds / 60:.0f} min |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def _key(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".") if p.isdigit())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--torch", required=True, help="the torch release, e.g. 2.15.0")
+    p.add_argument("--transformers", help="a transformers release to install over the chosen one")
+    p.add_argument("--root", type=Path, default=ROOT / ".compat", help="where the venvs go")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--keep", action="store_true", help="keep the venv (GBs) afterwards")
+    args = p.parse_args(argv)
+    entry = measure(args.torch, args.transformers, args.root, args.keep) | {"machine": machine()}
+    path = args.out / "compat.json"
+    results = json.loads(path.read_text())["runs"] if path.exists() else {}
+    key = f"torch {args.torch}"
+    if args.transformers:
+        key += f", transformers {args.transformers}"
+    results[key] = entry
+    path.write_text(json.dumps({"runs": results}, indent=2) + "\n")
+    print(table(results))
+    print(f"compat: {key}: {'passed' if entry['passed'] else 'FAILED'} (log: {entry['log']})")
+    return 0 if entry["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
