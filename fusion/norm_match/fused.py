@@ -159,6 +159,24 @@ class NormMatch:
             )
         self.weight = (operand, param)
 
+    def take_bias(self, beta: ir.Value, rank: int | None) -> None:
+        """Take ``beta``, the constant a batch-norm-style shift adds
+        (:func:`~fusion.norm_match.folded.subtracted_mean`), as the bias.
+
+        Raises:
+            CannotFuse: ``axis_not_normalized``: it varies along an axis that is not
+                normalized (no B of the fused op).
+        """
+        array = const_array(beta)
+        param = affine_param(array, self.k, rank, self.dims)
+        if param is None:
+            raise CannotFuse(
+                Code.AXIS_NOT_NORMALIZED,
+                f"the bias of shape {list(array.shape)} is added with the mean subtracted and "
+                "varies along an axis that is not normalized: no B of the fused op",
+            )
+        self.bias = (beta, param)
+
     def absorb_casts(self) -> None:
         """Extend over a no-op Cast to float32 after the norm, or a half-precision round trip.
 
