@@ -28,13 +28,23 @@ EXPECTED = {
     "keras_cnn.onnx": ({"batchnorm_folded": 1}, ()),
     "keras_mobilenet_block.onnx": ({"batchnorm_folded": 1}, ()),
     "keras_encoder.onnx": (
-        {"layernorm_fused": 4, "rmsnorm_fused": 1, "gelu_fused": 2},
-        ("GlobalAveragePool", "Reciprocal", "Tanh", "Erf"),
+        {"layernorm_fused": 4, "rmsnorm_fused": 1, "gelu_fused": 2, "attention_fused": 2},
+        ("GlobalAveragePool", "Reciprocal", "Tanh", "Erf", "Softmax"),
     ),
     "flax_cnn.onnx": ({"batchnorm_folded": 2}, ("BatchNormalization",)),
-    "flax_encoder.onnx": ({"layernorm_fused": 3, "rmsnorm_fused": 2}, ("Sqrt", "Max")),
+    "flax_encoder.onnx": (
+        {"layernorm_fused": 3, "rmsnorm_fused": 2, "sdpa_fused": 2},
+        ("Sqrt", "Max", "Softmax"),
+    ),
     "paddle_cnn.onnx": ({"batchnorm_folded": 2}, ("BatchNormalization",)),
     "paddle_encoder.onnx": ({"gelu_fused": 2, "attention_fused": 2}, ("Erf", "Softmax")),
+}
+# The same models with a symbolic batch, as users' files have it.
+EXPECTED |= {
+    "keras_cnn_dynamic.onnx": EXPECTED["keras_cnn.onnx"],
+    "keras_encoder_dynamic.onnx": EXPECTED["keras_encoder.onnx"],
+    "flax_encoder_dynamic.onnx": EXPECTED["flax_encoder.onnx"],
+    "paddle_encoder_dynamic.onnx": EXPECTED["paddle_encoder.onnx"],
 }
 
 
