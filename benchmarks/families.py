@@ -338,7 +338,7 @@ def _normexport(raw: Path, out: Path, inputs: Path, provider: str, budget_s: flo
     return variant, summary
 
 
-def _ops(path: Path) -> dict:
+def ops_of(path: Path) -> dict:
     """The ``Softmax`` nodes and the attention ops (by op type) of the model at ``path``."""
     ops = collections.Counter(
         n.op_type for n in onnx.load(path, load_external_data=False).graph.node
@@ -444,7 +444,7 @@ def bench_family(name: str, args: argparse.Namespace, console: Console) -> dict:
             folder / "raw.onnx", folder, family, args.provider, args.normexport_budget
         )
         entry["variants"] = {
-            k: v.to_dict() | (_ops(v.model) if v.model else {}) for k, v in built.items()
+            k: v.to_dict() | (ops_of(v.model) if v.model else {}) for k, v in built.items()
         }
         paths = {k: v.model for k, v in built.items() if v.model is not None}
         if "normexport" not in paths:
@@ -473,9 +473,9 @@ def _timed(results: dict) -> dict[str, dict]:
     return {name: e for name, e in results["models"].items() if "ratio_to_normexport" in e}
 
 
-def chart(results: dict, path: Path) -> None:
+def chart(results: dict, path: Path, title: str | None = None) -> None:
     """Each variant's time over normexport's per model (median, 95% interval; above 1:
-    normexport is faster)."""
+    normexport is faster), under ``title`` (default: this benchmark's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -500,7 +500,8 @@ def chart(results: dict, path: Path) -> None:
     ax.set_ylabel("time / normexport's (median, 95% CI)")
     provider = results["machine"]["provider"]
     ax.set_title(
-        f"One model per library, {provider}, {THREADS} threads: above 1, normexport is faster"
+        title
+        or f"One model per library, {provider}, {THREADS} threads: above 1, normexport is faster"
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
