@@ -41,10 +41,8 @@ import numpy as np
 import onnx
 from rich.console import Console
 
-from normexport import report, runtime
-from normexport.bench.results import Machine
-from normexport.errors import UsageError, one_line
-from normexport.tuning.variants import Variant
+from normexport import report
+from normexport.errors import one_line
 
 #: Per file: its exporter, and ONNX Runtime's transformer optimizer's model type, heads and
 #: hidden size for it (0: it reads them from each attention).
@@ -98,39 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--folder", type=Path, required=True, help="the exporters' files")
     p.add_argument("--only", default=",".join(MODELS), help="comma-separated file names")
-    p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--budget", type=float, default=20.0, help="timing seconds per model")
-    p.add_argument("--copies", type=int, default=2, help="sessions of each variant, ABBA")
-    p.add_argument(
-        "--normexport-budget", type=float, default=10.0,
-        help="seconds normexport's main job times the model itself (0: benchmark=False)",
-    )  # fmt: skip
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    families.add_timing_arguments(p)
     args = p.parse_args(argv)
     chosen = [n for n in args.only.split(",") if n]
     if unknown := [n for n in chosen if n not in MODELS]:
         p.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     console = Console(highlight=False, width=200)
-    try:
-        runtime.resolve_provider(args.provider)
-    except UsageError as err:
-        console.print(f"error: {err}")
+    results = families.header(args, console)
+    if results is None:
         return 2
     versions_file = args.folder / "versions.json"
-    results = {
-        "machine": Machine.probe(args.provider).to_dict(),
-        "threads": families.THREADS if args.provider == "cpu" else None,
-        "spinning": False,
-        "copies": args.copies,
-        "budget_s": args.budget,
-        "normexport_budget_s": args.normexport_budget,
-        "files": json.loads(versions_file.read_text()) if versions_file.is_file() else None,
-        "variants": {
-            v: families.DESCRIPTIONS.get(v) or Variant(v, None).description
-            for v in families.VARIANTS
-        },
-        "models": {},
-    }
+    results["files"] = json.loads(versions_file.read_text()) if versions_file.is_file() else None
     for name in chosen:
         start = time.perf_counter()
         try:

@@ -96,6 +96,13 @@ class MeanSquare:
     no_eps: bool = False
     mean: ir.Node | None = None
 
+    def take_eps(self, eps: ir.Value) -> None:
+        """Record ``eps``, the value added under the root: its number where it is a
+        one-element constant (:attr:`eps`), and whether it is a constant at all."""
+        array = const_array(eps)
+        self.eps = array.reshape(()) if array is not None and array.size == 1 else None
+        self.eps_constant = array is not None
+
 
 def scaled_mean_square(value: ir.Value) -> MeanSquare | None:
     """Walk up from ``value = f * ReduceMean(square(v))`` (or ``f * ReduceSum(square(v))``)
@@ -130,8 +137,14 @@ def match_mean_square(den: ir.Value) -> MeanSquare | None:
     Returns:
         The match, or None when ``den`` is not of that form (no norm candidate at all).
     """
+    return under_sqrt(den, match_radicand)
+
+
+def under_sqrt(den: ir.Value, radicand) -> MeanSquare | None:
+    """``radicand(v)`` (a matcher of what is under the root) where ``den = Sqrt(v)``, with the
+    Sqrt among its nodes; None otherwise."""
     sqrt = producer(den, "Sqrt")
-    found = match_radicand(sqrt.inputs[0]) if sqrt is not None else None
+    found = radicand(sqrt.inputs[0]) if sqrt is not None else None
     if found is not None:
         found.nodes.append(sqrt)
     return found
@@ -154,9 +167,7 @@ def match_radicand(value: ir.Value) -> MeanSquare | None:
         found, eps = scaled_mean_square(second), first
     if found is None:
         return None
-    eps_array = const_array(eps)
-    found.eps = eps_array.reshape(()) if eps_array is not None and eps_array.size == 1 else None
-    found.eps_constant = eps_array is not None
+    found.take_eps(eps)
     found.nodes.append(add)
     return found
 

@@ -21,7 +21,8 @@ import dataclasses
 import onnx_ir as ir
 
 from fusion._ir import as_division, const_array, other_input, producer, scalar_const, sole_consumer
-from fusion.norm_match.core import FLOAT, MeanSquare, match_mean_square, match_radicand
+from fusion.norm_match.core import MeanSquare, match_mean_square, match_radicand
+from fusion.norm_match.fused import weight_first
 from fusion.norm_match.moments import match_moments, moments_radicand
 
 
@@ -36,7 +37,7 @@ class Folded:
         rsqrt: whether the inverse root is ``Pow(., -0.5)`` (no Sqrt node).
         nodes: the nodes between the product and ``root``: the inverse, the weight's Mul.
         weighted: the weight as :func:`~fusion.norm_match.fused.weight_first` gives one
-            (``(inverse, mul, weight, array)``), or None.
+            (``(inverse, mul, weight, array)``: ``g = inverse * weight``), or None.
         scaled: ``g``, the inverse times the weight: what a subtracted mean is multiplied by.
     """
 
@@ -63,19 +64,6 @@ def _inverse_root(value: ir.Value) -> tuple[ir.Value, bool, ir.Node] | None:
     return None
 
 
-def _weighted(value: ir.Value) -> tuple[ir.Value, ir.Node, ir.Value, object] | None:
-    """``(v, mul, w, array)`` when ``value = Mul(v, w)`` (either order), ``w`` a float32
-    constant and ``v`` not one."""
-    mul = producer(value, "Mul")
-    if mul is None or len(mul.inputs) != 2:
-        return None
-    for v, w in (mul.inputs, mul.inputs[::-1]):
-        array = const_array(w)
-        if array is not None and array.dtype == FLOAT.numpy() and const_array(v) is None:
-            return v, mul, w, array
-    return None
-
-
 def folded_division(node: ir.Node) -> Folded | None:
     """The product of a norm whose inverse root carries its weight or is an ``rsqrt``
     (see the module docstring); None for anything else, including the plain
@@ -85,7 +73,7 @@ def folded_division(node: ir.Node) -> Folded | None:
     for numerator, scaled in (node.inputs, node.inputs[::-1]):
         if numerator is None or scaled is None or const_array(numerator) is not None:
             continue
-        weighted = _weighted(scaled)
+        weighted = weight_first(scaled)
         inverse = _inverse_root(weighted[0] if weighted is not None else scaled)
         if inverse is None or (weighted is None and not inverse[1]):
             continue

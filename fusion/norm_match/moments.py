@@ -16,8 +16,14 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import const_array, producer, scalar_const
-from fusion.norm_match.core import REDUCTIONS, MeanSquare, scaled_mean_square, square_of
+from fusion._ir import producer, scalar_const
+from fusion.norm_match.core import (
+    REDUCTIONS,
+    MeanSquare,
+    scaled_mean_square,
+    square_of,
+    under_sqrt,
+)
 
 
 def _clipped(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
@@ -44,11 +50,7 @@ def match_moments(den: ir.Value) -> MeanSquare | None:
         (the caller requires the numerator to be ``x`` minus a mean over the same axes), or
         None when ``den`` is not of that form.
     """
-    sqrt = producer(den, "Sqrt")
-    found = moments_radicand(sqrt.inputs[0]) if sqrt is not None else None
-    if found is not None:
-        found.nodes.append(sqrt)
-    return found
+    return under_sqrt(den, moments_radicand)
 
 
 def moments_radicand(value: ir.Value) -> MeanSquare | None:
@@ -72,8 +74,6 @@ def moments_radicand(value: ir.Value) -> MeanSquare | None:
             continue
         nodes = [*squares.nodes, mean, mean_sq[1], sub, *clip, add]
         found = MeanSquare(squares.value, squares.reduce, None, 1.0, [], nodes, mean=mean)
-        eps_array = const_array(eps)
-        found.eps = eps_array.reshape(()) if eps_array is not None and eps_array.size == 1 else None
-        found.eps_constant = eps_array is not None
+        found.take_eps(eps)
         return found
     return None
