@@ -79,6 +79,7 @@ bench: install $(VENV)/.bench-installed $(VENV)/.families-installed
 	$(PY) benchmarks/session_order.py
 	$(PY) benchmarks/families.py
 	$(PY) benchmarks/attention_forms.py
+	$(PY) benchmarks/gelu_forms.py
 
 # The fuzzer: N mutated ONNX files through the CLI, each held to docs/errors.md's promises
 # (tests/fuzz/run.py; CI runs one per kind of mutation in make test). About 5 s a case on 2 cores.

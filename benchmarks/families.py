@@ -338,7 +338,7 @@ def _normexport(raw: Path, out: Path, inputs: Path, provider: str, budget_s: flo
     return variant, summary
 
 
-def _ops(path: Path) -> dict:
+def ops_of(path: Path) -> dict:
     """The ``Softmax`` nodes and the attention ops (by op type) of the model at ``path``."""
     ops = collections.Counter(
         n.op_type for n in onnx.load(path, load_external_data=False).graph.node
@@ -444,7 +444,7 @@ def bench_family(name: str, args: argparse.Namespace, console: Console) -> dict:
             folder / "raw.onnx", folder, family, args.provider, args.normexport_budget
         )
         entry["variants"] = {
-            k: v.to_dict() | (_ops(v.model) if v.model else {}) for k, v in built.items()
+            k: v.to_dict() | (ops_of(v.model) if v.model else {}) for k, v in built.items()
         }
         paths = {k: v.model for k, v in built.items() if v.model is not None}
         if "normexport" not in paths:
@@ -473,9 +473,9 @@ def _timed(results: dict) -> dict[str, dict]:
     return {name: e for name, e in results["models"].items() if "ratio_to_normexport" in e}
 
 
-def chart(results: dict, path: Path) -> None:
+def chart(results: dict, path: Path, title: str | None = None) -> None:
     """Each variant's time over normexport's per model (median, 95% interval; above 1:
-    normexport is faster)."""
+    normexport is faster), under ``title`` (default: this benchmark's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -500,7 +500,8 @@ def chart(results: dict, path: Path) -> None:
     ax.set_ylabel("time / normexport's (median, 95% CI)")
     provider = results["machine"]["provider"]
     ax.set_title(
-        f"One model per library, {provider}, {THREADS} threads: above 1, normexport is faster"
+        title
+        or f"One model per library, {provider}, {THREADS} threads: above 1, normexport is faster"
     )
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -532,12 +533,9 @@ def print_table(results: dict, console: Console) -> None:
     console.print(table)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; write the JSON and the chart; print the table."""
-    p = argparse.ArgumentParser(
-        prog="python benchmarks/families.py", description=__doc__.split("\n\n")[0]
-    )
-    p.add_argument("--models", default=",".join(FAMILIES), help="comma-separated names")
+def add_timing_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of how the variants are timed and where the results go (this script's and
+    ``exporters.py``'s)."""
     p.add_argument("--provider", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--budget", type=float, default=20.0, help="timing seconds per model")
     p.add_argument(
@@ -548,20 +546,17 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds normexport's main job times the model itself (0: benchmark=False)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    args = p.parse_args(argv)
-    chosen = [n for n in args.models.split(",") if n]
-    unknown = [n for n in chosen if n not in FAMILIES]
-    if unknown:
-        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
-    console = Console(highlight=False, width=200)
+
+
+def header(args: argparse.Namespace, console: Console) -> dict | None:
+    """The results' record of the machine and the timing (of :func:`add_timing_arguments`'
+    flags), with no model yet; None, said on ``console``, where the provider does not load."""
     try:
         runtime.resolve_provider(args.provider)
     except UsageError as err:
         console.print(f"error: {err}")
-        return 2
-    outside.use()
-    torch.set_num_threads(THREADS)
-    results = {
+        return None
+    return {
         "machine": Machine.probe(args.provider).to_dict(),
         "threads": THREADS if args.provider == "cpu" else None,
         "spinning": False,
@@ -569,10 +564,30 @@ def main(argv: list[str] | None = None) -> int:
         "copies": args.copies,
         "budget_s": args.budget,
         "normexport_budget_s": args.normexport_budget,
-        "versions": _versions(),
         "variants": {v: DESCRIPTIONS.get(v) or Variant(v, None).description for v in VARIANTS},
         "models": {},
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; write the JSON and the chart; print the table."""
+    p = argparse.ArgumentParser(
+        prog="python benchmarks/families.py", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument("--models", default=",".join(FAMILIES), help="comma-separated names")
+    add_timing_arguments(p)
+    args = p.parse_args(argv)
+    chosen = [n for n in args.models.split(",") if n]
+    unknown = [n for n in chosen if n not in FAMILIES]
+    if unknown:
+        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
+    console = Console(highlight=False, width=200)
+    results = header(args, console)
+    if results is None:
+        return 2
+    outside.use()
+    torch.set_num_threads(THREADS)
+    results["versions"] = _versions()
     for name in chosen:
         start = time.perf_counter()
         try:

@@ -142,8 +142,13 @@ def reduce_axes(node: ir.Node, rank: int | None) -> tuple[int, ...] | None:
 
     Axes are an attribute below opset 18 and an input from 18. No axes means all axes (which
     needs ``rank``), except under ``noop_with_empty_axes=1``, where the node reduces nothing
-    (None). Axes held in a non-constant input are unknown (None).
+    (None). Axes held in a non-constant input are unknown (None). ``GlobalAveragePool`` is the
+    mean over every axis after the first two, its output keeping them (Operators.md,
+    GlobalAveragePool-1: the "spatial" axes of ``(N, C, D1, ..., Dn)``; tf2onnx writes
+    TensorFlow's mean over the last axis of a 3-D tensor so): that needs ``rank``.
     """
+    if node.op_type == "GlobalAveragePool":
+        return tuple(range(2, rank)) if rank is not None and rank > 2 else None
     if len(node.inputs) > 1 and node.inputs[1] is not None:
         array = const_array(node.inputs[1])
         if array is None:

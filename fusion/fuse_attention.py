@@ -1,8 +1,8 @@
-"""Fuse attention and GELU into ONNX Runtime's contrib ops, with onnxscript's own rules.
+"""Fuse attention into ONNX Runtime's contrib ops, with onnxscript's own rules.
 
 Not a norm pass: it runs after them (``target="ort"`` only) so that a transformer's output is
 not slower on ONNX Runtime than what onnxscript's ``optimize_for_ort`` makes of it: with the
-norms fused alone, the attention and GELU subgraphs stay as dozens of small ops that
+norms fused alone, the attention subgraphs stay as dozens of small ops that
 ``optimize_for_ort`` would have fused. The timings of normexport against ``optimize_for_ort``
 per zoo model are in ``benchmarks/results/demo_models_cpu.json`` (``benchmarks/demo_models.py``;
 all-MiniLM-L6-v2 in ``demo_minilm_cpu.json``).
@@ -10,13 +10,11 @@ all-MiniLM-L6-v2 in ``demo_minilm_cpu.json``).
 The rules are onnxscript's (``onnxscript.rewriter.ort_fusions``, 0.7), applied one rule set
 at a time in the order ``fuse_xformers`` applies them, and nothing else of that pipeline:
 
-* ``erfgelu``, ``gelu``: ``0.5 * x * (1 + erf(x / sqrt 2))`` -> ``Gelu``; the tanh
-  approximation ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))`` -> ``FastGelu``
-  (the same approximation; Hendrycks and Gimpel, "Gaussian Error Linear Units", 2016, sec. 2);
 * ``sdpa``, ``mha1``/``mha2``, ``mha_scale``, ``mha_bias``, ``attention``: softmax attention
   (Vaswani et al., 2017, eq. 1) with its Q/K/V projections -> ``MultiHeadAttention`` /
   ``Attention``, and ``sdpa_via_mha`` for a lone scaled dot-product;
-* ``bias_gelu``: ``Gelu(x + b)`` with a 1-D ``b`` -> ``BiasGelu``.
+onnxscript's GELU rules (``erfgelu``, ``gelu``, ``bias_gelu``) are not applied:
+:mod:`fusion.fuse_gelu`, which runs before, reads every spelling and takes the bias in.
 
 Two rewrites of normexport's own follow the rules. A MultiHeadAttention over three
 projections of one input becomes ``Attention`` with the projections packed
@@ -50,9 +48,6 @@ import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import RewriteRuleSet
 from onnxscript.rewriter.ort_fusions import (
     attention,
-    bias_gelu,
-    erfgelu,
-    gelu,
     mha,
     mha_bias,
     mha_scale,
@@ -65,21 +60,18 @@ from fusion import pack_attention
 from fusion._ir import const_array, label, producer
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 
-#: onnxscript's rule sets in fuse_xformers' order (those its ``fuse_erfgelu``, ``fuse_sdpa``,
-#: ``fuse_mha1``, ``fuse_mha2``, ``fuse_mha_scale``, ``fuse_mha_bias``, ``fuse_attention``,
-#: ``fuse_gelu``, ``fuse_bias_gelu`` and ``replace_sdpa_by_mha`` apply; two are private names of
+#: onnxscript's rule sets in fuse_xformers' order (those its ``fuse_sdpa``, ``fuse_mha1``,
+#: ``fuse_mha2``, ``fuse_mha_scale``, ``fuse_mha_bias``, ``fuse_attention`` and
+#: ``replace_sdpa_by_mha`` apply; not its GELU rules, see above; two are private names of
 #: onnxscript 0.7, which the project pins), each with whether shape inference follows it (the
 #: sdpa rule adds nodes whose shapes the mha rules check).
 _RULES = (
-    (erfgelu.rules, False),
     (sdpa.sdpa_rules, True),
     (mha.mha_rules_with_past, False),
     (mha.mha_rules_no_past, False),
     (mha_scale._mha_scale_rules, False),
     (mha_bias.mha_bias_rules, False),
     (attention.attention_rules, False),
-    (gelu.gelu_rules, False),
-    (bias_gelu.bias_gelu_rules, False),
     (sdpa_via_mha._rules, False),
 )
 
@@ -94,7 +86,7 @@ _ORIGIN = "normexport.fusion.origin"
 #: The op of the input graph that anchors each kind's rewrite (:attr:`Fused.node`): an
 #: attention's Softmax, a GELU's Erf or Tanh; stable from run to run, where the names of the
 #: nodes onnxscript makes are not.
-_ANCHOR_OPS = {"attention_fused": ("Softmax",), "gelu_fused": ("Erf", "Tanh")}
+_ANCHOR_OPS = {"attention_fused": ("Softmax",)}
 
 # Shape inference that fails (an op ONNX does not know, a model over 2 GB) leaves the model as
 # it is and the rules that need shapes do not match; its warning and traceback are not a
@@ -103,10 +95,10 @@ _shape_log = logging.getLogger("onnx_ir.passes.common.shape_inference")
 
 
 class FuseAttention(FusionPass):
-    """Rewrite attention and GELU subgraphs into com.microsoft contrib ops (in place).
+    """Rewrite attention subgraphs into com.microsoft contrib ops (in place).
 
-    Records one ``attention_fused`` per Attention / MultiHeadAttention node and one
-    ``gelu_fused`` per Gelu / FastGelu / BiasGelu node that the pass added.
+    Records one ``attention_fused`` per Attention / MultiHeadAttention node that the pass
+    added.
 
     Runs for ``target="ort"``, by default or when ``optimize(attention=True)``. With the
     policy's ``threads`` above 1 (the CPU provider), an attention whose batch times heads is
@@ -119,12 +111,6 @@ class FuseAttention(FusionPass):
             "attention_fused",
             "attention",
             (Op("Attention", MS_DOMAIN), Op("MultiHeadAttention", MS_DOMAIN)),
-            norm=False,
-        ),
-        Kind(
-            "gelu_fused",
-            "gelu",
-            (Op("Gelu", MS_DOMAIN), Op("FastGelu", MS_DOMAIN), Op("BiasGelu", MS_DOMAIN)),
             norm=False,
         ),
     )

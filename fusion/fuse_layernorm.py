@@ -48,6 +48,13 @@ Spellings accepted (as the dynamo and TorchScript exporters write them after
     after        [Cast] [Mul by constant w] [Add of constant b]
                  (either operand order; w and b may vary along the normalized axes only)
 
+Other frameworks' exporters (docs/model-files.md, "Files from other frameworks"): the mean as
+``GlobalAveragePool`` (the mean over every axis after the first two: tf2onnx's mean over the
+last axis of a 3-D tensor); the variance from the moments, ``max(0, E[x^2] - E[x]^2)``
+(Flax through jax2onnx; :mod:`fusion.norm_match.moments`); the inverse root as ``Pow(., -0.5)``;
+and TensorFlow's batch-norm-style affine, ``x * g + (beta - mean * g)`` with ``g = w /
+sqrt(var + eps)`` (tf2onnx; :mod:`fusion.norm_match.folded`).
+
 N, the number of elements a ReduceSum adds up, is read from the shape of ``x``. A mean whose sum
 is divided by anything else (``sum / (N - 1)``, a wrong constant) is refused: ``x`` minus it is
 not ``x`` minus its mean. Constants count as ``1 / N`` within a few float32 roundings
@@ -105,19 +112,23 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, label, rank_of
+from fusion._ir import label, producer, rank_of
 from fusion.base import CannotFuse, Code, Kind, Op
 from fusion.norm_match import (
     NO_EPS,
+    REDUCTIONS,
     NormFusionPass,
     NormMatch,
     centered,
     check_core,
+    divided,
     match_eps_outside_sqrt,
-    match_mean_square,
     no_eps_note,
     normalized_dims,
     param_value,
+    reduced_trailing,
+    subtracted_mean,
+    variance,
     weight_first,
 )
 
@@ -126,6 +137,14 @@ EPS_OUTSIDE = (
     "eps outside the square root: (x - mean) / (sqrt(var) + eps) is not a LayerNormalization, "
     "which adds eps to the variance"
 )
+
+
+def _a_mean(value: ir.Value) -> bool:
+    """Whether ``value`` is a reduction or its negation: the ``-m * g`` of a batch-norm-style
+    norm (:mod:`fusion.norm_match.folded`), which is no numerator of its own."""
+    neg = producer(value, "Neg")
+    node = (neg.inputs[0] if neg is not None else value).producer()
+    return node is not None and node.op_type in REDUCTIONS and node.domain == ""
 
 
 class FuseLayerNorm(NormFusionPass):
@@ -140,53 +159,79 @@ class FuseLayerNorm(NormFusionPass):
     needs_opset = {"onnx": 17}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
-        """Walk up from ``node`` (the division) to ``x``, then down through the affine part.
+        """Walk up from ``node`` (the division, or the product by the inverse root) to ``x``,
+        then down through the affine part.
 
         Returns:
             The match (``x`` float32, or float16 / bfloat16 when a round trip through float32
             was absorbed; ``k`` trailing axes), or None when ``node`` ends no LayerNorm.
 
         Raises:
-            CannotFuse: ``eps_outside_sqrt``, ``wrong_numerator``, ``shared_output``, a code of
-                :func:`fusion.norm_match.check_core` or :meth:`fusion.norm_match.Centering.check`.
+            CannotFuse: ``eps_outside_sqrt``, ``wrong_numerator``, ``different_axes``,
+                ``shared_output``, a code of :func:`fusion.norm_match.check_core` or
+                :meth:`fusion.norm_match.Centering.require_mean`.
         """
-        division = as_division(node)
-        if division is None:
-            return None
-        numerator, den, inverse = division
-        outside = match_eps_outside_sqrt(den)
-        if outside is not None and centered(outside) is not None:
-            raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
-        core = match_mean_square(den)
-        found = centered(core.value) if core is not None else None
+        found = divided(node)
         if found is None:
+            return None
+        if not found.rsqrt:
+            outside = match_eps_outside_sqrt(found.root)
+            if outside is not None and centered(outside) is not None:
+                raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
+        core = variance(found.root, found.rsqrt)
+        center = centered(core.value) if core is not None and core.mean is None else None
+        if core is None or (center is None and core.mean is None):
             return None  # not a norm, or an RMSNorm (FuseRMSNorm's business)
-        weighted = weight_first(numerator) if centered(numerator) is None else None
-        if weighted is not None:
-            numerator = weighted[0]
-        centers = [found]
-        if numerator is not core.value:
+        first = None  # a weight applied before the division: w * (x - m) / sqrt(var + eps)
+        if found.weighted is None and centered(found.numerator) is None:
+            first = weight_first(found.numerator)
+        numerator = first[0] if first is not None else found.numerator
+        x = center.x if center is not None else core.value
+        centers, shift = [center] if center is not None else [], None
+        if numerator is x:  # the mean subtracted after the product, batch-norm style
+            mean = (center.reduce if center is not None else core.mean).outputs[0]
+            shift = subtracted_mean(node.outputs[0], mean, found.scaled)
+            if shift is None:
+                raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
+        elif numerator is not core.value:
             again = centered(numerator)
-            if again is None or again.x is not found.x:
+            if again is None and _a_mean(numerator):
+                return None  # the shift's product of a batch-norm-style norm, matched from x's
+            if again is None or again.x is not x:
                 raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
             centers.append(again)
-        x = found.x
+        return self._matched(node, found, core, centers, first, shift, x)
+
+    def _matched(self, node, found, core, centers, first, shift, x) -> NormMatch:
+        """The match :meth:`match` found, checked: the axes of every mean, shared values, the
+        weight and the bias (the shift's, or those after the norm)."""
         rank = rank_of(x, core.value, node.outputs[0])
         k = check_core(core, x, rank)
         dims = normalized_dims(k, x, core.value, node.outputs[0])
         for center in centers:
             center.require_mean(k, rank, dims)
-        centering = list(dict.fromkeys(n for c in centers for n in c.nodes))
+        if core.mean is not None and reduced_trailing(core.mean, rank) != k:
+            raise CannotFuse(
+                Code.DIFFERENT_AXES, "the mean and the mean square reduce over different axes"
+            )
+        centering = [n for c in centers for n in c.nodes]
         # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays
         # for its other readers: the fused node computes the same value from x itself.
-        rest = [*([weighted[1]] if weighted else []), *core.nodes, *inverse, node]
-        shared = self.check_shared(rest, node.outputs[0], "LayerNorm")
-        nodes = [*centering, *rest]
-        match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
+        before = [first[1]] if first is not None else []
+        rest = [*before, *core.nodes, *found.nodes, node, *(shift[0] if shift else [])]
+        output = shift[2] if shift else node.outputs[0]
+        shared = self.check_shared(rest, output, "LayerNorm")
+        nodes = list(dict.fromkeys([*centering, *rest]))
+        match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, output)
         match.shared = shared
+        weighted = first or found.weighted
         if weighted is not None:
             match.take_weight(weighted, rank)
-        else:
+        if shift is not None:
+            if shift[1] is not None:
+                match.take_bias(shift[1], rank)
+            return match
+        if weighted is None:
             match.absorb_casts()
         ops = (("Mul", "weight"), ("Add", "bias"))[weighted is not None :]
         match.absorb_affine(self, rank, ops, "LayerNormalization")

@@ -72,7 +72,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import as_division, label, opset_version, producer, rank_of
+from fusion._ir import label, opset_version, producer, rank_of
 from fusion.base import CannotFuse, Code, Kind, Op
 from fusion.norm_match import (
     NO_EPS,
@@ -80,10 +80,11 @@ from fusion.norm_match import (
     NormMatch,
     centered,
     check_core,
+    divided,
     match_eps_outside_sqrt,
-    match_mean_square,
     no_eps_note,
     normalized_dims,
+    variance,
     weight_first,
 )
 
@@ -136,28 +137,29 @@ class FuseRMSNorm(NormFusionPass):
             CannotFuse: ``eps_outside_sqrt``, ``f_normalize``, ``wrong_numerator``,
                 ``shared_output``, or a code of :func:`fusion.norm_match.check_core`.
         """
-        division = as_division(node)
-        if division is None:
+        found = divided(node)
+        if found is None:
             return None
-        numerator, den, inverse = division
-        outside = match_eps_outside_sqrt(den)
-        if outside is not None and centered(outside) is None:
-            raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
-        if _clamped_l2_norm(den):
-            raise CannotFuse(Code.F_NORMALIZE, F_NORMALIZE)
-        core = match_mean_square(den)
+        if not found.rsqrt:
+            outside = match_eps_outside_sqrt(found.root)
+            if outside is not None and centered(outside) is None:
+                raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
+            if _clamped_l2_norm(found.root):
+                raise CannotFuse(Code.F_NORMALIZE, F_NORMALIZE)
+        core = variance(found.root, found.rsqrt, moments=False)
         if core is None or centered(core.value) is not None:
             return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)
-        x = core.value
-        weighted = weight_first(numerator) if numerator is not x else None
-        if (weighted[0] if weighted is not None else numerator) is not x:
+        x, numerator = core.value, found.numerator
+        first = weight_first(numerator) if numerator is not x else None
+        if (first[0] if first is not None else numerator) is not x:
             raise CannotFuse(
                 Code.WRONG_NUMERATOR,
                 "divides a tensor other than the one whose mean square is taken",
             )
+        weighted = first or found.weighted
         rank = rank_of(x, node.outputs[0])
         k = check_core(core, x, rank)
-        nodes = [*([weighted[1]] if weighted else []), *core.nodes, *inverse, node]
+        nodes = [*([first[1]] if first else []), *core.nodes, *found.nodes, node]
         shared = self.check_shared(nodes, node.outputs[0], "RMSNorm")
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from fusion.base import FusionPass, Kind, Op, Policy
 from fusion.fold_batchnorm import FoldBatchNorm, algebra
 from fusion.fuse_attention import FuseAttention
+from fusion.fuse_gelu import FuseGelu
 from fusion.fuse_gqa import FuseGroupQueryAttention
 from fusion.fuse_groupnorm import FuseGroupNorm
 from fusion.fuse_instancenorm import FuseInstanceNorm
@@ -40,6 +41,7 @@ PASSES = (
     FuseChannelsFirstLayerNorm,
     FuseLayerNorm,
     FuseRMSNorm,
+    FuseGelu,
     FuseAttention,
     FuseSDPA,
     FuseSkip,

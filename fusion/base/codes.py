@@ -118,6 +118,11 @@ class Code(enum.StrEnum):
     #: (``benchmarks/forms.py --set conv``): that form is kept.
     SLOWER_MEASURED = "slower_measured"
 
+    # GELU.
+    #: A constant of a GELU-shaped subgraph is not the formula's (``x / 2`` inside the erf,
+    #: ``0.0447`` for the cubic coefficient): a different function.
+    GELU_CONSTANT = "gelu_constant"
+
     # Skip (residual Add + norm).
     #: A Cast between the residual Add and the norm (the Skip op would add in another type).
     CAST_BETWEEN = "cast_between"

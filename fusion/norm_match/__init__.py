@@ -28,30 +28,37 @@ values).
 
 from __future__ import annotations
 
-from fusion.norm_match.axes import normalized_dims
+from fusion.norm_match.axes import normalized_dims, reduced_trailing
 from fusion.norm_match.core import (
     FLOAT,
+    REDUCTIONS,
     Centering,
     centered,
     check_core,
     match_eps_outside_sqrt,
     match_mean_square,
 )
+from fusion.norm_match.folded import divided, subtracted_mean, variance
 from fusion.norm_match.fused import NO_EPS, NormMatch, no_eps_note, param_value, weight_first
 from fusion.norm_match.shared import NormFusionPass
 
 __all__ = [
     "FLOAT",
     "NO_EPS",
+    "REDUCTIONS",
     "Centering",
     "NormFusionPass",
     "NormMatch",
     "centered",
     "check_core",
+    "divided",
     "match_eps_outside_sqrt",
     "match_mean_square",
     "no_eps_note",
     "normalized_dims",
     "param_value",
+    "reduced_trailing",
+    "subtracted_mean",
+    "variance",
     "weight_first",
 ]

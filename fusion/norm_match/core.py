@@ -21,11 +21,13 @@ from fusion.norm_match.axes import is_one, normalized_dims, reduced_trailing, su
 
 FLOAT = ir.DataType.FLOAT
 
-#: The reductions a mean may be written with: ``ReduceMean``, or ``ReduceSum`` times a constant.
-REDUCTIONS = ("ReduceMean", "ReduceSum")
+#: The reductions a mean may be written with: ``ReduceMean``, ``GlobalAveragePool`` (the mean
+#: over every axis after the first two, :func:`fusion._ir.reduce_axes`), or ``ReduceSum`` times
+#: a constant.
+REDUCTIONS = ("ReduceMean", "GlobalAveragePool", "ReduceSum")
 
 
-def _square_of(value: ir.Value) -> tuple[ir.Value, ir.Node] | None:
+def square_of(value: ir.Value) -> tuple[ir.Value, ir.Node] | None:
     """``(v, node)`` when ``value`` is ``Pow(v, 2)`` or ``Mul(v, v)``."""
     node = producer(value, "Pow")
     if node is not None and scalar_const(node.inputs[1]) == 2.0:
@@ -80,6 +82,8 @@ class MeanSquare:
         nodes: every node from the square to the Sqrt.
         eps_constant: whether eps is a constant (of any size).
         no_eps: whether there is no eps at all (no Add before the Sqrt).
+        mean: where the variance is written from the moments, ``E[v^2] - E[v]^2``
+            (:mod:`fusion.norm_match.moments`), the reduction of ``E[v]``; None otherwise.
     """
 
     value: ir.Value
@@ -90,9 +94,17 @@ class MeanSquare:
     nodes: list[ir.Node]
     eps_constant: bool = False
     no_eps: bool = False
+    mean: ir.Node | None = None
+
+    def take_eps(self, eps: ir.Value) -> None:
+        """Record ``eps``, the value added under the root: its number where it is a
+        one-element constant (:attr:`eps`), and whether it is a constant at all."""
+        array = const_array(eps)
+        self.eps = array.reshape(()) if array is not None and array.size == 1 else None
+        self.eps_constant = array is not None
 
 
-def _scaled_mean_square(value: ir.Value) -> MeanSquare | None:
+def scaled_mean_square(value: ir.Value) -> MeanSquare | None:
     """Walk up from ``value = f * ReduceMean(square(v))`` (or ``f * ReduceSum(square(v))``)
     through scalar Mul / Div and Reshape / Expand; None when ``value`` is not of that form.
     ``eps`` is left unset."""
@@ -103,7 +115,7 @@ def _scaled_mean_square(value: ir.Value) -> MeanSquare | None:
         if node is None or node.domain != "":
             return None
         if node.op_type in REDUCTIONS:
-            square = _square_of(node.inputs[0])
+            square = square_of(node.inputs[0])
             if square is None:
                 return None
             restores = [n for n in chain if n.op_type in ("Reshape", "Expand")]
@@ -125,27 +137,38 @@ def match_mean_square(den: ir.Value) -> MeanSquare | None:
     Returns:
         The match, or None when ``den`` is not of that form (no norm candidate at all).
     """
+    return under_sqrt(den, match_radicand)
+
+
+def under_sqrt(den: ir.Value, radicand) -> MeanSquare | None:
+    """``radicand(v)`` (a matcher of what is under the root) where ``den = Sqrt(v)``, with the
+    Sqrt among its nodes; None otherwise."""
     sqrt = producer(den, "Sqrt")
-    if sqrt is None:
-        return None
-    found = _scaled_mean_square(sqrt.inputs[0])
+    found = radicand(sqrt.inputs[0]) if sqrt is not None else None
+    if found is not None:
+        found.nodes.append(sqrt)
+    return found
+
+
+def match_radicand(value: ir.Value) -> MeanSquare | None:
+    """Match what is under the root: ``Add(f * ReduceMean(square(v)), eps)``, or ``f *
+    ReduceMean(square(v))`` with no eps (:func:`match_mean_square` without the ``Sqrt``; a
+    ``Pow(., -0.5)`` takes the root itself: :mod:`fusion.norm_match.folded`)."""
+    found = scaled_mean_square(value)
     if found is not None:
         found.no_eps = True
-        found.nodes.append(sqrt)
         return found
-    add = producer(sqrt.inputs[0], "Add")
+    add = producer(value, "Add")
     if add is None:
         return None
     first, second = add.inputs
-    found, eps = _scaled_mean_square(first), second
+    found, eps = scaled_mean_square(first), second
     if found is None:
-        found, eps = _scaled_mean_square(second), first
+        found, eps = scaled_mean_square(second), first
     if found is None:
         return None
-    eps_array = const_array(eps)
-    found.eps = eps_array.reshape(()) if eps_array is not None and eps_array.size == 1 else None
-    found.eps_constant = eps_array is not None
-    found.nodes += [add, sqrt]
+    found.take_eps(eps)
+    found.nodes.append(add)
     return found
 
 
@@ -156,7 +179,7 @@ def match_eps_outside_sqrt(den: ir.Value) -> ir.Value | None:
         return None
     for root, eps in (add.inputs, add.inputs[::-1]):
         sqrt = producer(root, "Sqrt")
-        found = _scaled_mean_square(sqrt.inputs[0]) if sqrt is not None else None
+        found = scaled_mean_square(sqrt.inputs[0]) if sqrt is not None else None
         if found is not None and const_array(eps) is not None:
             return found.value
     return None

@@ -150,14 +150,35 @@ class NormMatch:
                 (it cannot become the Scale, and it multiplies before the fused op would).
         """
         _, _, operand, array = found
+        where = "multiplies before the division"
+        self.weight = (operand, self._param(array, rank, "weight", where, "Scale"))
+
+    def take_bias(self, beta: ir.Value, rank: int | None) -> None:
+        """Take ``beta``, the constant a batch-norm-style shift adds
+        (:func:`~fusion.norm_match.folded.subtracted_mean`), as the bias.
+
+        Raises:
+            CannotFuse: ``axis_not_normalized``: it varies along an axis that is not
+                normalized (no B of the fused op).
+        """
+        array = const_array(beta)
+        where = "is added with the mean subtracted"
+        self.bias = (beta, self._param(array, rank, "bias", where, "B"))
+
+    def _param(self, array: np.ndarray, rank: int | None, what: str, where: str, input_name: str):
+        """``array`` over the normalized axes (:func:`affine_param`).
+
+        Raises:
+            CannotFuse: ``axis_not_normalized``, naming ``what`` and ``where`` it is applied.
+        """
         param = affine_param(array, self.k, rank, self.dims)
         if param is None:
             raise CannotFuse(
                 Code.AXIS_NOT_NORMALIZED,
-                f"the weight of shape {list(array.shape)} multiplies before the division and "
-                "varies along an axis that is not normalized: no Scale of the fused op",
+                f"the {what} of shape {list(array.shape)} {where} and varies along an axis "
+                f"that is not normalized: no {input_name} of the fused op",
             )
-        self.weight = (operand, param)
+        return param
 
     def absorb_casts(self) -> None:
         """Extend over a no-op Cast to float32 after the norm, or a half-precision round trip.

@@ -16,6 +16,8 @@ CPU provider each small node costs a kernel launch, which a decode step of a sma
 * :func:`.neutral.drop_neutral_ops`: ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)``,
   ``Div(x, 1)`` as ``x`` (transformers' mask starts from ``ones & causal``; its rotary tables
   are scaled by ``attention_scaling``, 1 but for YaRN and the like).
+* :func:`.neutral.explicit_softmax_axis`: a Softmax's default ``axis`` (-1) written out
+  (tf2onnx leaves it out; attention patterns name it).
 * :func:`.split.split_slices`: Slices of one tensor that tile an axis (Phi-3's ``qkv_proj``
   read as the query, key and value) as one Split. Run after the fusion passes only: their
   matchers read the Slices (the rotary embedding's halves, a packed projection).
@@ -27,15 +29,17 @@ Once the values carry the shapes inference gives them (:class:`fusion.FillShapes
 (:func:`.neutral.fold_known_sizes`), drops the Slices that provably keep a whole tensor
 (:func:`.neutral.drop_whole_slices`), the Expands that change nothing
 (:func:`.neutral.drop_neutral_expands`) and the Casts to the type a value has
-(:func:`.neutral.drop_same_type_casts`), and reads torch's TorchScript indexing of a 2-D tensor
+(:func:`.neutral.drop_same_type_casts`), reads torch's TorchScript indexing of a 2-D tensor
 by whole aranges as the tensor (:func:`.index.flat_index_grids`): the TorchScript exporter's
-shape arithmetic.
+shape arithmetic, and a batched MatMul between views that merge its batch axes as the MatMul
+of their sources (:func:`.batched.unmerge_batched_matmuls`: tf2onnx's Einsum).
 """
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
+from fusion.simplify.batched import bias_before_split, unmerge_batched_matmuls
 from fusion.simplify.index import (
     composed_axes,
     flat_index_grids,
@@ -47,30 +51,39 @@ from fusion.simplify.neutral import (
     drop_neutral_ops,
     drop_same_type_casts,
     drop_whole_slices,
+    explicit_softmax_axis,
     fold_known_sizes,
 )
 from fusion.simplify.split import split_slices
+from fusion.simplify.views import unify_reshape_symbols
 
 __all__ = ["composed_axes", "simplify", "with_shapes"]
 
 
 def simplify(graph: ir.Graph, final: bool = False) -> int:
     """Apply :func:`.index.merge_unsqueezes`, :func:`.index.slice_index_grids`,
-    :func:`.neutral.drop_neutral_ops` (and with ``final``, :func:`.split.split_slices`) to
+    :func:`.neutral.drop_neutral_ops`, :func:`.neutral.explicit_softmax_axis` (and with
+    ``final``, :func:`.split.split_slices`) to
     ``graph``, the main graph of a model of opset 13 or above, in place; return how many
     rewrites were made."""
     done = merge_unsqueezes(graph) + slice_index_grids(graph) + drop_neutral_ops(graph)
+    done += explicit_softmax_axis(graph)
     return done + (split_slices(graph) if final else 0)
 
 
 def with_shapes(graph: ir.Graph) -> int:
-    """Apply :func:`.index.merge_unsqueezes` (again: it needs ranks),
+    """Name the sizes Reshapes' -1 stand for after their inputs' where proven
+    (:func:`.views.unify_reshape_symbols`), then apply :func:`.index.merge_unsqueezes` (again:
+    it needs ranks),
     :func:`.neutral.fold_known_sizes`, :func:`.neutral.drop_whole_slices`,
     :func:`.neutral.drop_neutral_expands`, :func:`.neutral.drop_same_type_casts` and
-    :func:`.index.flat_index_grids` to ``graph`` in
+    :func:`.index.flat_index_grids`, :func:`.batched.unmerge_batched_matmuls` and
+    :func:`.batched.bias_before_split` to ``graph`` in
     place, once its values carry the shapes inference gives (:class:`fusion.FillShapes`);
     return how many rewrites were made. Exact wherever those shapes are (the named symbols of
     the model's inputs are taken as their values, as everywhere in the passes)."""
+    unify_reshape_symbols(graph)  # names only: not a rewrite of the graph
     done = merge_unsqueezes(graph) + fold_known_sizes(graph) + drop_whole_slices(graph)
     done += drop_neutral_expands(graph) + drop_same_type_casts(graph)
-    return done + flat_index_grids(graph)
+    done += flat_index_grids(graph) + unmerge_batched_matmuls(graph)
+    return done + bias_before_split(graph)

@@ -54,6 +54,20 @@ def drop_neutral_ops(graph: ir.Graph) -> int:
     return dropped
 
 
+def explicit_softmax_axis(graph: ir.Graph) -> int:
+    """Write ``axis=-1`` on each Softmax that leaves it to its default (opset 13 and up:
+    Operators.md, Softmax-13, ``axis`` default -1; tf2onnx omits it): the same op, which
+    attention patterns written with the attribute then match. The caller runs it on opset 13
+    or above only (below, the default is 1 and the op coerces its input to 2-D). Return how
+    many."""
+    done = 0
+    for node in graph:
+        if node.op_type == "Softmax" and node.domain == "" and "axis" not in node.attributes:
+            node.attributes["axis"] = ir.AttrInt64("axis", -1)
+            done += 1
+    return done
+
+
 def fold_known_sizes(graph: ir.Graph) -> int:
     """Replace each ``Gather(Shape(x), i)`` (constant ``i``, a scalar or a vector; ``Shape``'s
     ``start``/``end`` honoured) whose dimensions of ``x`` are numbers by a constant: the

@@ -79,10 +79,11 @@ def test_portable_target_keeps_attention_unfused():
 
 
 def test_opting_out_keeps_attention_unfused():
+    """``attention=False`` leaves the attention; the GELU (its own pass) is still one op."""
     model = _export(TinyBert())
     report = fusion.optimize(model, target="ort", attention=False)
-    assert report.counts["attention_fused"] == 0
-    assert _contrib_ops(model) == []
+    assert report.counts["attention_fused"] == 0 and report.counts["gelu_fused"] == 1
+    assert _contrib_ops(model) == ["BiasGelu"]
 
 
 class TinyEpsDivide(torch.nn.Module):

@@ -34,6 +34,18 @@ F = ir.DataType.FLOAT
 D = 64
 
 
+def _rmsnorm(x: str, i: int) -> list:
+    """Layer ``i``'s hand-written RMSNorm of ``x`` (its weight ``g{i}``): output ``ns{i}``."""
+    return [
+        ("Pow", [x, "two"], [f"sq{i}"], {}),
+        ("ReduceMean", [f"sq{i}"], [f"ms{i}"], {"axes": [-1], "keepdims": 1}),
+        ("Add", [f"ms{i}", "eps"], [f"mse{i}"], {}),
+        ("Sqrt", [f"mse{i}"], [f"rms{i}"], {}),
+        ("Div", [x, f"rms{i}"], [f"n{i}"], {}),
+        ("Mul", [f"n{i}", f"g{i}"], [f"ns{i}"], {}),
+    ]
+
+
 def _stack(
     path: Path,
     rng,
@@ -57,12 +69,7 @@ def _stack(
         weights[f"w{i}"] = w * (1.01 if i == scaled else 1.0)
         weights[f"g{i}"] = rng.uniform(0.5, 1.5, d).astype(np.float32)
         nodes += [
-            ("Pow", [x, "two"], [f"sq{i}"], {}),
-            ("ReduceMean", [f"sq{i}"], [f"ms{i}"], {"axes": [-1], "keepdims": 1}),
-            ("Add", [f"ms{i}", "eps"], [f"mse{i}"], {}),
-            ("Sqrt", [f"mse{i}"], [f"rms{i}"], {}),
-            ("Div", [x, f"rms{i}"], [f"n{i}"], {}),
-            ("Mul", [f"n{i}", f"g{i}"], [f"ns{i}"], {}),
+            *_rmsnorm(x, i),
             ("MatMul", [f"ns{i}", f"w{i}"], [f"h{i}"], {}),
             ("Add", [x, f"h{i}"], [f"r{i}"], {}),
         ]
@@ -217,12 +224,7 @@ def _half_stack(path: Path, rng, layers: int, d: int) -> Path:
         weights[f"g{i}"] = rng.uniform(0.5, 1.5, d).astype(np.float32)
         weights[f"w{i}"] = np.zeros((1, 1), np.float16)  # the real one set below, unserialized
         nodes += [
-            ("Pow", [x, "two"], [f"sq{i}"], {}),
-            ("ReduceMean", [f"sq{i}"], [f"ms{i}"], {"axes": [-1], "keepdims": 1}),
-            ("Add", [f"ms{i}", "eps"], [f"mse{i}"], {}),
-            ("Sqrt", [f"mse{i}"], [f"rms{i}"], {}),
-            ("Div", [x, f"rms{i}"], [f"n{i}"], {}),
-            ("Mul", [f"n{i}", f"g{i}"], [f"ns{i}"], {}),
+            *_rmsnorm(x, i),
             ("Cast", [f"ns{i}"], [f"nh{i}"], {"to": ir.DataType.FLOAT16}),
             ("MatMul", [f"nh{i}", f"w{i}"], [f"hh{i}"], {}),
             ("Cast", [f"hh{i}"], [f"h{i}"], {"to": F}),

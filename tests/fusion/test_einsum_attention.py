@@ -1,0 +1,139 @@
+"""Attention as tf2onnx writes Keras' ``MultiHeadAttention`` (its Einsums decomposed into
+batched MatMuls between Unsqueeze / Transpose / Reshape / Squeeze chains, the Reshapes' targets
+computed from ``Shape``), on the exporter's own files (``tests/data/exporters``, static batch 1
+and a symbolic batch), and the look-alikes the rewrite must leave: each run on ONNX Runtime
+before and after the passes. The rewrite: :mod:`fusion.simplify.batched`."""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from graphs import assert_close, make_model, run
+from onnx import TensorProto
+
+import fusion
+from fusion.base import Code
+from fusion.simplify.batched import bias_before_split, unmerge_batched_matmuls
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "exporters"
+F = TensorProto.FLOAT
+
+
+def _feeds(model: ir.Model, batch: int, rng) -> dict[str, np.ndarray]:
+    (value,) = model.graph.inputs
+    dims = [d if isinstance(d, int) else batch for d in value.shape]
+    return {value.name: rng.standard_normal(dims).astype(np.float32)}
+
+
+@pytest.mark.parametrize(
+    ("name", "batches"),
+    [("keras_encoder.onnx", (1,)), ("keras_encoder_dynamic.onnx", (1, 2, 3))],
+)
+def test_keras_attention_is_one_op(rng, name, batches):
+    """Both attentions of the Keras encoder become com.microsoft ``Attention``; no Softmax and
+    none of the Einsums' shape arithmetic is left (the Dense layers' Tensordot keeps its own
+    Shape reads); the outputs are the file's."""
+    model = ir.load(DATA / name)
+    feeds = [_feeds(model, b, rng) for b in batches]
+    before = [run(model, f) for f in feeds]
+    report = fusion.optimize(model, target="ort")
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert report.counts["attention_fused"] == 2 and not report.refused, report.to_dict()
+    assert not {"Softmax", "Squeeze", "Unsqueeze", "ReduceProd"} & set(ops), ops
+    fusion.check(model)
+    for f, b in zip(feeds, before, strict=True):
+        assert_close(run(model, f), b, rtol=1e-5)
+
+
+def test_keras_attention_for_the_portable_target_says_why_not(rng):
+    """``target="onnx"`` needs ONNX's Attention (opset 23), and onnxscript's converter raises
+    from 18 only: the opset-17 file's attentions are refused with the code, not missed."""
+    model = ir.load(DATA / "keras_encoder_dynamic.onnx")
+    report = fusion.optimize(model, target="onnx")
+    codes = [r.code for r in report.refused if r.family == "attention"]
+    assert codes == [Code.OPSET_TOO_LOW] * 2, report.to_dict()
+
+
+def _einsum_scores(batch: int | str, keep_merged: bool = False):
+    """q, k (B, 8, 2, 16) -> scores (B, 2, 8, 8) the way tf2onnx writes ``aecd,abcd->acbe``
+    (the Reshape targets computed from Shape); ``keep_merged``: the scores stay (B*2, 8, 8)."""
+    nodes = [
+        ("Unsqueeze", ["q", "ax3"], ["qu"], {}),
+        ("Transpose", ["qu"], ["qt"], {"perm": [0, 2, 1, 3, 4]}),
+        ("Shape", ["qt"], ["qs"], {}),
+        ("Gather", ["qs", "i01"], ["qb"], {}),
+        ("ReduceProd", ["qb"], ["qbp"], {"keepdims": 1}),
+        ("Gather", ["qs", "i4"], ["qh"], {}),
+        ("Concat", ["qbp", "m1", "qh"], ["qshape"], {"axis": 0}),
+        ("Reshape", ["qt", "qshape"], ["q3"], {}),
+        ("Unsqueeze", ["k", "ax1"], ["ku"], {}),
+        ("Transpose", ["ku"], ["kt"], {"perm": [0, 3, 1, 2, 4]}),
+        ("Shape", ["kt"], ["ks"], {}),
+        ("Gather", ["ks", "i01"], ["kb"], {}),
+        ("ReduceProd", ["kb"], ["kbp"], {"keepdims": 1}),
+        ("Gather", ["ks", "i4"], ["kh"], {}),
+        ("Concat", ["kbp", "m1", "kh"], ["kshape"], {"axis": 0}),
+        ("Reshape", ["kt", "kshape"], ["k3"], {}),
+        ("Transpose", ["k3"], ["k3t"], {"perm": [0, 2, 1]}),
+        ("MatMul", ["q3", "k3t"], ["s3"], {}),
+    ]
+    if not keep_merged:
+        nodes += [
+            ("Max", ["qb", "kb"], ["b2"], {}),
+            ("Gather", ["qs", "i2"], ["sq"], {}),
+            ("Gather", ["ks", "i3"], ["sk"], {}),
+            ("Concat", ["b2", "sq", "sk", "one"], ["sshape"], {"axis": 0}),
+            ("Reshape", ["s3", "sshape"], ["s5"], {}),
+            ("Squeeze", ["s5", "i4"], ["y"], {}),
+        ]
+    else:
+        nodes.append(("Identity", ["s3"], ["y"], {}))
+    ints = {"ax3": [3], "ax1": [1], "i01": [0, 1], "i4": [4], "i2": [2], "i3": [3], "m1": [-1]}
+    constants = {k: np.array(v, np.int64) for k, v in ints.items()} | {"one": np.array([1])}
+    shape = [batch, 8, 2, 16]
+    out = [batch * 2 if isinstance(batch, int) else "BN", 8, 8] if keep_merged else None
+    return make_model(nodes, {"q": (F, shape), "k": (F, shape)}, {"y": (F, out)}, constants)
+
+
+@pytest.mark.parametrize("batch", [1, 3, "B"])
+def test_the_scores_einsum_is_the_4d_matmul(rng, batch):
+    model = _einsum_scores(batch)
+    feeds = {n: rng.standard_normal((2 if batch == "B" else batch, 8, 2, 16)).astype(np.float32)
+             for n in ("q", "k")}  # fmt: skip
+    before = run(model, feeds)
+    fusion.optimize(model, target="onnx")  # the clean-up makes the rewrite; no pass applies
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert ops == {"Transpose": 2, "MatMul": 1}, ops
+    assert_close(run(model, feeds), before, rtol=1e-6)
+
+
+def test_a_batch_that_stays_merged_is_left(rng):
+    """The scores kept as (B*N, S, L): no chain after the MatMul splits the batch back, and
+    the MatMul of the sources would give another shape: nothing to rewrite."""
+    model = _einsum_scores(2, keep_merged=True)
+    from fusion.cleanup import cleanup
+    from fusion.shapes import FillShapes
+
+    cleanup(model)
+    FillShapes()(model)
+    assert unmerge_batched_matmuls(model.graph) == 0
+
+
+def test_a_bias_after_the_split_into_heads_moves_before_it(rng):
+    bias = rng.standard_normal((2, 16)).astype(np.float32)
+    nodes = [("Reshape", ["x", "shape"], ["h"], {}), ("Add", ["h", "b"], ["y"], {})]
+    model = make_model(
+        nodes,
+        {"x": (F, [3, 8, 32])},
+        {"y": (F, [3, 8, 2, 16])},
+        {"shape": np.array([-1, 8, 2, 16], np.int64), "b": bias},
+    )
+    feeds = {"x": rng.standard_normal((3, 8, 32)).astype(np.float32)}
+    before = run(model, feeds)
+    assert bias_before_split(model.graph) == 1
+    assert [n.op_type for n in model.graph] == ["Add", "Reshape"]
+    assert_close(run(model, feeds), before, rtol=0)
