@@ -29,8 +29,11 @@ _CHAIN = ("Add", "Mul", "Div", "Where", "Reshape")
 
 #: The ops a Softmax's input may come through from a MatMul for the Softmax to be an
 #: attention's (a candidate): :data:`_CHAIN`, and what else scores go through (Gemma 2's
-#: soft-capping ``Tanh``, a ``Cast``), which the parser refuses.
-_TOWARDS = (*_CHAIN, "Tanh", "Cast", "Sub", "Neg", "Clip", "Transpose")
+#: soft-capping ``Tanh``, a ``Cast``; the views of an Einsum decomposed by tf2onnx that
+#: :mod:`fusion.simplify.batched` could not read), which the parser refuses, naming the op.
+_TOWARDS = (*_CHAIN, "Tanh", "Cast", "Sub", "Neg", "Clip", "Transpose", "Squeeze", "Unsqueeze")
+#: The ops a Softmax's output may go through to the MatMul that reads it, for a candidate.
+_TO_VALUES = ("IsNaN", "Where", "Transpose", "Cast", "Unsqueeze", "Reshape", "Squeeze")
 
 
 @dataclasses.dataclass
@@ -97,7 +100,7 @@ def is_candidate(softmax: ir.Node) -> bool:
         readers = [u.node for v in frontier for u in v.uses()]
         if any(r.op_type == "MatMul" for r in readers):
             return True
-        passed = [r for r in readers if r.op_type in ("IsNaN", "Where", "Transpose", "Cast")]
+        passed = [r for r in readers if r.op_type in _TO_VALUES]
         frontier = [o for r in passed for o in r.outputs]
     return False
 
@@ -128,7 +131,11 @@ def weights(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node], bool, bool]:
         return matmul, [transpose], True, False
     if weights.is_graph_output() or len(list(weights.uses())) > 1:
         raise CannotFuse(Code.SHARED_OUTPUT, "the attention weights are read elsewhere")
-    raise _form("the attention weights reach their @ V through other ops")
+    reader = next(iter(weights.uses())).node
+    raise _form(
+        f"the attention weights reach their @ V through other ops ({reader.op_type} "
+        f"{reader.name!r} first)"
+    )
 
 
 def unscaled(value: ir.Value) -> tuple[ir.Value, float, list[ir.Node]]:

@@ -137,3 +137,28 @@ def test_a_bias_after_the_split_into_heads_moves_before_it(rng):
     assert bias_before_split(model.graph) == 1
     assert [n.op_type for n in model.graph] == ["Add", "Reshape"]
     assert_close(run(model, feeds), before, rtol=0)
+
+
+def test_an_einsum_the_rewrite_cannot_read_is_refused_naming_the_op(rng):
+    """Batched MatMuls over 3-D inputs of the graph (no view of a 4-D source to undo) with a
+    Reshape and a Squeeze between the scores' MatMul and the Softmax: the attention is a
+    candidate, refused with ``scores_form`` naming an op in the way."""
+    nodes = [
+        ("MatMul", ["q", "kt"], ["s3"], {}),
+        ("Reshape", ["s3", "split"], ["s5"], {}),
+        ("Squeeze", ["s5", "last"], ["s4"], {}),
+        ("Softmax", ["s4"], ["p4"], {"axis": -1}),
+        ("Reshape", ["p4", "merge"], ["p3"], {}),
+        ("MatMul", ["p3", "v"], ["y"], {}),
+    ]
+    constants = {
+        "split": np.array([1, 2, 8, 8, 1], np.int64),
+        "last": np.array([4], np.int64),
+        "merge": np.array([2, 8, 8], np.int64),
+    }
+    io = {"q": (F, [2, 8, 16]), "kt": (F, [2, 16, 8]), "v": (F, [2, 8, 16])}
+    model = make_model(nodes, io, {"y": (F, [2, 8, 16])}, constants, opset=23, ir_version=11)
+    report = fusion.optimize(model, target="onnx")
+    (refused,) = [r for r in report.refused if r.family == "attention"]
+    assert refused.code == Code.SCORES_FORM, refused
+    assert "Squeeze" in refused.detail or "Reshape" in refused.detail, refused
