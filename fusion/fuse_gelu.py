@@ -10,10 +10,10 @@ ONNX's ``Gelu`` (opset 20, onnx/docs/Operators.md#Gelu) computes either
 (``approximate="none"`` / ``"tanh"``); ONNX Runtime's ``com.microsoft.Gelu`` the erf form and
 ``FastGelu`` the tanh form, ``BiasGelu`` and ``FastGelu`` with a bias added before
 (onnxruntime/docs/ContribOperators.md). For ``target="ort"`` the contrib ops are written (any
-opset; ``benchmarks/results/gelu_cpu.json``: as fast as ONNX's Gelu on the CPU provider), the
-1-D bias a projection adds just before the GELU taken in (a GELU op of the file and its bias
-too: onnxscript's ``bias_gelu`` rule did that before); for ``target="onnx"`` ONNX's ``Gelu``,
-from opset 20.
+opset; the 1-D bias a projection adds just before the GELU taken in, as onnxscript's
+``bias_gelu`` rule did; a GELU op of the file and its bias too), for ``target="onnx"`` ONNX's
+``Gelu``, from opset 20; the two measured against each other and the decomposed forms:
+docs/fusions.md, "GELU", and ``benchmarks/results/gelu_cpu.json``.
 
 Spellings, anchored at the ``Erf`` or ``Tanh`` node (every binary op in either operand order)::
 
