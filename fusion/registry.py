@@ -24,6 +24,7 @@ from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.fuse_sdpa import FuseSDPA
 from fusion.fuse_skip import FuseSkip
 from fusion.merge_branches import MergeBranches
+from fusion.prune_rows import PruneRows
 
 #: The fusion passes in the order optimize() runs them. MergeBranches follows FoldBatchNorm,
 #: whose folds leave each branch of a re-parameterizable block a Conv; FuseGroupQueryAttention
@@ -31,6 +32,7 @@ from fusion.merge_branches import MergeBranches
 #: RMSNormalization; FuseSDPA follows FuseAttention, so that the transformers encoders keep ONNX
 #: Runtime's contrib attention (measured faster on them), and fuses the attention it leaves
 #: (for target "onnx" it raises the opset before the first pass, its plan);
+#: PruneRows follows the attention fusions, whose query it moves a selection of rows into;
 #: FuseSkip is last: it fuses the norms the passes before it produce.
 PASSES = (
     FoldBatchNorm,
@@ -44,6 +46,7 @@ PASSES = (
     FuseGelu,
     FuseAttention,
     FuseSDPA,
+    PruneRows,
     FuseSkip,
 )
 
