@@ -79,7 +79,8 @@ def bench_file(name: str, folder: Path, args: argparse.Namespace) -> dict:
             raw, work, family, args.provider, args.normexport_budget
         )
         entry["variants"] = {
-            k: v.to_dict() | (families.ops_of(v.model) if v.model else {}) for k, v in built.items()
+            k: v.to_dict() | (families.ops_of(v.model, feeds) if v.model else {})
+            for k, v in built.items()
         }
         paths = {k: v.model for k, v in built.items() if v.model is not None}
         if "normexport" not in paths:

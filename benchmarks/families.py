@@ -67,6 +67,7 @@ import collections
 import dataclasses
 import functools
 import importlib.metadata
+import math
 import sys
 import tempfile
 import time
@@ -76,6 +77,7 @@ from pathlib import Path
 import decoders
 import numpy as np
 import onnx
+import onnxruntime as ort
 import outside
 import torch
 from reparam import export, randomized
@@ -338,15 +340,57 @@ def _normexport(raw: Path, out: Path, inputs: Path, provider: str, budget_s: flo
     return variant, summary
 
 
-def ops_of(path: Path) -> dict:
-    """The ``Softmax`` nodes and the attention ops (by op type) of the model at ``path``."""
+def ops_of(path: Path, feeds: dict) -> dict:
+    """The ``Softmax`` nodes, the attention ops (by op type) and the multiply-add work
+    (:func:`work`) of the model at ``path``."""
     ops = collections.Counter(
         n.op_type for n in onnx.load(path, load_external_data=False).graph.node
     )
     return {
         "Softmax": ops["Softmax"],
         "attention_ops": {k: n for k, n in ops.items() if "Attention" in k},
+        "work_multiply_adds": work(path, feeds),
     }
+
+
+def work(path: Path, feeds: dict) -> int:
+    """The multiply-adds of the MatMul, Gemm and attention nodes of the model at ``path`` run
+    on ``feeds`` (ONNX's ``Attention`` and ONNX Runtime's ``Attention`` / ``MultiHeadAttention``:
+    ``Q K^T`` and ``P V``, and the packed projection of com.microsoft ``Attention``), from the
+    shapes of their inputs and outputs in one run on ONNX Runtime's CPU provider (no shape
+    inference knows every contrib op)."""
+    model = onnx.load(path)
+    counted = [n for n in model.graph.node if _node_work(n, None) is None]
+    names = {v for n in counted for v in (*n.input[:3], n.output[0]) if v}
+    outputs = {o.name for o in model.graph.output}
+    model.graph.output.extend(onnx.ValueInfoProto(name=v) for v in sorted(names - outputs))
+    level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = runtime.make_session(model, "cpu", optimization_level=level, threads=1)
+    got = session.run(None, feeds)
+    shapes = {o.name: list(a.shape) for o, a in zip(session.get_outputs(), got, strict=True)}
+    shapes |= {t.name: list(t.dims) for t in model.graph.initializer}
+    return sum(_node_work(n, shapes) for n in counted)
+
+
+def _node_work(node, shapes: dict | None) -> int | None:
+    """One node's multiply-adds for :func:`work`, its input and output shapes in ``shapes``
+    (None where the node is none :func:`work` counts; with ``shapes`` None, None for a node it
+    counts and 0 for any other)."""
+    counted = node.op_type in ("MatMul", "Gemm", "Attention", "MultiHeadAttention")
+    if shapes is None or not counted:
+        return None if counted and shapes is None else 0
+    if node.op_type in ("MatMul", "Gemm"):
+        a = shapes[node.input[0]]
+        trans_a = any(x.name == "transA" and x.i for x in node.attribute)
+        return math.prod(shapes[node.output[0]]) * (a[0] if trans_a else a[-1])
+    if node.op_type == "Attention" and node.domain == "com.microsoft":
+        b, s, hidden = shapes[node.input[0]]
+        d = shapes[node.input[1]][1] // 3
+        return b * s * hidden * 3 * d + 2 * b * s * s * d
+    q, k, v = (shapes[node.input[i]] for i in range(3))
+    if len(q) == 4:  # (B, N, S, H), keys (B, Nkv, S, H)
+        return q[0] * q[1] * q[2] * k[2] * (q[3] + v[3])
+    return q[0] * q[1] * k[1] * (q[2] + v[-1])
 
 
 def build(raw: Path, folder: Path, family: Family, provider: str, budget_s: float):
@@ -415,10 +459,10 @@ def measure(paths: dict[str, Path], feeds: dict, provider: str, budget_s: float,
     }
 
 
-def bench_family(name: str, args: argparse.Namespace, console: Console) -> dict:
-    """Build, export, optimize and time model ``name`` of :data:`FAMILIES`; its JSON entry
-    (``skipped`` where its library does not import, ``failed`` where a step raised)."""
-    family = FAMILIES[name]
+def bench_family(family: Family, args: argparse.Namespace) -> dict:
+    """Build, export, optimize and time ``family``'s model (one of :data:`FAMILIES`, or of a
+    sibling benchmark's); its JSON entry (``skipped`` where its library does not import,
+    ``failed`` where a step raised)."""
     entry = {"library": family.library, "config": family.config, "ort_model_type": family.ort_type}
     torch.manual_seed(0)
     try:
@@ -444,7 +488,7 @@ def bench_family(name: str, args: argparse.Namespace, console: Console) -> dict:
             folder / "raw.onnx", folder, family, args.provider, args.normexport_budget
         )
         entry["variants"] = {
-            k: v.to_dict() | (ops_of(v.model) if v.model else {}) for k, v in built.items()
+            k: v.to_dict() | (ops_of(v.model, feeds) if v.model else {}) for k, v in built.items()
         }
         paths = {k: v.model for k, v in built.items() if v.model is not None}
         if "normexport" not in paths:
@@ -591,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in chosen:
         start = time.perf_counter()
         try:
-            entry = bench_family(name, args, console)
+            entry = bench_family(FAMILIES[name], args)
         except Exception as err:  # one model's failure is its result; the others still run
             entry = {"library": FAMILIES[name].library, "failed": one_line(err)}
         entry["wall_s"] = time.perf_counter() - start
