@@ -162,6 +162,11 @@ class Code(enum.StrEnum):
     #: every thread (measured slower).
     FEW_HEADS = "few_heads"
 
+    # Rows nobody reads (fusion.prune_rows).
+    #: A mean or sum over the rows of a tail that computes row by row: every row is read,
+    #: nothing to prune.
+    EVERY_ROW_READ = "every_row_read"
+
     # Rewrites undone after the passes (normexport.verdict.rollback), any family.
     #: The ONNX checker rejects the model with this rewrite.
     REJECTED_BY_CHECKER = "rejected_by_checker"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from fusion._ir import add_initializer, label, replace_output
-from fusion.base import FusionPass, Kind
+from fusion._ir import add_initializer, label, reduce_axes, replace_output
+from fusion.base import CannotFuse, Code, FusionPass, Kind
 from fusion.prune_rows import rules
 from fusion.prune_rows.rows import Selection, read, select
 
@@ -22,7 +22,8 @@ class PruneRows(FusionPass):
     producer has that is read is read by that same selection only; selections of one value
     that keep the same rows are one. Repeated until no selection moves. One
     ``rows_pruned`` per anchor that moved, ``became`` the number of nodes now computing the
-    selected rows only.
+    selected rows only. A ReduceMean or ReduceSum over the rows of such a producer (a mean
+    pooling) is refused with ``every_row_read``: every row is read, nothing to prune.
     """
 
     kinds = (Kind("rows_pruned", "rows", norm=False),)
@@ -46,15 +47,42 @@ class PruneRows(FusionPass):
                 self.fused(anchor, f"{count} nodes on the selected rows only")
         if any(moved.values()):
             graph.sort()
+        for node in graph:
+            if (axis := _pooled_rows(node)) is not None:
+                detail = f"a {node.op_type} over axis {axis} reads every row: nothing to prune"
+                self.refused(node, CannotFuse(Code.EVERY_ROW_READ, detail))
         return any(moved.values())
+
+
+def _pooled_rows(node: ir.Node) -> int | None:
+    """The row axis a ReduceMean or ReduceSum of a float tensor of rank 3 or more pools over,
+    where the node before it computes row by row along it; else None."""
+    source = node.inputs[0] if node.inputs else None
+    if node.op_type not in ("ReduceMean", "ReduceSum") or node.domain != "" or source is None:
+        return None
+    if source.shape is None or len(source.shape) < 3 or source.producer() is None:
+        return None
+    rank = len(source.shape)
+    axes = [a % rank for a in reduce_axes(node, rank) or ()]
+    if len(axes) != 1 or axes[0] == rank - 1 or not _floating(source):
+        return None
+    try:
+        rules.plan(source.producer(), axes[0], None)
+    except rules.Stop:
+        return None
+    return axes[0]
+
+
+def _floating(value: ir.Value) -> bool:
+    """Whether ``value`` is not known to be other than floating point."""
+    return value.dtype is None or value.dtype.is_floating_point()
 
 
 def _anchor(selection: Selection) -> bool:
     """Whether a selection reads rows of a tensor of rank 2 or more that is not known to be
     other than floating point (not the index arithmetic of shapes)."""
     value = selection.node.inputs[0]
-    floating = value.dtype is None or value.dtype.is_floating_point()
-    return value.shape is not None and len(value.shape) >= 2 and floating
+    return value.shape is not None and len(value.shape) >= 2 and _floating(value)
 
 
 def _move(graph: ir.Graph, node: ir.Node) -> list[ir.Node] | None:

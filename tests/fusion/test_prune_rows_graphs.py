@@ -10,6 +10,7 @@ from norm_graphs import Graph, fuse_and_compare
 from onnx import TensorProto
 
 from fusion import FillShapes
+from fusion.base import Code
 from fusion.prune_rows import PruneRows
 
 FLOAT = TensorProto.FLOAT
@@ -167,3 +168,16 @@ def test_ops_that_read_other_rows_stop_it(mixer):
     else:  # a selection of the MatMul's columns reads every row of its input
         y = _gather(g, g.node("MatMul", [h, _weights(g, rng, "w2", (D, D))], "mm"), 0, axis=2)
     _untouched(g.model({"x": (FLOAT, (B, S, D))}, {y: (FLOAT, None)}))
+
+
+@pytest.mark.parametrize("reduce", ["ReduceMean", "ReduceSum"])
+def test_a_mean_over_rows_is_said_to_read_every_row(reduce):
+    """Mean pooling (sentence-transformers): nothing to prune, and the report says so."""
+    rng = np.random.default_rng(6)
+    g = Graph(opset=23)
+    h = g.node("Gelu", [_linear(g, rng, "x", "fc")], "h")
+    pooled = g.node(reduce, [h, g.const("axes", np.array([1], np.int64))], "pooled", keepdims=0)
+    model = g.model({"x": (FLOAT, (B, S, D))}, {pooled: (FLOAT, None)})
+    fusion_pass = PruneRows()
+    assert not fusion_pass(model).modified
+    assert fusion_pass.outcomes.codes() == [Code.EVERY_ROW_READ]
