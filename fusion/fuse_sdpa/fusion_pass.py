@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from fusion._ir import dims, escaping_value, opset_version
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.fuse_gqa import standard
-from fusion.fuse_sdpa import build, core, masks
+from fusion.fuse_sdpa import build, core, masks, scales
 
 
 @dataclasses.dataclass
@@ -23,6 +24,8 @@ class SDPAMatch:
         query: ``Q`` as ``Attention`` takes it; key, value: ``K`` and ``V``
             (:class:`.core.Operand`).
         scale: the op's ``scale``.
+        heads: the scale of each head (:func:`.scales.per_head`), which the rewrite moves into
+            ``Q``, or None.
         mask: the op's ``attn_mask`` (:class:`.masks.Mask`), or None.
         output: the value the op's output replaces.
         transposed: that value is ``(.., Hv, S)``: the op's output transposed.
@@ -41,6 +44,7 @@ class SDPAMatch:
     rank: int
     nodes: list[ir.Node]
     side: list[ir.Node]
+    heads: np.ndarray | None = None
 
 
 class FuseSDPA(NodeFusionPass):
@@ -74,8 +78,8 @@ class FuseSDPA(NodeFusionPass):
             raise CannotFuse(Code.SOFTMAX_AXIS, f"the Softmax is over axis {axis}, not the keys")
         pv, after, transposed, guard = core.weights(node)
         found = core.scores(node.inputs[0])
-        query, q_factor, q_nodes = core.unscaled(found.matmul.inputs[0])
-        key_t, k_factor, k_nodes = core.unscaled(found.matmul.inputs[1])
+        query, q_factor, q_nodes = scales.unscaled(found.matmul.inputs[0])
+        key_t, k_factor, k_nodes = scales.unscaled(found.matmul.inputs[1])
         value_in = pv.inputs[0] if transposed else pv.inputs[1]
         value_dims = dims(value_in)
         if transposed and value_dims is not None:
@@ -101,8 +105,9 @@ class FuseSDPA(NodeFusionPass):
         key = core.operand(key_t, rank)
         value = core.operand(value_in, rank) if transposed else core.Operand(value_in, None)
         side = [*q_nodes, *k_nodes, *key.nodes, *value.nodes]
+        output = pv.outputs[0]
         return SDPAMatch(
-            node, query, key, value, scale, mask, pv.outputs[0], transposed, rank, nodes, side
+            node, query, key, value, scale, mask, output, transposed, rank, nodes, side, found.heads
         )
 
     #: The opset :meth:`plan` raised the model from, or None.

@@ -392,10 +392,6 @@ LOOK_ALIKES = {
         lambda: _with_scale("s", _inputs(s=(F, []))),
         Code.NOT_CONSTANT,
     ),
-    "scale per head": (
-        lambda: _with_scale("s", s=np.full((1, N, 1, 1), SCALE, np.float32)),
-        Code.SCALE_NOT_SCALAR,
-    ),
     "negative scale": (lambda: _with_scale("s", s=np.float32(-SCALE)), Code.SCALE_NOT_POSITIVE),
     "mask scaled with the scores": (
         lambda: _attention(
