@@ -163,6 +163,10 @@ class Code(enum.StrEnum):
     #: of ``Attention`` runs one thread per batch and head, the MatMuls it would replace use
     #: every thread (measured slower).
     FEW_HEADS = "few_heads"
+    #: YOLO's transposed attention (``q^T @ k``, ``v @ attn^T``) where the policy's provider
+    #: leaves it (the CPU's): ``Attention`` of it needs Q, K, V and its output transposed,
+    #: copies that the MatMuls, which ONNX Runtime fuses with the Transposes, do not make.
+    TRANSPOSED_FORM = "transposed_form"
 
     # Rewrites undone after the passes (normexport.verdict.rollback), any family.
     #: The ONNX checker rejects the model with this rewrite.

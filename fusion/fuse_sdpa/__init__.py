@@ -53,7 +53,9 @@ attention whose batch times heads is below the intra-op threads (``few_heads``):
 CPU kernel of ``Attention`` parallelizes over batch and heads only (``ComputeAttentionProbs``'
 ``TryParallelFor`` over ``batch_size * q_num_heads``, onnxruntime/core/providers/cpu/llm/
 attention.cc), where the MatMuls it replaces use every thread: a single-head attention (a VAE's
-mid-block) ran slower fused (``benchmarks/results/attention_forms_cpu.json``, ``vae_mid``).
+mid-block) ran slower fused (``benchmarks/results/attention_forms_cpu.json``, ``vae_mid``);
+YOLO's transposed attention where the policy says so (``sdpa_transposed=False``, the CPU
+provider's: ``transposed_form``, :data:`fusion.registry.TRANSPOSED_SDPA_PROVIDERS`).
 
 ``Attention`` needs opset 23: a model at 18 or above is raised to it by onnxscript's version
 converter (:func:`fusion.fuse_gqa.standard.upgrade`, said in the report's notes) before the

@@ -56,10 +56,13 @@ class FuseSDPA(NodeFusionPass):
     needs_opset = {"ort": standard.OPSET, "onnx": standard.OPSET}
     option = "sdpa"
     on_by_default = ("ort", "onnx")
-    settings = ("threads",)
+    settings = ("threads", "sdpa_transposed")
     #: The policy's ``threads``: an attention whose batch times heads (:func:`core.slices`) is
     #: fewer is left alone (``few_heads``).
     threads: int = 1
+    #: The policy's ``sdpa_transposed``: False leaves YOLO's transposed attention (``V @ P^T``)
+    #: alone (``transposed_form``).
+    sdpa_transposed: bool = True
 
     def match(self, model: ir.Model, node: ir.Node) -> SDPAMatch | None:
         """The attention around the Softmax ``node``, or None where it is no attention's.
@@ -85,13 +88,7 @@ class FuseSDPA(NodeFusionPass):
         if transposed and value_dims is not None:
             value_dims = [*value_dims[:-2], value_dims[-1], value_dims[-2]]
         rank = core.check_shapes(query, key_t, value_dims)
-        slices = core.slices(query)
-        if slices < self.threads:
-            raise CannotFuse(
-                Code.FEW_HEADS,
-                f"batch x heads is {slices}, fewer than the {self.threads} intra-op threads: "
-                "ONNX Runtime's CPU Attention runs one thread per batch and head",
-            )
+        self._provider_gate(query, transposed)
         scale = found.factor * q_factor * k_factor
         if not (math.isfinite(scale) and scale > 0):
             raise CannotFuse(Code.SCALE_NOT_POSITIVE, f"the scale {scale} is not positive")
@@ -109,6 +106,28 @@ class FuseSDPA(NodeFusionPass):
         return SDPAMatch(
             node, query, key, value, scale, mask, output, transposed, rank, nodes, side, found.heads
         )
+
+    def _provider_gate(self, query: ir.Value, transposed: bool) -> None:
+        """Refuse what the policy's provider runs slower fused (:func:`fusion.registry.policy`).
+
+        Raises:
+            CannotFuse: ``few_heads``: batch times heads of ``query`` below :attr:`threads`;
+                ``transposed_form``: a ``transposed`` attention where :attr:`sdpa_transposed`
+                is False.
+        """
+        slices = core.slices(query)
+        if slices < self.threads:
+            raise CannotFuse(
+                Code.FEW_HEADS,
+                f"batch x heads is {slices}, fewer than the {self.threads} intra-op threads: "
+                "ONNX Runtime's CPU Attention runs one thread per batch and head",
+            )
+        if transposed and not self.sdpa_transposed:
+            raise CannotFuse(
+                Code.TRANSPOSED_FORM,
+                "the attention is transposed (V @ P^T): Attention needs Q, K, V and its output "
+                "transposed, copies the MatMuls do not make on this provider",
+            )
 
     #: The opset :meth:`plan` raised the model from, or None.
     _raised_from: int | None = None
