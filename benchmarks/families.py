@@ -19,7 +19,10 @@ every BatchNorm random statistics and affine parameters):
 - ultralytics: YOLOv8n and YOLO11n from their yaml (``DetectionModel``, 640x640; the first
   output, the decoded boxes and class scores);
 - transformers: the encoders ``decoders.py`` times (:data:`decoders.ENCODERS`: ViT-Tiny's
-  shape, a CLIP vision tower, BERT with a padding mask).
+  shape, a CLIP vision tower, BERT with a padding mask);
+- timm: SwinV2-Tiny (``swinv2_tiny_window8_256``, 256x256: cosine attention scaled by a logit
+  scale per head, shifted windows) and EdgeNeXt-XX-Small (``edgenext_xx_small``, 256x256:
+  cross-covariance attention scaled by a temperature per head), ``pretrained=False``.
 
 Each is exported with ``torch.onnx.export(model, args, path)``'s defaults (dynamo) and timed
 on ONNX Runtime (ORT_ENABLE_ALL; on the CPU provider 2 intra-op threads, spinning off) as:
@@ -27,7 +30,8 @@ on ONNX Runtime (ORT_ENABLE_ALL; on the CPU provider 2 intra-op threads, spinnin
 - ``ort_raw``: the export as is;
 - ``ort_transformers``: ``onnxruntime.transformers.optimizer.optimize_model`` with the model
   type it offers for the model (:attr:`Family.ort_type`: ``unet``, ``vae``, ``clip``,
-  ``sam2``, ``vit``, ``bart`` for whisper, ``bert``; YOLO has none, so its default, ``bert``),
+  ``sam2``, ``vit``, ``bart`` for whisper, ``bert``, ``swin``; YOLO and EdgeNeXt have none, so
+  its default, ``bert``),
   ``num_heads`` / ``hidden_size`` where all the model's attention has one of each (else 0: it
   reads them from each attention), ``use_gpu`` on CUDA only, and its default ``opt_level``
   for the type, as a user calling it gets;
@@ -49,9 +53,9 @@ beside the largest |output|), and each variant's file is counted: nodes, ``Softm
 (attention left unfused; YOLO's distribution focal loss is one too, and no attention),
 attention ops, norm ops, as written (ONNX Runtime's session may fuse more).
 
-The libraries are imported per model, from ``{sys.prefix}/families`` (:mod:`outside`;
-``make bench`` installs them there): a model whose library does not import is skipped, said
-on the terminal and in the JSON.
+The libraries are imported per model, from ``{sys.prefix}/families`` and timm from
+``{sys.prefix}/timm`` (:mod:`outside`; ``make bench`` installs them there): a model whose
+library does not import is skipped, said on the terminal and in the JSON.
 
     python benchmarks/families.py [--models unet,whisper_encoder] [--provider cpu|cuda]
                                   [--budget 20] [--copies 2] [--normexport-budget 10] [--out DIR]
@@ -208,6 +212,13 @@ def _yolo(cfg: str, image_size: int):
     return _Call(model, lambda m, x: m(x)[0]), (torch.randn(1, 3, image_size, image_size),)
 
 
+def _timm(name: str, image_size: int):
+    import timm
+
+    image = torch.randn(1, 3, image_size, image_size)
+    return timm.create_model(name, pretrained=False), (image,)
+
+
 def _encoder(name: str):
     module, shapes = decoders.ENCODERS[name]()
     feeds = decoders.encoder_inputs(np.random.default_rng(0), shapes, 1)
@@ -260,6 +271,10 @@ FAMILIES = {
     "vit": Family("transformers", _encoder, {"name": "vit"}, "vit", 3, 192),
     "clip": Family("transformers", _encoder, {"name": "clip"}, "clip", 4, 256),
     "bert": Family("transformers", _encoder, {"name": "bert"}, "bert", 4, 256),
+    "swinv2": Family(
+        "timm", _timm, {"name": "swinv2_tiny_window8_256", "image_size": 256}, "swin"
+    ),
+    "edgenext": Family("timm", _timm, {"name": "edgenext_xx_small", "image_size": 256}, "bert"),
 }  # fmt: skip
 
 
@@ -468,7 +483,7 @@ def bench_family(family: Family, args: argparse.Namespace) -> dict:
     try:
         module, example = family.build(**family.config)
     except ImportError as err:
-        where = Path(sys.prefix) / "families"
+        where = Path(sys.prefix) / ("timm" if family.library == "timm" else "families")
         said = (
             f"{family.library} does not import ({one_line(err)}); make bench installs it in {where}"
         )

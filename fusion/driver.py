@@ -24,6 +24,7 @@ def optimize(
     gqa: bool | None = None,
     sdpa: bool | None = None,
     threads: int = 1,
+    sdpa_transposed: bool = True,
     exclude: Collection[Fused] = (),
 ) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
@@ -41,7 +42,7 @@ def optimize(
 
     Args:
         model: the model, changed in place.
-        target, skip, attention, gqa, sdpa, threads: the fusion policy
+        target, skip, attention, gqa, sdpa, threads, sdpa_transposed: the fusion policy
             (:class:`fusion.base.policy.Policy`, whose fields these are; a run that holds one passes
             ``**policy.keywords()``).
         exclude: rewrites to leave out, as an earlier run on the same model reported them
@@ -54,7 +55,10 @@ def optimize(
     Raises:
         ValueError: the policy is not one :class:`fusion.base.policy.Policy` accepts.
     """
-    policy = Policy(target, skip, attention, gqa, sdpa, threads)
+    policy = Policy(
+        target=target, skip=skip, attention=attention, gqa=gqa, sdpa=sdpa, threads=threads,
+        sdpa_transposed=sdpa_transposed,
+    )  # fmt: skip
     passes = _passes(policy, exclude)
     report = FusionReport()
     if (note := normalize_ir_version(model)) is not None:

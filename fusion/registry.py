@@ -133,14 +133,28 @@ GQA_PROVIDERS = ("cpu",)
 #: the run's intra-op threads (the policy's ``threads``).
 THREADED_PROVIDERS = ("cpu",)
 
+#: The execution providers on which :mod:`fusion.fuse_sdpa` fuses YOLO's transposed attention
+#: (``q^T @ k``, ``v @ attn^T``: ``Attention`` of ``q^T`` and of the Transposes of K and V, its
+#: output transposed back; the policy's ``sdpa_transposed``). On the CPU provider it is left
+#: (``transposed_form``): ONNX Runtime's session makes the unfused form two ``FusedMatMul``s
+#: and a Softmax, no Transpose left, and the fused one four Transposes (copies) around
+#: ``Attention``; issue 52's profile of YOLO11n has the fused form about 200 us a run slower.
+#: The repository holds no timing that isolates it: in ``benchmarks/results/families_cpu.json``
+#: YOLO11n, its one such attention fused (yolov8n has none), is within the noise of a 45 ms
+#: model (``ort_raw`` over ``normexport`` 1.004, 95% interval 0.990 to 1.017); to re-measure,
+#: ``python benchmarks/families.py --models yolov8n,yolo11n --out DIR``. On CUDA it stays fused,
+#: as before (not measured there).
+TRANSPOSED_SDPA_PROVIDERS = ("cuda",)
+
 
 def policy(target: str, provider: str, threads: int = 1) -> Policy:
     """The fusion policy of a run for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``, as
     :func:`normexport.runtime.resolve_provider` resolves it) with ``threads`` intra-op threads:
     the fusions that are a speed choice per provider decided by the lists above (``skip``:
     True on :data:`SKIP_PROVIDERS`, ``"kv_cache"`` on :data:`SKIP_KV_CACHE_PROVIDERS`; ``gqa`` on
-    :data:`GQA_PROVIDERS`; ``threads`` kept on :data:`THREADED_PROVIDERS`, 1 elsewhere), each
-    only for the targets its pass runs for. The run, ``bench``'s normexport variant and
+    :data:`GQA_PROVIDERS`; ``threads`` kept on :data:`THREADED_PROVIDERS`, 1 elsewhere;
+    ``sdpa_transposed`` on :data:`TRANSPOSED_SDPA_PROVIDERS`), each only for the targets its pass
+    runs for. The run, ``bench``'s normexport variant and
     ``explain`` all ask this.
 
     Raises:
@@ -153,7 +167,8 @@ def policy(target: str, provider: str, threads: int = 1) -> Policy:
         skip = "kv_cache"
     gqa = target in FuseGroupQueryAttention.targets and provider in GQA_PROVIDERS
     threads = threads if provider in THREADED_PROVIDERS else 1
-    return Policy(target=target, skip=skip, gqa=gqa, threads=threads)
+    transposed = provider in TRANSPOSED_SDPA_PROVIDERS
+    return Policy(target=target, skip=skip, gqa=gqa, threads=threads, sdpa_transposed=transposed)
 
 
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.

@@ -36,11 +36,14 @@ class Policy:
             (1 for any other provider): :mod:`fusion.fuse_sdpa` leaves an attention whose batch
             times heads is fewer, as the CPU kernel of ``Attention`` runs one thread per batch
             and head.
+        sdpa_transposed: :mod:`fusion.fuse_sdpa` fuses YOLO's transposed attention (``q^T @ k``,
+            ``v @ attn^T``) too, a speed choice per execution provider: False leaves it
+            (``transposed_form``).
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`; ``skip``, ``attention``
             or ``gqa`` asked for without ``target="ort"``; ``skip`` neither a bool nor
-            ``"kv_cache"``; ``threads`` below 1.
+            ``"kv_cache"``; ``threads`` below 1; ``sdpa_transposed`` not a bool.
     """
 
     target: str = "ort"
@@ -49,6 +52,7 @@ class Policy:
     gqa: bool | None = None
     sdpa: bool | None = None
     threads: int = 1
+    sdpa_transposed: bool = True
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -60,6 +64,8 @@ class Policy:
                 raise ValueError(f"{name}=True emits com.microsoft ops: it needs target='ort'")
         if not (isinstance(self.threads, int) and self.threads >= 1):
             raise ValueError(f"threads={self.threads!r}: give a whole number of 1 or more")
+        if not isinstance(self.sdpa_transposed, bool):
+            raise ValueError(f"sdpa_transposed={self.sdpa_transposed!r}: give True or False")
 
     def keywords(self) -> dict:
         """The fields as :func:`fusion.optimize`'s keywords: ``optimize(model,

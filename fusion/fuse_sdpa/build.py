@@ -26,6 +26,8 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     inserted: list[ir.Node] = []
     key, value = (operand(o, inserted, graph) for o in (match.key, match.value))
     inputs = [match.query, key, value]
+    if match.heads is not None:
+        inputs[0] = _scaled_query(graph, match.query, match.heads, inserted)
     attributes = {"scale": match.scale}
     if match.rank == 3:
         attributes |= {"q_num_heads": 1, "kv_num_heads": 1}
@@ -51,6 +53,21 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     remove_nodes(graph, match.nodes[::-1])
     _drop_unread(graph, match.side)
     return f"Attention (opset {standard.OPSET})"
+
+
+def _scaled_query(
+    graph: ir.Graph, query: ir.Value, heads: np.ndarray, inserted: list[ir.Node]
+) -> ir.Value:
+    """``Mul(query, heads)``, appended to ``inserted``: the scale of each head on the scores
+    (float64, 1 in every axis but the heads', :func:`.scales.per_head`) moved into ``Q``, in
+    float32: ``(s_h Q) K^T = s_h (Q K^T)``, a negative ``s_h`` too; the op's ``scale`` is then
+    the rest of the scale, one number. ``Q`` is then no view of the projections: the 4-D form."""
+    scale = add_initializer(graph, "attn_head_scale", heads.astype(np.float32))
+    mul = ir.node("Mul", [query, scale])
+    out = mul.outputs[0]
+    out.shape, out.dtype = ir.Shape(dims(query)), query.dtype
+    inserted.append(mul)
+    return out
 
 
 def _three_d(

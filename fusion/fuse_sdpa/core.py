@@ -22,7 +22,7 @@ from fusion._ir import (
 )
 from fusion.base import CannotFuse, Code
 from fusion.fuse_gqa import core as gqa_core
-from fusion.fuse_gqa import parts
+from fusion.fuse_sdpa import scales
 
 #: The ops between ``Q @ K^T`` and the Softmax that the scores are parsed through.
 _CHAIN = ("Add", "Mul", "Div", "Where", "Reshape")
@@ -49,11 +49,13 @@ class Operand:
 
 @dataclasses.dataclass
 class Scores:
-    """The Softmax's input parsed: ``factor * (Q @ K^T)`` with its mask.
+    """The Softmax's input parsed: ``factor * heads * (Q @ K^T)`` with its mask.
 
     Attributes:
         matmul: ``Q @ K^T``.
         factor: the constant scale on it.
+        heads: the constant scale of each head on it (float64, of a shape that is 1 but in
+            the heads' axis, the third from last, :func:`.scales.per_head`), or None.
         terms: the values added to the scores (outside a view).
         where: the ``Where`` of a boolean mask, or None.
         view: the terms added through a view of the scores, ``(terms, reshape in, reshape
@@ -67,6 +69,12 @@ class Scores:
     where: ir.Node | None = None
     view: tuple[list[ir.Value], ir.Node, ir.Node] | None = None
     nodes: list[ir.Node] = dataclasses.field(default_factory=list)
+    heads: np.ndarray | None = None
+
+    @property
+    def scaled(self) -> bool:
+        """Whether a scale was found (a mask added under it would be scaled with the scores)."""
+        return self.factor != 1.0 or self.heads is not None
 
 
 def swap(rank: int) -> tuple[int, ...]:
@@ -136,34 +144,6 @@ def weights(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node], bool, bool]:
         f"the attention weights reach their @ V through other ops ({reader.op_type} "
         f"{reader.name!r} first)"
     )
-
-
-def unscaled(value: ir.Value) -> tuple[ir.Value, float, list[ir.Node]]:
-    """``(x, c, nodes)`` for ``value = x * c`` (:func:`fusion.fuse_gqa.parts.scaled`), also
-    where ``c`` is ``CastLike(constant, x)`` (torch's decomposition of
-    ``scaled_dot_product_attention`` at the dynamo exporter's default opset)."""
-    factor, nodes = 1.0, []
-    while True:
-        value, found, more = parts.scaled(value)
-        factor, nodes = factor * found, nodes + more
-        mul = producer(value, "Mul")
-        consts = [_cast_constant(v) for v in mul.inputs] if mul is not None else []
-        index = next((i for i, c in enumerate(consts) if c is not None), None)
-        if index is None:
-            return value, factor, nodes
-        factor *= consts[index]
-        nodes += [mul, mul.inputs[index].producer()]
-        value = mul.inputs[1 - index]
-
-
-def _cast_constant(value: ir.Value | None) -> float | None:
-    """The number ``CastLike(c, x)`` is, for a one-element constant ``c`` and a float32
-    ``x``; None for anything else."""
-    cast = producer(value, "CastLike")
-    if cast is None or value.dtype != ir.DataType.FLOAT:
-        return None
-    number = scalar_const(cast.inputs[0])
-    return None if number is None else float(np.float32(number))
 
 
 def operand(transposed: ir.Value, rank: int) -> Operand:
@@ -236,7 +216,8 @@ def scores(value: ir.Value) -> Scores:
     :mod:`fusion.fuse_sdpa` for the forms).
 
     Raises:
-        CannotFuse: ``scores_form``, ``not_constant``, ``scale_not_scalar``.
+        CannotFuse: ``scores_form``, ``not_constant``, ``scale_not_scalar``,
+            ``scale_not_positive`` (:func:`.scales.per_head`).
     """
     found = Scores()
     value = _view(value, found)
@@ -248,11 +229,11 @@ def scores(value: ir.Value) -> Scores:
         if node.op_type in ("Mul", "Div"):
             value = _factor(node, found)
         elif node.op_type == "Add":
-            if found.factor != 1.0:
+            if found.scaled:
                 raise _form(f"the mask or bias {node.name!r} is scaled with the scores")
             value, term = _sides(node)
             found.terms.append(term)
-        elif node.op_type == "Where" and found.where is None and found.factor == 1.0:
+        elif node.op_type == "Where" and found.where is None and not found.scaled:
             found.where = node
             fills = [i for i in (1, 2) if scalar_const(node.inputs[i]) is not None]
             if len(fills) != 1:
@@ -269,21 +250,25 @@ def _form(detail: str) -> CannotFuse:
 
 
 def _factor(node: ir.Node, found: Scores) -> ir.Value:
-    """Fold the scale of a Mul or Div on the scores into ``found``; return the scaled value."""
-    consts = [scalar_const(v) for v in node.inputs]
-    index = 0 if node.op_type == "Mul" and consts[0] is not None else 1
-    if consts[index] is None or (node.op_type == "Div" and consts[index] == 0):
-        if const_array(node.inputs[index]) is not None:
-            raise CannotFuse(
-                Code.SCALE_NOT_SCALAR,
-                f"{node.name!r} scales the scores by a constant of several values: Attention's "
-                "scale is one number",
-            )
+    """Fold the scale of a Mul or Div on the scores into ``found`` (one number into its
+    ``factor``, a constant per head into its ``heads``); return the scaled value."""
+    arrays = [const_array(v) for v in node.inputs]
+    index = 0 if node.op_type == "Mul" and arrays[0] is not None else 1
+    if arrays[index] is None:
         raise CannotFuse(
             Code.NOT_CONSTANT, f"{node.name!r} scales the scores by a value computed at run time"
         )
-    found.factor *= consts[index] if node.op_type == "Mul" else 1.0 / consts[index]
-    return node.inputs[1 - index]
+    scale = arrays[index].astype(np.float64)
+    if node.op_type == "Div":
+        with np.errstate(divide="ignore"):
+            scale = 1.0 / scale
+    scores = node.inputs[1 - index]
+    if scale.size == 1:
+        found.factor *= float(scale.reshape(-1)[0])
+    else:
+        heads = scales.per_head(node, scale, dims(scores))
+        found.heads = heads if found.heads is None else found.heads * heads
+    return scores
 
 
 def _sides(add: ir.Node) -> tuple[ir.Value, ir.Value]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import onnx_ir as ir
 
 from fusion._ir import dims, escaping_value, opset_version
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.fuse_gqa import standard
-from fusion.fuse_sdpa import build, core, masks
+from fusion.fuse_sdpa import build, core, masks, scales
 
 
 @dataclasses.dataclass
@@ -23,6 +24,8 @@ class SDPAMatch:
         query: ``Q`` as ``Attention`` takes it; key, value: ``K`` and ``V``
             (:class:`.core.Operand`).
         scale: the op's ``scale``.
+        heads: the scale of each head (:func:`.scales.per_head`), which the rewrite moves into
+            ``Q``, or None.
         mask: the op's ``attn_mask`` (:class:`.masks.Mask`), or None.
         output: the value the op's output replaces.
         transposed: that value is ``(.., Hv, S)``: the op's output transposed.
@@ -41,6 +44,7 @@ class SDPAMatch:
     rank: int
     nodes: list[ir.Node]
     side: list[ir.Node]
+    heads: np.ndarray | None = None
 
 
 class FuseSDPA(NodeFusionPass):
@@ -52,10 +56,13 @@ class FuseSDPA(NodeFusionPass):
     needs_opset = {"ort": standard.OPSET, "onnx": standard.OPSET}
     option = "sdpa"
     on_by_default = ("ort", "onnx")
-    settings = ("threads",)
+    settings = ("threads", "sdpa_transposed")
     #: The policy's ``threads``: an attention whose batch times heads (:func:`core.slices`) is
     #: fewer is left alone (``few_heads``).
     threads: int = 1
+    #: The policy's ``sdpa_transposed``: False leaves YOLO's transposed attention (``V @ P^T``)
+    #: alone (``transposed_form``).
+    sdpa_transposed: bool = True
 
     def match(self, model: ir.Model, node: ir.Node) -> SDPAMatch | None:
         """The attention around the Softmax ``node``, or None where it is no attention's.
@@ -74,20 +81,14 @@ class FuseSDPA(NodeFusionPass):
             raise CannotFuse(Code.SOFTMAX_AXIS, f"the Softmax is over axis {axis}, not the keys")
         pv, after, transposed, guard = core.weights(node)
         found = core.scores(node.inputs[0])
-        query, q_factor, q_nodes = core.unscaled(found.matmul.inputs[0])
-        key_t, k_factor, k_nodes = core.unscaled(found.matmul.inputs[1])
+        query, q_factor, q_nodes = scales.unscaled(found.matmul.inputs[0])
+        key_t, k_factor, k_nodes = scales.unscaled(found.matmul.inputs[1])
         value_in = pv.inputs[0] if transposed else pv.inputs[1]
         value_dims = dims(value_in)
         if transposed and value_dims is not None:
             value_dims = [*value_dims[:-2], value_dims[-1], value_dims[-2]]
         rank = core.check_shapes(query, key_t, value_dims)
-        slices = core.slices(query)
-        if slices < self.threads:
-            raise CannotFuse(
-                Code.FEW_HEADS,
-                f"batch x heads is {slices}, fewer than the {self.threads} intra-op threads: "
-                "ONNX Runtime's CPU Attention runs one thread per batch and head",
-            )
+        self._provider_gate(query, transposed)
         scale = found.factor * q_factor * k_factor
         if not (math.isfinite(scale) and scale > 0):
             raise CannotFuse(Code.SCALE_NOT_POSITIVE, f"the scale {scale} is not positive")
@@ -101,9 +102,32 @@ class FuseSDPA(NodeFusionPass):
         key = core.operand(key_t, rank)
         value = core.operand(value_in, rank) if transposed else core.Operand(value_in, None)
         side = [*q_nodes, *k_nodes, *key.nodes, *value.nodes]
+        output = pv.outputs[0]
         return SDPAMatch(
-            node, query, key, value, scale, mask, pv.outputs[0], transposed, rank, nodes, side
+            node, query, key, value, scale, mask, output, transposed, rank, nodes, side, found.heads
         )
+
+    def _provider_gate(self, query: ir.Value, transposed: bool) -> None:
+        """Refuse what the policy's provider runs slower fused (:func:`fusion.registry.policy`).
+
+        Raises:
+            CannotFuse: ``few_heads``: batch times heads of ``query`` below :attr:`threads`;
+                ``transposed_form``: a ``transposed`` attention where :attr:`sdpa_transposed`
+                is False.
+        """
+        slices = core.slices(query)
+        if slices < self.threads:
+            raise CannotFuse(
+                Code.FEW_HEADS,
+                f"batch x heads is {slices}, fewer than the {self.threads} intra-op threads: "
+                "ONNX Runtime's CPU Attention runs one thread per batch and head",
+            )
+        if transposed and not self.sdpa_transposed:
+            raise CannotFuse(
+                Code.TRANSPOSED_FORM,
+                "the attention is transposed (V @ P^T): Attention needs Q, K, V and its output "
+                "transposed, copies the MatMuls do not make on this provider",
+            )
 
     #: The opset :meth:`plan` raised the model from, or None.
     _raised_from: int | None = None

@@ -1,11 +1,14 @@
 """FuseSDPA on PyTorch exports: ``F.scaled_dot_product_attention`` (no mask, ``is_causal``, a
 boolean mask, a constant float bias), ``nn.MultiheadAttention``, a diffusers-style
-cross-attention, segment-anything's attention with decomposed relative positions and YOLO11's
-C2PSA attention, written after their libraries. Exported by dynamo at its default opset, every
+cross-attention, segment-anything's attention with decomposed relative positions, YOLO11's
+C2PSA attention, SwinV2's and EdgeNeXt's attention scaled per head, written after their
+libraries. Exported by dynamo at its default opset, every
 Softmax becomes ONNX's Attention with the numbers of the export; by TorchScript at opset 17,
 each is refused (``opset_too_low``) and the model is left as it was."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import onnx_ir as ir
@@ -217,3 +220,77 @@ def test_heads_split_by_a_view_take_attentions_3d_form(rng):
         with torch.no_grad():
             expected = module(*(torch.from_numpy(a) for a in given.values()))
         assert_close(run(model, given), [expected.numpy()], atol=1e-5, rtol=1e-4)
+
+
+class CosineWindowAttention(nn.Module):
+    """timm's SwinV2 ``WindowAttention``: cosine scores scaled per head by
+    ``exp(min(logit_scale, log 100))``, a relative position bias, the shifted windows' mask
+    added through a 5-D view of the scores."""
+
+    def __init__(self, dim=32, heads=4, tokens=4, windows=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+        self.logit_scale = nn.Parameter(torch.rand(heads, 1, 1) * 7 - 1)  # some above log 100
+        self.bias = nn.Parameter(torch.randn(heads, tokens, tokens))
+        mask = torch.where(torch.rand(windows, tokens, tokens) > 0.3, 0.0, -100.0)
+        self.register_buffer("mask", mask)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        attn = attn * torch.clamp(self.logit_scale, max=math.log(100)).exp()
+        attn = attn + self.bias.unsqueeze(0)
+        windows = self.mask.shape[0]
+        attn = attn.view(-1, windows, self.heads, n, n) + self.mask.unsqueeze(1).unsqueeze(0)
+        attn = attn.view(-1, self.heads, n, n).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+class CrossCovarianceAttention(nn.Module):
+    """timm's EdgeNeXt ``CrossCovarianceAttn`` (XCA): the scores of the channels, cosine,
+    scaled by a temperature per head (here of either sign)."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.temperature = nn.Parameter(torch.randn(heads, 1, 1))
+        self.qkv, self.proj = nn.Linear(dim, dim * 3), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 4, 1).unbind(0)
+        attn = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-2, -1)
+        x = (attn * self.temperature).softmax(dim=-1) @ v
+        return self.proj(x.permute(0, 3, 1, 2).reshape(b, n, c))
+
+
+class PerHeadScales(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.swin, self.xca = CosineWindowAttention(), CrossCovarianceAttention()
+
+    def forward(self, windows, tokens):
+        return self.swin(windows), self.xca(tokens)
+
+
+def test_scales_per_head_of_swinv2_and_xca_move_into_q(rng):
+    """Both attentions become Attention, the scale per head a Mul on Q, the op's scale 1, with
+    the library's numbers."""
+    torch.manual_seed(0)
+    module = PerHeadScales().eval()
+    shapes = {"windows": (4, 4, 32), "tokens": (2, 10, 32)}
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+    model = _export(module, feeds, exporter="dynamo")
+    before = run(model, feeds)
+    report = fusion.optimize(model, target="onnx")
+    assert report.counts["sdpa_fused"] == 2, report.refused
+    attentions = [n for n in model.graph if n.op_type == "Attention"]
+    assert [n.attributes.get_float("scale") for n in attentions] == [1.0, 1.0]
+    assert [n.inputs[0].producer().op_type for n in attentions] == ["Mul", "Mul"]
+    fusion.check(model)
+    assert_close(run(model, feeds), before)
+    with torch.no_grad():
+        expected = module(*(torch.from_numpy(a) for a in feeds.values()))
+    assert_close(run(model, feeds), [t.numpy() for t in expected], atol=1e-5, rtol=1e-4)

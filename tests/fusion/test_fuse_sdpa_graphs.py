@@ -182,10 +182,12 @@ def test_every_layout_of_k_transposed(rng, form):
     assert_close([got], [expected], atol=1e-5)
 
 
-def test_yolo_transposed_query_and_output(rng):
+YOLO = {"q": (F, (B, N, H, L)), "k": (F, (B, N, H, L)), "v": (F, (B, N, HV, L))}
+
+
+def _yolo():
     """C2PSA: ``attn = (q^T @ k) * scale``, ``out = v @ attn^T`` (q, k (B, N, H, L), v
-    (B, N, HV, L)), on both targets."""
-    inputs = {"q": (F, (B, N, H, L)), "k": (F, (B, N, H, L)), "v": (F, (B, N, HV, L))}
+    (B, N, HV, L))."""
     nodes = [
         ("Transpose", ["q"], ["qt"], {"perm": [0, 1, 3, 2]}),
         ("MatMul", ["qt", "k"], ["raw"], {}),
@@ -194,14 +196,35 @@ def test_yolo_transposed_query_and_output(rng):
         ("Transpose", ["p"], ["pt"], {"perm": [0, 1, 3, 2]}),
         ("MatMul", ["v", "pt"], ["y"], {}),
     ]
-    feeds = _feeds(rng, inputs)
+    return make_model(nodes, YOLO, {"y": (F, None)}, {"scale": np.float32(SCALE)}, opset=20)
+
+
+def test_yolo_transposed_query_and_output(rng):
+    """C2PSA's attention, on both targets."""
+    feeds = _feeds(rng, YOLO)
     swap = (0, 1, 3, 2)
     for target in ("ort", "onnx"):
-        model = make_model(nodes, inputs, {"y": (F, None)}, {"scale": np.float32(SCALE)}, opset=20)
-        _, got = _fused(model, feeds, target=target)
+        _, got = _fused(_yolo(), feeds, target=target)
     q, k, v = (feeds[n].transpose(swap) for n in "qkv")
     expected = _reference(q, k, v, SCALE).transpose(swap)
     assert_close([got], [expected], atol=1e-5)
+
+
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_the_cpu_policy_leaves_the_transposed_form_cudas_fuses_it(rng, target):
+    """``sdpa_transposed``: the CPU provider's policy leaves C2PSA's attention
+    (``transposed_form``: ONNX Runtime runs the MatMuls with the Transposes taken in, where
+    Attention needs four copies), the model as it was; CUDA's fuses it, exact."""
+    feeds = _feeds(rng, YOLO)
+    cpu, cuda = (registry.policy(target, provider, 2) for provider in ("cpu", "cuda"))
+    assert (cpu.sdpa_transposed, cuda.sdpa_transposed) == (False, True)
+    model = _yolo()
+    before = ops(model)
+    report = fusion.optimize(model, **cpu.keywords())
+    assert report.codes("attention") == [Code.TRANSPOSED_FORM], report.refused
+    assert ops(model) == before and model.opset_imports[""] == 20
+    _fused(_yolo(), feeds, **cuda.keywords())
+    _fused(_yolo(), feeds, **(cpu.keywords() | {"sdpa_transposed": True}))
 
 
 def _row_masked(array: np.ndarray, value) -> np.ndarray:
@@ -391,10 +414,6 @@ LOOK_ALIKES = {
     "scale computed at run time": (
         lambda: _with_scale("s", _inputs(s=(F, []))),
         Code.NOT_CONSTANT,
-    ),
-    "scale per head": (
-        lambda: _with_scale("s", s=np.full((1, N, 1, 1), SCALE, np.float32)),
-        Code.SCALE_NOT_SCALAR,
     ),
     "negative scale": (lambda: _with_scale("s", s=np.float32(-SCALE)), Code.SCALE_NOT_POSITIVE),
     "mask scaled with the scores": (
@@ -594,12 +613,15 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
         "gqa": False,
         "sdpa": False,
         "threads": 4,
+        "sdpa_transposed": True,
     }
     assert FuseSDPA("onnx", threads=3).threads == 3
     with pytest.raises(ValueError, match="no setting"):
         FuseLayerNorm("onnx", threads=3)
     with pytest.raises(ValueError, match="threads=0"):
         fusion.Policy(threads=0)
+    with pytest.raises(ValueError, match="sdpa_transposed=None"):
+        fusion.Policy(sdpa_transposed=None)
     assert registry.policy("ort", "cpu", 4).threads == 4
     assert registry.policy("ort", "cuda", 4).threads == 1
 
