@@ -78,6 +78,7 @@ bench: install $(VENV)/.bench-installed $(VENV)/.families-installed
 	$(PY) benchmarks/reparam.py
 	$(PY) benchmarks/session_order.py
 	$(PY) benchmarks/families.py
+	$(PY) benchmarks/classifiers.py
 	$(PY) benchmarks/attention_forms.py
 	$(PY) benchmarks/gelu_forms.py
 
