@@ -532,16 +532,19 @@ def _timed(results: dict) -> dict[str, dict]:
     return {name: e for name, e in results["models"].items() if "ratio_to_normexport" in e}
 
 
-def chart(results: dict, path: Path, title: str | None = None) -> None:
-    """Each variant's time over normexport's per model (median, 95% interval; above 1:
-    normexport is faster), under ``title`` (default: this benchmark's)."""
+def chart(
+    results: dict, path: Path, title: str | None = None, variants: list[str] | None = None
+) -> None:
+    """Each variant's time (of ``variants``, default :data:`VARIANTS` but normexport) over
+    normexport's per model (median, 95% interval; above 1: normexport is faster), under
+    ``title`` (default: this benchmark's)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     timed = _timed(results)
-    names = [v for v in VARIANTS if v != "normexport"]
+    names = variants or [v for v in VARIANTS if v != "normexport"]
     fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(timed)), 4.5))
     width = 0.8 / len(names)
     for i, variant in enumerate(names):
