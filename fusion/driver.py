@@ -25,6 +25,7 @@ def optimize(
     sdpa: bool | None = None,
     threads: int = 1,
     sdpa_transposed: bool = True,
+    last_rows: tuple[str, ...] = (),
     exclude: Collection[Fused] = (),
 ) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
@@ -42,9 +43,9 @@ def optimize(
 
     Args:
         model: the model, changed in place.
-        target, skip, attention, gqa, sdpa, threads, sdpa_transposed: the fusion policy
-            (:class:`fusion.base.policy.Policy`, whose fields these are; a run that holds one passes
-            ``**policy.keywords()``).
+        target, skip, attention, gqa, sdpa, threads, sdpa_transposed, last_rows: the fusion
+            policy (:class:`fusion.base.policy.Policy`, whose fields these are; a run that
+            holds one passes ``**policy.keywords()``).
         exclude: rewrites to leave out, as an earlier run on the same model reported them
             (their ``kind`` and ``node``): the pass that makes that kind skips the candidate
             anchored there, and records nothing for it (see :class:`FusionPass`).
@@ -57,7 +58,7 @@ def optimize(
     """
     policy = Policy(
         target=target, skip=skip, attention=attention, gqa=gqa, sdpa=sdpa, threads=threads,
-        sdpa_transposed=sdpa_transposed,
+        sdpa_transposed=sdpa_transposed, last_rows=last_rows,
     )  # fmt: skip
     passes = _passes(policy, exclude)
     report = FusionReport()

@@ -57,6 +57,7 @@ def optimize(
     exporter: str = "auto",
     precision: str = "fp32",
     keep_io_types: bool = False,
+    last_token_logits: bool = False,
 ) -> Report:
     """Export (or take) a model, optimize it, check parity, time it, write it: the main
     command as a function. Each keyword is the CLI flag of the same name (``--input-shape``:
@@ -64,8 +65,7 @@ def optimize(
     the :class:`Options` field it fills (:func:`normexport.arguments.make_options`).
 
     Args:
-        model: a model file (any kind the CLI takes) or an in-memory ``torch.nn.Module``
-            (run in eval mode; its training flag is restored afterwards).
+        model: a model file (any kind the CLI takes) or a ``torch.nn.Module`` (run in eval mode).
         args, kwargs: an in-memory module's example arguments, as :func:`torch.onnx.export`
             takes them (``model(*args, **kwargs)`` is exported; tensors become the inputs,
             named after ``forward``'s parameters or their keywords; other values stay fixed),

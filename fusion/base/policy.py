@@ -39,11 +39,16 @@ class Policy:
         sdpa_transposed: :mod:`fusion.fuse_sdpa` fuses YOLO's transposed attention (``q^T @ k``,
             ``v @ attn^T``) too, a speed choice per execution provider: False leaves it
             (``transposed_form``).
+        last_rows: names of graph outputs of shape ``(batch, sequence, ...)`` to keep at their
+            last position only (``(batch, 1, ...)``: a decoder's logits where only the next
+            token is read): :mod:`fusion.prune_rows` writes the selection and moves it up. It
+            changes the outputs' shape, so it is the user's choice, never a default.
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`; ``skip``, ``attention``
             or ``gqa`` asked for without ``target="ort"``; ``skip`` neither a bool nor
-            ``"kv_cache"``; ``threads`` below 1; ``sdpa_transposed`` not a bool.
+            ``"kv_cache"``; ``threads`` below 1; ``sdpa_transposed`` not a bool;
+            ``last_rows`` not a tuple of names.
     """
 
     target: str = "ort"
@@ -53,6 +58,7 @@ class Policy:
     sdpa: bool | None = None
     threads: int = 1
     sdpa_transposed: bool = True
+    last_rows: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -66,6 +72,10 @@ class Policy:
             raise ValueError(f"threads={self.threads!r}: give a whole number of 1 or more")
         if not isinstance(self.sdpa_transposed, bool):
             raise ValueError(f"sdpa_transposed={self.sdpa_transposed!r}: give True or False")
+        if not (
+            isinstance(self.last_rows, tuple) and all(isinstance(n, str) for n in self.last_rows)
+        ):
+            raise ValueError(f"last_rows={self.last_rows!r}: give a tuple of output names")
 
     def keywords(self) -> dict:
         """The fields as :func:`fusion.optimize`'s keywords: ``optimize(model,

@@ -9,7 +9,7 @@ import onnx_ir as ir
 from fusion._ir import add_initializer, label, reduce_axes, replace_output
 from fusion.base import CannotFuse, Code, FusionPass, Kind
 from fusion.prune_rows import rules
-from fusion.prune_rows.rows import Selection, read, select
+from fusion.prune_rows.rows import Selection, keep_last, read, select
 
 
 class PruneRows(FusionPass):
@@ -22,14 +22,26 @@ class PruneRows(FusionPass):
     producer has that is read is read by that same selection only; selections of one value
     that keep the same rows are one. Repeated until no selection moves. One
     ``rows_pruned`` per anchor that moved, ``became`` the number of nodes now computing the
-    selected rows only. A ReduceMean or ReduceSum over the rows of such a producer (a mean
-    pooling) is refused with ``every_row_read``: every row is read, nothing to prune.
+    selected rows only. With the policy's ``last_rows``, each of those outputs is first kept
+    at its last position only (a Slice, anchored at ``NAME_last``). A ReduceMean or ReduceSum
+    over the rows of such a producer (a mean pooling) is refused with ``every_row_read``:
+    every row is read, nothing to prune.
     """
 
     kinds = (Kind("rows_pruned", "rows", norm=False),)
+    settings = ("last_rows",)
+    #: The policy's ``last_rows``: graph outputs kept at their last position only (a Slice
+    #: written at each, :func:`fusion.prune_rows.rows.keep_last`, then moved like any).
+    last_rows: tuple[str, ...] = ()
 
     def apply(self, model: ir.Model) -> bool:
         graph = model.graph
+        for name in self.last_rows:
+            keep_last(graph, name)
+            self.outcomes.note(
+                f"output {name!r} kept at its last position only (last_rows): its second axis "
+                "is now 1"
+            )
         anchors = [s for s in map(read, graph) if s is not None and _anchor(s)]
         anchors = [s for s in anchors if label(s.node) not in self.excluded]
         moved = {label(s.node): 0 for s in anchors}
@@ -51,14 +63,17 @@ class PruneRows(FusionPass):
             if (axis := _pooled_rows(node)) is not None:
                 detail = f"a {node.op_type} over axis {axis} reads every row: nothing to prune"
                 self.refused(node, CannotFuse(Code.EVERY_ROW_READ, detail))
-        return any(moved.values())
+        return any(moved.values()) or bool(self.last_rows)
 
 
 def _pooled_rows(node: ir.Node) -> int | None:
     """The row axis a ReduceMean or ReduceSum of a float tensor of rank 3 or more pools over,
-    where the node before it computes row by row along it; else None."""
+    where it drops that axis (``keepdims=0``: a pooling; a norm's statistics keep it to
+    broadcast back) and the node before it computes row by row along it; else None."""
     source = node.inputs[0] if node.inputs else None
     if node.op_type not in ("ReduceMean", "ReduceSum") or node.domain != "" or source is None:
+        return None
+    if node.attributes.get_int("keepdims", 1):
         return None
     if source.shape is None or len(source.shape) < 3 or source.producer() is None:
         return None

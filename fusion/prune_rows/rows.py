@@ -130,3 +130,34 @@ def select(
         out.shape = ir.Shape(dims)
     graph.insert_before(before, node)
     return out, node
+
+
+#: A Slice's ``end`` for "to the end of the axis" (INT64_MAX; Operators.md, Slice-13: clamped).
+TO_THE_END = 2**63 - 1
+
+
+def keep_last(graph: ir.Graph, name: str) -> ir.Node:
+    """Make the graph output ``name`` (rank 2 or more) its last position along axis 1 only: a
+    ``Slice(x, [-1], [end], [1])`` whose output takes the output's name (``x`` renamed
+    ``NAME_all``); the Slice is named ``NAME_last``.
+
+    Raises:
+        ValueError: ``graph`` has no output ``name``, or its rank is unknown or below 2.
+    """
+    found = [v for v in graph.outputs if v.name == name]
+    if not found or found[0].shape is None or len(found[0].shape) < 2:
+        raise ValueError(f"no graph output {name!r} of rank 2 or more to keep the last row of")
+    value = found[0]
+    node = ir.Node(
+        "", "Slice", [value, *Rows("Slice", start=-1, end=TO_THE_END).constants(graph, 1)],
+        name=f"{name}_last",
+    )  # fmt: skip
+    out = node.outputs[0]
+    out.type = value.type
+    out.shape = ir.Shape([*list(value.shape)[:1], 1, *list(value.shape)[2:]])
+    graph.append(node)
+    value.name = unused_name(graph, f"{name}_all")
+    value.replace_all_uses_with(out, replace_graph_outputs=True)
+    node.replace_input_with(0, value)
+    out.name = name
+    return node

@@ -99,6 +99,12 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --precision fp16: keep float32 model inputs and outputs (bf16 always does)",
     )
+    p.add_argument(
+        "--last-token-logits",
+        action="store_true",
+        help="write the first output, a decoder's (batch, sequence, vocabulary) logits, at the "
+        "last position only, (batch, 1, vocabulary), computing only what that reads",
+    )
 
 
 def add_make_dirs_argument(p: argparse.ArgumentParser) -> None:

@@ -76,6 +76,10 @@ class Options:
             kernel for the model's linear ops, as ONNX Runtime's CPU provider).
         keep_io_types: with ``fp16``, keep the model's inputs and outputs float32 (``bf16``
             always does).
+        last_token_logits: write the model's first output, a decoder's ``(batch, sequence,
+            vocabulary)`` logits, at the last position only (``(batch, 1, vocabulary)``), and
+            compute only what that reads (:attr:`fusion.Policy.last_rows`); the verdict compares
+            it with the references' last position.
         module: an in-memory ``torch.nn.Module`` to export instead of loading ``model``
             (Python API only; it is run in eval mode).
         args, kwargs: ``module``'s example arguments, as :func:`torch.onnx.export` takes them
@@ -107,6 +111,7 @@ class Options:
     autotune: bool = False
     precision: str = "fp32"
     keep_io_types: bool = False
+    last_token_logits: bool = False
     module: Any = None
     args: tuple | None = None
     kwargs: dict[str, Any] | None = None

@@ -11,6 +11,7 @@ import numpy as np
 import fusion
 from normexport import precision
 from normexport.arguments import Options
+from normexport.errors import UsageError
 from normexport.io import files
 from normexport.io.inputs import id_ranges, input_sets
 from normexport.io.load import LoadedModel
@@ -94,5 +95,26 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
         threads=threads,
-        policy=fusion_policy(opts.target, provider[0], threads),
+        policy=_policy(opts, raw, provider[0], threads),
     )
+
+
+def _policy(opts: Options, raw, provider: str, threads: int) -> fusion.Policy:
+    """The run's fusion policy (:func:`normexport.runtime.latency.fusion_policy`), with the
+    first output kept at its last position where ``--last-token-logits`` asks.
+
+    Raises:
+        UsageError: ``--last-token-logits`` and the first output is not 3-D.
+    """
+    policy = fusion_policy(opts.target, provider, threads)
+    if not opts.last_token_logits:
+        return policy
+    first = raw.graph.outputs[0]
+    if first.shape is None or len(first.shape) != 3:
+        shape = "unknown" if first.shape is None else f"({', '.join(map(str, first.shape))})"
+        raise UsageError(
+            f"{opts.model}: --last-token-logits keeps the first output's last position, and "
+            f"that output ({first.name!r}, shape {shape}) is not (batch, sequence, vocabulary): "
+            "drop the flag for this model"
+        )
+    return dataclasses.replace(policy, last_rows=(first.name,))

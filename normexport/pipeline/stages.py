@@ -13,6 +13,7 @@ import fusion
 from fusion._ir import opset_version
 from normexport import precision, progress, runtime
 from normexport.arguments import Options, plan_outputs
+from normexport.errors import UsageError
 from normexport.io import external, files
 from normexport.pipeline import measure, rewrite, speed
 from normexport.pipeline.job import Job, start
@@ -88,7 +89,17 @@ def _reference(
 ) -> tuple[rewrite.Reference, Judge]:
     """The reference stage: the reference model on file, and the parity judge with every
     reference run on every input set, one model (or one block: ``block_bytes``, the memory
-    plan's) at a time, each freed before the passes."""
+    plan's) at a time, each freed before the passes.
+
+    Raises:
+        UsageError: ``--last-token-logits`` where the verdict runs block by block.
+    """
+    if job.policy.last_rows and block_bytes is not None:
+        raise UsageError(
+            f"{job.opts.model}: --last-token-logits needs the whole-model verdict, and this "
+            "model's runs block by block (its weights do not fit twice in the memory "
+            "available): run it where more memory is free, or without --last-token-logits"
+        )
     with progress.stage("reference"):
         ref = rewrite.reference(job, raw, work)
         judge = Judge(
@@ -104,6 +115,7 @@ def _reference(
             strict=job.opts.strict,
             rule=job.computes_in,
             block_bytes=block_bytes,
+            last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))
     return ref, judge

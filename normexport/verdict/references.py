@@ -61,6 +61,12 @@ class Judge:
         block_bytes: take the verdict block by block, each block reading at most this many
             bytes of weights (:mod:`normexport.verdict.by_blocks`; ONNX input only: a PyTorch
             model is in memory whole anyway); None: the whole model at once.
+        last_position: the outputs (by index) the candidate computes at the last position of
+            axis 1 only (``--last-token-logits``): the references' are compared there too.
+
+    Raises:
+        ValueError: ``last_position`` with ``block_bytes`` (the blocks' values are compared
+            whole).
     """
 
     def __init__(
@@ -78,8 +84,12 @@ class Judge:
         strict: bool,
         rule: str = "fp32",
         block_bytes: int | None = None,
+        last_position: tuple[int, ...] = (),
     ):
+        if last_position and block_bytes is not None:
+            raise ValueError("a verdict block by block compares whole outputs")
         self.loaded, self.raw, self.raw_path, self.rule = loaded, raw, raw_path, rule
+        self.last_position = last_position
         self.chains = None
         if block_bytes is not None and loaded.module is None:
             self.chains = _chains(raw_path, block_bytes, work, provider)
@@ -95,6 +105,7 @@ class Judge:
         ``precisions``), one model at a time, freeing each before the next opens."""
         if self._references is None:
             self._references = references(self) if self.chains is None else self._by_blocks()
+            _at_last_position(self._references, self.last_position)
             if self.rule != "fp32":
                 self._references["notes"].append(
                     f"the model's weights are {self.rule}: judged by the {self.rule} rule"
@@ -176,6 +187,26 @@ class Judge:
             del run  # the candidate's session, handed back before the next one opens
         give_back()
         return verdict
+
+
+def _at_last_position(refs: dict, indices: tuple[int, ...]) -> None:
+    """Make the references' outputs at ``indices`` their last position of axis 1 only
+    (``a[:, -1:]``), in place (a run that is two references at once stays one)."""
+    if not indices:
+        return
+    made: dict[int, Recorded] = {}
+    for key in ("reference", "raw", "pytorch"):
+        run = refs.get(key)
+        if run is not None and id(run) not in made:
+            made[id(run)] = Recorded(functools.partial(_last, run, indices), run.close)
+        if run is not None:
+            refs[key] = made[id(run)]
+
+
+def _last(run: Recorded, indices: tuple[int, ...], feeds) -> list[np.ndarray]:
+    """``run``'s outputs on ``feeds``, those at ``indices`` at their last position of axis 1."""
+    outputs = list(run(feeds))
+    return [np.ascontiguousarray(a[:, -1:]) if i in indices else a for i, a in enumerate(outputs)]
 
 
 def _chains(raw_path: Path, block_bytes: int, work: Path, provider: str):

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from norm_graphs import Graph, fuse_and_compare
+from graphs import assert_close, run
+from norm_graphs import Graph, fuse_and_compare, inputs
 from onnx import TensorProto
 
+import fusion
 from fusion import FillShapes
 from fusion.base import Code
 from fusion.prune_rows import PruneRows
@@ -181,3 +183,24 @@ def test_a_mean_over_rows_is_said_to_read_every_row(reduce):
     fusion_pass = PruneRows()
     assert not fusion_pass(model).modified
     assert fusion_pass.outcomes.codes() == [Code.EVERY_ROW_READ]
+
+
+def test_last_rows_keeps_a_decoders_logits_at_the_last_position():
+    """``last_rows``: the logits at the last position only, the selection moved up to the
+    causal attention; each equal to the full model's last row."""
+    rng = np.random.default_rng(7)
+    g = Graph(opset=23)
+    h = _norm(g, rng, _block(g, rng, "x", causal=True), "ln_f")
+    logits = g.node("MatMul", [h, _weights(g, rng, "lm_head", (D, 40))], "logits")
+    model = g.model({"x": (FLOAT, (B, S, D))}, {logits: (FLOAT, None)})
+    feeds = inputs(rng, model)
+    (full,) = run(model, feeds)
+    fusion_pass = PruneRows(last_rows=("logits",))
+    assert fusion_pass(model).modified
+    fusion.check(model)
+    (last,) = run(model, feeds)
+    assert last.shape == (B, 1, 40)
+    assert_close([last], [full[:, -1:]], rtol=1e-5)
+    assert fusion_pass.outcomes.counts["rows_pruned"] == 1
+    assert sorted(s[1] for s in _inputs_of(model, "MatMul")) == [1] * 4 + [S] * 3
+    assert [s[2] for s in _inputs_of(model, "Attention")] == [S]  # causal: its query whole

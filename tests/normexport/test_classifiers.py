@@ -1,17 +1,20 @@
 """The main job on classifiers that read one token of their last hidden state, as a user saves
 them (``torch.export.save`` of an unwrapped transformers model, run from another folder with the
 output written elsewhere): PruneRows makes the published model compute the last block on that
-token only, and the verdict passes it."""
+token only, and the verdict passes it; ``--last-token-logits`` on a decoder."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
 import transformers
 
+import models
 import normexport
+from normexport.errors import UsageError
 
 pytestmark = pytest.mark.slow
 
@@ -70,3 +73,29 @@ def test_class_token_classifier_computes_its_last_block_on_that_token(build, tmp
     rows = _rows_of_matmuls(out, feeds)
     # the last block's output projection and MLP on one row, the blocks before it on all
     assert rows.count(1) >= 3 and len(rows) - rows.count(1) >= 3, rows
+
+
+def test_last_token_logits_of_a_decoder(tmp_path):
+    """``--last-token-logits``: llama-tiny's logits at the last position only, the tail moved
+    up to the attention, judged against the references' last position."""
+    zoo = models.load("llama-tiny")
+    args = tuple(torch.from_numpy(a) for a in zoo.inputs.values())
+    out = tmp_path / "llama.onnx"
+    report = normexport.optimize(
+        zoo.module, args, output=out, benchmark=False, last_token_logits=True
+    )
+    assert report.passed and report.fusions.counts["rows_pruned"] == 1, report.fusions.refused
+    session = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    (logits, *_) = session.run(None, dict(zoo.inputs))
+    with torch.no_grad():
+        want = zoo.module(*args)[:, -1:].numpy()
+    assert logits.shape == want.shape and np.abs(logits - want).max() < 1e-4
+
+
+def test_last_token_logits_needs_a_3d_first_output(tmp_path):
+    """A classifier's (batch, classes) logits: refused before any work, naming the output."""
+    module, example = _vit()
+    with pytest.raises(UsageError, match="--last-token-logits .* is not \\(batch, sequence"):
+        normexport.optimize(
+            module, example, output=tmp_path / "v.onnx", benchmark=False, last_token_logits=True
+        )
