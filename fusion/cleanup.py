@@ -2,9 +2,11 @@
 
 Only rewrites that cannot change a number: constant folding (onnxscript's folder, which
 evaluates constant subgraphs with the ONNX reference semantics), the simplifications of the
-exporters' index arithmetic in :mod:`fusion.simplify`, common-subexpression
-elimination (the exporters write ``x - mean`` twice in a hand-written LayerNorm; CSE makes it
-one value, so the matchers see one shape), and removal of unused nodes. onnxscript's full
+exporters' index arithmetic in :mod:`fusion.simplify`, ``Constant`` nodes made initializers
+(onnx_ir's ``LiftConstantsToInitializersPass``, as torch's exporter optimizer does),
+common-subexpression elimination (the exporters write ``x - mean`` twice in a hand-written
+LayerNorm; CSE makes it one value, so the matchers see one shape), and removal of unused
+nodes. onnxscript's full
 ``optimize`` is deliberately not used: its pattern rules match constants with ``abs_tol=1e-8``
 and delete an ``Add`` of an eps of 1e-8 (docs/model-files.md, "How the export is done").
 
@@ -39,8 +41,8 @@ _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 
 def cleanup(model: ir.Model, final: bool = False) -> None:
     """Fold constants, simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
-    the fusion passes, also the Slices that tile an axis), merge common subexpressions, drop
-    dead nodes, sort (in place)."""
+    the fusion passes, also the Slices that tile an axis), make the Constant nodes initializers,
+    merge common subexpressions, drop dead nodes, sort (in place)."""
     drop_absent_outputs(model)
     canonical_axes(model)
     level = _folder_log.level
@@ -51,6 +53,7 @@ def cleanup(model: ir.Model, final: bool = False) -> None:
         _folder_log.setLevel(level)
     if opset_version(model) >= 13:
         simplify(model.graph, final)
+    ir.passes.common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.TopologicalSortPass()(model)
@@ -73,13 +76,18 @@ class Cleanup(ir.passes.InPlacePass):
 
 
 class SimplifyWithShapes(ir.passes.InPlacePass):
-    """:func:`fusion.simplify.with_shapes` (rewrites that read the shapes :class:`fusion.FillShapes`
-    gave the values), then :func:`cleanup` again, as long as it rewrites anything: the sizes it
-    folds feed arithmetic the folder then evaluates (``x.shape[-1] // 2``), and the folder's
-    removal of a Cast to the same type puts an Expand next to its MatMul. Each round removes
-    nodes, so it ends. Opset 13 and above, as :func:`fusion.simplify.simplify`."""
+    """:func:`cleanup` once the values carry the types :class:`fusion.FillShapes` gave them (the
+    folder makes ``CastLike(constant, x)`` a constant only where ``x`` has a type, and the dynamo
+    exporter with ``optimize=False`` leaves none on the values inside torchlib's functions: a
+    GroupNorm's ``CastLike`` of its weight and bias), then :func:`fusion.simplify.with_shapes`
+    (rewrites that read those shapes) and :func:`cleanup` again, as long as it rewrites
+    anything: the sizes it folds feed arithmetic the folder then evaluates
+    (``x.shape[-1] // 2``), and the folder's removal of a Cast to the same type puts an Expand
+    next to its MatMul. Each round removes nodes, so it ends. ``with_shapes``: opset 13 and
+    above, as :func:`fusion.simplify.simplify`."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        cleanup(model)
         while opset_version(model) >= 13 and with_shapes(model.graph):
             cleanup(model)
         return ir.passes.PassResult(model, modified=False)

@@ -1,0 +1,92 @@
+"""fusion.cleanup before the passes: what torch's exporter writes with ``optimize=False`` and its
+own optimizer would have folded (a ``CastLike`` of a constant weight to a value that carries no
+type, ``Constant`` nodes, ``x + 0``) is folded, the numbers unchanged, on ONNX Runtime."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx_ir as ir
+from graphs import make_model, ops, run
+from onnx import TensorProto
+
+import fusion
+
+F = TensorProto.FLOAT
+
+
+def _untyped(model: ir.Model) -> ir.Model:
+    """``model`` with the type and shape taken off every node output but the graph's outputs:
+    what the dynamo exporter leaves on the values inside torchlib's functions (GroupNorm's)."""
+    for node in model.graph:
+        for value in node.outputs:
+            if not value.is_graph_output():
+                value.type, value.shape = None, None
+    return model
+
+
+def _affine(rng: np.random.Generator) -> ir.Model:
+    """torchlib's GroupNorm affine as the dynamo exporter writes it with ``optimize=False``:
+    ``h * CastLike(w, h) + CastLike(b, h)`` of an untyped ``h``, then ``+ 0`` and ``- 0`` (a
+    Python ``0.0 + skip``) with their zeros in ``Constant`` nodes."""
+    zero = {"value": ir.serde.serialize_tensor(ir.tensor(np.array(0, np.float32)))}
+    nodes = [
+        ("Relu", ["x"], ["h"], {}),
+        ("CastLike", ["w", "h"], ["wc"], {}),
+        ("Mul", ["h", "wc"], ["m"], {}),
+        ("CastLike", ["b", "m"], ["bc"], {}),
+        ("Add", ["m", "bc"], ["a"], {}),
+        ("Constant", [], ["zero"], zero),
+        ("Add", ["zero", "a"], ["s"], {}),
+        ("Constant", [], ["zero2"], zero),
+        ("Sub", ["s", "zero2"], ["d"], {}),
+        ("Tanh", ["d"], ["y"], {}),
+    ]
+    inits = {"w": rng.standard_normal((4, 1)).astype(np.float32)}
+    inits["b"] = rng.standard_normal((4, 1)).astype(np.float32)
+    return _untyped(make_model(nodes, {"x": (F, [1, 4, 6])}, {"y": (F, [1, 4, 6])}, inits))
+
+
+def test_castlike_constants_and_identity_arithmetic_fold_before_the_passes(rng):
+    """The CastLikes go (the folder reads the types FillShapes gave), the Constants become
+    initializers, ``0 + a`` and ``s - 0`` read their other operand; the output is the same bit
+    for bit (no ``-0`` reaches the Add: ``h * w + b`` of random ``w``, ``b``)."""
+    model = _affine(rng)
+    feeds = {"x": rng.standard_normal((1, 4, 6)).astype(np.float32)}
+    want = run(_affine(np.random.default_rng(0)), feeds)
+    fusion.optimize(model)
+    assert ops(model) == ["Relu", "Mul", "Add", "Tanh"], ops(model)
+    got = run(model, feeds)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_adding_or_subtracting_zero_reads_the_other_operand_where_no_bit_changes(rng):
+    """``x - 0`` and ``x + -0`` read ``x``, bit for bit; ``x + 0`` (``+0`` where ``x`` is ``-0``)
+    only where ``x`` is never ``-0``: a Conv's output with a bias that has no ``-0``. ``x + 0``
+    of the input, and ``0 - x``, stay. ``1 / y`` shows the sign of each zero."""
+    nodes = [
+        ("Sub", ["x", "zero"], ["a"], {}),
+        ("Add", ["minus_zero", "x"], ["b"], {}),
+        ("Add", ["x", "zero"], ["c"], {}),
+        ("Sub", ["zero", "x"], ["d"], {}),
+        ("Conv", ["x", "w", "bias"], ["conv"], {}),
+        ("Add", ["zero", "conv"], ["e"], {}),
+    ]
+    nodes += [("Reciprocal", [t], [f"y{t}"], {}) for t in "abcde"]
+    outputs = {f"y{t}": (F, [1, 2, 3]) for t in "abcd"} | {"ye": (F, [1, 2, 3])}
+    consts = {"zero": np.array(0, np.float32), "minus_zero": np.array(-0.0, np.float32)}
+    consts["w"] = rng.standard_normal((2, 2, 1)).astype(np.float32)
+    consts["bias"] = np.array([0.0, rng.standard_normal()], np.float32)  # +0: never -0
+    model = make_model(nodes, {"x": (F, [1, 2, 3])}, outputs, consts)
+    x = np.array([[[np.nan, np.inf, -0.0], [0.0, -3.5, 1e-40]]], np.float32)
+    want = run(model, {"x": x})
+    fusion.cleanup(model)
+    assert collections.Counter(ops(model))["Add"] == 1  # x + 0 of the input
+    assert collections.Counter(ops(model))["Sub"] == 1  # 0 - x
+    (conv,) = [n for n in model.graph if n.op_type == "Conv"]
+    assert [u.node.op_type for u in conv.outputs[0].uses()] == ["Reciprocal"]
+    got = run(model, {"x": x})
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, w)
+        assert (np.signbit(g) == np.signbit(w)).all()
