@@ -40,7 +40,8 @@ _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 
 
 def cleanup(model: ir.Model, final: bool = False) -> None:
-    """Fold constants, simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
+    """Fold constants (a Concat of constants only it reads whatever its size,
+    :func:`_own_concat`), simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
     the fusion passes, also the Slices that tile an axis), make the Constant nodes initializers,
     merge common subexpressions, drop dead nodes, sort (in place)."""
     drop_absent_outputs(model)
@@ -48,7 +49,7 @@ def cleanup(model: ir.Model, final: bool = False) -> None:
     level = _folder_log.level
     _folder_log.setLevel(logging.ERROR)
     try:
-        onnxscript.optimizer.fold_constants(model)
+        onnxscript.optimizer.fold_constants(model, should_fold=_own_concat)
     finally:
         _folder_log.setLevel(level)
     if opset_version(model) >= 13:
@@ -57,6 +58,18 @@ def cleanup(model: ir.Model, final: bool = False) -> None:
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.TopologicalSortPass()(model)
+
+
+def _own_concat(node: ir.Node) -> bool | None:
+    """True (fold, whatever the sizes) for a Concat of constants that only it reads: its result
+    takes the place of its inputs in the file, no larger, where the folder's size limits (8192
+    elements in) leave it (FuseAttention's packed query, key and value weights); else None, the
+    folder's own rules."""
+    if node.op_type != "Concat" or node.domain != "":
+        return None
+    inputs = [v for v in node.inputs if v is not None]
+    own = all(v.const_value is not None and not v.is_graph_input() for v in inputs)
+    return True if own and all(len(v.uses()) == 1 for v in inputs) else None
 
 
 class Cleanup(ir.passes.InPlacePass):

@@ -1,6 +1,7 @@
 """fusion.cleanup before the passes: what torch's exporter writes with ``optimize=False`` and its
 own optimizer would have folded (a ``CastLike`` of a constant weight to a value that carries no
-type, ``Constant`` nodes, ``x + 0``) is folded, the numbers unchanged, on ONNX Runtime."""
+type, ``Constant`` nodes, ``x + 0``) is folded, and so is a pass's Concat of large constants,
+the numbers unchanged, on ONNX Runtime."""
 
 from __future__ import annotations
 
@@ -90,3 +91,26 @@ def test_adding_or_subtracting_zero_reads_the_other_operand_where_no_bit_changes
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
         assert (np.signbit(g) == np.signbit(w)).all()
+
+
+def test_a_concat_of_large_constants_only_it_reads_is_folded(rng):
+    """A Concat of constants over the folder's size limit (8192 elements) that only it reads
+    (FuseAttention's packed weights) is one initializer; one whose input another node reads
+    too stays (folding it would store that input twice)."""
+    nodes = [
+        ("Concat", ["w0", "w1", "w2"], ["packed"], {"axis": 1}),
+        ("MatMul", ["x", "packed"], ["y"], {}),
+        ("Concat", ["v0", "v1"], ["shared"], {"axis": 1}),
+        ("MatMul", ["x", "shared"], ["s"], {}),
+        ("MatMul", ["x", "v1"], ["t"], {}),
+    ]
+    consts = {f"w{i}": rng.standard_normal((96, 96)).astype(np.float32) for i in range(3)}
+    consts |= {f"v{i}": rng.standard_normal((96, 96)).astype(np.float32) for i in range(2)}
+    outputs = {"y": (F, [2, 288]), "s": (F, [2, 192]), "t": (F, [2, 96])}
+    model = make_model(nodes, {"x": (F, [2, 96])}, outputs, consts)
+    feeds = {"x": rng.standard_normal((2, 96)).astype(np.float32)}
+    want = run(model, feeds)
+    fusion.cleanup(model)
+    assert ops(model) == ["MatMul", "Concat", "MatMul", "MatMul"], ops(model)
+    for got, w in zip(run(model, feeds), want, strict=True):
+        np.testing.assert_array_equal(got, w)
