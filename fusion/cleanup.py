@@ -31,9 +31,18 @@ import logging
 import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxscript.optimizer
+import onnxscript.rewriter
+from onnxscript.rewriter.rules import common as rules
 
 from fusion._ir import opset_version
 from fusion.simplify import simplify, with_shapes
+
+#: onnxscript's rules that fold a constant-mode Pad of zeros on the spatial axes into the Conv
+#: (or ConvInteger) that reads it, as its ``pads``: the same zeros by the spec (Operators.md,
+#: Conv: ``pads`` pad with zeros); torch's exporter optimizer runs them (CREPE's ``F.pad``).
+_PAD_INTO_CONV = onnxscript.rewriter.RewriteRuleSet(
+    [rules.fuse_pad_into_conv_rule, rules.fuse_pad_into_conv_integer_rule]
+)
 
 # The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
@@ -42,7 +51,8 @@ _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 def cleanup(model: ir.Model, final: bool = False) -> None:
     """Fold constants (a Concat of constants only it reads whatever its size,
     :func:`_own_concat`), simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
-    the fusion passes, also the Slices that tile an axis), make the Constant nodes initializers,
+    the fusion passes, also the Slices that tile an axis), fold zero Pads into the Convs that
+    read them (:data:`_PAD_INTO_CONV`), make the Constant nodes initializers,
     merge common subexpressions, drop dead nodes, sort (in place)."""
     drop_absent_outputs(model)
     canonical_axes(model)
@@ -52,6 +62,8 @@ def cleanup(model: ir.Model, final: bool = False) -> None:
         onnxscript.optimizer.fold_constants(model, should_fold=_own_concat)
     finally:
         _folder_log.setLevel(level)
+    if opset_version(model) >= 11:  # Pad's pads an input
+        _PAD_INTO_CONV.apply_to_model(model)
     if opset_version(model) >= 13:
         simplify(model.graph, final)
     ir.passes.common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)

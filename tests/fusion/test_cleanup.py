@@ -114,3 +114,36 @@ def test_a_concat_of_large_constants_only_it_reads_is_folded(rng):
     assert ops(model) == ["MatMul", "Concat", "MatMul", "MatMul"], ops(model)
     for got, w in zip(run(model, feeds), want, strict=True):
         np.testing.assert_array_equal(got, w)
+
+
+def test_a_pad_of_zeros_is_folded_into_the_conv_that_reads_it(rng):
+    """A constant-mode Pad of zeros on the spatial axes before a Conv (CREPE's ``F.pad``) is the
+    Conv's ``pads`` (added to its own); a reflect Pad, a Pad of ones and a Pad of the channels
+    stay. The same numbers on ONNX Runtime."""
+    pads = np.array([0, 0, 1, 2, 0, 0, 3, 0], np.int64)
+    nodes = [
+        ("Pad", ["x", "pads"], ["zeros"], {}),
+        ("Conv", ["zeros", "w", "b"], ["a"], {"pads": [1, 0, 1, 0]}),
+        ("Pad", ["x", "pads"], ["reflected"], {"mode": "reflect"}),
+        ("Conv", ["reflected", "w", "b"], ["c"], {}),
+        ("Pad", ["x", "pads", "one"], ["ones"], {}),
+        ("Conv", ["ones", "w", "b"], ["d"], {}),
+        ("Pad", ["x", "channel_pads"], ["channels"], {}),
+        ("Conv", ["channels", "w5"], ["e"], {}),
+    ]
+    consts = {"pads": pads, "one": np.array(1, np.float32)}
+    consts["channel_pads"] = np.array([0, 1, 0, 0, 0, 0, 0, 0], np.int64)
+    consts["w"] = rng.standard_normal((3, 4, 3, 3)).astype(np.float32)
+    consts["w5"] = rng.standard_normal((3, 5, 3, 3)).astype(np.float32)
+    consts["b"] = rng.standard_normal(3).astype(np.float32)
+    outputs = {"a": (F, [1, 3, 8, 7]), "c": (F, [1, 3, 6, 7]), "d": (F, [1, 3, 6, 7])}
+    outputs["e"] = (F, [1, 3, 3, 3])
+    model = make_model(nodes, {"x": (F, [1, 4, 5, 5])}, outputs, consts)
+    feeds = {"x": rng.standard_normal((1, 4, 5, 5)).astype(np.float32)}
+    want = run(model, feeds)
+    fusion.cleanup(model)
+    assert collections.Counter(ops(model)) == {"Conv": 4, "Pad": 3}, ops(model)
+    (conv,) = [n for n in model.graph if n.outputs[0].name == "a"]
+    assert conv.inputs[0].name == "x" and tuple(conv.attributes.get_ints("pads")) == (2, 2, 4, 0)
+    for got, w in zip(run(model, feeds), want, strict=True):
+        np.testing.assert_array_equal(got, w)
