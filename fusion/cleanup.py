@@ -35,6 +35,7 @@ import onnxscript.rewriter
 from onnxscript.rewriter.rules import common as rules
 
 from fusion._ir import opset_version
+from fusion.shapes import DropShapes, FillShapes
 from fusion.simplify import simplify, with_shapes
 
 #: onnxscript's rules that fold a constant-mode Pad of zeros on the spatial axes into the Conv
@@ -82,6 +83,16 @@ def _own_concat(node: ir.Node) -> bool | None:
     inputs = [v for v in node.inputs if v is not None]
     own = all(v.const_value is not None and not v.is_graph_input() for v in inputs)
     return True if own and all(len(v.uses()) == 1 for v in inputs) else None
+
+
+def cleanup_with_types(model: ir.Model) -> None:
+    """:func:`cleanup` as :func:`fusion.optimize` runs it before its passes (in place): once,
+    then with the types and shapes :class:`fusion.FillShapes` gives the values
+    (:class:`SimplifyWithShapes`), which :class:`fusion.DropShapes` takes off again. For a model
+    cleaned up but not optimized (normexport's export), so that the passes find nothing more to
+    clean up: a model they leave alone keeps its ops."""
+    fill = FillShapes()
+    ir.passes.PassManager([Cleanup(), fill, SimplifyWithShapes(), DropShapes(fill)])(model)
 
 
 class Cleanup(ir.passes.InPlacePass):

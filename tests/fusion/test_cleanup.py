@@ -13,6 +13,7 @@ from graphs import make_model, ops, run
 from onnx import TensorProto
 
 import fusion
+from fusion.cleanup import cleanup_with_types
 
 F = TensorProto.FLOAT
 
@@ -147,3 +148,15 @@ def test_a_pad_of_zeros_is_folded_into_the_conv_that_reads_it(rng):
     assert conv.inputs[0].name == "x" and tuple(conv.attributes.get_ints("pads")) == (2, 2, 4, 0)
     for got, w in zip(run(model, feeds), want, strict=True):
         np.testing.assert_array_equal(got, w)
+
+
+def test_the_clean_up_of_an_export_is_the_one_before_the_passes(rng):
+    """:func:`fusion.cleanup.cleanup_with_types` (normexport's export) folds what the passes'
+    clean-up folds, so the passes leave a model they do not rewrite as it is; the types it
+    inferred to do so are taken off again."""
+    model = _affine(rng)
+    cleanup_with_types(model)
+    assert ops(model) == ["Relu", "Mul", "Add", "Tanh"], ops(model)
+    assert [n.outputs[0].type for n in model.graph][:-1] == [None] * 3
+    fusion.optimize(model)
+    assert ops(model) == ["Relu", "Mul", "Add", "Tanh"], ops(model)
