@@ -2,9 +2,11 @@
 
 Only rewrites that cannot change a number: constant folding (onnxscript's folder, which
 evaluates constant subgraphs with the ONNX reference semantics), the simplifications of the
-exporters' index arithmetic in :mod:`fusion.simplify`, common-subexpression
-elimination (the exporters write ``x - mean`` twice in a hand-written LayerNorm; CSE makes it
-one value, so the matchers see one shape), and removal of unused nodes. onnxscript's full
+exporters' index arithmetic in :mod:`fusion.simplify`, ``Constant`` nodes made initializers
+(onnx_ir's ``LiftConstantsToInitializersPass``, as torch's exporter optimizer does),
+common-subexpression elimination (the exporters write ``x - mean`` twice in a hand-written
+LayerNorm; CSE makes it one value, so the matchers see one shape), and removal of unused
+nodes. onnxscript's full
 ``optimize`` is deliberately not used: its pattern rules match constants with ``abs_tol=1e-8``
 and delete an ``Add`` of an eps of 1e-8 (docs/model-files.md, "How the export is done").
 
@@ -29,31 +31,68 @@ import logging
 import onnx_ir as ir
 import onnx_ir.passes.common
 import onnxscript.optimizer
+import onnxscript.rewriter
+from onnxscript.rewriter.rules import common as rules
 
 from fusion._ir import opset_version
+from fusion.shapes import DropShapes, FillShapes
 from fusion.simplify import simplify, with_shapes
+
+#: onnxscript's rules that fold a constant-mode Pad of zeros on the spatial axes into the Conv
+#: (or ConvInteger) that reads it, as its ``pads``: the same zeros by the spec (Operators.md,
+#: Conv: ``pads`` pad with zeros); torch's exporter optimizer runs them (CREPE's ``F.pad``).
+_PAD_INTO_CONV = onnxscript.rewriter.RewriteRuleSet(
+    [rules.fuse_pad_into_conv_rule, rules.fuse_pad_into_conv_integer_rule]
+)
 
 # The folder logs a warning for each node it tries and cannot evaluate; that node just stays.
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 
 
 def cleanup(model: ir.Model, final: bool = False) -> None:
-    """Fold constants, simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
-    the fusion passes, also the Slices that tile an axis), merge common subexpressions, drop
-    dead nodes, sort (in place)."""
+    """Fold constants (a Concat of constants only it reads whatever its size,
+    :func:`_own_concat`), simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
+    the fusion passes, also the Slices that tile an axis), fold zero Pads into the Convs that
+    read them (:data:`_PAD_INTO_CONV`), make the Constant nodes initializers,
+    merge common subexpressions, drop dead nodes, sort (in place)."""
     drop_absent_outputs(model)
     canonical_axes(model)
     level = _folder_log.level
     _folder_log.setLevel(logging.ERROR)
     try:
-        onnxscript.optimizer.fold_constants(model)
+        onnxscript.optimizer.fold_constants(model, should_fold=_own_concat)
     finally:
         _folder_log.setLevel(level)
+    if opset_version(model) >= 11:  # Pad's pads an input
+        _PAD_INTO_CONV.apply_to_model(model)
     if opset_version(model) >= 13:
         simplify(model.graph, final)
+    ir.passes.common.LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
     ir.passes.common.CommonSubexpressionEliminationPass()(model)
     ir.passes.common.RemoveUnusedNodesPass()(model)
     ir.passes.common.TopologicalSortPass()(model)
+
+
+def _own_concat(node: ir.Node) -> bool | None:
+    """True (fold, whatever the sizes) for a Concat of constants that only it reads: its result
+    takes the place of its inputs in the file, no larger, where the folder's size limits (8192
+    elements in) leave it (FuseAttention's packed query, key and value weights); else None, the
+    folder's own rules."""
+    if node.op_type != "Concat" or node.domain != "":
+        return None
+    inputs = [v for v in node.inputs if v is not None]
+    own = all(v.const_value is not None and not v.is_graph_input() for v in inputs)
+    return True if own and all(len(v.uses()) == 1 for v in inputs) else None
+
+
+def cleanup_with_types(model: ir.Model) -> None:
+    """:func:`cleanup` as :func:`fusion.optimize` runs it before its passes (in place): once,
+    then with the types and shapes :class:`fusion.FillShapes` gives the values
+    (:class:`SimplifyWithShapes`), which :class:`fusion.DropShapes` takes off again. For a model
+    cleaned up but not optimized (normexport's export), so that the passes find nothing more to
+    clean up: a model they leave alone keeps its ops."""
+    fill = FillShapes()
+    ir.passes.PassManager([Cleanup(), fill, SimplifyWithShapes(), DropShapes(fill)])(model)
 
 
 class Cleanup(ir.passes.InPlacePass):
@@ -73,13 +112,18 @@ class Cleanup(ir.passes.InPlacePass):
 
 
 class SimplifyWithShapes(ir.passes.InPlacePass):
-    """:func:`fusion.simplify.with_shapes` (rewrites that read the shapes :class:`fusion.FillShapes`
-    gave the values), then :func:`cleanup` again, as long as it rewrites anything: the sizes it
-    folds feed arithmetic the folder then evaluates (``x.shape[-1] // 2``), and the folder's
-    removal of a Cast to the same type puts an Expand next to its MatMul. Each round removes
-    nodes, so it ends. Opset 13 and above, as :func:`fusion.simplify.simplify`."""
+    """:func:`cleanup` once the values carry the types :class:`fusion.FillShapes` gave them (the
+    folder makes ``CastLike(constant, x)`` a constant only where ``x`` has a type, and the dynamo
+    exporter with ``optimize=False`` leaves none on the values inside torchlib's functions: a
+    GroupNorm's ``CastLike`` of its weight and bias), then :func:`fusion.simplify.with_shapes`
+    (rewrites that read those shapes) and :func:`cleanup` again, as long as it rewrites
+    anything: the sizes it folds feed arithmetic the folder then evaluates
+    (``x.shape[-1] // 2``), and the folder's removal of a Cast to the same type puts an Expand
+    next to its MatMul. Each round removes nodes, so it ends. ``with_shapes``: opset 13 and
+    above, as :func:`fusion.simplify.simplify`."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
+        cleanup(model)
         while opset_version(model) >= 13 and with_shapes(model.graph):
             cleanup(model)
         return ir.passes.PassResult(model, modified=False)

@@ -7,6 +7,7 @@ milliseconds. Parameters come from a seeded generator: randomize every weight an
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -15,6 +16,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from fusion.base import Op
+from fusion.registry import KINDS
 from normexport.verdict.parity import closeness
 
 #: A node as ``(op_type, inputs, outputs, attributes)``; add ``"domain"`` to the attributes
@@ -90,3 +93,23 @@ def assert_close(
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         c = closeness(g, w, atol=atol, rtol=rtol)
         assert c.within, f"output {i}: {c.describe()}"
+
+
+def op_counts(model: ir.Model) -> collections.Counter[Op]:
+    """How many nodes of each op ``model`` holds, in every graph (If / Loop bodies too)."""
+    nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+    return collections.Counter(Op(n.op_type, n.domain) for n in nodes)
+
+
+def excess_ops(
+    raw: ir.Model, published: ir.Model, fused: Mapping[str, int], allowed: Sequence[Op] = ()
+) -> dict[Op, tuple[int, int]]:
+    """The ops of which ``published`` holds more nodes than ``raw`` (:func:`op_counts`), each
+    with ``(raw's count, published's)``, but those a rewrite wrote: the ops the kinds of rewrite
+    that ``fused`` counts above 0 (a report's ``fusions.counts``) declare
+    (:attr:`fusion.base.Kind.ops`), and ``allowed``. Empty: no node the raw model would not
+    have unless a rewrite made it."""
+    written = {op for kind in KINDS if fused.get(kind.name, 0) for op in kind.ops}
+    written |= set(allowed)
+    before, after = op_counts(raw), op_counts(published)
+    return {op: (before[op], n) for op, n in after.items() if n > before[op] and op not in written}

@@ -99,8 +99,9 @@ The graph
                                           a ─ Add ─ GlobalAveragePool ─ Flatten ─ Gemm(W', b') ─ y
 
 Everything else is left alone and recorded in the :class:`~fusion.base.FusionReport` with a
-stable :class:`~fusion.base.Code` and the reason: a BatchNorm after a ReLU (CREPE's conv ->
-ReLU -> BN -> max-pool -> pad -> conv; ``no_linear_layer``), a layer whose output has another
+stable :class:`~fusion.base.Code` and the reason: a BatchNorm after a ReLU (``no_linear_layer``;
+CREPE's conv -> ReLU -> BN -> max-pool -> conv, its zero pad the Conv's after the clean-up, is
+``padded_conv``: the reason of the layer after it), a layer whose output has another
 consumer (``shared_output``), a constant that is not per-channel (``not_per_channel``), a
 division by a constant with a zero element (``zero_divisor``), a BatchNorm in training mode
 (``training_mode``), a padded Conv after a BatchNorm (``padded_conv``), a MaxPool between a

@@ -14,8 +14,9 @@ CPU provider each small node costs a kernel launch, which a decode step of a sma
   ``n_j`` is larger than ``x``'s axis, GatherND fails (index out of bounds) and the Slice
   clamps; everywhere else the two are the same elements.
 * :func:`.neutral.drop_neutral_ops`: ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)``,
-  ``Div(x, 1)`` as ``x`` (transformers' mask starts from ``ones & causal``; its rotary tables
-  are scaled by ``attention_scaling``, 1 but for YaRN and the like).
+  ``Div(x, 1)``, ``x - 0``, ``x + -0`` as ``x``, and ``x + 0`` where ``x`` is never ``-0``
+  (transformers' mask starts from ``ones & causal``; its rotary tables are scaled by
+  ``attention_scaling``, 1 but for YaRN and the like; ConvTasNet sums its skips from ``0.0``).
 * :func:`.neutral.explicit_softmax_axis`: a Softmax's default ``axis`` (-1) written out
   (tf2onnx leaves it out; attention patterns name it).
 * :func:`.split.split_slices`: Slices of one tensor that tile an axis (Phi-3's ``qkv_proj``

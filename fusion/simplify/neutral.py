@@ -10,8 +10,39 @@ import onnx_ir as ir
 from fusion._ir import add_initializer, const_array, dims, producer, rank_of, same_dim, same_shape
 
 #: ``op: (neutral element, operand indices it may sit at)``: ``x op e == x`` exactly, in every
-#: IEEE float (NaN, infinities and signed zeros kept: ``x * 1``, ``x / 1``) and boolean.
-_NEUTRAL = {"And": (True, (0, 1)), "Or": (False, (0, 1)), "Mul": (1, (0, 1)), "Div": (1, (1,))}
+#: IEEE float (NaN, infinities and signed zeros kept: ``x * 1``, ``x / 1``, ``x + -0``,
+#: ``x - 0``) and boolean and integer. ``x + 0`` (and ``x - -0``) is ``x`` but for ``x = -0``,
+#: whose sum is ``+0`` (``1 / x`` then ``+inf``, not ``-inf``): read through only where ``x`` is
+#: never ``-0`` (:func:`_never_negative_zero`).
+_NEUTRAL = {
+    "And": (True, (0, 1)),
+    "Or": (False, (0, 1)),
+    "Mul": (1, (0, 1)),
+    "Div": (1, (1,)),
+    "Add": (0, (0, 1)),
+    "Sub": (0, (1,)),
+}
+
+
+def _no_negative_zero(value: ir.Value | None) -> bool:
+    """Whether ``value`` is a constant with no ``-0`` element."""
+    array = const_array(value)
+    return array is not None and not (np.signbit(array) & (array == 0)).any()
+
+
+def _never_negative_zero(x: ir.Value) -> bool:
+    """Whether no element of ``x`` can be ``-0``: a sum is ``-0`` only where every addend is
+    (IEEE 754, round to nearest: ``a + -a`` is ``+0``), so a Conv's or ConvTranspose's output
+    with a constant bias, or an Add of a constant, none of whose elements is ``-0``, never is.
+    Integers have no ``-0``."""
+    if x.dtype is not None and not x.dtype.is_floating_point():
+        return True
+    node = x.producer()
+    if node is None or node.domain != "":
+        return False
+    if node.op_type in ("Conv", "ConvTranspose"):
+        return len(node.inputs) > 2 and _no_negative_zero(node.inputs[2])
+    return node.op_type == "Add" and any(_no_negative_zero(v) for v in node.inputs)
 
 
 def _constant(value: ir.Value | None) -> np.ndarray | None:
@@ -28,11 +59,13 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
 
 
 def drop_neutral_ops(graph: ir.Graph) -> int:
-    """Read ``x`` for each ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)`` and ``Div(x, 1)``
-    (:data:`_NEUTRAL`; transformers' mask starts from ``ones & causal``, its rotary tables are
-    scaled by an ``attention_scaling`` of 1) whose constant is one element of ``x``'s type and
-    of rank at most ``x``'s (so it adds no axis and casts nothing), and whose result is no graph
-    output; return how many."""
+    """Read ``x`` for each ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)``, ``Div(x, 1)``,
+    ``Add(x, 0)`` and ``Sub(x, 0)`` (:data:`_NEUTRAL`; transformers' mask starts from
+    ``ones & causal``, its rotary tables are scaled by an ``attention_scaling`` of 1, ConvTasNet
+    sums its skips from a Python ``0.0``, torch's own exporter optimizer drops it too) whose
+    constant is one element of ``x``'s type and of rank at most ``x``'s (so it adds no axis and
+    casts nothing), and whose result is no graph output; ``x + 0`` and ``x - -0`` only where
+    ``x`` is never ``-0`` (:data:`_NEUTRAL`); return how many."""
     dropped = 0
     for node in list(graph):
         neutral = _NEUTRAL.get(node.op_type) if node.domain == "" else None
@@ -44,9 +77,11 @@ def drop_neutral_ops(graph: ir.Graph) -> int:
             if constant is None or constant.size != 1 or rank is None or constant.ndim > rank:
                 continue
             same_type = x.dtype == ir.DataType.from_numpy(constant.dtype)
-            if not same_type and node.op_type in ("Mul", "Div"):  # And, Or: booleans only
+            if not same_type and node.op_type not in ("And", "Or"):  # And, Or: booleans only
                 continue
-            if constant.reshape(-1)[0] == neutral[0]:
+            element, op = constant.reshape(-1)[0], node.op_type
+            signed = op in ("Add", "Sub") and np.signbit(element) == (op == "Sub")  # x + 0, x - -0
+            if element == neutral[0] and (not signed or _never_negative_zero(x)):
                 node.outputs[0].replace_all_uses_with(x)
                 graph.remove(node, safe=True)
                 dropped += 1

@@ -3,8 +3,9 @@
 The dynamo exporter is called with ``optimize=False``: its built-in onnxscript optimizer drops
 an ``Add`` of eps 1e-8 (it matches constants with ``abs_tol=1e-8``), which turns a constant row
 into NaN. What that optimizer does that is exact (constant folding, dead-node removal) is done
-afterwards by :func:`fusion.cleanup.cleanup`; BatchNorm folding and norm fusion are normexport's
-own passes, which report what they did.
+afterwards by :func:`fusion.cleanup.cleanup_with_types` (with the types inference gives the
+values: a ``CastLike`` of a constant weight folds only then); BatchNorm folding and norm fusion
+are normexport's own passes, which report what they did.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import onnx_ir.passes.common
 import torch
 
 from fusion._ir import const_array, opset_version
-from fusion.cleanup import cleanup
+from fusion.cleanup import cleanup_with_types
 from normexport.errors import one_line, raise_if_interrupted
 from normexport.io.quiet import quiet, quiet_torch, swallow_prints
 
@@ -106,7 +107,7 @@ def export_module(
             ``"torchscript"``.
 
     Returns:
-        :class:`Exported`, its model cleaned up by :func:`fusion.cleanup.cleanup`.
+        :class:`Exported`, its model cleaned up by :func:`fusion.cleanup.cleanup_with_types`.
 
     Raises:
         ExportError: the chosen exporter(s) failed; the message names each error.
@@ -154,7 +155,7 @@ def _dynamo(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes)
     model = program.model
     if opset is not None and opset_version(model) != opset:  # it converts down to 17
         raise ValueError(f"--opset {opset}: it wrote opset {opset_version(model)}")
-    cleanup(model)
+    cleanup_with_types(model)
     _drop_malformed_zero_conv_bias(model)
     return model
 
@@ -184,7 +185,7 @@ def _torchscript(
         # Read the weights into memory before the folder goes away.
         for value in model.graph.initializers.values():
             value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
-    cleanup(model)
+    cleanup_with_types(model)
     return model, warned
 
 

@@ -257,9 +257,9 @@ def test_refuses_batchnorm_after_relu_crepe_style():
         feeds,
         eager,
         "BatchNormalization",
-        Code.NO_LINEAR_LAYER,
+        Code.MAXPOOL_NEGATIVE_SCALE,  # the zero pad is the Conv's (the clean-up folds it in)
         "input comes from Relu",  # both reasons: the layer before it, and the one after it
-        "goes to Pad (through MaxPool)",
+        "MaxPool 'node_max_pool2d' lies between it and the Conv",
     )
     assert _ops(model).count("BatchNormalization") == 1
     # the refusal names the module the user wrote (the exporter's name_scopes), beside the node
@@ -750,7 +750,8 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
 
     refused = {r.node: r for r in report.refused}
     assert len(refused) == 6 - report.counts["batchnorm_folded"]
-    assert [r.code for r in refused.values()].count(Code.NO_LINEAR_LAYER) == 5
+    # after a ReLU, before a Conv whose pads are the F.pad the clean-up folded into it
+    assert [r.code for r in refused.values()].count(Code.PADDED_CONV) == 5
     if (scale > 0).all():
         assert capacity == "tiny"
         (fold,) = report.fused
@@ -760,7 +761,7 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
         assert capacity == "full"
         assert report.fused == []
         k = int(np.argmin(scale))
-        (last,) = [r for r in refused.values() if r.code != Code.NO_LINEAR_LAYER]
+        (last,) = [r for r in refused.values() if r.code != Code.PADDED_CONV]
         assert last.code == Code.MAXPOOL_NEGATIVE_SCALE
         assert f"channel {k} has scale {scale[k]:.4g}" in last.detail
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
