@@ -614,6 +614,7 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
         "sdpa": False,
         "threads": 4,
         "sdpa_transposed": True,
+        "last_rows": (),
     }
     assert FuseSDPA("onnx", threads=3).threads == 3
     with pytest.raises(ValueError, match="no setting"):
@@ -622,6 +623,8 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
         fusion.Policy(threads=0)
     with pytest.raises(ValueError, match="sdpa_transposed=None"):
         fusion.Policy(sdpa_transposed=None)
+    with pytest.raises(ValueError, match="last_rows='logits'"):
+        fusion.Policy(last_rows="logits")
     assert registry.policy("ort", "cpu", 4).threads == 4
     assert registry.policy("ort", "cuda", 4).threads == 1
 
