@@ -26,13 +26,17 @@ _log = logging.getLogger(__name__)
 
 def _proto_without_weights(model: ir.Model):
     """``model`` as a ModelProto whose initializers over :data:`_DATA_LIMIT` bytes are graph
-    inputs of the same shape and type (so no 2 GiB protobuf and no weights copied); the model
-    is a clone, left unchanged."""
+    inputs of the same shape and type (so no 2 GiB protobuf and no weights copied), the others
+    held in it (a tensor in external data would be a reference to a file the inference reads
+    from its working directory, and fails); the model is a clone, left unchanged."""
     clone = model.clone()
     graph = clone.graph
     for value in list(graph.initializers.values()):
         tensor = value.const_value
-        if tensor is None or tensor.nbytes <= _DATA_LIMIT:
+        if tensor is None:
+            continue
+        if tensor.nbytes <= _DATA_LIMIT:  # in the proto itself, not a reference to a file
+            value.const_value = ir.tensor(tensor.numpy(), name=value.name)
             continue
         value.shape, value.dtype = ir.Shape(tensor.shape), tensor.dtype
         graph.initializers.pop(value.name)

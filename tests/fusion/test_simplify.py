@@ -9,9 +9,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from norm_graphs import Graph
+from onnx import TensorProto
 
 import fusion
 from fusion._ir import KnownShapes
+from fusion._symbolic import symbolic_shapes
 from fusion.simplify import composed_axes
 from normexport.runtime import make_session, run
 
@@ -302,6 +305,20 @@ def test_known_shapes_give_the_count_of_a_minus_one_split(tmp_path):
     assert reshape.outputs[0].shape is None
     shape = KnownShapes(model)(reshape.outputs[0])
     assert [d if isinstance(d, int) else d.value for d in shape] == ["batch", "sequence", 4, 8]
+
+
+def test_symbolic_shapes_of_a_model_in_external_data(tmp_path, monkeypatch):
+    """Every tensor in external data and the process in another folder: the symbolic
+    inference gets the small tensors (a Reshape's target) in its protobuf, not as a file name
+    it would read from its working directory."""
+    g = Graph(opset=18)
+    y = g.node("Reshape", ["x", g.const("target", np.array([0, -1], np.int64))], "y")
+    model = g.model({"x": (TensorProto.FLOAT, ("batch", 3, 4))}, {y: (TensorProto.FLOAT, None)})
+    ir.save(model, tmp_path / "ext.onnx", external_data="ext.onnx.data", size_threshold_bytes=0)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    shape = symbolic_shapes(ir.load(tmp_path / "ext.onnx"))["y"]
+    assert [d if isinstance(d, int) else d.value for d in shape] == ["batch", 12]
 
 
 def test_known_sizes_fold_and_whole_slices_go_with_the_inferred_shapes(tmp_path):
