@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from fusion._ir import add_initializer, label, reduce_axes, replace_output
 from fusion.base import CannotFuse, Code, FusionPass, Kind
-from fusion.prune_rows import rules
+from fusion.prune_rows import rules, shapes
 from fusion.prune_rows.rows import Selection, keep_last, read, select
 
 
@@ -36,6 +36,8 @@ class PruneRows(FusionPass):
 
     def apply(self, model: ir.Model) -> bool:
         graph = model.graph
+        if any(n.op_type in ("Gather", "Slice") for n in graph):
+            shapes.fill(model)
         for name in self.last_rows:
             keep_last(graph, name)
             self.outcomes.note(
