@@ -403,9 +403,11 @@ def _node_work(node, shapes: dict | None) -> int | None:
         d = shapes[node.input[1]][1] // 3
         return b * s * hidden * 3 * d + 2 * b * s * s * d
     q, k, v = (shapes[node.input[i]] for i in range(3))
-    if len(q) == 4:  # (B, N, S, H), keys (B, Nkv, S, H)
-        return q[0] * q[1] * q[2] * k[2] * (q[3] + v[3])
-    return q[0] * q[1] * k[1] * (q[2] + v[-1])
+    keys = k[2] if len(k) == 4 else k[1]  # (B, N, S, H) or (B, S, N * H)
+    width = v[1] * v[3] if len(v) == 4 else v[-1]
+    if len(q) == 4:  # (B, N, S, H): N * H of the query's width
+        return q[0] * q[2] * keys * (q[1] * q[3] + width)
+    return q[0] * q[1] * keys * (q[2] + width)
 
 
 def build(raw: Path, folder: Path, family: Family, provider: str, budget_s: float):
