@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 
 #: Initializers larger than this (bytes) travel as graph inputs of their shape and type, not
@@ -36,7 +37,7 @@ def _proto_without_weights(model: ir.Model):
         if tensor is None:
             continue
         if tensor.nbytes <= _DATA_LIMIT:  # in the proto itself, not a reference to a file
-            value.const_value = ir.tensor(tensor.numpy(), name=value.name)
+            value.const_value = ir.tensor(np.array(tensor.numpy()), name=value.name)  # a copy
             continue
         value.shape, value.dtype = ir.Shape(tensor.shape), tensor.dtype
         graph.initializers.pop(value.name)
