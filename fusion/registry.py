@@ -138,12 +138,9 @@ THREADED_PROVIDERS = ("cpu",)
 #: output transposed back; the policy's ``sdpa_transposed``). On the CPU provider it is left
 #: (``transposed_form``): ONNX Runtime's session makes the unfused form two ``FusedMatMul``s
 #: and a Softmax, no Transpose left, and the fused one four Transposes (copies) around
-#: ``Attention``; issue 52's profile of YOLO11n has the fused form about 200 us a run slower.
-#: The repository holds no timing that isolates it: in ``benchmarks/results/families_cpu.json``
-#: YOLO11n, its one such attention fused (yolov8n has none), is within the noise of a 45 ms
-#: model (``ort_raw`` over ``normexport`` 1.004, 95% interval 0.990 to 1.017); to re-measure,
-#: ``python benchmarks/families.py --models yolov8n,yolo11n --out DIR``. On CUDA it stays fused,
-#: as before (not measured there).
+#: ``Attention``. Whole models, the choice flipped (``benchmarks/results/attention_ab_cpu.json``):
+#: YOLO11n fused over left 1.01 [0.99, 1.03], never faster. On CUDA it stays fused, as before
+#: (not measured there).
 TRANSPOSED_SDPA_PROVIDERS = ("cuda",)
 
 
