@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import families
@@ -39,9 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 import fusion.registry
-from normexport import report
 from normexport.bench.render import fmt_ratio
-from normexport.errors import one_line
 
 #: Per model, the choice flipped: ``"per_head"`` (the per-head scaled attention left out) or
 #: ``"transposed"`` (YOLO's transposed attention fused).
@@ -114,9 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(MODELS), help="comma-separated names")
     families.add_timing_arguments(p)
     args = p.parse_args(argv)
-    chosen = [n for n in args.models.split(",") if n]
-    if unknown := [n for n in chosen if n not in MODELS]:
-        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    names = families.chosen(p, args.models, MODELS)
     console = Console(highlight=False, width=200)
     results = families.header(args, console)
     if results is None:
@@ -129,21 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     outside.use()
     torch.set_num_threads(families.THREADS)
-    for name in chosen:
-        start = time.perf_counter()
-        try:
-            entry = bench(name, args)
-        except Exception as err:  # one model's failure is its result; the others still run
-            entry = {"failed": one_line(err)}
-        entry["wall_s"] = time.perf_counter() - start
-        results["models"][name] = entry
-        console.print(f"{name}: {entry.get('failed') or 'done'} ({entry['wall_s']:.0f} s)")
+    families.run_models(names, lambda name: bench(name, args), results, console)
     stem = args.out / f"attention_ab_{args.provider}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(results, stem.with_suffix(".json"))
     title = "Attention policy A/B: above 1, the policy's choice is faster"
-    shown = ["flipped", "ort_raw", families.CONTROL]
-    families.chart(results, stem.with_suffix(".png"), title, shown)
+    families.save(results, stem, title, ["flipped", "ort_raw", families.CONTROL])
     print_table(results, console)
     console.print(f"wrote {stem}.json and .png")
     return 0

@@ -33,17 +33,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import families
 import outside
 import torch
 from rich.console import Console
-from rich.table import Table
-
-from normexport import report
-from normexport.bench.render import fmt_ratio
-from normexport.errors import one_line
 
 
 class _Logits(torch.nn.Module):
@@ -109,27 +103,14 @@ def bench(name: str, args: argparse.Namespace) -> dict:
     return entry
 
 
-def print_table(results: dict, console: Console) -> None:
-    """Per model: normexport's median, each other variant's time over normexport's, and the
-    work of normexport's file over the raw export's."""
-    others = [v for v in families.VARIANTS if v != "normexport"]
-    table = Table(title="time / normexport's time (95% interval); > 1: normexport is faster")
-    for column in ("model", "normexport ms", *others, "work ne / raw", "rows_pruned"):
-        table.add_column(column)
-    for name, entry in results["models"].items():
-        if "ratio_to_normexport" not in entry:
-            reason = entry.get("skipped") or entry.get("failed", "")
-            table.add_row(name, reason, *[""] * (len(others) + 2))
-            continue
-        ratios = entry["ratio_to_normexport"]
-        table.add_row(
-            name,
-            f"{entry['latency_ms']['normexport']['median_ms']:.2f}",
-            *[fmt_ratio(ratios[v]) if v in ratios else "err" for v in others],
-            f"{entry.get('work_ratio_to_raw', {}).get('normexport', float('nan')):.3f}",
-            str(entry["variants"]["normexport"].get("details", {}).get("rows_pruned", 0)),
-        )
-    console.print(table)
+#: The table's last columns: the work of normexport's file over the raw export's, and the
+#: selections PruneRows moved.
+COLUMNS = {
+    "work ne / raw": lambda e: f"{e.get('work_ratio_to_raw', {}).get('normexport', 0):.3f}",
+    "rows_pruned": lambda e: str(
+        e["variants"]["normexport"].get("details", {}).get("rows_pruned", 0)
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -140,30 +121,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(CLASSIFIERS), help="comma-separated names")
     families.add_timing_arguments(p)
     args = p.parse_args(argv)
-    chosen = [n for n in args.models.split(",") if n]
-    if unknown := [n for n in chosen if n not in CLASSIFIERS]:
-        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(CLASSIFIERS)}")
+    names = families.chosen(p, args.models, CLASSIFIERS)
     console = Console(highlight=False, width=200)
     results = families.header(args, console)
     if results is None:
         return 2
     outside.use()
     torch.set_num_threads(families.THREADS)
-    for name in chosen:
-        start = time.perf_counter()
-        try:
-            entry = bench(name, args)
-        except Exception as err:  # one model's failure is its result; the others still run
-            entry = {"library": CLASSIFIERS[name].library, "failed": one_line(err)}
-        entry["wall_s"] = time.perf_counter() - start
-        results["models"][name] = entry
-        console.print(f"{name}: {entry.get('skipped') or entry.get('failed') or 'done'}")
+    families.run_models(names, lambda name: bench(name, args), results, console)
     stem = args.out / f"classifiers_{args.provider}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(results, stem.with_suffix(".json"))
-    title = f"Class-token classifiers, {args.provider}: above 1, normexport is faster"
-    families.chart(results, stem.with_suffix(".png"), title)
-    print_table(results, console)
+    families.save(results, stem, f"Class-token classifiers, {args.provider}: above 1, faster")
+    families.print_table(results, console, COLUMNS)
     console.print(f"wrote {stem}.json and .png")
     return 0
 

@@ -33,16 +33,12 @@ import json
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import families
 import numpy as np
 import onnx
 from rich.console import Console
-
-from normexport import report
-from normexport.errors import one_line
 
 #: Per file: its exporter, and ONNX Runtime's transformer optimizer's model type, heads and
 #: hidden size for it (0: it reads them from each attention).
@@ -99,29 +95,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(MODELS), help="comma-separated file names")
     families.add_timing_arguments(p)
     args = p.parse_args(argv)
-    chosen = [n for n in args.only.split(",") if n]
-    if unknown := [n for n in chosen if n not in MODELS]:
-        p.error(f"--only: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    names = families.chosen(p, args.only, MODELS, "--only")
     console = Console(highlight=False, width=200)
     results = families.header(args, console)
     if results is None:
         return 2
     versions_file = args.folder / "versions.json"
     results["files"] = json.loads(versions_file.read_text()) if versions_file.is_file() else None
-    for name in chosen:
-        start = time.perf_counter()
-        try:
-            entry = bench_file(name, args.folder, args)
-        except Exception as err:  # one file's failure is its result; the others still run
-            entry = {"exporter": MODELS[name][0], "failed": one_line(err)}
-        entry["wall_s"] = time.perf_counter() - start
-        results["models"][name] = entry
-        console.print(f"{name}: {entry.get('skipped') or entry.get('failed') or 'done'}")
+    families.run_models(names, lambda name: bench_file(name, args.folder, args), results, console)
     stem = args.out / f"exporters_{args.provider}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(results, stem.with_suffix(".json"))
     title = f"Other frameworks' exporters, {args.provider}: above 1, normexport is faster"
-    families.chart(results, stem.with_suffix(".png"), title)
+    families.save(results, stem, title)
     families.print_table(results, console)
     console.print(f"wrote {stem}.json and .png")
     return 0

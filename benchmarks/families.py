@@ -572,27 +572,39 @@ def chart(
     save_figure(fig, path)
 
 
-def print_table(results: dict, console: Console) -> None:
+def _softmax(entry: dict) -> str:
+    softmax = {k: entry["variants"][k]["Softmax"] for k in ("ort_raw", "normexport")}
+    return f"{softmax['ort_raw']} -> {softmax['normexport']}"
+
+
+#: :func:`print_table`'s last columns by default: the Softmax nodes left (raw -> normexport),
+#: normexport's largest difference from the raw export.
+COLUMNS = {
+    "Softmax raw -> ne": _softmax,
+    "ne - raw": lambda entry: f"{entry['max_abs_diff_vs_raw']['normexport']:.1e}",
+}
+
+
+def print_table(results: dict, console: Console, columns: dict | None = None) -> None:
     """Per model: normexport's median, each other variant's ratio to it (``err``: it did not
-    build or run; the JSON says why), the Softmax nodes left (raw -> normexport), normexport's
-    difference from the raw export; skipped and failed models with the reason."""
+    build or run; the JSON says why), then ``columns`` (title -> ``entry -> text``; default
+    :data:`COLUMNS`); skipped and failed models with the reason."""
+    columns = columns or COLUMNS
     others = [v for v in VARIANTS if v != "normexport"]
     table = Table(title="time / normexport's time (95% interval); > 1: normexport is faster")
-    for column in ("model", "normexport ms", *others, "Softmax raw -> ne", "ne - raw"):
+    for column in ("model", "normexport ms", *others, *columns):
         table.add_column(column)
     for name, entry in results["models"].items():
         if "ratio_to_normexport" not in entry:
             reason = entry.get("skipped") or entry.get("failed", "")
-            table.add_row(name, reason, *[""] * (len(others) + 2))
+            table.add_row(name, reason, *[""] * (len(others) + len(columns)))
             continue
         ratios = entry["ratio_to_normexport"]
-        softmax = {k: entry["variants"][k]["Softmax"] for k in ("ort_raw", "normexport")}
         table.add_row(
             name,
             f"{entry['latency_ms']['normexport']['median_ms']:.2f}",
             *[fmt_ratio(ratios[v]) if v in ratios else "err" for v in others],
-            f"{softmax['ort_raw']} -> {softmax['normexport']}",
-            f"{entry['max_abs_diff_vs_raw']['normexport']:.1e}",
+            *[text(entry) for text in columns.values()],
         )
     console.print(table)
 
@@ -610,6 +622,37 @@ def add_timing_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds normexport's main job times the model itself (0: benchmark=False)",
     )  # fmt: skip
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+
+
+def chosen(p: argparse.ArgumentParser, given: str, known, flag: str = "--models") -> list[str]:
+    """The names of ``given`` (comma-separated) that ``known`` holds; any other is
+    ``p.error``'s (exit 2)."""
+    names = [n for n in given.split(",") if n]
+    if unknown := [n for n in names if n not in known]:
+        p.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    return names
+
+
+def run_models(names: list[str], bench: Callable[[str], dict], results: dict, console) -> None:
+    """``bench(name)`` for each name into ``results["models"]``, with its wall time; a model
+    that raises has its failure as its result (the others still run)."""
+    for name in names:
+        start = time.perf_counter()
+        try:
+            entry = bench(name)
+        except Exception as err:  # one model's failure is its result; the others still run
+            entry = {"failed": one_line(err)}
+        entry["wall_s"] = time.perf_counter() - start
+        results["models"][name] = entry
+        said = entry.get("skipped") or entry.get("failed") or "done"
+        console.print(f"{name}: {said} ({entry['wall_s']:.0f} s)")
+
+
+def save(results: dict, stem: Path, title: str | None = None, variants=None) -> None:
+    """``results`` as ``STEM.json`` and its chart (:func:`chart`) as ``STEM.png``."""
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    report.write_json(results, stem.with_suffix(".json"))
+    chart(results, stem.with_suffix(".png"), title, variants)
 
 
 def header(args: argparse.Namespace, console: Console) -> dict | None:
@@ -641,10 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default=",".join(FAMILIES), help="comma-separated names")
     add_timing_arguments(p)
     args = p.parse_args(argv)
-    chosen = [n for n in args.models.split(",") if n]
-    unknown = [n for n in chosen if n not in FAMILIES]
-    if unknown:
-        p.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(FAMILIES)}")
+    names = chosen(p, args.models, FAMILIES)
     console = Console(highlight=False, width=200)
     results = header(args, console)
     if results is None:
@@ -652,20 +692,9 @@ def main(argv: list[str] | None = None) -> int:
     outside.use()
     torch.set_num_threads(THREADS)
     results["versions"] = _versions()
-    for name in chosen:
-        start = time.perf_counter()
-        try:
-            entry = bench_family(FAMILIES[name], args)
-        except Exception as err:  # one model's failure is its result; the others still run
-            entry = {"library": FAMILIES[name].library, "failed": one_line(err)}
-        entry["wall_s"] = time.perf_counter() - start
-        results["models"][name] = entry
-        said = entry.get("skipped") or entry.get("failed") or "done"
-        console.print(f"{name}: {said} ({entry['wall_s']:.0f} s)")
+    run_models(names, lambda name: bench_family(FAMILIES[name], args), results, console)
     stem = args.out / f"families_{args.provider}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_json(results, stem.with_suffix(".json"))
-    chart(results, stem.with_suffix(".png"))
+    save(results, stem)
     print_table(results, console)
     console.print(f"wrote {stem}.json and .png")
     return 0
