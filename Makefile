@@ -33,7 +33,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(PY) -m models.demo --out demo-out
 
-# One pytest worker per core (pytest-xdist): about 10.5 minutes on 2 cores.
+# One pytest worker per core (pytest-xdist): 20 to 25 minutes on 2 cores (CI: 21 minutes).
 test: install lint
 	$(PY) -m pytest -q -n auto
 
