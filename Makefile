@@ -37,7 +37,7 @@ demo: install
 test: install lint
 	$(PY) -m pytest -q -n auto
 
-# The graph-level tests only (no PyTorch export, no model files): under a minute.
+# The graph-level tests only (no PyTorch export, no model files): 2 to 3 minutes on 2 cores.
 test-fast: install lint
 	$(PY) -m pytest -q -n auto -m "not slow"
 
