@@ -76,10 +76,11 @@ def _head_scale(node) -> np.ndarray:
     return mul.inputs[1].const_value.numpy()
 
 
-def _swinv2(rng, target: str):
+def _swinv2(rng, target: str) -> tuple[np.ndarray, np.ndarray]:
     """SwinV2's window attention: the logit scale clamped at log(100) and exponentiated (folded
     to a constant by the clean-up), the relative position bias, the shifted windows' mask added
-    through a 5-D view of the scores."""
+    through a 5-D view of the scores; fused (:func:`_fused`). The scale the Mul on Q holds,
+    and the one the formula gives."""
     logit = rng.uniform(-1.0, 6.0, (N, 1, 1)).astype(np.float32)  # some above log(100)
     inits = {
         "logit_scale": logit,
@@ -103,12 +104,13 @@ def _swinv2(rng, target: str):
     inputs = _inputs(B * WINDOWS)
     model = _cosine(scale, inputs, inits, after)
     node = _fused(model, _feeds(rng, inputs), target)
-    np.testing.assert_allclose(_head_scale(node), np.exp(np.minimum(logit, math.log(100))))
+    return _head_scale(node), np.exp(np.minimum(logit, math.log(100)))
 
 
 @pytest.mark.parametrize("target", ["onnx", "ort"])
 def test_swinv2_cosine_attention_takes_the_logit_scale_into_q(rng, target):
-    _swinv2(rng, target)
+    moved, expected = _swinv2(rng, target)
+    np.testing.assert_allclose(moved, expected)
 
 
 XCA = {  # the temperature on the scores: Mul either way round, Div, with a number beside it
@@ -152,10 +154,11 @@ def test_heads_in_the_batch_take_a_scale_per_batch_and_head(rng):
     np.testing.assert_array_equal(_head_scale(node), t)
 
 
-def _refused(model, code: Code) -> None:
+def _outcome(model) -> tuple[int, bool, list]:
+    """Optimize ``model``: the attentions fused, whether a Softmax is left, the attention
+    family's refusal codes."""
     report = fusion.optimize(model, target="onnx")
-    assert report.counts["sdpa_fused"] == 0 and "Softmax" in ops(model), report.refused
-    assert report.codes("attention") == [code], report.refused
+    return report.counts["sdpa_fused"], "Softmax" in ops(model), report.codes("attention")
 
 
 def _scaled_by(shape, rng, inputs=None, values=None, before=()):
@@ -191,4 +194,4 @@ LOOK_ALIKES = {
 @pytest.mark.parametrize("case", LOOK_ALIKES)
 def test_other_scales_stay_refused(rng, case):
     kwargs, code = LOOK_ALIKES[case]
-    _refused(_scaled_by(rng=rng, **kwargs), code)
+    assert _outcome(_scaled_by(rng=rng, **kwargs)) == (0, True, [code])
