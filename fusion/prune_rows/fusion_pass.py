@@ -36,8 +36,8 @@ class PruneRows(FusionPass):
 
     def apply(self, model: ir.Model) -> bool:
         graph = model.graph
-        if any(n.op_type in ("Gather", "Slice") for n in graph):
-            shapes.fill(model)
+        if self.last_rows or any(map(_may_select_rows, graph)):
+            shapes.fill(model)  # one more inference: only where a selection may move
         for name in self.last_rows:
             keep_last(graph, name)
             self.outcomes.note(
@@ -93,6 +93,16 @@ def _pooled_rows(node: ir.Node) -> int | None:
 def _floating(value: ir.Value) -> bool:
     """Whether ``value`` is not known to be other than floating point."""
     return value.dtype is None or value.dtype.is_floating_point()
+
+
+def _may_select_rows(node: ir.Node) -> bool:
+    """Whether ``node`` is a Gather or Slice whose data may be a tensor :func:`_anchor` takes
+    (its shape unknown, or of rank 2 or more; not known to be other than floating point): the
+    selections of shapes' index arithmetic need no inference."""
+    if node.op_type not in ("Gather", "Slice") or node.domain != "" or not node.inputs:
+        return False
+    data = node.inputs[0]
+    return data is not None and _floating(data) and (data.shape is None or len(data.shape) >= 2)
 
 
 def _anchor(selection: Selection) -> bool:
