@@ -89,7 +89,7 @@ def cleanup_with_types(model: ir.Model) -> None:
     """:func:`cleanup` as :func:`fusion.optimize` runs it before its passes (in place): once,
     then with the types and shapes :class:`fusion.FillShapes` gives the values
     (:class:`SimplifyWithShapes`), which :class:`fusion.DropShapes` takes off again. For a model
-    cleaned up but not optimized (normexport's export), so that the passes find nothing more to
+    cleaned up but not optimized (a caller's export), so that the passes find nothing more to
     clean up: a model they leave alone keeps its ops."""
     fill = FillShapes()
     ir.passes.PassManager([Cleanup(), fill, SimplifyWithShapes(), DropShapes(fill)])(model)

@@ -21,8 +21,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 import torch
 
-from fusion._ir import const_array, opset_version
 from fusion.cleanup import cleanup_with_types
+from fusion.graph import const_array, opset_version
 from normexport.errors import one_line, raise_if_interrupted
 from normexport.io.quiet import quiet, quiet_torch, swallow_prints
 

@@ -29,8 +29,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 import fusion
-from fusion._ir import opset_version
 from fusion.base import MS_DOMAIN
+from fusion.graph import opset_version
 from fusion.registry import FUSION_KINDS
 from normexport import runtime
 from normexport.io.files import save_model

@@ -27,8 +27,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
-from fusion._ir import const_array
 from fusion.cleanup import cleanup
+from fusion.graph import const_array
 from normexport.runtime import make_session
 
 PEER = Path(__file__).parents[2].parent / "shared/peer/ort"

@@ -13,8 +13,7 @@ from norm_graphs import Graph
 from onnx import TensorProto
 
 import fusion
-from fusion._ir import KnownShapes
-from fusion._symbolic import symbolic_shapes
+from fusion.graph import KnownShapes, symbolic_shapes
 from fusion.simplify import composed_axes
 from normexport.runtime import make_session, run
 
@@ -299,7 +298,7 @@ def _export_sizes(path) -> ir.Model:
 
 def test_known_shapes_give_the_count_of_a_minus_one_split(tmp_path):
     """ONNX's inference leaves the ``-1`` of ``view(b, s, -1, 8)`` unknown; ONNX Runtime's
-    symbolic inference (fusion._symbolic) computes it from the target's sizes."""
+    symbolic inference (fusion.graph.symbolic_shapes) computes it from the target's sizes."""
     model = _export_sizes(tmp_path / "sizes.onnx")
     reshape = next(n for n in model.graph if n.op_type == "Reshape")
     assert reshape.outputs[0].shape is None
