@@ -99,7 +99,7 @@ class FusionPass(ir.passes.InPlacePass):
 
     @classmethod
     def enabled(cls, policy: Policy) -> bool:
-        """Whether ``optimize(**policy.keywords())`` runs this pass."""
+        """Whether ``optimize(model, policy)`` runs this pass."""
         if cls.option is None:
             return policy.target in cls.targets
         wanted = getattr(policy, cls.option)

@@ -11,7 +11,6 @@ import torch
 
 import fusion
 from fusion.fuse_gqa import standard
-from fusion.registry import policy
 from models.llama import WithPast
 from normexport.runtime import make_session, run
 from tests.fusion import decoder_testing as dt
@@ -147,15 +146,14 @@ def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_pa
     _assert_computes_the_export(model, path)
 
 
-def test_on_the_cpu_provider_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
-    """``skip="kv_cache"``, the CPU policy: a decode step's residual Adds and RMSNorms become
-    SkipSimplifiedLayerNormalization (a model without a cache keeps them: test_explain)."""
+def test_under_skip_kv_cache_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
+    """``skip="kv_cache"`` (the CPU provider's choice, with ``gqa`` and no transposed SDPA):
+    a decode step's residual Adds and RMSNorms become SkipSimplifiedLayerNormalization (a model
+    without a cache keeps them: tests/normexport/test_explain.py)."""
     path = tmp_path / "model.onnx"
     _export_with_past(dt.causal_lm("llama"), path)
     model = ir.load(path)
-    cpu = policy("ort", "cpu")
-    assert cpu.skip == "kv_cache"
-    report = fusion.optimize(model, **cpu.keywords())
+    report = fusion.optimize(model, target="ort", skip="kv_cache", gqa=True, sdpa_transposed=False)
     assert report.counts["skip_fused"] == len(dt.nodes(model, "SkipSimplifiedLayerNormalization"))
     assert report.counts["skip_fused"] == 2 * dt.LAYERS  # before attention and MLP, one per layer
     _assert_computes_the_export(model, path)

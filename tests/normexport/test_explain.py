@@ -1,7 +1,7 @@
 """``normexport explain`` against the run: on every provider, explain lists what the run's passes
 do to the same graph, with the run's policies (the Skip fusion's per provider:
-``fusion.registry.policy``). Graphs built node by node; no PyTorch export, no session on
-the model."""
+``normexport.runtime.policy.fusion_policy``). Graphs built node by node; no PyTorch export, no
+session on the model."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from graphs import make_model
 from onnx import TensorProto
 
 import fusion
-from fusion.registry import SKIP_PROVIDERS, policy
 from normexport import cli, runtime
 from normexport.report import explain
+from normexport.runtime.policy import SKIP_PROVIDERS
+from normexport.runtime.policy import fusion_policy as policy
 from tests.fusion.test_merge_branches_graphs import MERGED, Block
 
 SHAPE = (2, 5, 16)
@@ -44,7 +45,7 @@ def _residual_layernorm() -> ir.Model:
 def test_explain_and_the_run_agree_on_each_provider(provider):
     ran = _residual_layernorm()
     already = explain.already_fused(ran)
-    outcomes = fusion.optimize(ran, **policy("ort", provider).keywords())  # the run's
+    outcomes = fusion.optimize(ran, policy("ort", provider))  # the run's
     explained = _residual_layernorm()
     findings = explain.explain(explained, policy("ort", provider))
     assert findings == explain.from_report(outcomes.fused, outcomes.refused, already)
