@@ -8,11 +8,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import cpu_session
 
 import fusion
 from fusion.fuse_gqa import standard
 from models.llama import WithPast
-from normexport.runtime import make_session, run
 from tests.fusion import decoder_testing as dt
 
 pytestmark = pytest.mark.slow
@@ -44,11 +44,13 @@ def _optimized(family: str, tmp_path):
 
 
 def _assert_computes_the_export(model: ir.Model, path) -> None:
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     rng = np.random.default_rng(0)
     for point in dt.POINTS:
         feeds = dt.feeds(rng, *point)
-        for got, expected in zip(run(optimized, feeds), run(original, feeds), strict=True):
+        for got, expected in zip(
+            optimized.run(None, feeds), original.run(None, feeds), strict=True
+        ):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5, err_msg=str(point))
 
 
@@ -166,7 +168,7 @@ def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(tmp_path):
     model = ir.load(path)
     fusion.optimize(model, target="ort")
     feeds = dt.feeds(np.random.default_rng(2), 2, 1, 9, 4)
-    got = run(make_session(model, "cpu"), feeds)
+    got = cpu_session(model).run(None, feeds)
     with torch.no_grad():
         expected = WithPast(module)(*(torch.from_numpy(a) for a in feeds.values()))
     assert got[1].shape == (2, dt.COMMON["num_key_value_heads"], 10, 16)
@@ -199,10 +201,10 @@ def test_a_prefill_with_an_attention_mask_input_takes_the_mask_as_the_ops_bias(t
     nodes = dt.nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert all(n.inputs[3] is not None for n in nodes)  # the model's mask, as computed
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     rng = np.random.default_rng(4)
     for batch, length, padding in ((2, 6, 0), (3, 9, 4), (1, 5, 0)):  # 4: rows all masked
         feeds = dt.feeds(rng, batch, length, 0, padding)
         feeds = {n: feeds[n] for n in ("input_ids", "attention_mask")}
-        (got,), (expected,) = run(optimized, feeds), run(original, feeds)
+        (got,), (expected,) = optimized.run(None, feeds), original.run(None, feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5)

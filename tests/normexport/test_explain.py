@@ -10,12 +10,14 @@ import onnx_ir as ir
 import pytest
 from graphs import make_model
 from onnx import TensorProto
+from rich.console import Console
 
 import fusion
 from normexport import cli, runtime
 from normexport.report import explain
 from normexport.runtime.policy import SKIP_PROVIDERS
 from normexport.runtime.policy import fusion_policy as policy
+from tests.fusion.test_fuse_layernorm_graphs import Graph, _affine, _model, _written_layernorm
 from tests.fusion.test_merge_branches_graphs import MERGED, Block
 
 SHAPE = (2, 5, 16)
@@ -127,3 +129,14 @@ def test_explain_names_a_merge_reparam_not_batchnorm(rng):
     block = Block(rng)
     findings = explain.explain(block.model(build(block)))
     assert {f.kind for f in findings if f.outcome == "fused"} == {"reparam", "batchnorm"}
+
+
+def test_explain_says_the_norm_has_no_eps(rng):
+    g = Graph()
+    model = _model(g, _affine(g, rng, _written_layernorm(g, "x", eps=None)))
+    findings = explain.explain(model)
+    assert [f.outcome for f in findings] == ["fused", "note"]
+    console = Console(record=True, width=400)
+    explain.render(findings, "no eps", console)
+    text = console.export_text()
+    assert "epsilon 0" in text and "note: a LayerNorm with no eps" in text
