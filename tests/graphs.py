@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -78,17 +79,19 @@ def cpu_session(
     model: ir.Model | str | os.PathLike,
     level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
 ) -> ort.InferenceSession:
-    """An ONNX Runtime session of ``model`` (in memory, or a file with its external data
-    beside it) on the CPU provider, with the graph optimizations of ``level`` (by default
-    ORT_ENABLE_ALL, what a deployed model gets)."""
+    """An ONNX Runtime session of ``model`` (in memory, its tensors maybe still in a file's
+    external data, or a file with its external data beside it) on the CPU provider, with the
+    graph optimizations of ``level`` (by default ORT_ENABLE_ALL, what a deployed model gets).
+    A model in memory is written to a temporary folder first, with external data."""
     options = ort.SessionOptions()
     options.graph_optimization_level = level
     options.log_severity_level = 3
-    if isinstance(model, ir.Model):
-        model = ir.serde.serialize_model(model).SerializeToString()
-    else:
-        model = os.fspath(model)
-    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    if not isinstance(model, ir.Model):
+        return ort.InferenceSession(os.fspath(model), options, providers=["CPUExecutionProvider"])
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "model.onnx")
+        ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=1024)
+        return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
 def ops(model: ir.Model) -> list[str]:

@@ -1,8 +1,8 @@
 """PyTorch modules exported to ONNX, for the pass tests that start from a real export (marked
 slow): :func:`torch.onnx.export` as it is, its own graph optimizer off (it deletes an eps of
 1e-8 or less), the model then cleaned up as :func:`fusion.optimize` cleans it up before its
-passes (:func:`fusion.cleanup.cleanup_with_types`; a dynamo export mended by
-:func:`fusion.cleanup.drop_malformed_zero_conv_bias` first)."""
+passes (:func:`fusion.cleanup.cleanup_with_types`; a dynamo export mended then by
+:func:`fusion.cleanup.drop_malformed_zero_conv_bias`)."""
 
 from __future__ import annotations
 
@@ -49,12 +49,13 @@ def export(
                 module, args, dynamo=True, optimize=False, verbose=False, opset_version=opset,
                 input_names=list(input_names), dynamic_axes=axes,
             ).model  # fmt: skip
-            drop_malformed_zero_conv_bias(model)
         elif exporter == "torchscript":
             model = _torchscript(module, args, opset or 17, list(input_names), axes)
         else:
             raise ValueError(f"exporter {exporter!r}: 'dynamo' or 'torchscript'")
     cleanup_with_types(model)
+    if exporter == "dynamo":
+        drop_malformed_zero_conv_bias(model)
     return model
 
 
