@@ -151,7 +151,7 @@ def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_pa
 def test_under_skip_kv_cache_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
     """``skip="kv_cache"`` (the CPU provider's choice, with ``gqa`` and no transposed SDPA):
     a decode step's residual Adds and RMSNorms become SkipSimplifiedLayerNormalization (a model
-    without a cache keeps them: tests/normexport/test_explain.py)."""
+    without a cache keeps them: the explain tests, test_explain.py)."""
     path = tmp_path / "model.onnx"
     _export_with_past(dt.causal_lm("llama"), path)
     model = ir.load(path)

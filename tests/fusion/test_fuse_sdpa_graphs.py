@@ -214,7 +214,7 @@ def test_yolo_transposed_query_and_output(rng):
 def test_sdpa_transposed_false_leaves_the_transposed_form(rng, target):
     """``sdpa_transposed=False`` leaves C2PSA's attention (``transposed_form``), the model as
     it was; True fuses it, exact, on 2 threads too (the per-provider choice is the caller's:
-    tests/normexport/test_policy.py)."""
+    the policy tests, test_policy.py)."""
     feeds = _feeds(rng, YOLO)
     model = _yolo()
     before = ops(model)
