@@ -59,6 +59,7 @@ from onnxscript.rewriter.ort_fusions import (
 from fusion import pack_attention
 from fusion._ir import const_array, label, producer
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
+from fusion.fuse_sdpa import layout
 
 #: onnxscript's rule sets in fuse_xformers' order (those its ``fuse_sdpa``, ``fuse_mha1``,
 #: ``fuse_mha2``, ``fuse_mha_scale``, ``fuse_mha_bias``, ``fuse_attention`` and
@@ -158,8 +159,9 @@ class FuseAttention(FusionPass):
 class _Traced:
     """One of onnxscript's rewrite rules, as its rule set calls it, that records where the nodes
     it makes come from (:data:`_ORIGIN`) and refuses a match that would replace a node whose
-    label is in ``excluded`` (or a node made from one), or make an attention op of fewer
-    (batch, head) pairs than ``threads`` (:func:`_few_heads`)."""
+    label is in ``excluded`` (or a node made from one), make an attention op of fewer
+    (batch, head) pairs than ``threads`` (:func:`_few_heads`), or take a query that is part of
+    a packed projection (:func:`_packed`)."""
 
     def __init__(self, rule, excluded: frozenset[str], threads: int = 1):
         self._rule = rule
@@ -175,9 +177,12 @@ class _Traced:
         if delta is None:
             return None
         origin = frozenset().union(*map(_origin, delta.match.nodes))
-        if any(name in self._excluded for _, name in origin):
-            return None
-        if any(_few_heads(new, self._threads) for new in delta.new_nodes):
+        if any(name in self._excluded for _, name in origin) or any(
+            _few_heads(new, self._threads) or _packed(new) for new in delta.new_nodes
+        ):
+            for new in delta.new_nodes:  # made, never inserted: no longer a reader of the graph
+                for index in range(len(new.inputs)):
+                    new.replace_input_with(index, None)
             return None
         for new in delta.new_nodes:
             new.meta[_ORIGIN] = origin
@@ -195,6 +200,18 @@ def _few_heads(node: ir.Node, threads: int) -> bool:
         return False
     batch = shape[0] if isinstance(shape[0], int) else 1
     return batch * shape[1] < threads
+
+
+def _packed(node: ir.Node) -> bool:
+    """Whether ``node`` is onnxscript's scaled dot-product attention on a query that is a part
+    of a packed projection (timm's ``qkv``, :mod:`fusion.fuse_sdpa.layout`): left to FuseSDPA,
+    which makes each part a dense layer of its own and ``Attention`` 3-D on them, no
+    Transpose, where the contrib op keeps the packed projection's Transposes
+    (``benchmarks/results/classifiers_cpu.json``, timm's ViT and DeiT)."""
+    if node.domain != _FUSION_DOMAIN or node.op_type != "SDPA" or not node.inputs:
+        return False
+    view = layout.of(node.inputs[0]) if node.inputs[0] is not None else None
+    return view is not None and view.packed is not None
 
 
 def _origin(node: ir.Node) -> frozenset[tuple[str, str]]:

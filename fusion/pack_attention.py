@@ -17,11 +17,10 @@ ViT: ``benchmarks/results/decoders_cpu.json``). Left as they are: a ``key_paddin
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import onnx_ir as ir
 
+from fusion._dense import Dense, dense
 from fusion._ir import add_initializer, const_array, dims, producer, replace_output
 from fusion.base import MS_DOMAIN
 from fusion.fuse_gqa import parts
@@ -30,19 +29,10 @@ from fusion.fuse_gqa import parts
 _SHARED_ATTRIBUTES = ("num_heads", "scale", "mask_filter_value", "unidirectional")
 
 
-@dataclasses.dataclass
-class _Projection:
-    """``x @ weight + bias`` (``bias`` None where there is no Add)."""
-
-    x: ir.Value
-    weight: np.ndarray
-    bias: np.ndarray | None
-
-
-def _projection(value: ir.Value | None, heads: int | None) -> _Projection | None:
-    """``value`` as ``x @ W (+ b)`` with constant ``W`` ``(D, width)`` and ``b`` ``(width,)``,
-    or, where ``heads`` is given and ``value`` is rank 4, as that split into ``heads`` heads
-    (``Transpose(Reshape(x @ W + b, (B, S, heads, H)), [0, 2, 1, 3])``); None otherwise."""
+def _projection(value: ir.Value | None, heads: int | None) -> Dense | None:
+    """``value`` as ``x @ W (+ b)`` (:func:`fusion._dense.dense`), or, where ``heads`` is given
+    and ``value`` is rank 4, as that split into ``heads`` heads (``Transpose(Reshape(x @ W + b,
+    (B, S, heads, H)), [0, 2, 1, 3])``); None otherwise."""
     if value is None:
         return None
     shape = dims(value)
@@ -54,19 +44,7 @@ def _projection(value: ir.Value | None, heads: int | None) -> _Projection | None
         value = reshape.inputs[0]
         if (dims(value) or [None])[-1] != heads * split.size:
             return None
-    add = producer(value, "Add")
-    bias = None
-    if add is not None:
-        constants = [const_array(v) for v in add.inputs]
-        side = 1 if constants[1] is not None else 0
-        bias, value = constants[side], add.inputs[1 - side]
-    matmul = producer(value, "MatMul")
-    weight = const_array(matmul.inputs[1]) if matmul is not None else None
-    if weight is None or weight.ndim != 2 or len(dims(matmul.inputs[0]) or ()) != 3:
-        return None
-    if add is not None and (bias is None or bias.shape != (weight.shape[1],)):
-        return None
-    return _Projection(matmul.inputs[0], weight, bias)
+    return dense(value)
 
 
 def pack(graph: ir.Graph, mha: ir.Node) -> bool:

@@ -93,7 +93,10 @@ def _three_d(
             drop_if_unused(graph, value)
     inputs[:] = [layout.source(v, graph, inserted) for v in views]
     attributes |= {"q_num_heads": views[0].heads, "kv_num_heads": views[1].heads}
-    match.side += [node for view in views for node in view.nodes]
+    # the views of one packed projection share its nodes: each once
+    match.side += [
+        n for n in dict.fromkeys(n for v in views for n in v.nodes) if n not in match.side
+    ]
     return merged
 
 

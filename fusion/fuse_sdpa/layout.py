@@ -28,18 +28,21 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from fusion._dense import Dense, columns, dense
 from fusion._ir import add_initializer, const_array, dims, producer, same_dim
 
 
 @dataclasses.dataclass
 class Heads:
     """A 4-D ``(B, N, S, H)`` tensor as a view of ``source``, 3-D ``(B, S, N*H)`` (or, where
-    ``shape`` is set, ``Reshape(source, shape)`` is), by ``nodes``."""
+    ``shape`` is set, ``Reshape(source, shape)`` is; where ``packed`` is set, columns
+    ``packed[1]`` to ``packed[2]`` of that dense layer are), by ``nodes``."""
 
     source: ir.Value
     heads: int
     nodes: list[ir.Node]
     shape: tuple[int, ...] | None = None
+    packed: tuple[Dense, int, int] | None = None
 
 
 def of(value: ir.Value) -> Heads | None:
@@ -57,7 +60,7 @@ def of(value: ir.Value) -> Heads | None:
         if x is None or len(x) != 3 or not (same_dim(x[0], out[0]) and same_dim(x[1], out[2])):
             return None
         return Heads(split.inputs[0], heads, [transpose, split]) if x[2] == heads * size else None
-    return _sequence_first(value, out)
+    return _sequence_first(value, out) or _packed(value, out)
 
 
 def _sequence_first(value: ir.Value, out: list) -> Heads | None:
@@ -74,6 +77,62 @@ def _sequence_first(value: ir.Value, out: list) -> Heads | None:
     if parts is None or not same_dim(parts[0], out[2]) or list(parts[1:]) != [heads, size]:
         return None
     return Heads(split.inputs[0], heads, [back, transpose, split], (1, -1, heads * size))
+
+
+def _packed(value: ir.Value, out: list) -> Heads | None:
+    """Part ``i`` of a packed projection (see the module docstring), or None."""
+    part, nodes = _part(value)
+    transpose = producer(part, "Transpose")
+    split = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
+    if split is None or tuple(transpose.attributes.get_ints("perm", ())) != (2, 0, 3, 1, 4):
+        return None
+    layer, x, five = dense(split.inputs[0]), dims(split.inputs[0]), dims(split.outputs[0])
+    if layer is None or x is None or five is None or len(five) != 5 or len(x) != 3:
+        return None
+    width = out[1] * out[3]
+    if list(five[3:]) != [out[1], out[3]] or x[2] != five[2] * width or nodes[-1] >= five[2]:
+        return None
+    if not (same_dim(x[0], out[0]) and same_dim(x[1], out[2])):
+        return None
+    start = nodes.pop() * width
+    nodes += [transpose, split, *layer.nodes]
+    return Heads(layer.x, out[1], nodes, packed=(layer, start, start + width))
+
+
+def _part(value: ir.Value) -> tuple[ir.Value | None, list]:
+    """``value`` as ``Gather(T, i, axis=0)`` or ``Squeeze(p, [0])`` of a part ``p`` of ``T``
+    along axis 0: ``Slice(T, [i], [i + 1], [0])`` (the exporters' ``unbind``) or output ``i`` of
+    a ``Split`` into parts of size 1. Returns ``T``, and the nodes then ``i``; ``(None, [])``
+    otherwise."""
+    gather = producer(value, "Gather")
+    if gather is not None and gather.attributes.get_int("axis", 0) == 0:
+        index = const_array(gather.inputs[1])
+        if index is not None and index.ndim == 0 and index >= 0:
+            return gather.inputs[0], [gather, int(index)]
+    squeeze = producer(value, "Squeeze")
+    if squeeze is None or len(squeeze.inputs) < 2 or _ints(squeeze.inputs[1]) != [0]:
+        return None, []
+    part = squeeze.inputs[0]
+    node = part.producer()
+    if node is not None and node.op_type == "Slice" and node.domain == "":
+        starts, ends, axes, *steps = (_ints(v) for v in node.inputs[1:])
+        if axes == [0] and steps in ([], [[1]]) and starts and ends == [starts[0] + 1]:
+            return node.inputs[0], [squeeze, node, starts[0]]
+    if node is None or node.op_type != "Split" or node.attributes.get_int("axis", 0) != 0:
+        return None, []
+    every = node.attributes.get_int("num_outputs", 0) == len(node.outputs)
+    sizes = _ints(node.inputs[1]) if len(node.inputs) > 1 else None
+    if every and (dims(node.inputs[0]) or [None])[0] != len(node.outputs):
+        return None, []
+    if not every and sizes != [1] * len(node.outputs):
+        return None, []
+    return node.inputs[0], [squeeze, node, node.outputs.index(part)]
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    """The constant integers of ``value`` as a list, or None."""
+    array = const_array(value)
+    return None if array is None else array.reshape(-1).tolist()
 
 
 def merged_readers(value: ir.Value) -> list[ir.Node] | None:
@@ -122,6 +181,8 @@ def _same_order(perm: tuple[int, ...], shape: list) -> bool:
 def source(heads: Heads, graph: ir.Graph, inserted: list[ir.Node]) -> ir.Value:
     """The 3-D tensor of ``heads``: its source, or a new Reshape of it (appended to
     ``inserted``)."""
+    if heads.packed is not None:
+        return columns(graph, heads.packed[0], heads.packed[1], heads.packed[2], inserted)
     if heads.shape is None:
         return heads.source
     shape = add_initializer(graph, "attn_bsd_shape", np.array(heads.shape, np.int64))

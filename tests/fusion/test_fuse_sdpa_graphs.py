@@ -643,7 +643,11 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, maske
     ``masked``: a constant additive mask ``(batch, 1, S, S)`` on the scores."""
     inits = {f"w{t}": rng.standard_normal((E, E)).astype(np.float32) / 4 for t in "qkv"}
     inits["scale"] = np.array(SCALE, np.float32)
-    if layout == "batch_first":
+    projections = None
+    if layout.startswith("packed"):
+        x, merged, back = (batch, S, E), (batch, S, E), [0, 2, 1, 3]
+        projections, views = _packed(rng, inits, batch, layout.removeprefix("packed_"))
+    elif layout == "batch_first":
         x, merged = (batch, S, E), (batch, S, E)
         inits["split"] = np.array([batch, S, N, H], np.int64)
         views = {t: [("Transpose", [f"s{t}"], [t], {"perm": [0, 2, 1, 3]})] for t in "qkv"}
@@ -660,7 +664,7 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, maske
             for t in "qkv"
         }
         back = [2, 0, 1, 3]
-    nodes = [
+    nodes = projections or [
         n
         for t in "qkv"
         for n in (
@@ -685,6 +689,29 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, maske
     return model, {"x": rng.standard_normal(x).astype(np.float32)}
 
 
+def _packed(rng, inits: dict, batch: int, part: str) -> tuple[list, None]:
+    """timm's packed projection ``qkv(x).reshape(B, S, 3, N, H).permute(2, 0, 3, 1, 4)``, its
+    parts taken by ``Split`` and ``Squeeze`` (``part="split"``, the dynamo exporter's
+    ``unbind``) or by ``Gather`` (``"gather"``), with a random bias; ``inits`` filled."""
+    inits["w"] = np.concatenate([inits.pop(f"w{t}") for t in "qkv"], axis=1)
+    inits["b"] = rng.standard_normal(3 * E).astype(np.float32)
+    inits["split"] = np.array([batch, S, 3, N, H], np.int64)
+    nodes = [
+        ("MatMul", ["x", "w"], ["xw"], {}),
+        ("Add", ["xw", "b"], ["qkv"], {}),
+        ("Reshape", ["qkv", "split"], ["s"], {}),
+        ("Transpose", ["s"], ["t"], {"perm": [2, 0, 3, 1, 4]}),
+    ]
+    if part == "split":
+        inits["ones"], inits["axis"] = np.ones(3, np.int64), np.array([0], np.int64)
+        nodes.append(("Split", ["t", "ones"], ["t0", "t1", "t2"], {"axis": 0}))
+        nodes += [("Squeeze", [f"t{i}", "axis"], [t], {}) for i, t in enumerate("qkv")]
+    else:
+        inits |= {f"i{t}": np.array(i, np.int64) for i, t in enumerate("qkv")}
+        nodes += [("Gather", ["t", f"i{t}"], [t], {"axis": 0}) for t in "qkv"]
+    return nodes, None
+
+
 def _attention_node(model):
     (node,) = [n for n in model.graph if n.op_type == "Attention"]
     return node
@@ -707,6 +734,27 @@ def test_heads_made_by_a_view_are_attentions_3d_form_without_transposes(rng, lay
     assert [len(v.shape) for v in node.inputs[:3]] == [3, 3, 3]
     assert node.attributes["q_num_heads"].value == node.attributes["kv_num_heads"].value == N
     assert "Transpose" not in ops(model), ops(model)
+    fusion.check(model)
+    assert_close(run(model, feeds), [before])
+
+
+@pytest.mark.parametrize(
+    ("part", "batch", "target"),
+    [("split", B, "onnx"), ("gather", B, "onnx"), ("split", 1, "onnx"), ("split", B, "ort")],
+)
+def test_parts_of_a_packed_projection_become_dense_layers_of_their_own(rng, part, batch, target):
+    """timm's packed projection: the query, key and value each ``x @ W_i + b_i`` of the
+    packed weight's columns, Attention 3-D on them; no Transpose or Split is left, the numbers
+    are the graph's. For ONNX Runtime too: FuseAttention leaves it to FuseSDPA."""
+    model, feeds = _views_model(rng, f"packed_{part}", batch=batch)
+    (before,) = run(model, feeds)
+    report = fusion.optimize(model, target=target)
+    assert report.counts["sdpa_fused"] == 1 and report.counts["attention_fused"] == 0, report
+    node = _attention_node(model)
+    assert [len(v.shape) for v in node.inputs[:3]] == [3, 3, 3]
+    assert [v.producer().op_type for v in node.inputs[:3]] == ["Add"] * 3
+    assert ops(model).count("MatMul") == 3, ops(model)
+    assert not {"Transpose", "Split", "Squeeze", "Gather"} & set(ops(model)), ops(model)
     fusion.check(model)
     assert_close(run(model, feeds), [before])
 
