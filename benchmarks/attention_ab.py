@@ -10,7 +10,7 @@ interleaved on ONNX Runtime.
   (``sdpa_transposed=True``, the CUDA policy's choice).
 
 Each model is built, randomized and exported as ``families.py`` does; both files come from
-``fusion.optimize`` on the export under ``fusion.registry.policy("ort", provider, 2)``
+``fusion.optimize`` on the export under ``fusion_policy("ort", provider, 2)``
 (``policy`` the policy's file, ``flipped`` the other), and are timed with the raw export and an
 A/A control as :func:`families.measure` times its variants (``--copies`` sessions each opened
 ABBA, interleaved in random order per round, 2 intra-op threads, spinning off); the ratio
@@ -37,8 +37,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-import fusion.registry
+import fusion
 from normexport.bench.render import fmt_ratio
+from normexport.runtime.policy import fusion_policy
 
 #: Per model, the choice flipped: ``"per_head"`` (the per-head scaled attention left out) or
 #: ``"transposed"`` (YOLO's transposed attention fused).
@@ -48,7 +49,7 @@ MODELS = {"swinv2": "per_head", "edgenext": "per_head", "yolov8n": "transposed",
 
 def _files(raw: Path, folder: Path, flip: str, provider: str) -> dict:
     """The policy's file and the flipped one, from ``raw``; what each fused."""
-    policy = fusion.registry.policy("ort", provider, families.THREADS)
+    policy = fusion_policy("ort", provider, families.THREADS)
     made = {}
     for name in ("policy", "flipped"):
         model = ir.load(raw)
@@ -57,7 +58,7 @@ def _files(raw: Path, folder: Path, flip: str, provider: str) -> dict:
             chosen = dataclasses.replace(policy, sdpa_transposed=True)
         if name == "flipped" and flip == "per_head":
             exclude = [f for f in made["policy"]["report"].fused if f.kind == "sdpa_fused"]
-        done = fusion.optimize(model, **chosen.keywords(), exclude=exclude)
+        done = fusion.optimize(model, chosen, exclude=exclude)
         path = folder / f"{name}.onnx"
         ir.save(model, path)
         made[name] = {"path": path, "report": done}

@@ -6,8 +6,8 @@ Each model is loaded and exported as the pipeline does it (``normexport.pipeline
 the demo models as ``make demo`` saves them, the float32 gallery entries through each exporter
 they have, the ONNX files as they are), checked as exported (``before``), then optimized with
 the passes a CUDA run makes (``fusion.optimize`` under the policy
-``registry.policy("ort", "cuda")``) and checked again (``after``). Then the demo
-models and the gallery entries (dynamo) are converted to float16 and to bfloat16 as
+``normexport.runtime.policy.fusion_policy("ort", "cuda")``) and checked again (``after``).
+Then the demo models and the gallery entries (dynamo) are converted to float16 and to bfloat16 as
 ``--precision`` converts them for CUDA (:func:`normexport.precision.convert.to_half`), except
 that its question "which op has no kernel of this type?" is answered from the table instead of
 a CUDA session (which needs a GPU): ``fully_converted`` counts the nodes without a CUDA kernel
@@ -38,11 +38,11 @@ def _check(raw: ir.Model, half: Path | None) -> dict:
     """The fallbacks of ``raw`` (as ``before``), then of it after the CUDA run's passes, then
     (with ``half``, a scratch folder) of its float16 and bfloat16 conversions."""
     import fusion
-    from fusion import registry
     from normexport.runtime import cuda_kernels
+    from normexport.runtime.policy import fusion_policy
 
     before = cuda_kernels.without_kernel(raw)
-    report = fusion.optimize(raw, **registry.policy("ort", "cuda").keywords())
+    report = fusion.optimize(raw, fusion_policy("ort", "cuda"))
     after = cuda_kernels.without_kernel(raw)
     halves = {} if half is None else _halves(raw, report.refused, half, len(after))
     return halves | {

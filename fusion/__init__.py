@@ -10,13 +10,15 @@
     fusion.check("model.opt.onnx")
     print(report.to_dict(fusion.FUSION_KINDS))
 
+The graph helpers the passes use that a caller may use too are in :mod:`fusion.graph`.
+
 Every rewrite is exact (up to float rounding): a candidate that cannot be expressed exactly by
 the fused op is left alone and recorded in the report with its reason.
 """
 
 from __future__ import annotations
 
-from fusion import registry
+from fusion import graph, registry
 from fusion.base import (
     TARGETS,
     CannotFuse,
@@ -56,6 +58,7 @@ __all__ = [
     "Policy",
     "Refused",
     "check",
+    "graph",
     "cleanup",
     "norm_ops",
     "onnxruntime_ops",

@@ -36,7 +36,7 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
         onnx.shape_inference.InferenceError: with ``full_check``, shapes contradict each other.
     """
     if isinstance(model, ir.Model):
-        with tempfile.TemporaryDirectory(prefix="normexport-check-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="fusion-check-") as tmp:
             path = Path(tmp) / "model.onnx"
             ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=1024)
             check(path, full_check=full_check)

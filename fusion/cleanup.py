@@ -21,7 +21,8 @@ Inserted in increasing order, or removed in decreasing order, one axis at a time
 result.
 
 :func:`normalize_ir_version` makes an IR-version-3 model an IR-version-4 one with the same
-meaning (see there); :func:`fusion.optimize` runs it first.
+meaning (see there); :func:`fusion.optimize` runs it first. :func:`drop_malformed_zero_conv_bias`
+mends what one exporter writes, for a caller that exports.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import onnxscript.optimizer
 import onnxscript.rewriter
 from onnxscript.rewriter.rules import common as rules
 
-from fusion._ir import opset_version
+from fusion._ir import const_array, opset_version
 from fusion.shapes import DropShapes, FillShapes
 from fusion.simplify import simplify, with_shapes
 
@@ -89,7 +90,7 @@ def cleanup_with_types(model: ir.Model) -> None:
     """:func:`cleanup` as :func:`fusion.optimize` runs it before its passes (in place): once,
     then with the types and shapes :class:`fusion.FillShapes` gives the values
     (:class:`SimplifyWithShapes`), which :class:`fusion.DropShapes` takes off again. For a model
-    cleaned up but not optimized (normexport's export), so that the passes find nothing more to
+    cleaned up but not optimized (a caller's export), so that the passes find nothing more to
     clean up: a model they leave alone keeps its ops."""
     fill = FillShapes()
     ir.passes.PassManager([Cleanup(), fill, SimplifyWithShapes(), DropShapes(fill)])(model)
@@ -216,3 +217,19 @@ def normalize_ir_version(model: ir.Model) -> str | None:
         f"IR version {old} raised to 4 (its initializers are constants, as ONNX Runtime reads "
         f"IR < 4){dropped}"
     )
+
+
+def drop_malformed_zero_conv_bias(model: ir.Model) -> None:
+    """Work around a torch 2.13 dynamo-exporter bug (``optimize=False`` path), in place.
+
+    A Conv3d without bias is exported with the bias ``Expand(0, [C_out, 2])``: shape
+    (C_out, 2), which the checker accepts and ONNX Runtime rejects ("bias must be a 1D tensor").
+    An all-zero bias is exactly no bias, so such an input is dropped. Correct biases (1-D, or
+    any non-zero one) are left alone.
+    """
+    for node in model.graph:
+        if node.op_type == "Conv" and len(node.inputs) == 3:
+            bias = const_array(node.inputs[2])
+            if bias is not None and bias.ndim != 1 and not bias.any():
+                node.resize_inputs(2)
+    ir.passes.common.RemoveUnusedNodesPass()(model)

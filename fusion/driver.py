@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection
 
 import onnx_ir as ir
@@ -17,16 +18,10 @@ from fusion.shapes import DropShapes, FillShapes
 
 def optimize(
     model: ir.Model,
+    policy: Policy | None = None,
     *,
-    target: str = "ort",
-    skip: bool | str = False,
-    attention: bool | None = None,
-    gqa: bool | None = None,
-    sdpa: bool | None = None,
-    threads: int = 1,
-    sdpa_transposed: bool = True,
-    last_rows: tuple[str, ...] = (),
     exclude: Collection[Fused] = (),
+    **settings,
 ) -> FusionReport:
     """Fold BatchNorm and fuse LayerNorm / RMSNorm in ``model``, in place.
 
@@ -43,23 +38,21 @@ def optimize(
 
     Args:
         model: the model, changed in place.
-        target, skip, attention, gqa, sdpa, threads, sdpa_transposed, last_rows: the fusion
-            policy (:class:`fusion.base.policy.Policy`, whose fields these are; a run that
-            holds one passes ``**policy.keywords()``).
+        policy: the fusion policy (:class:`fusion.base.policy.Policy`); None: its defaults.
         exclude: rewrites to leave out, as an earlier run on the same model reported them
             (their ``kind`` and ``node``): the pass that makes that kind skips the candidate
             anchored there, and records nothing for it (see :class:`FusionPass`).
+        **settings: fields of :class:`fusion.base.policy.Policy` by name (``target="onnx"``),
+            each replacing that field of ``policy``.
 
     Returns:
         What was fused, and what was refused with the reason, in pass order.
 
     Raises:
         ValueError: the policy is not one :class:`fusion.base.policy.Policy` accepts.
+        TypeError: a name of ``settings`` is no field of :class:`fusion.base.policy.Policy`.
     """
-    policy = Policy(
-        target=target, skip=skip, attention=attention, gqa=gqa, sdpa=sdpa, threads=threads,
-        sdpa_transposed=sdpa_transposed, last_rows=last_rows,
-    )  # fmt: skip
+    policy = dataclasses.replace(policy or Policy(), **settings)
     passes = _passes(policy, exclude)
     report = FusionReport()
     if (note := normalize_ir_version(model)) is not None:

@@ -3,9 +3,9 @@
 Not a norm pass: it runs after them (``target="ort"`` only) so that a transformer's output is
 not slower on ONNX Runtime than what onnxscript's ``optimize_for_ort`` makes of it: with the
 norms fused alone, the attention subgraphs stay as dozens of small ops that
-``optimize_for_ort`` would have fused. The timings of normexport against ``optimize_for_ort``
-per zoo model are in ``benchmarks/results/demo_models_cpu.json`` (``benchmarks/demo_models.py``;
-all-MiniLM-L6-v2 in ``demo_minilm_cpu.json``).
+``optimize_for_ort`` would have fused. The timings of these passes against
+``optimize_for_ort`` per zoo model are in ``benchmarks/results/demo_models_cpu.json``
+(``benchmarks/demo_models.py``; all-MiniLM-L6-v2 in ``demo_minilm_cpu.json``).
 
 The rules are onnxscript's (``onnxscript.rewriter.ort_fusions``, 0.7), applied one rule set
 at a time in the order ``fuse_xformers`` applies them, and nothing else of that pipeline:
@@ -16,7 +16,7 @@ at a time in the order ``fuse_xformers`` applies them, and nothing else of that 
 onnxscript's GELU rules (``erfgelu``, ``gelu``, ``bias_gelu``) are not applied:
 :mod:`fusion.fuse_gelu`, which runs before, reads every spelling and takes the bias in.
 
-Two rewrites of normexport's own follow the rules. A MultiHeadAttention over three
+Two rewrites of this pass's own follow the rules. A MultiHeadAttention over three
 projections of one input becomes ``Attention`` with the projections packed
 (:mod:`fusion.pack_attention`). And the other: ``sdpa_via_mha`` feeds a key and value that
 are already split into heads, ``(B, N, L, H)``, to MultiHeadAttention through
@@ -29,7 +29,7 @@ llama-tiny zoo model's timings against it are in ``benchmarks/results/demo_llama
 (``benchmarks/demo_models.py``).
 
 Op semantics: onnxruntime docs/ContribOperators.md (domain ``com.microsoft``). Left out on
-purpose: onnxscript's norm rules (normexport's passes choose the norm form per provider: its
+purpose: onnxscript's norm rules (the norm passes here leave the form to the caller's policy: its
 SkipLayerNormalization is slower on ORT's CPU provider, see :mod:`fusion.fuse_skip`), its
 GQA rules (KV-cache decoding, not what an exported forward pass holds), its rotary-embedding
 rules (they match only after that pipeline's own constant folding: run here, they found no
@@ -82,7 +82,7 @@ _FUSION_DOMAIN = "ai.onnxruntime._fusion"
 
 #: ``node.meta`` key of the nodes a rule made: ``(op_type, label)`` of every node of the graph
 #: before the pass that the rewrites leading to it replaced.
-_ORIGIN = "normexport.fusion.origin"
+_ORIGIN = "fusion.origin"
 
 #: The op of the input graph that anchors each kind's rewrite (:attr:`Fused.node`): an
 #: attention's Softmax, a GELU's Erf or Tanh; stable from run to run, where the names of the

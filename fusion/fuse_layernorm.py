@@ -64,8 +64,8 @@ No eps. ``torch.onnx.export``'s own optimizer (on by default) removes an ``Add``
 it were 0 (docs/model-files.md, "How the export is done"), so files from the field hold
 ``(x - m) / sqrt(var)``. That is LayerNormalization with ``epsilon=0``, the file's own function
 (both give NaN on a constant row, where the variance is 0), and it is fused so; the report gets a
-note that says what happened and the fix (export from the PyTorch file through normexport, or
-with ``optimize=False``), and what the rewrite became says ``epsilon 0``. An eps of 0 written
+note that says what happened and the fix (export from the PyTorch file again with
+``optimize=False``), and what the rewrite became says ``epsilon 0``. An eps of 0 written
 as a constant gets the same note.
 
 Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. A float16

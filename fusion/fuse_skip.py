@@ -86,7 +86,7 @@ SkipLayerNormalization form is the slower one. ORT's own session-time ``SkipLaye
 makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up, on the CPU provider
 too, whenever the sum is read by the norm only; a CPU session avoids it with
 ``disabled_optimizers=["SkipLayerNormFusion"]``. So :func:`fusion.optimize` does not run this
-pass by default; it is chosen per execution provider (:func:`fusion.registry.policy`).
+pass by default; the caller chooses it per execution provider (:attr:`fusion.Policy.skip`).
 
 Absorbing the bias changes that: the Skip op then removes two Adds, not one, a pass over the
 tensor ORT's own SkipLayerNormFusion leaves in place. On the CPU provider, BERT (4 layers,

@@ -1,8 +1,8 @@
-"""The one registry of fusion passes, the kinds of rewrite they make, the norm ops and the
-policies that choose among the passes.
+"""The one registry of fusion passes, the kinds of rewrite they make and the norm ops.
 
-The report, ``explain``, ``bench``, the variants, the half-precision conversion, the float64
-oracle, the demo and the gallery read these instead of keeping lists of their own. A new fusion
+Whoever needs one of these lists (a caller's report, its half-precision conversion, its
+oracle) reads it here instead of keeping a list of its own. Which passes a run enables is the
+:class:`fusion.Policy` the caller gives :func:`fusion.optimize`. A new fusion
 is one line in :data:`PASSES`; the lists of ops and families below are derived from what the
 passes declare (:attr:`fusion.base.FusionPass.kinds`, :attr:`fusion.base.FusionPass.targets`).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from fusion.base import FusionPass, Kind, Op, Policy
+from fusion.base import FusionPass, Kind, Op
 from fusion.fold_batchnorm import FoldBatchNorm, algebra
 from fusion.fuse_attention import FuseAttention
 from fusion.fuse_gelu import FuseGelu
@@ -105,68 +105,6 @@ DECOMPOSED_FAMILIES: tuple[str, ...] = tuple(
 #: that hold a model's weights and most of its arithmetic (a bfloat16 model is refused where
 #: ONNX Runtime has no bfloat16 kernel for them).
 LINEAR_OPS: tuple[str, ...] = algebra.LINEAR
-
-#: The execution providers on which a run fuses residual Add + norm into ONNX Runtime's Skip
-#: ops (:func:`policy`): on CUDA SkipSimplifiedLayerNormalization is faster than Add +
-#: SimplifiedLayerNormalization, and SkipLayerNormalization is what ORT makes of Add +
-#: LayerNormalization anyway (``benchmarks/results/forms_cuda.json``, docs/cuda.md).
-SKIP_PROVIDERS = ("cuda",)
-
-#: The execution providers on which a run fuses them all only in a model with a KV cache, and
-#: elsewhere only where the Skip op absorbs a dense layer's bias Add too and the norm alone
-#: reads the sum (``skip="kv_cache"``, :mod:`fusion.fuse_skip`). On the CPU provider the Skip
-#: ops make a decoder's decode step faster and its prefill and the encoders slower (the
-#: ``normexport_skip`` variant of ``benchmarks/results/decoders_cpu.json``; one node alone,
-#: ``forms_cpu.json``, slower), unless they remove two Adds: BERT's post-norm Skip ops with the
-#: bias absorbed are faster, ViT's pre-norm ones, whose sum the residual stream reads too, slower
-#: (``benchmarks/results/families_cpu.json``; :mod:`fusion.fuse_skip`).
-SKIP_KV_CACHE_PROVIDERS = ("cpu",)
-
-#: The execution providers on which a run fuses decoder attention into GroupQueryAttention
-#: (:func:`policy`): ONNX Runtime's CUDA kernel of the op takes float16 and bfloat16 only (its
-#: kernel table, :mod:`normexport.runtime.cuda_kernels`), and the passes run on the float32
-#: model.
-GQA_PROVIDERS = ("cpu",)
-
-#: The execution providers whose attention kernels run one thread per batch and head, so that
-#: :mod:`fusion.fuse_sdpa` and :mod:`fusion.fuse_attention` leave an attention with fewer than
-#: the run's intra-op threads (the policy's ``threads``).
-THREADED_PROVIDERS = ("cpu",)
-
-#: The execution providers on which :mod:`fusion.fuse_sdpa` fuses YOLO's transposed attention
-#: (``q^T @ k``, ``v @ attn^T``: ``Attention`` of ``q^T`` and of the Transposes of K and V, its
-#: output transposed back; the policy's ``sdpa_transposed``). On the CPU provider it is left
-#: (``transposed_form``): ONNX Runtime's session makes the unfused form two ``FusedMatMul``s
-#: and a Softmax, no Transpose left, and the fused one four Transposes (copies) around
-#: ``Attention``. Whole models, the choice flipped (``benchmarks/results/attention_ab_cpu.json``):
-#: YOLO11n fused over left 1.01 [0.99, 1.03], never faster. On CUDA it stays fused, as before
-#: (not measured there).
-TRANSPOSED_SDPA_PROVIDERS = ("cuda",)
-
-
-def policy(target: str, provider: str, threads: int = 1) -> Policy:
-    """The fusion policy of a run for ``target`` on ``provider`` (``"cpu"`` or ``"cuda"``, as
-    :func:`normexport.runtime.resolve_provider` resolves it) with ``threads`` intra-op threads:
-    the fusions that are a speed choice per provider decided by the lists above (``skip``:
-    True on :data:`SKIP_PROVIDERS`, ``"kv_cache"`` on :data:`SKIP_KV_CACHE_PROVIDERS`; ``gqa`` on
-    :data:`GQA_PROVIDERS`; ``threads`` kept on :data:`THREADED_PROVIDERS`, 1 elsewhere;
-    ``sdpa_transposed`` on :data:`TRANSPOSED_SDPA_PROVIDERS`), each only for the targets its pass
-    runs for. The run, ``bench``'s normexport variant and
-    ``explain`` all ask this.
-
-    Raises:
-        ValueError: ``target`` is not one of :data:`fusion.base.TARGETS`; ``threads`` below 1.
-    """
-    skip: bool | str = False
-    if target in FuseSkip.targets and provider in SKIP_PROVIDERS:
-        skip = True
-    elif target in FuseSkip.targets and provider in SKIP_KV_CACHE_PROVIDERS:
-        skip = "kv_cache"
-    gqa = target in FuseGroupQueryAttention.targets and provider in GQA_PROVIDERS
-    threads = threads if provider in THREADED_PROVIDERS else 1
-    transposed = provider in TRANSPOSED_SDPA_PROVIDERS
-    return Policy(target=target, skip=skip, gqa=gqa, threads=threads, sdpa_transposed=transposed)
-
 
 #: ONNX Runtime ops that ORT registers in the default ("") domain although ONNX has no such op.
 #: ORT's own fusions emit them there, and a com.microsoft node of these names fails to load.

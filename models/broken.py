@@ -99,8 +99,8 @@ def slowed(kind: str, steps: int = SLOW_STEPS) -> Iterator[None]:
     Loop. The op type must be one the raw model does not hold."""
     real = fusion.optimize
 
-    def optimize(model, **kwargs):
-        report = real(model, **kwargs)
+    def optimize(model, *args, **kwargs):
+        report = real(model, *args, **kwargs)
         became = {f.became for f in report.fused if f.kind == kind}
         for node in [n for n in model.graph if n.op_type in became]:
             _loop_before(model, node, steps)
@@ -142,8 +142,8 @@ def _after(kind: str, factor: float) -> Callable:
     real = fusion.optimize
     target: list[str] = []
 
-    def optimize(model, **kwargs):
-        report = real(model, **kwargs)
+    def optimize(model, *args, **kwargs):
+        report = real(model, *args, **kwargs)
         first = not target
         if kind == "bn_wrong_variance":  # the BatchNorm algebra is broken: nothing else to do
             if first and not report.counts["batchnorm_folded"]:

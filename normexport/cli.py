@@ -135,13 +135,13 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         print(f"normexport: warning: {warning}", file=sys.stderr)
 
     from normexport import pipeline, runtime
+    from normexport.pipeline.job import run_policy
     from normexport.report import explain
-    from normexport.runtime.latency import fusion_policy
 
     provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
     prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"
-    findings = explain.explain(prepared.raw, fusion_policy(opts.target, provider, opts.threads))
+    findings = explain.explain(prepared.raw, run_policy(opts, prepared.raw, provider))
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
     return errors.EXIT_OK
 

@@ -236,3 +236,94 @@ def _cites_outside() -> list[str]:
 def test_nothing_cites_a_file_outside_the_repository():
     cites = _cites_outside()
     assert not cites, "cites a file outside the repository:\n" + "\n".join(cites)
+
+
+def _absolute_imports(source: str) -> set[str]:
+    """Every module an absolute import of ``source`` names, at any depth of its code, and for
+    ``from a import b`` also ``a.b`` (``b`` may be a module)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def _private_fusion(source: str) -> list[str]:
+    """The private modules of fusion (a part named ``_*``, such as ``fusion._ir``) that
+    ``source`` imports."""
+    return sorted(
+        name
+        for name in _absolute_imports(source)
+        if name.split(".")[0] == "fusion" and any(p.startswith("_") for p in name.split(".")[1:])
+    )
+
+
+def _normexport_imports(source: str) -> list[str]:
+    """The modules of normexport, or of its tests (``tests.normexport``), that ``source``
+    imports."""
+    return sorted(
+        name
+        for name in _absolute_imports(source)
+        if name.split(".")[0] == "normexport" or name.startswith("tests.normexport")
+    )
+
+
+@pytest.mark.parametrize(
+    ("source", "private", "of_normexport"),
+    [
+        ("from fusion._ir import label", ["fusion._ir", "fusion._ir.label"], []),
+        ("def f():\n    from fusion import _symbolic", ["fusion._symbolic"], []),
+        ("import fusion.fold_batchnorm._x", ["fusion.fold_batchnorm._x"], []),
+        ("from fusion.graph import const_array\nimport fusion", [], []),
+        ("from normexport import runtime", [], ["normexport", "normexport.runtime"]),
+        ("import normexport.io", [], ["normexport.io"]),
+        ("from tests.normexport import test_cli", [], ["tests.normexport",
+                                                      "tests.normexport.test_cli"]),
+        ("from graphs import run  # normexport", [], []),
+    ],
+)  # fmt: skip
+def test_the_boundary_checks_find_what_they_look_for(source, private, of_normexport):
+    assert _private_fusion(source) == private
+    assert _normexport_imports(source) == of_normexport
+
+
+def _python_files(*folders: str) -> list[Path]:
+    return [p for folder in folders for p in sorted((ROOT / folder).rglob("*.py"))]
+
+
+def test_no_module_outside_fusion_imports_its_private_modules():
+    """fusion's face is public (:mod:`fusion.graph` for its graph helpers); its ``_*`` modules
+    are its own machinery (docs/architecture.md)."""
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in _python_files("normexport", "models", "tests", "benchmarks", "tools")
+        for name in _private_fusion(path.read_text())
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_file_of_fusion_names_normexport():
+    """fusion is a library of its own: it describes itself without the product around it."""
+    wrong = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in sorted(p for p in (ROOT / "fusion").rglob("*") if p.is_file())
+        if path.suffix != ".pyc"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "normexport" in line.lower()
+    ]
+    assert not wrong, "names normexport:\n" + "\n".join(wrong)
+
+
+def test_the_tests_of_fusion_import_no_normexport():
+    """fusion's tests (tests/fusion, tests/graphs.py) run ONNX Runtime directly: fusion is
+    tested alone."""
+    paths = [*_python_files("tests/fusion"), ROOT / "tests" / "graphs.py"]
+    wrong = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in paths
+        for name in _normexport_imports(path.read_text())
+    ]
+    assert not wrong, "\n".join(wrong)

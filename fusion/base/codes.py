@@ -173,7 +173,7 @@ class Code(enum.StrEnum):
     #: nothing to prune.
     EVERY_ROW_READ = "every_row_read"
 
-    # Rewrites undone after the passes (normexport.verdict.rollback), any family.
+    # Rewrites a caller undoes after the passes (its rollback), any family.
     #: The ONNX checker rejects the model with this rewrite.
     REJECTED_BY_CHECKER = "rejected_by_checker"
     #: ONNX Runtime cannot load or run the model with this rewrite on the provider.
@@ -181,7 +181,7 @@ class Code(enum.StrEnum):
     #: With this rewrite the model fails the parity rule where the raw model does not.
     CHANGED_THE_FUNCTION = "changed_the_function"
 
-    # Rewrites undone by the latency verdict (normexport.verdict.speed), any family.
+    # Rewrites a caller undoes after timing the model (its latency verdict), any family.
     #: With this rewrite the model ran slower than the raw model on the provider, beyond the
     #: spread of an A/A control timed in the same run.
     SLOWER_HERE = "slower_here"

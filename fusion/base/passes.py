@@ -56,7 +56,7 @@ class FusionPass(ir.passes.InPlacePass):
         target: one of :data:`TARGETS`.
         exclude: anchors (:attr:`~fusion.base.Fused.node`) of rewrites to leave out: a
             candidate anchored there is neither rewritten nor refused (whoever excludes it says
-            why; the rollback of :mod:`normexport.verdict.rollback` does). Anchors are node
+            why: a caller's rollback of rewrites it rejects does). Anchors are node
             names of the graph the pass runs on, so a run on the same model with the same
             passes before it finds them again.
         **settings: the policy fields of :attr:`settings`, kept as attributes of those names
@@ -99,7 +99,7 @@ class FusionPass(ir.passes.InPlacePass):
 
     @classmethod
     def enabled(cls, policy: Policy) -> bool:
-        """Whether ``optimize(**policy.keywords())`` runs this pass."""
+        """Whether ``optimize(model, policy)`` runs this pass."""
         if cls.option is None:
             return policy.target in cls.targets
         wanted = getattr(policy, cls.option)

@@ -1,6 +1,7 @@
 """The fusion policy of a run: what :func:`fusion.optimize` may emit and which of its exact
-rewrites it makes, one typed value (:class:`Policy`) built once per run and read by every
-caller (the run, ``explain``, ``bench``, the autotuner's variants, the rollback's rebuilds).
+rewrites it makes, one typed value (:class:`Policy`) that a caller builds once per run and
+gives every :func:`fusion.optimize` of that run. Its defaults are neutral: the choices that
+depend on the execution provider the model will run on are the caller's.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ TARGETS = ("ort", "onnx")
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """The choices of one :func:`fusion.optimize` run. Each field is a keyword of
-    :func:`fusion.optimize` of the same name; a pass reads the fields it declares
+    """The choices of one :func:`fusion.optimize` run, given whole (``optimize(model,
+    policy)``) or field by field as its keywords; a pass reads the fields it declares
     (:attr:`fusion.base.FusionPass.option`, :attr:`fusion.base.FusionPass.settings`).
 
     Attributes:
@@ -76,11 +77,6 @@ class Policy:
             isinstance(self.last_rows, tuple) and all(isinstance(n, str) for n in self.last_rows)
         ):
             raise ValueError(f"last_rows={self.last_rows!r}: give a tuple of output names")
-
-    def keywords(self) -> dict:
-        """The fields as :func:`fusion.optimize`'s keywords: ``optimize(model,
-        **policy.keywords())``."""
-        return dataclasses.asdict(self)
 
     def without_attention(self) -> Policy:
         """This policy with no attention fusion of any kind (the autotuner's variant)."""

@@ -29,8 +29,8 @@ run-time mask that are go to the model's own branch, so no NaN arises),
 rotated; ``K`` the same with its heads repeated; ``V`` likewise; and the nodes that only feed
 these (the ``Shape`` arithmetic of a symbolic-length export). Attention with no rotation and no
 causal mask (an encoder's) is left to :mod:`fusion.fuse_attention`. The op runs in float32 on
-ONNX Runtime's CPU provider; its CUDA kernel takes float16 and bfloat16 only, so the pass is off
-for CUDA runs (:func:`fusion.registry.policy`).
+ONNX Runtime's CPU provider; its CUDA kernel takes float16 and bfloat16 only, so a caller
+turns the pass off for CUDA runs (:attr:`fusion.Policy.gqa`).
 
 Exactness. Without a past, the query at position ``i`` of the call reads row ``i`` of the
 op's caches. So the rotation is the op's own exactly when the model's ``cos`` and ``sin`` have

@@ -54,8 +54,8 @@ CPU kernel of ``Attention`` parallelizes over batch and heads only (``ComputeAtt
 ``TryParallelFor`` over ``batch_size * q_num_heads``, onnxruntime/core/providers/cpu/llm/
 attention.cc), where the MatMuls it replaces use every thread: a single-head attention (a VAE's
 mid-block) ran slower fused (``benchmarks/results/attention_forms_cpu.json``, ``vae_mid``);
-YOLO's transposed attention where the policy says so (``sdpa_transposed=False``, the CPU
-provider's: ``transposed_form``, :data:`fusion.registry.TRANSPOSED_SDPA_PROVIDERS`).
+YOLO's transposed attention where the policy says so (``sdpa_transposed=False``, a caller's
+choice for the CPU provider: ``transposed_form``).
 
 ``Attention`` needs opset 23: a model at 18 or above is raised to it by onnxscript's version
 converter (:func:`fusion.fuse_gqa.standard.upgrade`, said in the report's notes) before the

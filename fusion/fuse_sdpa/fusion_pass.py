@@ -108,7 +108,8 @@ class FuseSDPA(NodeFusionPass):
         )
 
     def _provider_gate(self, query: ir.Value, transposed: bool) -> None:
-        """Refuse what the policy's provider runs slower fused (:func:`fusion.registry.policy`).
+        """Refuse what the policy's execution provider runs slower fused (its ``threads``,
+        ``sdpa_transposed``: the caller's choice per provider).
 
         Raises:
             CannotFuse: ``few_heads``: batch times heads of ``query`` below :attr:`threads`;

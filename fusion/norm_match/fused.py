@@ -275,6 +275,6 @@ def no_eps_note(norm: str, row: str) -> str:
     return (
         f"a {norm} with no eps (or eps 0) was fused with epsilon=0, which keeps the file's "
         f"function: it gives NaN on {row}. torch.onnx.export's own optimizer (on by default) "
-        "removes an eps of 1e-8 or less as if it were 0; export from the PyTorch file through "
-        "normexport, or with torch.onnx.export(..., optimize=False)"
+        "removes an eps of 1e-8 or less as if it were 0; export from the PyTorch file again "
+        "with that optimizer off: torch.onnx.export(..., optimize=False)"
     )

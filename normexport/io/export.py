@@ -18,11 +18,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import onnx_ir as ir
-import onnx_ir.passes.common
 import torch
 
-from fusion._ir import const_array, opset_version
-from fusion.cleanup import cleanup_with_types
+from fusion.cleanup import cleanup_with_types, drop_malformed_zero_conv_bias
+from fusion.graph import opset_version
 from normexport.errors import one_line, raise_if_interrupted
 from normexport.io.quiet import quiet, quiet_torch, swallow_prints
 
@@ -156,7 +155,7 @@ def _dynamo(module, args: tuple, kwargs: dict, opset, input_names, dynamic_axes)
     if opset is not None and opset_version(model) != opset:  # it converts down to 17
         raise ValueError(f"--opset {opset}: it wrote opset {opset_version(model)}")
     cleanup_with_types(model)
-    _drop_malformed_zero_conv_bias(model)
+    drop_malformed_zero_conv_bias(model)
     return model
 
 
@@ -187,19 +186,3 @@ def _torchscript(
             value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
     cleanup_with_types(model)
     return model, warned
-
-
-def _drop_malformed_zero_conv_bias(model: ir.Model) -> None:
-    """Work around a torch 2.13 dynamo-exporter bug (``optimize=False`` path).
-
-    A Conv3d without bias is exported with the bias ``Expand(0, [C_out, 2])``: shape
-    (C_out, 2), which the checker accepts and ONNX Runtime rejects ("bias must be a 1D tensor").
-    An all-zero bias is exactly no bias, so such an input is dropped. Correct biases (1-D, or
-    any non-zero one) are left alone.
-    """
-    for node in model.graph:
-        if node.op_type == "Conv" and len(node.inputs) == 3:
-            bias = const_array(node.inputs[2])
-            if bias is not None and bias.ndim != 1 and not bias.any():
-                node.resize_inputs(2)
-    ir.passes.common.RemoveUnusedNodesPass()(model)

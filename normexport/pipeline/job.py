@@ -17,7 +17,8 @@ from normexport.io.inputs import id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
 from normexport.report.explain import already_fused
-from normexport.runtime.latency import fusion_policy, latency_threads
+from normexport.runtime.latency import latency_threads
+from normexport.runtime.policy import fusion_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,9 +44,8 @@ class Job:
             (:func:`normexport.io.files.wants_external_data`).
         threads: the intra-op threads latency is timed with (``--threads``, else this
             machine's cores: :func:`normexport.runtime.latency.latency_threads`).
-        policy: the fusion policy of the run, for those threads
-            (:func:`normexport.runtime.latency.fusion_policy`): what the passes, the rollback's
-            rebuilds and the autotuner's variants run with.
+        policy: the fusion policy of the run (:func:`run_policy`): what the passes, the
+            rollback's rebuilds and the autotuner's variants run with.
     """
 
     opts: Options
@@ -95,20 +95,29 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
         threads=threads,
-        policy=_policy(opts, raw, provider[0], threads),
+        policy=run_policy(opts, raw, provider[0]),
     )
 
 
-def _policy(opts: Options, raw, provider: str, threads: int) -> fusion.Policy:
-    """The run's fusion policy (:func:`normexport.runtime.latency.fusion_policy`), with the
-    first output kept at its last position where ``--last-token-logits`` asks.
+def run_policy(opts: Options, raw, provider: str) -> fusion.Policy:
+    """The fusion policy of a run of ``opts`` on ``raw`` (an onnx_ir model) for ``provider``
+    (``"cpu"`` or ``"cuda"``): :func:`normexport.runtime.policy.fusion_policy` given what the
+    user chose (``--target``, ``--threads``, ``--last-token-logits``). The run and ``explain``
+    both ask this: a user's choice reaches the policy through this one call.
 
     Raises:
         UsageError: ``--last-token-logits`` and the first output is not 3-D.
     """
-    policy = fusion_policy(opts.target, provider, threads)
-    if not opts.last_token_logits:
-        return policy
+    last_rows = (_last_token_output(opts, raw),) if opts.last_token_logits else ()
+    return fusion_policy(opts.target, provider, opts.threads, last_rows=last_rows)
+
+
+def _last_token_output(opts: Options, raw) -> str:
+    """The output ``--last-token-logits`` keeps at its last position: the first, by name.
+
+    Raises:
+        UsageError: the first output is not 3-D.
+    """
     first = raw.graph.outputs[0]
     if first.shape is None or len(first.shape) != 3:
         shape = "unknown" if first.shape is None else f"({', '.join(map(str, first.shape))})"
@@ -117,4 +126,4 @@ def _policy(opts: Options, raw, provider: str, threads: int) -> fusion.Policy:
             f"that output ({first.name!r}, shape {shape}) is not (batch, sequence, vocabulary): "
             "drop the flag for this model"
         )
-    return dataclasses.replace(policy, last_rows=(first.name,))
+    return first.name

@@ -11,7 +11,7 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-from fusion._ir import opset_version
+from fusion.graph import opset_version
 from normexport.arguments import Options, check_options
 from normexport.errors import InputFileError, UsageError
 from normexport.io import examples, external

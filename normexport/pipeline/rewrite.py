@@ -202,7 +202,7 @@ def _passes(job: Job, raw: ir.Model, ref: Reference) -> fusion.FusionReport:
         InputFileError: a pass failed, and the ONNX checker rejects the input.
     """
     try:
-        return fusion.optimize(raw, **job.policy.keywords())
+        return fusion.optimize(raw, job.policy)
     except Exception as err:
         level, problem = ref.checker
         if level == "full":
@@ -223,7 +223,7 @@ def builder(
 
     def build(excluded):
         model = ir.load(ref.path)
-        report = fusion.optimize(model, **job.policy.keywords(), exclude=excluded | always)
+        report = fusion.optimize(model, job.policy, exclude=excluded | always)
         path = work / f"{folder}-{next(builds)}" / job.output.name
         path.parent.mkdir()
         files.save_model(model, path, external_data=job.external)
@@ -240,7 +240,7 @@ def tune(job: Job, ref: Reference, staged: Staged) -> Staged:
     counts = staged.fusions.counts
     if counts["attention_fused"] or counts["gqa_fused"] or counts["sdpa_fused"]:  # per shape
         unfused = ir.load(ref.path)
-        unfused_fusions = fusion.optimize(unfused, **job.policy.without_attention().keywords())
+        unfused_fusions = fusion.optimize(unfused, job.policy.without_attention())
         unfused_path = staged.path.with_name(autotune.ATTENTION_UNFUSED + ".onnx")
         files.save_model(unfused, unfused_path, external_data=True)
     tuned = autotune.autotune(

@@ -10,7 +10,7 @@ import onnxruntime
 import torch
 
 import fusion
-from fusion._ir import opset_version
+from fusion.graph import opset_version
 from normexport import precision, progress, runtime
 from normexport.arguments import Options, plan_outputs
 from normexport.errors import UsageError

@@ -69,7 +69,7 @@ class KeptFloat32:
 def decomposed_norm_nodes(graph: onnx.GraphProto, anchor: str) -> list[str]:
     """The nodes of a norm left decomposed, from its anchor (the division a norm fusion
     refused, found by its name or, for a node the exporter left unnamed, by its first output's:
-    :func:`fusion._ir.label`) up to the input its first reduction reads: the
+    :func:`fusion.graph.label`) up to the input its first reduction reads: the
     centring, the square, the reductions, eps and the root.
 
     Returns:

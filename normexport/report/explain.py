@@ -4,7 +4,7 @@ The question users ask most about these tools is "why wasn't my LayerNorm fused?
 for one model, each candidate the passes found: the norms the exporter already emitted as one
 op, each rewrite (what it became), and each candidate left alone with its reason. The passes run
 as a run of the main command on the same provider runs them (its fusion policy,
-:func:`normexport.runtime.latency.fusion_policy`), so the two never disagree.
+:func:`normexport.pipeline.job.run_policy`), so the two never disagree.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def from_report(
 
 def explain(model: ir.Model, policy: fusion.Policy | None = None) -> list[Finding]:
     """Run the passes on ``model`` (in place) under ``policy``, as a run with that policy runs
-    them (the CLI gives the run's, :func:`normexport.runtime.latency.fusion_policy`), and list
+    them (the CLI gives the run's, :func:`normexport.pipeline.job.run_policy`), and list
     what they found.
 
     Args:
@@ -92,7 +92,7 @@ def explain(model: ir.Model, policy: fusion.Policy | None = None) -> list[Findin
         policy: the fusion policy; None: :class:`fusion.Policy`'s defaults.
     """
     already = already_fused(model)
-    outcomes = fusion.optimize(model, **(policy or fusion.Policy()).keywords())
+    outcomes = fusion.optimize(model, policy)
     return from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
 
 

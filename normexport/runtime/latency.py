@@ -32,7 +32,6 @@ from typing import TypeVar
 import numpy as np
 import onnxruntime as ort
 
-import fusion
 from normexport.runtime.sessions import CUDA
 
 #: Bootstrap resamples for the confidence intervals.
@@ -239,14 +238,6 @@ def latency_threads() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
-
-
-def fusion_policy(target: str, provider: str, threads: int | None = None) -> fusion.Policy:
-    """The fusion policy of a model made for ``provider`` (``"cpu"`` or ``"cuda"``) with
-    ``threads`` intra-op threads (``--threads``; None: this machine's,
-    :func:`latency_threads`): :func:`fusion.registry.policy`. The run, ``explain`` and
-    ``bench`` all ask this."""
-    return fusion.registry.policy(target, provider, threads or latency_threads())
 
 
 class BoundRun:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from fusion._ir import opset_version, remove_nodes, replace_output
 from fusion.base import Op
+from fusion.graph import opset_version, remove_nodes, replace_output
 from fusion.registry import SKIP_NORM_OPS
 
 

@@ -5,8 +5,7 @@ Two things live here, both graph building (sessions are made by :mod:`normexport
 1. :func:`build_variants`: one exported model as each optimizer leaves it (:data:`VARIANTS`,
    and on request :data:`OPTIONAL_VARIANTS`: onnxslim, onnxsim); a variant that fails to build
    (or whose optional package is missing) is kept with its error, so one broken optimizer never
-   stops the comparison. normexport's own variant fuses as a run on the provider does
-   (:func:`normexport.runtime.latency.fusion_policy`).
+   stops the comparison. normexport's own variant fuses under the fusion policy it is given.
 2. :func:`op_model` and :func:`isolate_node`: one-op models for the forms microbenchmark and for
    the elementwise floor (one read, one write of the tensor: the memory-bound limit); the ops
    are defined where :mod:`normexport.tuning.forms` says.
@@ -29,13 +28,13 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 import fusion
-from fusion._ir import opset_version
 from fusion.base import MS_DOMAIN
+from fusion.graph import opset_version
 from fusion.registry import FUSION_KINDS
 from normexport import runtime
 from normexport.io.files import save_model
 from normexport.io.quiet import quiet, swallow_prints
-from normexport.runtime.latency import fusion_policy
+from normexport.runtime.policy import fusion_policy
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.
@@ -124,12 +123,12 @@ class Variant:
         }
 
 
-def _ort_offline(raw: Path, out: Path, provider: str, target: str) -> dict:
+def _ort_offline(raw: Path, out: Path, provider: str, policy: fusion.Policy) -> dict:
     runtime.make_session(raw, provider, optimized_model_path=str(out))
     return {}
 
 
-def _onnxscript_ort(raw: Path, out: Path, provider: str, target: str) -> dict:
+def _onnxscript_ort(raw: Path, out: Path, provider: str, policy: fusion.Policy) -> dict:
     from onnxscript.rewriter.ort_fusions import optimize_for_ort
 
     model, counts = optimize_for_ort(ir.load(raw))
@@ -137,7 +136,7 @@ def _onnxscript_ort(raw: Path, out: Path, provider: str, target: str) -> dict:
     return {k: v for k, v in counts.items() if v}
 
 
-def _ort_transformers(raw: Path, out: Path, provider: str, target: str) -> dict:
+def _ort_transformers(raw: Path, out: Path, provider: str, policy: fusion.Policy) -> dict:
     # onnxruntime.transformers puts its own folder on sys.path, whose `models` package would
     # then shadow a user's `models` (e.g. for --model-class): put sys.path back afterwards.
     saved = sys.path[:]
@@ -167,13 +166,13 @@ def _save_proto(model: onnx.ModelProto, out: Path) -> None:
     save_model(ir.from_proto(model), out, external_data=True)
 
 
-def _onnxslim(raw: Path, out: Path, provider: str, target: str) -> dict:
+def _onnxslim(raw: Path, out: Path, provider: str, policy: fusion.Policy) -> dict:
     slim = _optional("onnxslim").slim
     _save_proto(slim(onnx.load(raw)), out)  # onnx.load reads the external data beside raw
     return {}
 
 
-def _onnxsim(raw: Path, out: Path, provider: str, target: str) -> dict:
+def _onnxsim(raw: Path, out: Path, provider: str, policy: fusion.Policy) -> dict:
     simplify = _optional("onnxsim").simplify
     model, _ = simplify(onnx.load(raw))  # the flag is its own check's, off by default
     _save_proto(model, out)
@@ -183,9 +182,9 @@ def _onnxsim(raw: Path, out: Path, provider: str, target: str) -> dict:
     return {k: n for k, n in counts.items() if n}
 
 
-def _normexport(raw: Path, out: Path, provider: str, target: str) -> dict:
+def _normexport(raw: Path, out: Path, provider: str, policy: fusion.Policy) -> dict:
     model = ir.load(raw)
-    report = fusion.optimize(model, **fusion_policy(target, provider).keywords())
+    report = fusion.optimize(model, policy)
     save_model(model, out, external_data=True)
     fusion.check(out)
     return {
@@ -193,9 +192,9 @@ def _normexport(raw: Path, out: Path, provider: str, target: str) -> dict:
     }
 
 
-#: Variant name -> builder ``(raw .onnx, output .onnx, provider, target) -> details``; the
-#: raw export is its own variant, not a copy.
-_BUILDERS: dict[str, Callable[[Path, Path, str, str], dict]] = {
+#: Variant name -> builder ``(raw .onnx, output .onnx, provider, fusion policy) -> details``;
+#: the raw export is its own variant, not a copy.
+_BUILDERS: dict[str, Callable[[Path, Path, str, fusion.Policy], dict]] = {
     "ort_offline": _ort_offline,
     "onnxscript_ort": _onnxscript_ort,
     "ort_transformers": _ort_transformers,
@@ -210,7 +209,7 @@ def build_variants(
     provider: str,
     folder: Path,
     *,
-    target: str = "ort",
+    policy: fusion.Policy | None = None,
     only: list[str] | None = None,
 ) -> dict[str, Variant]:
     """Build every variant of :data:`VARIANTS` (or those in ``only``, which may also name
@@ -223,7 +222,8 @@ def build_variants(
             optimizer's ``use_gpu``, depend on it.
         folder: where the variants' files are written (``NAME.onnx`` and its external data);
             it must outlive the variants' use.
-        target: normexport's ``fusion.optimize`` target.
+        policy: normexport's variant's fusion policy; None: a run's for target ``"ort"``
+            (:func:`normexport.runtime.policy.fusion_policy`).
         only: variant names to build, in that order (default: all).
 
     Returns:
@@ -236,17 +236,18 @@ def build_variants(
         path = Path(folder) / "raw.onnx"
         save_model(raw, path, external_data=True)
         raw = path
+    policy = policy or fusion_policy("ort", provider)
     out = {}
     for name in only or list(VARIANTS):
         if name not in VARIANTS and name not in OPTIONAL_VARIANTS:
             known = list(VARIANTS) + list(OPTIONAL_VARIANTS)
             raise ValueError(f"unknown variant {name!r}: choose from {known}")
         path = Path(raw) if name == "ort_raw" else Path(folder) / f"{name}.onnx"
-        out[name] = _build(name, Path(raw), path, provider, target)
+        out[name] = _build(name, Path(raw), path, provider, policy)
     return out
 
 
-def _build(name: str, raw: Path, path: Path, provider: str, target: str) -> Variant:
+def _build(name: str, raw: Path, path: Path, provider: str, policy: fusion.Policy) -> Variant:
     """Variant ``name`` of the raw export at ``raw``, written to ``path`` by its builder (none
     for ``ort_raw``, which is ``raw`` itself); a failed build gives ``model=None`` and the
     error."""
@@ -259,7 +260,7 @@ def _build(name: str, raw: Path, path: Path, provider: str, target: str) -> Vari
             quiet("onnxscript", "onnxruntime", "fusion", "onnxslim", "onnxsim"),
             swallow_prints("stdout", "stderr"),
         ):
-            details = builder(raw, path, provider, target) if builder else {}
+            details = builder(raw, path, provider, policy) if builder else {}
     except Exception as err:  # a broken optimizer is a result, not a crash
         return Variant(name, None, error=f"{type(err).__name__}: {err}".strip())
     loaded = ir.load(path)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import torch
+from graphs import cpu_session, mismatch
 
-from normexport.io.export import export_module
-from normexport.runtime import make_session, run
-from normexport.verdict.parity import closeness
+from tests.fusion import exported
 
 SHAPE = (2, 3, 16)
 
@@ -28,8 +27,8 @@ def probes(shape=SHAPE, dtype=torch.float32) -> dict[str, torch.Tensor]:
 
 def assert_matches(out: np.ndarray, ref: np.ndarray, what: str, rtol: float = 1e-3) -> None:
     """No NaN/Inf where torch has none; max abs err <= 1e-4 + rtol * max |ref|."""
-    c = closeness(out, ref, atol=1e-4, rtol=rtol)
-    assert c.within, f"{what}: {c.describe()}"
+    why = mismatch(out, ref, atol=1e-4, rtol=rtol)
+    assert why is None, f"{what}: {why}"
 
 
 def module_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -41,11 +40,11 @@ def check_against_torch(
 ) -> None:
     """ORT on ``model`` matches ``module`` in eager mode on every probe (inputs of ``dtype``,
     by default the module's)."""
-    session = make_session(model, "cpu")
+    session = cpu_session(model)
     for name, x in probes(dtype=dtype or module_dtype(module)).items():
         with torch.no_grad():
             ref = module(x).float().numpy()
-        out = run(session, {"x": x.numpy()})[0].astype(np.float32)
+        out = session.run(None, {"x": x.numpy()})[0].astype(np.float32)
         assert_matches(out, ref, name, **kwargs)
 
 
@@ -54,7 +53,7 @@ def export(
 ) -> ir.Model:
     """Export ``module`` on the random probe (of ``dtype``, by default the module's)."""
     x = probes(dtype=dtype or module_dtype(module))["random"]
-    model = export_module(module, (x,), opset=opset, input_names=["x"], exporter=exporter).model
+    model = exported.export(module, (x,), opset=opset, input_names=["x"], exporter=exporter)
     assert model.opset_imports[""] == opset
     return model
 
@@ -65,9 +64,9 @@ def op_types(model: ir.Model) -> list[str]:
 
 def assert_within_float16_ulp(fused: ir.Model, unfused: ir.Model) -> None:
     """On every float16 probe the fused model is within one float16 ulp of the unfused one."""
-    fused_session, unfused_session = make_session(fused, "cpu"), make_session(unfused, "cpu")
+    fused_session, unfused_session = cpu_session(fused), cpu_session(unfused)
     for name, x in probes(dtype=torch.float16).items():
-        expected = run(unfused_session, {"x": x.numpy()})[0].astype(np.float32)
-        got = run(fused_session, {"x": x.numpy()})[0].astype(np.float32)
+        expected = unfused_session.run(None, {"x": x.numpy()})[0].astype(np.float32)
+        got = fused_session.run(None, {"x": x.numpy()})[0].astype(np.float32)
         ulp = 2.0**-10 * 2.0 ** np.floor(np.log2(np.maximum(np.abs(expected), 2.0**-14)))
         assert (np.abs(got - expected) <= ulp).all(), f"{name}: more than 1 float16 ulp apart"

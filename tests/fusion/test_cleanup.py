@@ -151,7 +151,7 @@ def test_a_pad_of_zeros_is_folded_into_the_conv_that_reads_it(rng):
 
 
 def test_the_clean_up_of_an_export_is_the_one_before_the_passes(rng):
-    """:func:`fusion.cleanup.cleanup_with_types` (normexport's export) folds what the passes'
+    """:func:`fusion.cleanup.cleanup_with_types` (a caller's export) folds what the passes'
     clean-up folds, so the passes leave a model they do not rewrite as it is; the types it
     inferred to do so are taken off again."""
     model = _affine(rng)

@@ -14,13 +14,12 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import cpu_session, mismatch
 from onnx import TensorProto, helper, numpy_helper
 
 from fusion.base import Code, FusionReport
 from fusion.fold_batchnorm import FoldBatchNorm
-from normexport.io.export import export_module
-from normexport.runtime import make_session, run
-from normexport.verdict.parity import closeness
+from tests.fusion import exported
 
 # Exports with PyTorch (seconds per test); the graph-level cases are in
 # test_fold_batchnorm_graphs.py.
@@ -31,8 +30,8 @@ torch.set_num_threads(1)
 
 def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
     """max |actual - expected| <= 1e-4 + 1e-4 * max |expected|, and all finite."""
-    c = closeness(actual, expected, atol=1e-4, rtol=1e-4)
-    assert c.within, c.describe()
+    why = mismatch(actual, expected, atol=1e-4, rtol=1e-4)
+    assert why is None, why
 
 
 def _randomize(module: torch.nn.Module) -> torch.nn.Module:
@@ -170,7 +169,7 @@ FOLDS = {
 def _export(module: torch.nn.Module, shape: tuple[int, ...]):
     torch.manual_seed(1)
     x = torch.randn(shape)
-    model = export_module(module, (x,), input_names=["x"], exporter="dynamo").model
+    model = exported.export(module, (x,), input_names=["x"])
     with torch.no_grad():
         eager = module(x).numpy()
     return model, {"x": x.numpy()}, eager
@@ -201,7 +200,7 @@ def test_folds_torch_module(name):
     module = _randomize(factory())
     model, feeds, eager = _export(module, shape)
     outputs = [v.name for v in model.graph.outputs]
-    unfolded = run(make_session(model), feeds)[0]
+    unfolded = cpu_session(model).run(None, feeds)[0]
     affine_ops = sum(op in ("BatchNormalization", "Mul", "Div") for op in _ops(model))
     assert affine_ops >= 1, "the export should contain the BatchNorm to fold"
 
@@ -215,7 +214,7 @@ def test_folds_torch_module(name):
     assert len(ops) == 1, ops  # only the linear layer is left (Gemm carries its bias)
     assert [v.name for v in model.graph.outputs] == outputs
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
-    folded = run(make_session(model), feeds)[0]
+    folded = cpu_session(model).run(None, feeds)[0]
     _assert_close(folded, eager)
     _assert_close(folded, unfolded)
     _assert_second_run_is_noop(model)
@@ -236,7 +235,7 @@ def _assert_refused_unchanged(
         assert refused[anchor].code == code, refused[anchor]
         for part in detail_parts:
             assert part in refused[anchor].detail, refused[anchor]
-    _assert_close(run(make_session(model), feeds)[0], eager)
+    _assert_close(cpu_session(model).run(None, feeds)[0], eager)
 
 
 def test_refuses_batchnorm_after_relu_crepe_style():
@@ -361,7 +360,7 @@ def _model(nodes, inits, x_shape, y_shape, opset: int) -> ir.Model:
 
 def _check_fold(model, x, reference, folded: int, gone: str) -> None:
     feeds = {"x": x}
-    unfolded = run(make_session(model), feeds)[0]
+    unfolded = cpu_session(model).run(None, feeds)[0]
     _assert_close(unfolded, reference.astype(np.float32))
     report, modified = _fold(model)
     assert modified
@@ -369,7 +368,7 @@ def _check_fold(model, x, reference, folded: int, gone: str) -> None:
     assert report.refused == []
     assert gone not in _ops(model), _ops(model)
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
-    result = run(make_session(model), feeds)[0]
+    result = cpu_session(model).run(None, feeds)[0]
     _assert_close(result, reference)
     _assert_close(result, unfolded)
     _assert_second_run_is_noop(model)
@@ -639,13 +638,13 @@ def test_folds_across_transpose_reshape_maxpool(name, exporter):
     module = _positive_scales(_randomize(factory()))
     torch.manual_seed(1)
     x = torch.randn(shape)
-    exported = export_module(
+    model = exported.export(
         module, (x,), input_names=["x"], exporter=exporter, dynamic_axes={"x": {0: "batch"}}
     )
-    model, feeds = exported.model, {"x": x.numpy()}
+    feeds = {"x": x.numpy()}
     with torch.no_grad():
         eager = module(x).numpy()
-    unfolded = run(make_session(model), feeds)[0]
+    unfolded = cpu_session(model).run(None, feeds)[0]
     assert {"BatchNormalization", "Mul"} & set(_ops(model))
 
     report, modified = _fold(model)
@@ -658,14 +657,14 @@ def test_folds_across_transpose_reshape_maxpool(name, exporter):
     if ops_left is not None:
         assert _ops(model) == ops_left
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
-    folded = run(make_session(model), feeds)[0]
+    folded = cpu_session(model).run(None, feeds)[0]
     _assert_close(folded, eager)
     _assert_close(folded, unfolded)
     _assert_second_run_is_noop(model)
     # the batch axis stays dynamic: another batch size gives the same answer as PyTorch
     x5 = torch.randn((5, *shape[1:]))
     with torch.no_grad():
-        _assert_close(run(make_session(model), {"x": x5.numpy()})[0], module(x5).numpy())
+        _assert_close(cpu_session(model).run(None, {"x": x5.numpy()})[0], module(x5).numpy())
 
 
 @pytest.mark.parametrize(
@@ -714,7 +713,7 @@ def test_refuses_reshape_with_unknown_shape():
     model = ir.from_proto(proto)
     x = rng.normal(size=(2, 3, 5)).astype(np.float32)
     feeds = {"x": x, "shape": np.array([-1, 6])}
-    expected = run(make_session(model), feeds)[0]
+    expected = cpu_session(model).run(None, feeds)[0]
     before = ir.to_proto(model).SerializeToString()
     report, modified = _fold(model)
     assert not modified
@@ -722,7 +721,7 @@ def test_refuses_reshape_with_unknown_shape():
     (refusal,) = report.refused
     assert (refusal.node, refusal.code) == ("bn_y", Code.CHANNELS_REGROUPED)
     assert "Reshape 'flatten' from (2, 3, 6) to (" in refusal.detail
-    _assert_close(run(make_session(model), feeds)[0], expected)
+    _assert_close(cpu_session(model).run(None, feeds)[0], expected)
 
 
 def _crepe(capacity: str):
@@ -741,7 +740,7 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
     bn = module.conv6_BN
     scale = (bn.weight / torch.sqrt(bn.running_var + bn.eps)).detach().numpy()
     x = torch.from_numpy(harmonic_frames(n_frames=3))
-    model = export_module(module, (x,), input_names=["audio"], exporter="dynamo").model
+    model = exported.export(module, (x,), input_names=["audio"])
     feeds = {"audio": x.numpy()}
     with torch.no_grad():
         eager = module(x).numpy()
@@ -765,7 +764,7 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
         assert last.code == Code.MAXPOOL_NEGATIVE_SCALE
         assert f"channel {k} has scale {scale[k]:.4g}" in last.detail
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
-    out = run(make_session(model), feeds)[0]
+    out = cpu_session(model).run(None, feeds)[0]
     _assert_close(out, eager)
     _assert_second_run_is_noop(model)
 
@@ -798,8 +797,8 @@ def test_scaling_counts_as_batchnorm_only_with_a_shift(per_channel, shift, kind,
     torch.manual_seed(0)
     module = ScaledLinear(per_channel, shift).eval()
     x = torch.randn(*shape)
-    model = export_module(module, [x], input_names=["x"], exporter="dynamo").model
+    model = exported.export(module, [x], input_names=["x"])
     report, modified = _fold(model)
     assert modified and dict(report.counts) == {kind: 1}
     assert "Mul" not in _ops(model)
-    _assert_close(run(make_session(model), {"x": x.numpy()})[0], module(x).detach().numpy())
+    _assert_close(cpu_session(model).run(None, {"x": x.numpy()})[0], module(x).detach().numpy())

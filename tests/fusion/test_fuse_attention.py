@@ -5,10 +5,10 @@ import onnx_ir as ir
 import pytest
 import torch
 import transformers
+from graphs import cpu_session
 
 import fusion
-from normexport.io.export import export_module
-from normexport.runtime import make_session, run
+from tests.fusion import exported
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,7 @@ def _export(module):
     feeds = _inputs()
     args = [torch.from_numpy(a) for a in feeds.values()]
     axes = {name: {0: "batch", 1: "sequence"} for name in feeds}
-    return export_module(
-        module, args, input_names=list(feeds), dynamic_axes=axes, exporter="dynamo"
-    ).model
+    return exported.export(module, args, input_names=list(feeds), dynamic_axes=axes)
 
 
 def _contrib_ops(model: ir.Model) -> list[str]:
@@ -60,12 +58,12 @@ def test_bert_layer_attention_and_gelu_fused_and_exact():
     assert {"Attention", "MultiHeadAttention"} & set(_contrib_ops(model))
     assert report.counts["layernorm_fused"] == 0  # BERT's LayerNorms are exported as one op
     fusion.check(model)
-    session = make_session(model, "cpu")
+    session = cpu_session(model)
     for batch, seq in ((3, 8), (1, 5)):  # also another size than the export's
         feeds = {k: v[:batch, :seq] for k, v in _inputs().items()}
         with torch.no_grad():
             expected = module(*(torch.from_numpy(a) for a in feeds.values())).numpy()
-        (got,) = run(session, feeds)
+        (got,) = session.run(None, feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5)
 
 
@@ -96,29 +94,10 @@ class TinyEpsDivide(torch.nn.Module):
 
 def test_an_eps_of_1e_8_outside_any_norm_survives():
     x = torch.zeros(2, 4, 8)
-    model = export_module(TinyEpsDivide(), [x], input_names=["x"], exporter="dynamo").model
+    model = exported.export(TinyEpsDivide(), [x], input_names=["x"])
     fusion.optimize(model, target="ort")
-    (got,) = run(make_session(model, "cpu"), {"x": x.numpy()})
+    (got,) = cpu_session(model).run(None, {"x": x.numpy()})
     assert np.isfinite(got).all() and not got.any()  # 0 / (0 + 1e-8) = 0, not NaN
-
-
-def test_autotune_offers_attention_unfused_and_it_is_exact(tmp_path):
-    from normexport.io.files import save_model
-    from normexport.tuning import autotune
-
-    module = TinyBert()
-    fused, unfused = _export(module), _export(module)
-    fusion.optimize(fused, target="ort")
-    fusion.optimize(unfused, target="ort", attention=False)
-    paths = {"fused": tmp_path / "fused.onnx", "unfused": tmp_path / "unfused.onnx"}
-    save_model(fused, paths["fused"], external_data=True)
-    save_model(unfused, paths["unfused"], external_data=True)
-    cands = autotune.candidates(paths["fused"], attention_unfused=paths["unfused"])
-    assert list(cands)[0] == "as_built"  # the default stays the fused model
-    assert autotune.ATTENTION_UNFUSED in cands
-    result = autotune.autotune(cands, _inputs(), budget_s=0.3)
-    assert result.rejected == {}  # the unfused forms agree with the fused one
-    assert set(result.timings) == set(cands)
 
 
 def test_llama_attention_takes_key_and_value_split_into_heads_and_is_exact():
@@ -126,10 +105,10 @@ def test_llama_attention_takes_key_and_value_split_into_heads_and_is_exact():
 
     module = TinyLlama()
     ids = np.random.default_rng(1).integers(0, CONFIG["vocab_size"], size=(2, 16))
-    model = export_module(
+    model = exported.export(
         module, [torch.from_numpy(ids)], input_names=["input_ids"],
-        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}}, exporter="dynamo",
-    ).model  # fmt: skip
+        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
+    )  # fmt: skip
     report = fusion.optimize(model, target="ort", gqa=False)  # GroupQueryAttention's otherwise
     mhas = [n for n in model.graph if n.op_type == "MultiHeadAttention"]
     assert report.counts["attention_fused"] == len(mhas) == CONFIG["num_hidden_layers"]
@@ -137,13 +116,13 @@ def test_llama_attention_takes_key_and_value_split_into_heads_and_is_exact():
         for kv in mha.inputs[1:3]:
             assert kv.shape is not None and len(kv.shape) == 4, kv
             assert kv.shape[1] == CONFIG["num_attention_heads"], kv
-    session = make_session(model, "cpu")
+    session = cpu_session(model)
     for batch, seq in ((2, 16), (3, 7)):
         feeds = {"input_ids": ids[:1].repeat(batch, 0)[:, :seq].copy()}
         feeds["input_ids"][-1] = ids[1, :seq]
         with torch.no_grad():
             expected = module(torch.from_numpy(feeds["input_ids"])).numpy()
-        (got,) = run(session, feeds)
+        (got,) = session.run(None, feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -187,12 +166,12 @@ def test_key_value_split_into_heads_passed_only_when_the_split_is_the_ops(heads_
         "k": rng.standard_normal((2, heads_in_source, 7, 64 // heads_in_source), np.float32),
         "v": rng.standard_normal((2, heads_in_source, 7, 64 // heads_in_source), np.float32),
     }
-    (before,) = run(make_session(model, "cpu"), feeds)
+    (before,) = cpu_session(model).run(None, feeds)
     fusion.optimize(model, target="ort")
     mha = next(n for n in model.graph if n.op_type == "MultiHeadAttention")
     passed = [kv.name for kv in mha.inputs[1:3]] == ["k", "v"]
     # 2 heads of 32 in x are not the op's 4 heads of 16: passing x would change the function
     assert passed == (heads_in_source == 4)
     assert sum(n.op_type == "Transpose" for n in model.graph) == (0 if passed else 2)
-    (after,) = run(make_session(model, "cpu"), feeds)
+    (after,) = cpu_session(model).run(None, feeds)
     np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)

@@ -9,11 +9,10 @@ import onnx_ir as ir
 import pytest
 import torch
 import transformers
+from graphs import cpu_session
 
 import fusion
-from fusion.registry import policy
-from normexport.io.export import export_module
-from normexport.runtime import make_session, run
+from tests.fusion import exported
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +61,7 @@ class Hidden(torch.nn.Module):
 
 def _export(module, args, names, **kwargs) -> ir.Model:
     tensors = [torch.from_numpy(a) for a in args]
-    return export_module(module, tensors, input_names=names, exporter="dynamo", **kwargs).model
+    return exported.export(module, tensors, input_names=names, **kwargs)
 
 
 def _gqa_nodes(model: ir.Model) -> list[ir.Node]:
@@ -81,7 +80,7 @@ def _assert_onnx_accepts(model: ir.Model) -> None:
 def _assert_matches_torch(module, model, feeds):
     with torch.no_grad():
         expected = module(*(torch.from_numpy(a) for a in feeds.values())).numpy()
-    (got,) = run(make_session(model, "cpu"), feeds)
+    (got,) = cpu_session(model).run(None, feeds)
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -114,12 +113,12 @@ def test_symbolic_lengths_get_the_models_own_rotation_and_are_exact_at_other_siz
     assert report.counts["gqa_fused"] == len(_gqa_nodes(model)) == 2, report.refused
     assert not [n for n in model.graph if n.op_type in ("Softmax", "LessOrEqual")]  # mask gone
     _assert_onnx_accepts(model)
-    session = make_session(model, "cpu")
+    session = cpu_session(model)
     for batch, length in ((2, 16), (1, 5), (3, 23)):  # 23: longer than the export's
         ids = np.random.default_rng(length).integers(0, COMMON["vocab_size"], (batch, length))
         with torch.no_grad():
             expected = module(torch.from_numpy(ids)).numpy()
-        (got,) = run(session, {"input_ids": ids})
+        (got,) = session.run(None, {"input_ids": ids})
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
 
 
@@ -189,7 +188,6 @@ def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():
         model = _export(Hidden("llama"), [IDS], ["input_ids"])
         report = fusion.optimize(model, target=target, attention=False, **options)
         assert report.counts["gqa_fused"] == 0 and not _gqa_nodes(model)
-    assert policy("ort", "cpu").gqa and not policy("ort", "cuda").gqa
     with pytest.raises(ValueError, match="target='ort'"):
         fusion.optimize(_export(Hidden("llama"), [IDS], ["input_ids"]), target="onnx", gqa=True)
 

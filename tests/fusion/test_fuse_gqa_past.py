@@ -8,12 +8,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import cpu_session
 
 import fusion
 from fusion.fuse_gqa import standard
-from fusion.registry import policy
 from models.llama import WithPast
-from normexport.runtime import make_session, run
 from tests.fusion import decoder_testing as dt
 
 pytestmark = pytest.mark.slow
@@ -45,11 +44,13 @@ def _optimized(family: str, tmp_path):
 
 
 def _assert_computes_the_export(model: ir.Model, path) -> None:
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     rng = np.random.default_rng(0)
     for point in dt.POINTS:
         feeds = dt.feeds(rng, *point)
-        for got, expected in zip(run(optimized, feeds), run(original, feeds), strict=True):
+        for got, expected in zip(
+            optimized.run(None, feeds), original.run(None, feeds), strict=True
+        ):
             np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5, err_msg=str(point))
 
 
@@ -147,15 +148,14 @@ def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_pa
     _assert_computes_the_export(model, path)
 
 
-def test_on_the_cpu_provider_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
-    """``skip="kv_cache"``, the CPU policy: a decode step's residual Adds and RMSNorms become
-    SkipSimplifiedLayerNormalization (a model without a cache keeps them: test_explain)."""
+def test_under_skip_kv_cache_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
+    """``skip="kv_cache"`` (the CPU provider's choice, with ``gqa`` and no transposed SDPA):
+    a decode step's residual Adds and RMSNorms become SkipSimplifiedLayerNormalization (a model
+    without a cache keeps them: the explain tests, test_explain.py)."""
     path = tmp_path / "model.onnx"
     _export_with_past(dt.causal_lm("llama"), path)
     model = ir.load(path)
-    cpu = policy("ort", "cpu")
-    assert cpu.skip == "kv_cache"
-    report = fusion.optimize(model, **cpu.keywords())
+    report = fusion.optimize(model, target="ort", skip="kv_cache", gqa=True, sdpa_transposed=False)
     assert report.counts["skip_fused"] == len(dt.nodes(model, "SkipSimplifiedLayerNormalization"))
     assert report.counts["skip_fused"] == 2 * dt.LAYERS  # before attention and MLP, one per layer
     _assert_computes_the_export(model, path)
@@ -168,7 +168,7 @@ def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(tmp_path):
     model = ir.load(path)
     fusion.optimize(model, target="ort")
     feeds = dt.feeds(np.random.default_rng(2), 2, 1, 9, 4)
-    got = run(make_session(model, "cpu"), feeds)
+    got = cpu_session(model).run(None, feeds)
     with torch.no_grad():
         expected = WithPast(module)(*(torch.from_numpy(a) for a in feeds.values()))
     assert got[1].shape == (2, dt.COMMON["num_key_value_heads"], 10, 16)
@@ -201,10 +201,10 @@ def test_a_prefill_with_an_attention_mask_input_takes_the_mask_as_the_ops_bias(t
     nodes = dt.nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert all(n.inputs[3] is not None for n in nodes)  # the model's mask, as computed
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     rng = np.random.default_rng(4)
     for batch, length, padding in ((2, 6, 0), (3, 9, 4), (1, 5, 0)):  # 4: rows all masked
         feeds = dt.feeds(rng, batch, length, 0, padding)
         feeds = {n: feeds[n] for n in ("input_ids", "attention_mask")}
-        (got,), (expected,) = run(optimized, feeds), run(original, feeds)
+        (got,), (expected,) = optimized.run(None, feeds), original.run(None, feeds)
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=2e-5)

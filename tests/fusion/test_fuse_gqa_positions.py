@@ -8,10 +8,10 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import cpu_session
 
 import fusion
 from models.llama import WithPositions
-from normexport.runtime import make_session, run
 from tests.fusion import decoder_testing as dt
 
 pytestmark = pytest.mark.slow
@@ -84,14 +84,16 @@ def test_tables_per_batch_row_become_rotary_embedding_caches_and_compute_the_exp
     assert len(rotations) == 2 * dt.LAYERS
     for node in rotations:  # (B, S, H/2) caches of the model's own rows: no position_ids
         assert len(node.inputs) == 3 and node.inputs[1].producer().op_type != "Expand"
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     rng = np.random.default_rng(5)
     for batch, length, past, padding in dt.POINTS:
         feeds = dt.feeds(rng, batch, length, past, padding)
         arbitrary = rng.integers(0, dt.COMMON["max_position_embeddings"], (batch, length))
         for positions in (_generate_positions(feeds["attention_mask"], length), arbitrary):
             inputs = _with_positions(feeds, positions)
-            for got, want in zip(run(optimized, inputs), run(original, inputs), strict=True):
+            for got, want in zip(
+                optimized.run(None, inputs), original.run(None, inputs), strict=True
+            ):
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5, err_msg=str(positions))
 
 

@@ -14,11 +14,9 @@ import pytest
 from graphs import ops, run
 from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, layernorm
 from onnx import TensorProto
-from rich.console import Console
 
 from fusion.base import Code
 from fusion.fuse_layernorm import FuseLayerNorm
-from normexport.report import explain
 
 H = SHAPE[-1]
 FLOAT = TensorProto.FLOAT
@@ -337,17 +335,6 @@ def test_cast_to_another_type_after_the_centering_is_no_layernorm():
     fusion_pass = FuseLayerNorm("onnx")
     assert not fusion_pass(model).modified
     assert not fusion_pass.outcomes.codes()  # no LayerNorm candidate at all
-
-
-def test_explain_says_the_norm_has_no_eps(rng):
-    g = Graph()
-    model = _model(g, _affine(g, rng, _written_layernorm(g, "x", eps=None)))
-    findings = explain.explain(model)
-    assert [f.outcome for f in findings] == ["fused", "note"]
-    console = Console(record=True, width=400)
-    explain.render(findings, "no eps", console)
-    text = console.export_text()
-    assert "epsilon 0" in text and "note: a LayerNorm with no eps" in text
 
 
 # The tutorials' order: g * (x - m) / sqrt(var + eps) + b, the weight before the division.

@@ -19,7 +19,7 @@ from graphs import assert_close, run
 from torch import nn
 
 import fusion
-from normexport.io.export import export_module
+from tests.fusion import exported
 
 pytestmark = pytest.mark.slow
 
@@ -141,7 +141,7 @@ def _example(name: str, rng: np.random.Generator) -> tuple[nn.Module, dict[str, 
 
 def _export(module, feeds, **kwargs) -> ir.Model:
     args = [torch.from_numpy(a) for a in feeds.values()]
-    return export_module(module, args, input_names=list(feeds), **kwargs).model
+    return exported.export(module, args, input_names=list(feeds), **kwargs)
 
 
 @pytest.mark.parametrize("name, attentions", [("sdpa", 4), ("libraries", 4)])

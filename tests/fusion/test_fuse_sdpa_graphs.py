@@ -5,6 +5,7 @@ alone with nothing said."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -13,7 +14,6 @@ from graphs import assert_close, make_model, ops, run
 from onnx import TensorProto
 
 import fusion
-from fusion import registry
 from fusion.base import Code
 from fusion.fuse_gqa.standard import ABOVE_LOWEST, LOWEST
 from fusion.fuse_layernorm import FuseLayerNorm
@@ -211,20 +211,18 @@ def test_yolo_transposed_query_and_output(rng):
 
 
 @pytest.mark.parametrize("target", ["ort", "onnx"])
-def test_the_cpu_policy_leaves_the_transposed_form_cudas_fuses_it(rng, target):
-    """``sdpa_transposed``: the CPU provider's policy leaves C2PSA's attention
-    (``transposed_form``: ONNX Runtime runs the MatMuls with the Transposes taken in, where
-    Attention needs four copies), the model as it was; CUDA's fuses it, exact."""
+def test_sdpa_transposed_false_leaves_the_transposed_form(rng, target):
+    """``sdpa_transposed=False`` leaves C2PSA's attention (``transposed_form``), the model as
+    it was; True fuses it, exact, on 2 threads too (the per-provider choice is the caller's:
+    the policy tests, test_policy.py)."""
     feeds = _feeds(rng, YOLO)
-    cpu, cuda = (registry.policy(target, provider, 2) for provider in ("cpu", "cuda"))
-    assert (cpu.sdpa_transposed, cuda.sdpa_transposed) == (False, True)
     model = _yolo()
     before = ops(model)
-    report = fusion.optimize(model, **cpu.keywords())
+    report = fusion.optimize(model, target=target, threads=2, sdpa_transposed=False)
     assert report.codes("attention") == [Code.TRANSPOSED_FORM], report.refused
     assert ops(model) == before and model.opset_imports[""] == 20
-    _fused(_yolo(), feeds, **cuda.keywords())
-    _fused(_yolo(), feeds, **(cpu.keywords() | {"sdpa_transposed": True}))
+    report, _ = _fused(_yolo(), feeds, target=target, threads=2, sdpa_transposed=True)
+    assert report.counts["sdpa_fused"] == 1
 
 
 def _row_masked(array: np.ndarray, value) -> np.ndarray:
@@ -606,7 +604,7 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
     report = fusion.optimize(model, target="onnx", sdpa=False)
     assert report.counts["sdpa_fused"] == 0 and not report.refused
     assert "Softmax" in ops(model)
-    assert fusion.Policy(threads=4).without_attention().keywords() == {
+    assert dataclasses.asdict(fusion.Policy(threads=4).without_attention()) == {
         "target": "ort",
         "skip": False,
         "attention": False,
@@ -625,8 +623,11 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
         fusion.Policy(sdpa_transposed=None)
     with pytest.raises(ValueError, match="last_rows='logits'"):
         fusion.Policy(last_rows="logits")
-    assert registry.policy("ort", "cpu", 4).threads == 4
-    assert registry.policy("ort", "cuda", 4).threads == 1
+    policy = fusion.Policy(threads=4)
+    report = fusion.optimize(_heads_model(1, 1)[0], policy, target="onnx", sdpa=False)
+    assert report.counts["sdpa_fused"] == 0  # the keywords replace the policy's fields
+    with pytest.raises(TypeError, match="bar"):
+        fusion.optimize(_heads_model(1, 1)[0], policy, bar=1)
 
 
 E = N * H  # the width before the split into heads

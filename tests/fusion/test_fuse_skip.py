@@ -16,14 +16,14 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import cpu_session
 from norm_testing import assert_matches
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
 from fusion.base import Code, FusionReport
 from fusion.fuse_skip import SKIP_OPS, FuseSkip
-from normexport.io.export import export_module
-from normexport.runtime import make_session, run
+from tests.fusion import exported
 
 pytestmark = pytest.mark.slow
 
@@ -130,12 +130,10 @@ def test_fuses_torch_module(name, exporter):
     module = factory().eval()
     x, y = (torch.randn(B, S, H) for _ in range(2))
     opset = 23 if norm_op == "RMSNormalization" else 17
-    model = export_module(
-        module, (x, y), input_names=["x", "y"], exporter=exporter, opset=opset
-    ).model
+    model = exported.export(module, (x, y), input_names=["x", "y"], exporter=exporter, opset=opset)
     assert [op for op in _ops(model) if op in ("Add", norm_op)][:2] == ["Add", norm_op]
     outputs = [v.name for v in model.graph.outputs]
-    unfused = make_session(model)
+    unfused = cpu_session(model)
 
     report, modified = _fuse(model)
 
@@ -151,14 +149,14 @@ def test_fuses_torch_module(name, exporter):
     assert model.opset_imports["com.microsoft"] == 1
     assert [v.name for v in model.graph.outputs] == outputs
     fusion.check(model)
-    session = make_session(model)
+    session = cpu_session(model)
     for probe, (a, b) in _probes().items():
         with torch.no_grad():
             eager = module(torch.from_numpy(a), torch.from_numpy(b)).numpy()
         feeds = {"x": a, "y": b}
-        out = run(session, feeds)[0]
+        out = session.run(None, feeds)[0]
         assert_matches(out, eager, f"{probe} vs torch", rtol=1e-3)
-        assert_matches(out, run(unfused, feeds)[0], f"{probe} vs unfused", rtol=1e-3)
+        assert_matches(out, unfused.run(None, feeds)[0], f"{probe} vs unfused", rtol=1e-3)
     _assert_second_run_is_noop(model)
 
 
@@ -241,7 +239,7 @@ def test_fuses_graph(op, shapes):
     concrete = [tuple(3 if d == "batch" else d for d in s) for s in SHAPES[shapes]]
     a, b = (rng.normal(size=s).astype(np.float32) for s in concrete)
     feeds = {"a": a, "b": b}
-    unfused = run(make_session(model), feeds)[0]
+    unfused = cpu_session(model).run(None, feeds)[0]
 
     report, modified = _fuse(model)
 
@@ -252,7 +250,7 @@ def test_fuses_graph(op, shapes):
     assert (data, residual) == (("b", "a") if shapes == "skip_1SH_first" else ("a", "b"))
     assert skip.attributes["epsilon"].value == np.float32(1e-5)
     fusion.check(model)
-    fused = run(make_session(model), feeds)[0]
+    fused = cpu_session(model).run(None, feeds)[0]
     assert_matches(fused, _reference(op, a, b, model), "vs float64")
     assert_matches(fused, unfused, "vs unfused")
     _assert_second_run_is_noop(model)
@@ -265,7 +263,7 @@ def test_sum_read_elsewhere_comes_from_output_3_and_keeps_its_graph_output_name(
     )
     rng = np.random.default_rng(3)
     feeds = {k: rng.normal(size=(B, S, H)).astype(np.float32) for k in "ab"}
-    expected = run(make_session(model), feeds)
+    expected = cpu_session(model).run(None, feeds)
 
     report, modified = _fuse(model)
 
@@ -277,10 +275,10 @@ def test_sum_read_elsewhere_comes_from_output_3_and_keeps_its_graph_output_name(
     assert [v.name for v in model.graph.outputs] == ["y", "sum", "squared"]
     fusion.check(model)
     for got, want, what in zip(
-        run(make_session(model), feeds), expected, ["y", "sum", "sq"], strict=True
+        cpu_session(model).run(None, feeds), expected, ["y", "sum", "sq"], strict=True
     ):
         assert_matches(got, want, what)
-    np.testing.assert_array_equal(run(make_session(model), feeds)[1], feeds["a"] + feeds["b"])
+    np.testing.assert_array_equal(cpu_session(model).run(None, feeds)[1], feeds["a"] + feeds["b"])
 
 
 @pytest.mark.parametrize("op", NORMS)
@@ -288,13 +286,13 @@ def test_fuses_float16(op):
     model = _graph_model(op, ((B, S, H),) * 2, dtype=TensorProto.FLOAT16)
     rng = np.random.default_rng(4)
     feeds = {k: rng.normal(size=(B, S, H)).astype(np.float16) for k in "ab"}
-    unfused = run(make_session(model), feeds)[0]
+    unfused = cpu_session(model).run(None, feeds)[0]
 
     report, modified = _fuse(model)
 
     assert modified, report.refused
     fusion.check(model)
-    fused = run(make_session(model), feeds)[0]
+    fused = cpu_session(model).run(None, feeds)[0]
     assert fused.dtype == np.float16
     reference = _reference(op, feeds["a"], feeds["b"], model)
     # one float16 ulp at the output's magnitude (the op adds in float32 without rounding the sum)

@@ -4,7 +4,7 @@ PyTorch, no TensorFlow, no JAX): tf2onnx's TensorFlow moments (the mean as
 mean subtracted after it, batch-norm style), jax2onnx's Flax variance ``max(0, E[x^2] -
 E[x]^2)``, and ``Pow(., -0.5)``. Each fused graph runs on ONNX Runtime before and after the pass
 (random inputs, randomized weight and bias); each look-alike is refused by its code, the graph
-left as it was. The exporters' own files: ``tests/normexport/test_exporter_files.py``."""
+left as it was. The exporters' own files: the main command's tests, ``test_exporter_files.py``."""
 
 from __future__ import annotations
 

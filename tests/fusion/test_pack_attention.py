@@ -6,10 +6,10 @@ import onnx_ir as ir
 import pytest
 import torch
 import transformers
+from graphs import cpu_session
 
 import fusion
-from normexport.io.export import export_module
-from normexport.runtime import make_session, run
+from tests.fusion import exported
 
 HIDDEN, HEADS = 64, 4
 FLOAT = ir.TensorType(ir.DataType.FLOAT)
@@ -90,7 +90,7 @@ def _feeds(model: ir.Model) -> dict[str, np.ndarray]:
 def test_self_attention_over_projections_of_one_input_is_packed_and_exact(with_bias):
     model = _mha_model(cross=False, with_bias=with_bias, padding_mask=False)
     feeds = _feeds(model)
-    (before,) = run(make_session(model, "cpu"), feeds)
+    (before,) = cpu_session(model).run(None, feeds)
     fusion.optimize(model, target="ort")
     ops = [n.op_type for n in model.graph]
     assert ops.count("Attention") == 1 and "MultiHeadAttention" not in ops, ops
@@ -98,7 +98,7 @@ def test_self_attention_over_projections_of_one_input_is_packed_and_exact(with_b
     (node,) = [n for n in model.graph if n.op_type == "Attention"]
     assert node.attributes["scale"].value == pytest.approx(0.3)
     assert (len(node.inputs) > 5 and node.inputs[5] is not None) == with_bias
-    (after,) = run(make_session(model, "cpu"), feeds)
+    (after,) = cpu_session(model).run(None, feeds)
     np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
 
 
@@ -106,11 +106,11 @@ def test_self_attention_over_projections_of_one_input_is_packed_and_exact(with_b
 def test_cross_attention_and_a_key_padding_mask_keep_multi_head_attention(cross, padding_mask):
     model = _mha_model(cross=cross, with_bias=False, padding_mask=padding_mask)
     feeds = _feeds(model)
-    (before,) = run(make_session(model, "cpu"), feeds)
+    (before,) = cpu_session(model).run(None, feeds)
     fusion.optimize(model, target="ort")
     ops = [n.op_type for n in model.graph]
     assert "Attention" not in ops and ops.count("MultiHeadAttention") == 1, ops
-    (after,) = run(make_session(model, "cpu"), feeds)
+    (after,) = cpu_session(model).run(None, feeds)
     np.testing.assert_allclose(after, before, rtol=1e-6, atol=1e-6)
 
 
@@ -127,14 +127,14 @@ def test_a_vit_exported_by_torch_gets_packed_attention_and_stays_exact():
             if "layernorm" in name or "bias" in name:
                 p.copy_(0.3 * torch.randn_like(p) + ("weight" in name))
     pixels = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
-    model = export_module(
+    model = exported.export(
         module, [torch.from_numpy(pixels)], input_names=["pixel_values"],
-        dynamic_axes={"pixel_values": {0: "batch"}}, exporter="dynamo",
-    ).model  # fmt: skip
+        dynamic_axes={"pixel_values": {0: "batch"}},
+    )  # fmt: skip
     report = fusion.optimize(model, target="ort")
     attention = [n for n in model.graph if n.op_type == "Attention"]
     assert report.counts["attention_fused"] == len(attention) == 2, report
     with torch.no_grad():
         expected = module(pixel_values=torch.from_numpy(pixels)).last_hidden_state.numpy()
-    (got,) = run(make_session(model, "cpu"), {"pixel_values": pixels})
+    (got,) = cpu_session(model).run(None, {"pixel_values": pixels})
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)

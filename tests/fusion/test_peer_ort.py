@@ -7,9 +7,9 @@ run the full checker (:func:`fusion.check`), compare the targeted op counts with
 expectation, and run the original file and the optimized model on ONNX Runtime's CPU provider
 with its own graph optimizations disabled, on seeded random inputs.
 
-Where normexport and ORT's fusion disagree, the case is named below with the reason, and the
+Where these passes and ORT's fusion disagree, the case is named below with the reason, and the
 reason is found in the report: a pattern ORT fuses that is not exactly one op (exactness is the
-rule here), or one ORT refuses for reasons of its own that normexport fuses exactly (the parity
+rule here), or one ORT refuses for reasons of its own that the passes fuse exactly (the parity
 run proves it). The graph-level tests at the end build small models with onnx.helper.
 """
 
@@ -24,12 +24,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from graphs import cpu_session
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
-from fusion._ir import const_array
 from fusion.cleanup import cleanup
-from normexport.runtime import make_session
+from fusion.graph import const_array
 
 PEER = Path(__file__).parents[2].parent / "shared/peer/ort"
 EXPECTATIONS = PEER / "expectations.json"
@@ -43,7 +43,7 @@ TARGET_OP = {
     "MatmulBNFusion": "BatchNormalization",
 }
 
-#: Positive cases (ORT fuses) that normexport leaves unfused or fuses differently: case ->
+#: Positive cases (ORT fuses) that the passes leave unfused or fuse differently: case ->
 #: a piece of the report (a refusal reason or what a fusion became) that says why.
 ACCEPTED_UNFUSED = {
     # The whole norm computes in float16 (eps too). ORT's LayerNormalization kernel computes in
@@ -78,7 +78,7 @@ ACCEPTED_UNFUSED = {
     "skip_layer_norm_no_beta_with_cast.onnx": "not the data type FLOAT16",
 }
 
-#: Negative cases (ORT does not fuse) that normexport fuses exactly: case -> why ORT refuses,
+#: Negative cases (ORT does not fuse) that the passes fuse exactly: case -> why ORT refuses,
 #: and a piece of the report that shows the fusion. The parity run is the proof.
 ACCEPTED_FUSED = {
     # An Identity between MatMul and BatchNormalization: ORT's pattern does not look through it;
@@ -99,7 +99,7 @@ ACCEPTED_FUSED = {
     # removes first; the sum then has one reader, the norm.
     "skip_layer_norm_format3_no_fusion.onnx": "SkipLayerNormalization",
     # The sum is also a graph output: ORT's fusion does not use the Skip op's output 3
-    # (input_skip_bias_sum); normexport gives that output to the graph output.
+    # (input_skip_bias_sum); the passes give that output to the graph output.
     "skip_layer_norm_format3_graph_output.onnx": "with the sum as output 3",
 }
 
@@ -168,7 +168,7 @@ def feeds(proto: onnx.ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
 def run_ort(model: ir.Model | bytes, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
     """ONNX Runtime's CPU provider with its own graph optimizations off."""
     level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    session = make_session(model, "cpu", optimization_level=level)
+    session = cpu_session(model, level)
     return session.run(None, inputs)
 
 

@@ -9,14 +9,13 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
+from graphs import cpu_session
 from norm_graphs import Graph
 from onnx import TensorProto
 
 import fusion
-from fusion._ir import KnownShapes
-from fusion._symbolic import symbolic_shapes
+from fusion.graph import KnownShapes, symbolic_shapes
 from fusion.simplify import composed_axes
-from normexport.runtime import make_session, run
 
 
 def _unsqueezed(shape: tuple, axes: list[int]) -> tuple:
@@ -92,7 +91,7 @@ def test_indexing_by_aranges_is_a_slice_and_computes_the_gather(form, fused, tmp
     assert after["GatherND"] == (0 if fused else 1), after
     if fused:
         assert sum(after.values()) < sum(before.values()) - 3, (before, after)
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     rng = np.random.default_rng(0)
     # keys = length + 1: equal to the mask's width, then a block narrower than the mask
     for batch, length, total in ((2, 5, 6), (3, 1, 2), (1, 7, 9), (4, 0, 3)):
@@ -102,7 +101,7 @@ def test_indexing_by_aranges_is_a_slice_and_computes_the_gather(form, fused, tmp
         }
         if form == "from_one" and length + 1 >= total:
             continue  # arange(1, keys + 1) is out of the mask's bounds there
-        expected, got = run(original, feeds)[0], run(optimized, feeds)[0]
+        expected, got = original.run(None, feeds)[0], optimized.run(None, feeds)[0]
         assert got.shape == expected.shape and np.array_equal(got, expected), (batch, length)
 
 
@@ -119,9 +118,9 @@ def _torchscript(module: torch.nn.Module, example: tuple, axes: dict, path) -> i
 def _assert_computes_the_file(model: ir.Model, path, inputs: list[dict]) -> None:
     """``model`` gives the outputs of the file at ``path`` on ONNX Runtime, element for element
     (the same dtype and shape), for each of ``inputs``."""
-    optimized, original = make_session(model, "cpu"), make_session(ir.load(path), "cpu")
+    optimized, original = cpu_session(model), cpu_session(ir.load(path))
     for feeds in inputs:
-        for got, want in zip(run(optimized, feeds), run(original, feeds), strict=True):
+        for got, want in zip(optimized.run(None, feeds), original.run(None, feeds), strict=True):
             assert got.shape == want.shape, feeds
             np.testing.assert_array_equal(got, want)
 
@@ -182,8 +181,8 @@ def test_slices_that_tile_an_axis_are_one_split_after_the_passes(form, split, tm
     ops = collections.Counter(n.op_type for n in model.graph)
     assert (ops["Split"], ops["Slice"]) == ((1, 0) if split else (0, 2))
     feeds = {"x": np.random.default_rng(0).standard_normal((3, 3, 10)).astype(np.float32)}
-    original = run(make_session(ir.load(path), "cpu"), feeds)
-    for got, expected in zip(run(make_session(model, "cpu"), feeds), original, strict=True):
+    original = cpu_session(ir.load(path)).run(None, feeds)
+    for got, expected in zip(cpu_session(model).run(None, feeds), original, strict=True):
         assert np.array_equal(got, expected)
 
 
@@ -272,8 +271,8 @@ def test_neutral_elements_read_the_other_operand(build, x, kept):
     fusion.cleanup(model)
     counts = collections.Counter(n.op_type for n in model.graph)
     assert {op: counts[op] for op in kept} == kept, counts
-    expected = run(make_session(build(), "cpu"), {"x": x})
-    for got, want in zip(run(make_session(model, "cpu"), {"x": x}), expected, strict=True):
+    expected = cpu_session(build()).run(None, {"x": x})
+    for got, want in zip(cpu_session(model).run(None, {"x": x}), expected, strict=True):
         assert got.shape == want.shape
         np.testing.assert_array_equal(got, want)
         assert (np.signbit(got) == np.signbit(want)).all()
@@ -299,7 +298,7 @@ def _export_sizes(path) -> ir.Model:
 
 def test_known_shapes_give_the_count_of_a_minus_one_split(tmp_path):
     """ONNX's inference leaves the ``-1`` of ``view(b, s, -1, 8)`` unknown; ONNX Runtime's
-    symbolic inference (fusion._symbolic) computes it from the target's sizes."""
+    symbolic inference (fusion.graph.symbolic_shapes) computes it from the target's sizes."""
     model = _export_sizes(tmp_path / "sizes.onnx")
     reshape = next(n for n in model.graph if n.op_type == "Reshape")
     assert reshape.outputs[0].shape is None

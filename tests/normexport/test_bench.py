@@ -135,7 +135,7 @@ def test_sweep_points_grid_and_cross():
 def test_build_variants_builds_all_and_records_a_broken_one(monkeypatch, tmp_path):
     raw, _, _ = raw_export()
 
-    def broken(raw, out, provider, target):
+    def broken(raw, out, provider, policy):
         raise RuntimeError("optimizer exploded")
 
     monkeypatch.setitem(variants._BUILDERS, "onnxscript_ort", broken)

@@ -202,8 +202,8 @@ def test_wrong_model_fails_parity_and_exits_1(capsys, pickled, monkeypatch, tmp_
     """A deliberately broken optimizer: the parity check must catch it."""
     real_optimize = fusion.optimize
 
-    def broken_optimize(model, **kwargs):
-        report = real_optimize(model, **kwargs)
+    def broken_optimize(model, *args, **kwargs):
+        report = real_optimize(model, *args, **kwargs)
         conv = next(n for n in model.graph if n.op_type == "Conv")
         weight = conv.inputs[1].const_value
         conv.inputs[1].const_value = ir.tensor(weight.numpy() * 1.01, name=weight.name)

@@ -1,7 +1,7 @@
 """``normexport explain`` against the run: on every provider, explain lists what the run's passes
 do to the same graph, with the run's policies (the Skip fusion's per provider:
-``fusion.registry.policy``). Graphs built node by node; no PyTorch export, no session on
-the model."""
+``normexport.runtime.policy.fusion_policy``). Graphs built node by node; no PyTorch export, no
+session on the model."""
 
 from __future__ import annotations
 
@@ -10,11 +10,13 @@ import onnx_ir as ir
 import pytest
 from graphs import make_model
 from onnx import TensorProto
+from rich.console import Console
 
 import fusion
-from fusion.registry import SKIP_PROVIDERS, policy
 from normexport import cli, runtime
 from normexport.report import explain
+from normexport.runtime.policy import SKIP_PROVIDERS
+from normexport.runtime.policy import fusion_policy as policy
 from tests.fusion.test_merge_branches_graphs import MERGED, Block
 
 SHAPE = (2, 5, 16)
@@ -44,7 +46,7 @@ def _residual_layernorm() -> ir.Model:
 def test_explain_and_the_run_agree_on_each_provider(provider):
     ran = _residual_layernorm()
     already = explain.already_fused(ran)
-    outcomes = fusion.optimize(ran, **policy("ort", provider).keywords())  # the run's
+    outcomes = fusion.optimize(ran, policy("ort", provider))  # the run's
     explained = _residual_layernorm()
     findings = explain.explain(explained, policy("ort", provider))
     assert findings == explain.from_report(outcomes.fused, outcomes.refused, already)
@@ -126,3 +128,34 @@ def test_explain_names_a_merge_reparam_not_batchnorm(rng):
     block = Block(rng)
     findings = explain.explain(block.model(build(block)))
     assert {f.kind for f in findings if f.outcome == "fused"} == {"reparam", "batchnorm"}
+
+
+def _layernorm_without_eps() -> ir.Model:
+    """``(x - m) / sqrt(var) * w + b`` over the last axis, no eps: what ``torch.onnx.export``'s
+    own optimizer leaves of an eps of 1e-8."""
+    rng = np.random.default_rng(0)
+    nodes = [
+        ("ReduceMean", ["x", "axes"], ["m"], {}),
+        ("Sub", ["x", "m"], ["d"], {}),
+        ("Mul", ["d", "d"], ["sq"], {}),
+        ("ReduceMean", ["sq", "axes"], ["v"], {}),
+        ("Sqrt", ["v"], ["den"], {}),
+        ("Div", ["d", "den"], ["normed"], {}),
+        ("Mul", ["normed", "w"], ["scaled"], {}),
+        ("Add", ["scaled", "b"], ["y"], {}),
+    ]
+    params = {
+        "axes": np.array([-1], np.int64),
+        "w": (1 + 0.5 * rng.standard_normal(SHAPE[-1])).astype(np.float32),
+        "b": rng.standard_normal(SHAPE[-1]).astype(np.float32),
+    }
+    return make_model(nodes, {"x": (F, SHAPE)}, {"y": (F, SHAPE)}, params)
+
+
+def test_explain_says_the_norm_has_no_eps():
+    findings = explain.explain(_layernorm_without_eps())
+    assert [f.outcome for f in findings] == ["fused", "note"]
+    console = Console(record=True, width=400)
+    explain.render(findings, "no eps", console)
+    text = console.export_text()
+    assert "epsilon 0" in text and "note: a LayerNorm with no eps" in text
