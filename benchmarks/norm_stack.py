@@ -46,8 +46,8 @@ from torch import nn
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
 from normexport import report, runtime
+from normexport.bench.bench_options import BenchOptions
 from normexport.bench.measure import bench_model
-from normexport.bench.options import BenchOptions
 from normexport.bench.render import fmt_ratio, render
 from normexport.bench.results import BenchResult
 from normexport.io.export import export_module

@@ -64,7 +64,7 @@ class Options:
         model_kwargs: ``model_class``'s constructor arguments (``--model-kwargs``, a JSON
             object), or None.
         budget_s: seconds of timed runs to aim for, in all (``--budget``; ``normexport bench``
-            has its own default, :data:`normexport.bench.options.BENCH_BUDGET_S`).
+            has its own default, :data:`normexport.bench.bench_options.BENCH_BUDGET_S`).
         run_timeout: seconds an ONNX Runtime run of the verdict may take before it is
             cancelled (``--run-timeout``; :class:`normexport.errors.RunTimedOut`, exit 2).
         autotune: time the exact alternative forms of the optimized model (and the ORT

@@ -25,9 +25,9 @@ from normexport.arguments import (
     options_from_args,
     parse_dynamic,
 )
+from normexport.bench.bench_options import BENCH_BUDGET_S, BenchOptions
 from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import bench_model
-from normexport.bench.options import BENCH_BUDGET_S, BenchOptions
 from normexport.bench.render import render, write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, UsageError

@@ -12,8 +12,8 @@ import onnx_ir as ir
 
 import fusion
 from normexport import runtime
+from normexport.bench.bench_options import BenchOptions, sweep_points
 from normexport.bench.floor import norm_floor
-from normexport.bench.options import BenchOptions, sweep_points
 from normexport.bench.results import BenchResult, BenchVariant, Floor, Machine, Point, VsBest
 from normexport.errors import one_line
 from normexport.io.eager import Eager
@@ -45,7 +45,7 @@ def bench_model(
         example: example inputs by graph input name; resized per point by
             :func:`resize_inputs` (None keeps the example's size).
         options: the points, provider and budget (default:
-            :class:`~normexport.bench.options.BenchOptions`).
+            :class:`~normexport.bench.bench_options.BenchOptions`).
         module: the PyTorch model for the eager entry, or None.
         extra: models of the caller's own to time beside the variants
             (:meth:`normexport.tuning.variants.Variant.extra`); not counted as optimizers in

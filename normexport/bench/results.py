@@ -14,7 +14,7 @@ import onnxruntime
 import torch
 
 from normexport import runtime
-from normexport.bench.options import BenchOptions
+from normexport.bench.bench_options import BenchOptions
 from normexport.report import Versions
 from normexport.runtime.latency import Ratio, Timing
 from normexport.tuning.variants import Variant

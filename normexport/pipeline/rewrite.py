@@ -1,49 +1,28 @@
-"""The stages that make the output: take the reference, run the passes (the rewrites that ONNX
-Runtime rejects or that change the function undone), autotune, convert to half precision.
-
-Every model lives on file in the run's scratch folder; each stage returns a new
-:class:`Staged` that names the file it stands for.
+"""The stages that change the output, each returning a new :class:`Staged` that names the file
+it stands for in the run's scratch folder: optimize (the passes; the rewrites that ONNX Runtime
+rejects or that change the function undone), autotune, and the conversion to half precision.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import os
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
 import fusion
-from normexport import precision, progress, runtime
-from normexport.errors import InputFileError, RunTimedOut, UsageError, one_line
+from normexport import precision, progress
+from normexport.errors import InputFileError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job
+from normexport.pipeline.raw_model import RawModel
 from normexport.tuning import autotune
 from normexport.verdict import rollback
-from normexport.verdict.checker import Checker, check_output, checker_level
-from normexport.verdict.parity import ParityResult, Recorded
+from normexport.verdict.checker_levels import Checker, check_output
+from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
-
-
-@dataclasses.dataclass(frozen=True)
-class Reference:
-    """The model the output is compared with, on file.
-
-    Attributes:
-        path: the input file (ONNX input) or the raw export saved in the scratch folder.
-        raw: it, run as written (:func:`normexport.runtime.check_session`, opened on demand,
-            its outputs recorded per input set; ``raw.close()`` frees its session).
-        checker: how far the ONNX checker accepts it, and its complaint
-            (:func:`normexport.verdict.checker.checker_level`; ``("full", None)`` for an export).
-    """
-
-    path: Path
-    raw: Recorded
-    checker: tuple[str, str | None] = ("full", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,87 +54,7 @@ class Staged:
         return self.tuned.disabled_optimizers if self.tuned else ()
 
 
-def reference(job: Job, raw: ir.Model, work: Path) -> Reference:
-    """The model the output is compared with, on file: for ONNX input the input itself (loaded
-    as written, run once on the example, checked; its session freed), else the raw export
-    saved into ``work``.
-
-    Raises:
-        InputFileError: ONNX Runtime cannot load the input file.
-        UsageError: ONNX Runtime cannot run the input file as given.
-    """
-    if job.loaded.kind != "onnx":
-        path = work / "raw.onnx"
-        files.save_model(raw, path, external_data=True)
-        return Reference(path, _recorded(runtime.OnDemand(path, job.provider)))
-    path = Path(job.opts.model)
-    session = runtime.OnDemand(path, job.provider)
-    _opens(session, path)
-    recorded = _recorded(session)
-    try:
-        _runs_as_given(recorded, job.sets["example"], path, _hint(job.opts))
-    finally:
-        recorded.close()
-    return Reference(path, recorded, checker_level(path))
-
-
-def _recorded(session: runtime.OnDemand) -> Recorded:
-    """The model of ``session`` run as written, its outputs recorded; ``close()`` frees it."""
-    run = functools.partial(runtime.run, quiet=True, kept=True)
-    return Recorded(lambda feeds: run(session.open(), feeds), session.close)
-
-
-def _opens(session: runtime.OnDemand, path: Path) -> None:
-    """Open the input file's session: a file ONNX Runtime cannot load is the user's to fix.
-
-    Raises:
-        InputFileError: ONNX Runtime cannot load ``path``.
-    """
-    try:
-        session.open()
-    except runtime.ProviderUnavailable:
-        raise
-    except Exception as err:  # ORT raises its own error types for a bad file
-        raise InputFileError(
-            f"{path}: ONNX Runtime cannot load this model ({one_line(err)}); normexport "
-            "optimizes models that ONNX Runtime runs: fix or re-export it"
-        ) from None
-
-
-def _hint(opts: Any) -> str:
-    """What to check where the input file fails on the example inputs: the inputs the user
-    gave, the sizes of the symbolic axes, or the file itself."""
-    if opts.input_shape or opts.inputs:
-        return "check --input-shape / --inputs against the model's inputs"
-    if getattr(opts, "dim", None):
-        return (
-            "check that the --dim sizes agree with one another (a mask over the past and the "
-            "new tokens has as many positions as the two together)"
-        )
-    return "fix or re-export it"
-
-
-def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, hint: str) -> None:
-    """Run the input file once on the example inputs, before anything is optimized: a model
-    that ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
-    user's to fix, not a parity failure. ``hint``: what to check (:func:`_hint`).
-
-    Raises:
-        UsageError: ONNX Runtime fails on it, naming the inputs that were given.
-    """
-    try:
-        raw(feeds)  # the failure is reported once, by us
-    except RunTimedOut as err:  # said as it is: the model ran, too long
-        raise RunTimedOut(f"{path}: {err}") from None
-    except Exception as err:  # ORT's own error types
-        shapes = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
-        raise UsageError(
-            f"{path}: ONNX Runtime cannot run this model as given on inputs {shapes} "
-            f"({one_line(err)}); {hint}"
-        ) from None
-
-
-def rewrite(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -> Staged:
+def optimize(job: Job, raw: ir.Model, ref: RawModel, judge: Judge, work: Path) -> Staged:
     """Run the passes on ``raw`` in place, stage the result in ``work``, check it
     (:func:`normexport.verdict.rollback.verify`) and, where it fails, put the model without the
     rewrites responsible in its place (:func:`normexport.verdict.rollback.roll_back`, each build
@@ -193,7 +92,7 @@ def rewrite(job: Job, raw: ir.Model, ref: Reference, judge: Judge, work: Path) -
     )
 
 
-def _passes(job: Job, raw: ir.Model, ref: Reference) -> fusion.FusionReport:
+def _passes(job: Job, raw: ir.Model, ref: RawModel) -> fusion.FusionReport:
     """:func:`fusion.optimize` of ``raw`` under the run's policy. A pass that fails on a model
     the ONNX checker rejects (a Constant with no value, an attribute no schema has) fails on
     the file, not on a bug: said as the file's, with the checker's complaint.
@@ -214,7 +113,7 @@ def _passes(job: Job, raw: ir.Model, ref: Reference) -> fusion.FusionReport:
 
 
 def builder(
-    job: Job, ref: Reference, work: Path, folder: str, always: frozenset[fusion.Fused] = frozenset()
+    job: Job, ref: RawModel, work: Path, folder: str, always: frozenset[fusion.Fused] = frozenset()
 ) -> rollback.Build:
     """``build(excluded)`` (:data:`normexport.verdict.rollback.Build`): the reference model
     optimized again as the optimize stage does, with the rewrites ``excluded`` and ``always``
@@ -232,7 +131,7 @@ def builder(
     return build
 
 
-def tune(job: Job, ref: Reference, staged: Staged) -> Staged:
+def tune(job: Job, ref: RawModel, staged: Staged) -> Staged:
     """Time the exact alternatives of the staged output (and, where attention was fused, of the
     model without it) and put the fastest in the staged model's place; the fusion report
     becomes that of the model kept."""
@@ -263,7 +162,7 @@ def tune(job: Job, ref: Reference, staged: Staged) -> Staged:
     )
 
 
-def half(job: Job, ref: Reference, staged: Staged, work: Path) -> Staged:
+def half(job: Job, ref: RawModel, staged: Staged, work: Path) -> Staged:
     """Convert the staged model to float16 or bfloat16 (:func:`normexport.precision.to_half`),
     the norms the fusions refused kept in float32, and put it in the staged model's place,
     checked."""

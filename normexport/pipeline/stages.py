@@ -15,9 +15,10 @@ from normexport import precision, progress, runtime
 from normexport.arguments import Options, plan_outputs
 from normexport.errors import UsageError
 from normexport.io import external, files
-from normexport.pipeline import measure, rewrite, speed
+from normexport.pipeline import published, raw_model, rewrite, timing
 from normexport.pipeline.job import Job, start
 from normexport.pipeline.prepare import prepare
+from normexport.pipeline.raw_model import RawModel
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
 from normexport.runtime import cuda_kernels, plan
 from normexport.verdict.parity import ParityResult
@@ -69,7 +70,7 @@ def run(opts: Options) -> Report:
             ref, judge = _reference(job, raw, work, memory.block_bytes)
             weights = external.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
-                staged = rewrite.rewrite(job, raw, ref, judge, work)
+                staged = rewrite.optimize(job, raw, ref, judge, work)
             del raw
             if opts.autotune:
                 with progress.stage("autotune"):
@@ -86,7 +87,7 @@ def run(opts: Options) -> Report:
 
 def _reference(
     job: Job, raw: ir.Model, work: Path, block_bytes: int | None
-) -> tuple[rewrite.Reference, Judge]:
+) -> tuple[RawModel, Judge]:
     """The reference stage: the reference model on file, and the parity judge with every
     reference run on every input set, one model (or one block: ``block_bytes``, the memory
     plan's) at a time, each freed before the passes.
@@ -101,10 +102,10 @@ def _reference(
             "available): run it where more memory is free, or without --last-token-logits"
         )
     with progress.stage("reference"):
-        ref = rewrite.reference(job, raw, work)
+        ref = raw_model.raw_model(job, raw, work)
         judge = Judge(
             loaded=job.loaded,
-            raw=ref.raw,
+            raw=ref.runs,
             raw_path=ref.path,
             sets=job.sets,
             feed_names=job.feed_names,
@@ -123,13 +124,13 @@ def _reference(
 
 def _latency(
     job: Job,
-    ref: rewrite.Reference,
+    ref: RawModel,
     staged: rewrite.Staged,
     work: Path,
     skipped: str | None,
 ) -> tuple[rewrite.Staged, Latency | None, Speed]:
     """The latency stage with its verdict, before the output is published
-    (:func:`normexport.pipeline.speed.judged`: the staged model, kept or with the rewrites
+    (:func:`normexport.pipeline.timing.judged`: the staged model, kept or with the rewrites
     found slower left out), where asked for; ``skipped``: why the latency cannot be timed (the
     memory plan's), or None."""
     if not job.opts.benchmark:
@@ -137,18 +138,18 @@ def _latency(
     if skipped is not None:
         return staged, Latency({}, 0, 0, skipped), Speed(unchecked=skipped)
     with progress.stage("latency"):
-        return speed.judged(job, ref, staged, work)
+        return timing.judged(job, ref, staged, work)
 
 
 def _parity(
-    job: Job, ref: rewrite.Reference, staged: rewrite.Staged, judge: Judge, work: Path
+    job: Job, ref: RawModel, staged: rewrite.Staged, judge: Judge, work: Path
 ) -> ParityResult:
     """The parity stage of the published output, with the hidden-state probe for half
     precision."""
     with progress.stage("parity"):
-        verdict = measure.parity(job, staged, judge)
+        verdict = published.parity(job, staged, judge)
         if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
-            measure.hidden_state_probe(job, ref, verdict, work)
+            published.hidden_state_probe(job, ref, verdict, work)
     return verdict
 
 

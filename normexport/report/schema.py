@@ -16,7 +16,7 @@ from normexport.report.explain import AlreadyFused
 from normexport.runtime.cuda_kernels import Fallback
 from normexport.runtime.latency import BUSY_SPREAD, Timing
 from normexport.runtime.plan import MemoryPlan
-from normexport.verdict.checker import Checker
+from normexport.verdict.checker_levels import Checker
 from normexport.verdict.result import ParityResult
 
 if TYPE_CHECKING:

@@ -1,12 +1,12 @@
 """The latency verdict: the published model is not slower than the raw model beyond the spread
 of an A/A control timed in the same run.
 
-A timing (the main job's, :func:`normexport.pipeline.measure.latency`) runs, in every round and
-in a random order (:func:`normexport.runtime.latency.time_interleaved`), two ``ORT_ENABLE_ALL``
+A timing (the main job's, :func:`normexport.pipeline.timing.timed_against_raw`) runs, in every round
+and in a random order (:func:`normexport.runtime.latency.time_interleaved`), two ``ORT_ENABLE_ALL``
 sessions of the raw model and two of the candidate, opened raw, candidate, candidate, raw
-(:func:`normexport.runtime.latency.counterbalanced`; where two of each do not fit in memory, and
-on CUDA, one session of each, called twice a round). A model's time in a round is the mean of
-its two calls.
+(:func:`normexport.runtime.latency.counterbalanced`; where two of each do not fit in memory, and on
+CUDA, one session of each, called twice a round). A model's time in a round is the mean of its two
+calls.
 
 The rule (:class:`Comparison`): the candidate is **slower** where the lower bound of the 95%
 bootstrap interval of the median per-round ratio candidate / raw
@@ -20,7 +20,7 @@ sample of that; two sessions of one small graph, timed as two models 80 times (b
 called slower 4 times by the raw model's control alone, never by both.
 
 Where the model as the stages made it is slower, in its first timing and in a second one as
-long (:func:`normexport.pipeline.speed.judged`: a search started on noise would undo rewrites
+long (:func:`normexport.pipeline.timing.judged`: a search started on noise would undo rewrites
 that are not slower), the rewrites responsible are found by the
 parity rollback's group testing (:func:`normexport.verdict.rollback.roll_back`, this timing as
 its check, :func:`rejection`), each test a model built again from the raw one without some

@@ -18,9 +18,9 @@ from torch import nn
 from normexport import cli, runtime
 from normexport.arguments import options_from_args
 from normexport.bench import command
+from normexport.bench.bench_options import BENCH_BUDGET_S, BenchOptions, sweep_points
 from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import EAGER, bench_model, resize_inputs
-from normexport.bench.options import BENCH_BUDGET_S, BenchOptions, sweep_points
 from normexport.bench.render import render, write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, EXIT_USAGE, UsageError

@@ -1,5 +1,5 @@
 """The latency stage, before the output is published: the staged model timed against the raw
-one with an A/A control (:func:`normexport.pipeline.measure.latency`) and judged by the latency
+model with an A/A control (:func:`timed_against_raw`) and judged by the latency
 verdict (:mod:`normexport.verdict.speed`); where it is slower, the rewrites responsible found by
 the rollback's group testing and left out, and the model without them put in its place (its
 parity then judged anew, as every output's is)."""
@@ -7,18 +7,26 @@ parity then judged anew, as every output's is)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from pathlib import Path
 
+import torch
+
 from fusion import Code
-from normexport.pipeline import measure, rewrite
+from normexport import precision, progress, runtime
+from normexport.io.eager import Eager
+from normexport.pipeline import rewrite
 from normexport.pipeline.job import Job
-from normexport.pipeline.rewrite import Reference, Staged
+from normexport.pipeline.raw_model import RawModel
+from normexport.pipeline.rewrite import Staged
 from normexport.report import Latency
+from normexport.runtime import memory as runtime_memory
+from normexport.runtime.latency import counterbalanced, runner, time_interleaved
 from normexport.verdict import rollback
 from normexport.verdict import speed as verdict
-from normexport.verdict.checker import check_output
+from normexport.verdict.checker_levels import check_output
 
 #: Why the speed is unchecked where the two models were timed one at a time.
 APART = (
@@ -28,7 +36,7 @@ APART = (
 
 
 def judged(
-    job: Job, ref: Reference, staged: Staged, work: Path
+    job: Job, ref: RawModel, staged: Staged, work: Path
 ) -> tuple[Staged, Latency, verdict.Speed]:
     """Time the staged model against the raw one for ``--budget`` seconds (the report's
     latency); where it is slower by the rule of :mod:`normexport.verdict.speed`, search for the
@@ -51,12 +59,11 @@ def judged(
         first = not timed
         seconds = budget.seconds if first else budget.seconds / verdict.SEARCH_SLICES
         disabled = staged.disabled if first else ()
-        timed[path] = measure.latency(job, ref, path, seconds, disabled, eager=first)
+        timed[path] = timed_against_raw(job, ref, path, seconds, disabled, eager=first)
         budget.tested()
         if first and verdict.rejection(timed[path][1]) is not None:
-            timed[path] = _confirmed(
-                timed[path], measure.latency(job, ref, path, seconds, disabled)
-            )
+            again = timed_against_raw(job, ref, path, seconds, disabled)
+            timed[path] = _confirmed(timed[path], again)
             budget.tested()
         return verdict.rejection(timed[path][1])
 
@@ -102,7 +109,7 @@ def _confirmed(
     return latency, comparison
 
 
-def _keep(ref: Reference, staged: Staged, outcome: rollback.Outcome) -> Staged:
+def _keep(ref: RawModel, staged: Staged, outcome: rollback.Outcome) -> Staged:
     """The staged model, or where the search undid rewrites the model it kept, moved into its
     place: the undone rewrites (the parity rollback's and the search's) under its refusals,
     checked at the input's level, its parity to be judged."""
@@ -166,3 +173,93 @@ class _Budget:
         spent = time.perf_counter() - self._start
         more = 2 * math.log2(max(groups, 1)) + 1
         return spent + more * spent / self._tests <= self.seconds
+
+
+def timed_against_raw(
+    job: Job,
+    ref: RawModel,
+    path: Path,
+    budget_s: float,
+    disabled: tuple[str, ...] = (),
+    eager: bool = False,
+) -> tuple[Latency, verdict.Comparison | None]:
+    """The raw model and the model at ``path`` (run with ORT's ``disabled`` optimizers) on the
+    example inputs, timed interleaved for ``budget_s`` seconds in ORT_ENABLE_ALL sessions (what
+    a deployment runs), and with ``eager`` PyTorch eager first (where there is a module), alone,
+    for a quarter of it; ms. PyTorch and ONNX Runtime get the same number of threads
+    (``job.threads``: ``--threads``, else the cores this process may run on): each with its
+    default beside the other's pool oversubscribes the cores and times the contention. PyTorch
+    is not timed in the ONNX models' rounds: there its thread pool slowed the ORT call after it,
+    by up to twice on 2 cores (a Conv-BN-LayerNorm net's 0.03 ms sessions took 0.06-0.08 ms),
+    noise the A/A control does not see.
+
+    Each ONNX model is two sessions, called once each a round; its time in a round is their
+    mean, and each model's two, compared with each other, are the latency verdict's A/A
+    controls (:func:`normexport.verdict.speed.compare`). On CPU, where two sessions of each fit
+    in memory, they are four, opened in ABBA order (raw, model, model, raw:
+    :func:`normexport.runtime.latency.counterbalanced`): two CPU sessions of one file, opened
+    one after the other, can differ by a percent or more, on some models always the same way
+    (``benchmarks/session_order.py``); elsewhere one session of each, called twice. Where even
+    one of each would not fit together (:func:`normexport.runtime.memory.copies_that_fit`),
+    each model is timed alone in turn, with half the budget, the report says so, and there is
+    no comparison (None)."""
+    threads, provider, feeds = job.threads, job.provider, job.sets["example"]
+    # Spinning off: these sessions are timed interleaved with each other.
+    session = functools.partial(runtime.make_session, spinning=False, threads=threads)
+    opens = {
+        "ort_raw": lambda: session(ref.path, provider),
+        "ort_optimized": lambda: session(path, provider, disabled_optimizers=disabled),
+    }
+    timings: dict = {}
+    if eager and job.loaded.module is not None:
+        progress.step("pytorch_eager")
+        run = Eager(job.loaded.module)
+        calls = {"pytorch_eager": lambda: run([feeds[n] for n in job.feed_names])}
+        timings |= _timed(calls, threads, budget_s / 4)
+        budget_s -= budget_s / 4
+    copies, apart = runtime_memory.copies_that_fit([ref.path, path], provider, most=2)
+    groups = [list(opens)] if apart is None else [[name] for name in opens]
+    for group in groups:
+        progress.step(", ".join(group) + (", interleaved" if len(group) > 1 else ""))
+        opened = counterbalanced({name: opens[name] for name in group}, copies)
+        timings |= _timed(_twice(opened, feeds), threads, budget_s / len(groups))
+        opened = None  # one group's sessions at a time
+        runtime_memory.give_back()
+    pairs = {name: [timings.pop(f"{name}#{i}") for i in (0, 1)] for name in opens}
+    comparison = None
+    if apart is None:
+        timings["ort_raw"], timings["ort_optimized"], comparison = verdict.compare(
+            pairs["ort_raw"], pairs["ort_optimized"]
+        )
+    else:  # timed apart: each model's own mean over its calls, no pairing across models
+        for name, pair in pairs.items():
+            timings[name] = verdict.pooled(pair)
+    return Latency(timings, threads, threads, apart, copies), comparison
+
+
+def _twice(opened: dict, feeds: dict) -> dict:
+    """``NAME#0`` and ``NAME#1`` -> a callable that runs one of ``opened[NAME]``'s sessions on
+    ``feeds``: each of two sessions, or one session twice. A plain ``session.run``
+    (:func:`~normexport.runtime.latency.runner`): not :func:`normexport.runtime.run`, whose
+    ``--run-timeout`` timer thread, started per call, would be timed with each run."""
+    calls = {}
+    for name, sessions in opened.items():
+        for i, s in enumerate((sessions * 2)[:2]):
+            calls[f"{name}#{i}"] = runner(s, precision.cast_feeds(s, feeds), io_binding=False)[0]
+    return calls
+
+
+#: The fewest timed rounds of the main job's latency: the budget (``--budget``) decides above
+#: it, and a model whose rounds take longer is timed past the budget (each timing says which
+#: bound decided, :attr:`normexport.runtime.latency.Timing.bound`).
+MIN_ROUNDS = 5
+
+
+def _timed(timed: dict, threads: int, budget_s: float) -> dict:
+    """:func:`time_interleaved` of ``timed`` with PyTorch on ``threads`` threads meanwhile."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return dict(time_interleaved(timed, budget_s=budget_s, min_runs=MIN_ROUNDS))
+    finally:
+        torch.set_num_threads(before)
