@@ -76,12 +76,11 @@ def optimize(
         input_shape: one per input in ``forward()`` order, as ``"1,3,224,224"``,
             ``"input_ids=2x16:int64"`` or a tuple of ints (float32).
         dim, inputs: symbolic axis name -> size (ONNX input); an ``.npz`` of example inputs.
-        model_kwargs: constructor arguments, a mapping or a JSON object (``--model-kwargs``).
-        the others: as the flags (:class:`Options`; None: their defaults).
+        the others: as the flags (:class:`Options`; None: their defaults; ``model_kwargs`` a
+            mapping or a JSON object).
 
     Returns:
-        The :class:`normexport.report.Report`; ``report.to_dict()`` is the CLI's JSON and
-        ``report.passed`` its exit code 0 (True) or 1 (False).
+        The :class:`normexport.report.Report` (``to_dict()``: the JSON; ``passed``: exit 0).
 
     Raises:
         normexport.errors.UsageError: what the CLI reports with exit 2 (and its subclasses

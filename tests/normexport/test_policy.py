@@ -48,8 +48,8 @@ def test_a_users_settings_reach_the_policy_and_its_own_choices_stay_its_own():
     assert policy.last_rows == ("logits",) and policy.skip == "kv_cache"
     with pytest.raises(TypeError, match="skip"):  # a choice per provider: decided here
         fusion_policy("ort", "cpu", 2, skip=True)
-    with pytest.raises(TypeError, match="bar"):
-        fusion_policy("ort", "cpu", 2, bar=1)
+    with pytest.raises(TypeError, match="no_such_field"):
+        fusion_policy("ort", "cpu", 2, no_such_field=1)
     with pytest.raises(ValueError, match="unknown target"):
         fusion_policy("tensorrt", "cpu")
 
