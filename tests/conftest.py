@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -10,6 +11,35 @@ import pytest
 
 # tests/graphs.py and tests/fusion/norm_testing.py are imported by name from any test folder.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that hold ``slow`` tests (PyTorch exports, model files: seconds to a minute
+    each) run first, the graph-level ones (milliseconds) after them: ``make test``'s workers
+    (pytest-xdist) then end together, filling in with small tests, instead of one running a
+    minute-long test alone at the end. Each module's tests stay together and in their order."""
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Collect the garbage and freeze what is left alive (the test modules, torch, onnx, what
+    they imported lazily, their caches: some 400,000 objects) out of the cyclic garbage
+    collector's reach, before each test. Each main job calls ``gc.collect()`` about six times
+    (:func:`normexport.runtime.memory.give_back`, after each ONNX Runtime session it closes),
+    and a full collection walks every live object: 0.2 s each in a worker, most of a small
+    model's run. What the test makes is still collected; at the first test of each module
+    everything is unfrozen and collected once, so what died since (the previous module's
+    fixtures) is not kept."""
+    if item.module is not _FROZEN_AT.get("module"):
+        _FROZEN_AT["module"] = item.module
+        gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+
+
+#: The module of the last test :func:`pytest_runtest_setup` ran before.
+_FROZEN_AT: dict[str, object] = {}
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """FoldBatchNorm: real torch modules (dynamo export; both exporters for the folds across
-Transpose / Reshape / MaxPool), hand-built ONNX graphs, and CREPE with its trained weights.
+Transpose / Reshape / MaxPool) and CREPE with its trained weights; the hand-built ONNX graphs are
+in test_fold_batchnorm_graphs.py.
 
 Every BatchNorm statistic and affine parameter is randomized (default init, mean 0 / var 1 /
 weight 1 / bias 0, would hide a fold that forgets one of them). Each fold is checked against
-PyTorch eager (or a float64 numpy reference) and against ONNX Runtime on the unfolded graph, with
-the full ONNX checker, and by a second run of the pass that must change nothing.
+PyTorch eager and against ONNX Runtime on the unfolded graph, with the full ONNX checker, and by
+a second run of the pass that must change nothing.
 """
 
 from __future__ import annotations
@@ -14,24 +15,21 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import cpu_session, mismatch
-from onnx import TensorProto, helper, numpy_helper
+from graphs import cpu_session
 
-from fusion.base import Code, FusionReport
-from fusion.fold_batchnorm import FoldBatchNorm
+from fusion.base import Code
 from tests.fusion import exported
+from tests.fusion.test_fold_batchnorm_graphs import (
+    _assert_close,
+    _assert_second_run_is_noop,
+    _fold,
+)
 
 # Exports with PyTorch (seconds per test); the graph-level cases are in
 # test_fold_batchnorm_graphs.py.
 pytestmark = pytest.mark.slow
 
 torch.set_num_threads(1)
-
-
-def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
-    """max |actual - expected| <= 1e-4 + 1e-4 * max |expected|, and all finite."""
-    why = mismatch(actual, expected, atol=1e-4, rtol=1e-4)
-    assert why is None, why
 
 
 def _randomize(module: torch.nn.Module) -> torch.nn.Module:
@@ -179,20 +177,6 @@ def _ops(model: ir.Model) -> list[str]:
     return [node.op_type for node in model.graph]
 
 
-def _fold(model: ir.Model) -> tuple[FusionReport, bool]:
-    fusion_pass = FoldBatchNorm()
-    modified = fusion_pass(model).modified
-    return fusion_pass.outcomes, modified
-
-
-def _assert_second_run_is_noop(model: ir.Model) -> None:
-    before = ir.to_proto(model).SerializeToString()
-    report, modified = _fold(model)
-    assert not modified
-    assert report.counts["batchnorm_folded"] == 0
-    assert ir.to_proto(model).SerializeToString() == before
-
-
 @pytest.mark.parametrize("name", list(FOLDS))
 def test_folds_torch_module(name):
     factory, shape = FOLDS[name]
@@ -314,194 +298,6 @@ def test_refuses_batchnorm_before_padded_conv():
 
 
 # ---- hand-built graphs: MatMul, Gemm attributes, BatchNormalization opsets, Div by zero ----
-
-
-def _bn_params(rng: np.random.Generator, c: int) -> list[np.ndarray]:
-    return [
-        rng.uniform(-2, 2, c).astype(np.float32),  # scale
-        rng.uniform(-1, 1, c).astype(np.float32),  # B
-        rng.uniform(-1, 1, c).astype(np.float32),  # input_mean
-        rng.uniform(0.3, 3.0, c).astype(np.float32),  # input_var
-    ]
-
-
-def _bn_ref(x: np.ndarray, params: list[np.ndarray], eps: float, axis: int = 1) -> np.ndarray:
-    scale, bias, mean, var = (p.astype(np.float64) for p in params)
-    shape = [1] * x.ndim
-    shape[axis] = -1
-    s, t = scale / np.sqrt(var + eps), bias - mean * scale / np.sqrt(var + eps)
-    return x * s.reshape(shape) + t.reshape(shape)
-
-
-def _bn_node(inp: str, out: str, opset: int, eps: float, **attrs) -> onnx.NodeProto:
-    names = [f"{out}_{p}" for p in ("scale", "B", "mean", "var")]
-    return helper.make_node(
-        "BatchNormalization", [inp, *names], [out], name=f"bn_{out}", epsilon=eps, **attrs
-    )
-
-
-def _bn_inits(out: str, params: list[np.ndarray]) -> list[onnx.TensorProto]:
-    names = [f"{out}_{p}" for p in ("scale", "B", "mean", "var")]
-    return [numpy_helper.from_array(a, n) for a, n in zip(params, names, strict=True)]
-
-
-def _model(nodes, inits, x_shape, y_shape, opset: int) -> ir.Model:
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, y_shape or [None] * len(x_shape))],
-        inits,
-    )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
-    onnx.checker.check_model(proto, full_check=True)
-    return ir.from_proto(proto)
-
-
-def _check_fold(model, x, reference, folded: int, gone: str) -> None:
-    feeds = {"x": x}
-    unfolded = cpu_session(model).run(None, feeds)[0]
-    _assert_close(unfolded, reference.astype(np.float32))
-    report, modified = _fold(model)
-    assert modified
-    assert report.counts["batchnorm_folded"] == folded
-    assert report.refused == []
-    assert gone not in _ops(model), _ops(model)
-    onnx.checker.check_model(ir.to_proto(model), full_check=True)
-    result = cpu_session(model).run(None, feeds)[0]
-    _assert_close(result, reference)
-    _assert_close(result, unfolded)
-    _assert_second_run_is_noop(model)
-
-
-@pytest.mark.parametrize("opset", [9, 14, 15])
-def test_folds_matmul_add_batchnorm_across_opsets(opset):
-    rng = np.random.default_rng(opset)
-    w = rng.normal(size=(5, 6)).astype(np.float32)
-    b = rng.normal(size=6).astype(np.float32)
-    params = _bn_params(rng, 6)
-    attrs = {"training_mode": 0} if opset >= 14 else {}
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
-        helper.make_node("Add", ["mm", "b"], ["lin"], name="add"),
-        _bn_node("lin", "y", opset, 1e-3, **attrs),
-    ]
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")]
-    model = _model(nodes, inits + _bn_inits("y", params), [3, 5], [3, 6], opset)
-    x = rng.normal(size=(3, 5)).astype(np.float32)
-    reference = _bn_ref(x.astype(np.float64) @ w + b, params, 1e-3)
-    _check_fold(model, x, reference, folded=1, gone="BatchNormalization")
-    assert _ops(model) == ["MatMul", "Add"]
-
-
-@pytest.mark.parametrize("trans_b", [0, 1])
-@pytest.mark.parametrize("c_shape", [None, (6,), (3, 6)])
-def test_folds_gemm_with_alpha_beta_and_trans_b(trans_b, c_shape):
-    rng = np.random.default_rng(7)
-    w = rng.normal(size=(5, 6)).astype(np.float32)  # (K, N)
-    params = _bn_params(rng, 6)
-    inputs = ["x", "w"] + (["c"] if c_shape else [])
-    nodes = [
-        helper.make_node("Gemm", inputs, ["g"], alpha=0.7, beta=1.3, transB=trans_b, name="g"),
-        _bn_node("g", "y", 15, 1e-5),
-    ]
-    inits = [numpy_helper.from_array(w.T.copy() if trans_b else w, "w")]
-    c = rng.normal(size=c_shape).astype(np.float32) if c_shape else np.float32(0)
-    if c_shape:
-        inits.append(numpy_helper.from_array(c, "c"))
-    model = _model(nodes, inits + _bn_inits("y", params), [3, 5], [3, 6], 15)
-    x = rng.normal(size=(3, 5)).astype(np.float32)
-    linear = 0.7 * x.astype(np.float64) @ w + 1.3 * c.astype(np.float64)
-    _check_fold(model, x, _bn_ref(linear, params, 1e-5), folded=1, gone="BatchNormalization")
-
-
-def test_folds_batchnorm_before_matmul():
-    rng = np.random.default_rng(3)
-    w = rng.normal(size=(5, 4)).astype(np.float32)
-    params = _bn_params(rng, 5)
-    nodes = [
-        _bn_node("x", "n", 15, 1e-5),
-        helper.make_node("MatMul", ["n", "w"], ["y"], name="mm"),
-    ]
-    inits = [numpy_helper.from_array(w, "w"), *_bn_inits("n", params)]
-    model = _model(nodes, inits, [3, 5], [3, 4], 15)
-    x = rng.normal(size=(3, 5)).astype(np.float32)
-    reference = _bn_ref(x.astype(np.float64), params, 1e-5) @ w
-    _check_fold(model, x, reference, folded=1, gone="BatchNormalization")
-
-
-def _conv_then(op_nodes, inits, opset: int = 15) -> ir.Model:
-    rng = np.random.default_rng(5)
-    w = rng.normal(size=(4, 3, 3, 3)).astype(np.float32)
-    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"), *op_nodes]
-    return _model(nodes, [numpy_helper.from_array(w, "w"), *inits], [1, 3, 5, 5], None, opset)
-
-
-@pytest.mark.parametrize(
-    ("op", "w_shape", "group", "x_shape"),
-    [
-        ("Conv", (4, 2, 3), 1, (2, 2, 7)),
-        ("Conv", (4, 1, 2, 2, 2), 2, (1, 2, 4, 4, 4)),
-        ("ConvTranspose", (4, 3, 3, 3), 2, (1, 4, 4, 4)),
-    ],
-)
-def test_folds_into_layer_without_bias_input(op, w_shape, group, x_shape):
-    """No bias input at all (the dynamo exporter always writes one): the fold must create it."""
-    rng = np.random.default_rng(11)
-    w = rng.normal(size=w_shape).astype(np.float32)
-    channels = w_shape[0] if op == "Conv" else w_shape[1] * group
-    params = _bn_params(rng, channels)
-    nodes = [
-        helper.make_node(op, ["x", "w"], ["lin"], group=group, name="lin"),
-        _bn_node("lin", "y", 15, 1e-4),
-    ]
-    model = _model(
-        nodes, [numpy_helper.from_array(w, "w"), *_bn_inits("y", params)], x_shape, None, 15
-    )
-    x = rng.normal(size=x_shape).astype(np.float32)
-    conv = getattr(
-        torch.nn.functional, f"conv{'_transpose' if op != 'Conv' else ''}{len(w_shape) - 2}d"
-    )
-    linear = conv(torch.from_numpy(x).double(), torch.from_numpy(w).double(), groups=group).numpy()
-    _check_fold(model, x, _bn_ref(linear, params, 1e-4), folded=1, gone="BatchNormalization")
-    assert len(list(model.graph)[0].inputs) == 3
-
-
-def test_refuses_division_by_constant_with_zero():
-    d = np.array([1.0, 0.0, 2.0, 3.0], np.float32).reshape(1, 4, 1, 1)
-    node = helper.make_node("Div", ["c", "d"], ["y"], name="div")
-    model = _conv_then([node], [numpy_helper.from_array(d, "d")])
-    report, modified = _fold(model)
-    assert not modified
-    assert [(r.node, r.code) for r in report.refused] == [("div", Code.ZERO_DIVISOR)]
-    assert _ops(model) == ["Conv", "Div"]
-
-
-def test_refuses_training_mode_batchnorm():
-    params = _bn_params(np.random.default_rng(0), 4)
-    node = _bn_node("c", "y", 15, 1e-5, training_mode=1)
-    node.output.extend(["running_mean", "running_var"])  # unused, as the spec requires
-    model = _conv_then([node], _bn_inits("y", params))
-    report, modified = _fold(model)
-    assert not modified
-    assert [(r.node, r.code) for r in report.refused] == [("bn_y", Code.TRAINING_MODE)]
-    assert report.refused[0].detail.startswith("training_mode=1")
-    assert "BatchNormalization" in _ops(model)
-
-
-def test_refuses_batchnorm_on_axis_1_of_rank_3_matmul():
-    rng = np.random.default_rng(1)
-    params = _bn_params(rng, 2)
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
-        _bn_node("mm", "y", 15, 1e-5),
-    ]
-    w = numpy_helper.from_array(rng.normal(size=(5, 6)).astype(np.float32), "w")
-    model = _model(nodes, [w, *_bn_inits("y", params)], [3, 2, 5], [3, 2, 6], 15)
-    report, modified = _fold(model)
-    assert not modified
-    assert [(r.node, r.code) for r in report.refused] == [("bn_y", Code.WRONG_CHANNEL_AXIS)]
-    assert "has its channels on axis 2" in report.refused[0].detail
 
 
 # ---- across ops that commute with a per-channel map: Transpose, Reshape, MaxPool ----
@@ -687,41 +483,6 @@ def test_refuses_negative_scale_across_maxpool(factory, shape):
     _assert_refused_unchanged(
         model, feeds, eager, "BatchNormalization", Code.MAXPOOL_NEGATIVE_SCALE, "channel 1"
     )
-
-
-def test_refuses_reshape_with_unknown_shape():
-    """A reshape to a shape fed at run time: where the channels go cannot be told."""
-    rng = np.random.default_rng(4)
-    params = _bn_params(rng, 6)
-    nodes = [
-        helper.make_node("MatMul", ["x", "w"], ["mm"], name="mm"),
-        helper.make_node("Reshape", ["mm", "shape"], ["flat"], name="flatten"),
-        _bn_node("flat", "y", 15, 1e-5),
-    ]
-    graph = helper.make_graph(
-        nodes,
-        "g",
-        [
-            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5]),
-            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
-        ],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(rng.normal(size=(5, 6)).astype(np.float32), "w")]
-        + _bn_inits("y", params),
-    )
-    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 15)], ir_version=8)
-    model = ir.from_proto(proto)
-    x = rng.normal(size=(2, 3, 5)).astype(np.float32)
-    feeds = {"x": x, "shape": np.array([-1, 6])}
-    expected = cpu_session(model).run(None, feeds)[0]
-    before = ir.to_proto(model).SerializeToString()
-    report, modified = _fold(model)
-    assert not modified
-    assert ir.to_proto(model).SerializeToString() == before
-    (refusal,) = report.refused
-    assert (refusal.node, refusal.code) == ("bn_y", Code.CHANNELS_REGROUPED)
-    assert "Reshape 'flatten' from (2, 3, 6) to (" in refusal.detail
-    _assert_close(cpu_session(model).run(None, feeds)[0], expected)
 
 
 def _crepe(capacity: str):
