@@ -30,6 +30,7 @@ import onnx_ir as ir
 
 from fusion._dense import Dense, columns, dense
 from fusion._ir import add_initializer, const_array, dims, producer, same_dim
+from fusion.simplify.split import interval
 
 
 @dataclasses.dataclass
@@ -114,10 +115,9 @@ def _part(value: ir.Value) -> tuple[ir.Value | None, list]:
         return None, []
     part = squeeze.inputs[0]
     node = part.producer()
-    if node is not None and node.op_type == "Slice" and node.domain == "":
-        starts, ends, axes, *steps = (_ints(v) for v in node.inputs[1:])
-        if axes == [0] and steps in ([], [[1]]) and starts and ends == [starts[0] + 1]:
-            return node.inputs[0], [squeeze, node, starts[0]]
+    sliced = interval(node) if node is not None else None  # (axis, start, end), normalized
+    if sliced is not None and sliced[0] == 0 and sliced[2] == sliced[1] + 1:
+        return node.inputs[0], [squeeze, node, sliced[1]]
     if node is None or node.op_type != "Split" or node.attributes.get_int("axis", 0) != 0:
         return None, []
     every = node.attributes.get_int("num_outputs", 0) == len(node.outputs)

@@ -8,7 +8,7 @@ import onnx_ir as ir
 from fusion._ir import add_initializer, const_array, dims, replace_output
 
 
-def _interval(node: ir.Node) -> tuple[int, int, int] | None:
+def interval(node: ir.Node) -> tuple[int, int, int] | None:
     """``(axis, start, end)`` of a Slice ``node`` of step 1 on one axis with constant bounds,
     normalized to the axis' static size (``0 <= start <= end <= size``, ``axis`` non-negative),
     or None."""
@@ -30,12 +30,12 @@ def _interval(node: ir.Node) -> tuple[int, int, int] | None:
 
 
 def split_slices(graph: ir.Graph) -> int:
-    """Replace the Slices of one tensor whose intervals (:func:`_interval`) tile one axis, each
+    """Replace the Slices of one tensor whose intervals (:func:`interval`) tile one axis, each
     non-empty, by one Split of that axis (Operators.md, Split-13: sizes as an input); return
     how many Splits were made."""
     groups: dict[tuple, list] = {}
     for node in graph:
-        found = _interval(node)
+        found = interval(node)
         if found is not None:
             groups.setdefault((id(node.inputs[0]), found[0]), []).append((*found[1:], node))
     made = 0

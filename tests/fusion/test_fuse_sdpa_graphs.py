@@ -691,8 +691,9 @@ def _views_model(rng, layout: str, reader: str = "merged", batch: int = B, maske
 
 def _packed(rng, inits: dict, batch: int, part: str) -> tuple[list, None]:
     """timm's packed projection ``qkv(x).reshape(B, S, 3, N, H).permute(2, 0, 3, 1, 4)``, its
-    parts taken by ``Split`` and ``Squeeze`` (``part="split"``, the dynamo exporter's
-    ``unbind``) or by ``Gather`` (``"gather"``), with a random bias; ``inits`` filled."""
+    parts taken by ``Split`` and ``Squeeze`` (``part="split"``), ``Slice`` and ``Squeeze``
+    (``"slice"``, the dynamo exporter's ``unbind``) or ``Gather`` (``"gather"``), with a random
+    bias; ``inits`` filled."""
     inits["w"] = np.concatenate([inits.pop(f"w{t}") for t in "qkv"], axis=1)
     inits["b"] = rng.standard_normal(3 * E).astype(np.float32)
     inits["split"] = np.array([batch, S, 3, N, H], np.int64)
@@ -706,6 +707,13 @@ def _packed(rng, inits: dict, batch: int, part: str) -> tuple[list, None]:
         inits["ones"], inits["axis"] = np.ones(3, np.int64), np.array([0], np.int64)
         nodes.append(("Split", ["t", "ones"], ["t0", "t1", "t2"], {"axis": 0}))
         nodes += [("Squeeze", [f"t{i}", "axis"], [t], {}) for i, t in enumerate("qkv")]
+    elif part == "slice":  # the dynamo exporter's unbind, the last bound past the end
+        inits["axis"] = np.array([0], np.int64)
+        bounds = {"q": (0, 1), "k": (1, 2), "v": (-1, 2**62)}
+        for t, (start, end) in bounds.items():
+            inits[f"s{t}"], inits[f"e{t}"] = np.array([start]), np.array([end])
+            nodes.append(("Slice", ["t", f"s{t}", f"e{t}", "axis"], [f"p{t}"], {}))
+            nodes.append(("Squeeze", [f"p{t}", "axis"], [t], {}))
     else:
         inits |= {f"i{t}": np.array(i, np.int64) for i, t in enumerate("qkv")}
         nodes += [("Gather", ["t", f"i{t}"], [t], {"axis": 0}) for t in "qkv"]
@@ -740,7 +748,13 @@ def test_heads_made_by_a_view_are_attentions_3d_form_without_transposes(rng, lay
 
 @pytest.mark.parametrize(
     ("part", "batch", "target"),
-    [("split", B, "onnx"), ("gather", B, "onnx"), ("split", 1, "onnx"), ("split", B, "ort")],
+    [
+        ("split", B, "onnx"),
+        ("slice", B, "onnx"),
+        ("gather", B, "onnx"),
+        ("split", 1, "onnx"),
+        ("split", B, "ort"),
+    ],
 )
 def test_parts_of_a_packed_projection_become_dense_layers_of_their_own(rng, part, batch, target):
     """timm's packed projection: the query, key and value each ``x @ W_i + b_i`` of the
