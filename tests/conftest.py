@@ -1,16 +1,13 @@
-"""Shared fixtures. Graph builders for the fast pass tests are in ``tests/graphs.py``."""
+"""Shared fixtures and the order the tests run in. What tests share besides fixtures (graph
+builders, exports) is the package ``tests.support``."""
 
 from __future__ import annotations
 
 import gc
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-# tests/graphs.py and tests/fusion/norm_testing.py are imported by name from any test folder.
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -11,14 +11,9 @@ from pathlib import Path
 
 import normexport
 from fusion import FUSION_KINDS
+from tests.support.readme import README, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
-NUMBERS = (
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
-    "fifteen sixteen seventeen eighteen nineteen twenty"
-)
-WORDS = NUMBERS.split()
 
 
 def test_the_readme_lists_every_keyword_of_the_api():

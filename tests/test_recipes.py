@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import pytest
 
-from tests.test_docs import README, WORDS
+from tests.support.readme import README, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES_TEXT = (ROOT / "docs" / "architecture.md").read_text().split("\n## Recipes", 1)[1]
@@ -74,9 +74,8 @@ class FuseBar(NodeFusionPass):
 RELU = 'make_model([("Relu", ["x"], ["y"], {})], {"x": (1, [2])}, {"y": (1, [2])})'
 FUSE_BAR_TEST = f'''"""FuseBar on a graph (tests/test_recipes.py)."""
 
-from graphs import make_model
-
 import fusion
+from tests.support.graphs import make_model
 
 
 def test_fuse_bar_refuses_a_relu():
@@ -85,10 +84,9 @@ def test_fuse_bar_refuses_a_relu():
 BAR_TEST = f"""
 
 def test_bar_reaches_the_pass_from_the_provider_and_the_user():
-    from graphs import make_model
-
     from normexport.arguments import make_options
     from normexport.pipeline.job import run_policy
+    from tests.support.graphs import make_model
 
     model = {RELU}
     assert [r.detail for r in fusion.optimize(model, bar=True).refused] == ["bar=True"]

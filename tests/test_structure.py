@@ -318,9 +318,9 @@ def test_no_file_of_fusion_names_normexport():
 
 
 def test_the_tests_of_fusion_import_no_normexport():
-    """fusion's tests (tests/fusion, tests/graphs.py) run ONNX Runtime directly: fusion is
-    tested alone."""
-    paths = [*_python_files("tests/fusion"), ROOT / "tests" / "graphs.py"]
+    """fusion's tests (tests/fusion, and tests/support, which they import) run ONNX Runtime
+    directly: fusion is tested alone."""
+    paths = [*_python_files("tests/fusion"), *_python_files("tests/support")]
     wrong = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in paths

@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from tests.graphs import make_model
+from tests.support.graphs import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 #: What building the wheel reads: the project file, its readme and the two packages.

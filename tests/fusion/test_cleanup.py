@@ -9,11 +9,11 @@ import collections
 
 import numpy as np
 import onnx_ir as ir
-from graphs import make_model, ops, run
 from onnx import TensorProto
 
 import fusion
 from fusion.cleanup import cleanup_with_types
+from tests.support.graphs import make_model, ops, run
 
 F = TensorProto.FLOAT
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import assert_close, make_model, run
 from onnx import TensorProto
 
 import fusion
 from fusion.base import Code
 from fusion.simplify.batched import bias_before_split, unmerge_batched_matmuls
+from tests.support.graphs import assert_close, make_model, run
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "exporters"
 F = TensorProto.FLOAT

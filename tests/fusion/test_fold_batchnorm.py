@@ -15,15 +15,11 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import cpu_session
 
 from fusion.base import Code
-from tests.fusion import exported
-from tests.fusion.test_fold_batchnorm_graphs import (
-    _assert_close,
-    _assert_second_run_is_noop,
-    _fold,
-)
+from tests.support import exported
+from tests.support.folding import assert_close_folded, assert_second_run_is_noop, fold
+from tests.support.graphs import cpu_session
 
 # Exports with PyTorch (seconds per test); the graph-level cases are in
 # test_fold_batchnorm_graphs.py.
@@ -188,7 +184,7 @@ def test_folds_torch_module(name):
     affine_ops = sum(op in ("BatchNormalization", "Mul", "Div") for op in _ops(model))
     assert affine_ops >= 1, "the export should contain the BatchNorm to fold"
 
-    report, modified = _fold(model)
+    report, modified = fold(model)
 
     assert modified
     assert report.counts["batchnorm_folded"] == 1
@@ -199,9 +195,9 @@ def test_folds_torch_module(name):
     assert [v.name for v in model.graph.outputs] == outputs
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
     folded = cpu_session(model).run(None, feeds)[0]
-    _assert_close(folded, eager)
-    _assert_close(folded, unfolded)
-    _assert_second_run_is_noop(model)
+    assert_close_folded(folded, eager)
+    assert_close_folded(folded, unfolded)
+    assert_second_run_is_noop(model)
 
 
 def _assert_refused_unchanged(
@@ -209,7 +205,7 @@ def _assert_refused_unchanged(
 ) -> None:
     proto = ir.to_proto(model).SerializeToString()
     anchors = [n.name for n in model.graph if n.op_type == anchor_op]
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert not modified
     assert report.counts["batchnorm_folded"] == 0
     assert ir.to_proto(model).SerializeToString() == proto
@@ -219,7 +215,7 @@ def _assert_refused_unchanged(
         assert refused[anchor].code == code, refused[anchor]
         for part in detail_parts:
             assert part in refused[anchor].detail, refused[anchor]
-    _assert_close(cpu_session(model).run(None, feeds)[0], eager)
+    assert_close_folded(cpu_session(model).run(None, feeds)[0], eager)
 
 
 def test_refuses_batchnorm_after_relu_crepe_style():
@@ -246,7 +242,7 @@ def test_refuses_batchnorm_after_relu_crepe_style():
     )
     assert _ops(model).count("BatchNormalization") == 1
     # the refusal names the module the user wrote (the exporter's name_scopes), beside the node
-    (refusal,) = _fold(model)[0].refused
+    (refusal,) = fold(model)[0].refused
     assert refusal.module == "2" and refusal.node.startswith("node_"), refusal
 
 
@@ -267,7 +263,7 @@ def test_refuses_conv_output_with_second_consumer():
     _assert_refused_unchanged(
         model, feeds, eager, "BatchNormalization", Code.SHARED_OUTPUT, "has 2 consumers"
     )
-    assert [r.module for r in _fold(model)[0].refused] == ["bn"]  # the attribute's name
+    assert [r.module for r in fold(model)[0].refused] == ["bn"]  # the attribute's name
 
 
 class MulNotPerChannel(torch.nn.Module):
@@ -443,7 +439,7 @@ def test_folds_across_transpose_reshape_maxpool(name, exporter):
     unfolded = cpu_session(model).run(None, feeds)[0]
     assert {"BatchNormalization", "Mul"} & set(_ops(model))
 
-    report, modified = _fold(model)
+    report, modified = fold(model)
 
     assert modified, report.refused
     assert report.counts["batchnorm_folded"] == 1
@@ -454,13 +450,13 @@ def test_folds_across_transpose_reshape_maxpool(name, exporter):
         assert _ops(model) == ops_left
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
     folded = cpu_session(model).run(None, feeds)[0]
-    _assert_close(folded, eager)
-    _assert_close(folded, unfolded)
-    _assert_second_run_is_noop(model)
+    assert_close_folded(folded, eager)
+    assert_close_folded(folded, unfolded)
+    assert_second_run_is_noop(model)
     # the batch axis stays dynamic: another batch size gives the same answer as PyTorch
     x5 = torch.randn((5, *shape[1:]))
     with torch.no_grad():
-        _assert_close(cpu_session(model).run(None, {"x": x5.numpy()})[0], module(x5).numpy())
+        assert_close_folded(cpu_session(model).run(None, {"x": x5.numpy()})[0], module(x5).numpy())
 
 
 @pytest.mark.parametrize(
@@ -506,7 +502,7 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
     with torch.no_grad():
         eager = module(x).numpy()
 
-    report, _ = _fold(model)
+    report, _ = fold(model)
 
     refused = {r.node: r for r in report.refused}
     assert len(refused) == 6 - report.counts["batchnorm_folded"]
@@ -514,9 +510,9 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
     assert [r.code for r in refused.values()].count(Code.PADDED_CONV) == 5
     if (scale > 0).all():
         assert capacity == "tiny"
-        (fold,) = report.fused
-        assert fold.became.startswith("folded into the following Gemm")
-        assert fold.became.endswith("across MaxPool, Transpose, Reshape")
+        (folded,) = report.fused
+        assert folded.became.startswith("folded into the following Gemm")
+        assert folded.became.endswith("across MaxPool, Transpose, Reshape")
     else:
         assert capacity == "full"
         assert report.fused == []
@@ -526,8 +522,8 @@ def test_crepe_last_batchnorm_folds_into_classifier_only_when_scales_are_positiv
         assert f"channel {k} has scale {scale[k]:.4g}" in last.detail
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
     out = cpu_session(model).run(None, feeds)[0]
-    _assert_close(out, eager)
-    _assert_second_run_is_noop(model)
+    assert_close_folded(out, eager)
+    assert_second_run_is_noop(model)
 
 
 class ScaledLinear(torch.nn.Module):
@@ -559,7 +555,9 @@ def test_scaling_counts_as_batchnorm_only_with_a_shift(per_channel, shift, kind,
     module = ScaledLinear(per_channel, shift).eval()
     x = torch.randn(*shape)
     model = exported.export(module, [x], input_names=["x"])
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert modified and dict(report.counts) == {kind: 1}
     assert "Mul" not in _ops(model)
-    _assert_close(cpu_session(model).run(None, {"x": x.numpy()})[0], module(x).detach().numpy())
+    assert_close_folded(
+        cpu_session(model).run(None, {"x": x.numpy()})[0], module(x).detach().numpy()
+    )

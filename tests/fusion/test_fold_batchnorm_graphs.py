@@ -16,12 +16,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from graphs import assert_close, cpu_session, make_model, mismatch, ops, run
-from norm_graphs import Graph
 from onnx import TensorProto, helper, numpy_helper
 
 from fusion.base import Code, FusionReport
-from fusion.fold_batchnorm import FoldBatchNorm
+from tests.support.folding import assert_close_folded, assert_second_run_is_noop, fold
+from tests.support.graphs import assert_close, cpu_session, make_model, ops, run
+from tests.support.norm_graphs import Graph
 
 F = TensorProto.FLOAT
 PARAMS = ("scale", "B", "mean", "var")
@@ -42,12 +42,6 @@ def _bn(x: str, y: str, prefix: str = "bn", **attributes) -> tuple:
 
 def _normal(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return rng.normal(size=shape).astype(np.float32)
-
-
-def _fold(model: ir.Model) -> tuple[FusionReport, bool]:
-    fusion_pass = FoldBatchNorm()
-    modified = fusion_pass(model).modified
-    return fusion_pass.outcomes, modified
 
 
 def _proto(model: ir.Model) -> bytes:
@@ -297,7 +291,7 @@ def test_folds(name, rng):
     feeds = {"x": _normal(rng, *shape)}
     before = run(model, feeds)
 
-    report, modified = _fold(model)
+    report, modified = fold(model)
 
     assert modified
     assert dict(report.counts) == counts
@@ -307,15 +301,15 @@ def test_folds(name, rng):
     assert [v.name for v in model.graph.outputs] == ["y"]
     assert_close(run(model, feeds), before)
     proto = _proto(model)
-    assert _fold(model)[1] is False and _proto(model) == proto  # a second run changes nothing
+    assert fold(model)[1] is False and _proto(model) == proto  # a second run changes nothing
 
 
 def test_fold_across_ops_says_so(rng):
     nodes, shape, inits, _, _ = _matmul_transpose_bn(rng)
-    report, _ = _fold(_build(nodes, shape, inits))
+    report, _ = fold(_build(nodes, shape, inits))
     assert report.fused[0].became == "folded into MatMul 'mm' across Transpose"
     nodes, shape, inits, _, _ = _bn_maxpool_transpose_reshape_gemm(rng)
-    report, _ = _fold(_build(nodes, shape, inits))
+    report, _ = fold(_build(nodes, shape, inits))
     assert report.fused[0].became == (
         "folded into the following Gemm 'y' across MaxPool, Transpose, Reshape"
     )
@@ -457,7 +451,7 @@ def test_refuses(name, rng):
     model = make_model(nodes, inputs, {"y": (F, None)}, inits, opset=15)
     proto = _proto(model)
 
-    report, modified = _fold(model)
+    report, modified = fold(model)
 
     assert not modified
     assert report.fused == []
@@ -468,10 +462,10 @@ def test_refuses(name, rng):
 def test_refusal_names_the_channel_and_both_layers(rng):
     """A detail says what a user needs: here the channel with the negative scale."""
     nodes, shape, inits, _ = _maxpool_negative_scale_after(rng)
-    (refusal,) = _fold(_build(nodes, shape, inits))[0].refused
+    (refusal,) = fold(_build(nodes, shape, inits))[0].refused
     assert "MaxPool 'p'" in refusal.detail and "channel 1" in refusal.detail
     nodes, shape, inits, _ = _bn_padded_conv(rng)
-    (refusal,) = _fold(_build(nodes, shape, inits))[0].refused
+    (refusal,) = fold(_build(nodes, shape, inits))[0].refused
     assert refusal.detail.startswith("input 'x' is a graph input")
     assert "; and it cannot fold into the layer after it: the Conv after it pads" in refusal.detail
 
@@ -499,7 +493,7 @@ def test_a_shift_alone_is_no_candidate(scaled, rng):
     model = _patch_embedding(rng, scaled)
     feeds = {"x": _normal(rng, 2, 3, 6, 6)}
     before = run(model, feeds)
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert modified is scaled
     assert dict(report.counts) == ({"affine_folded": 1} if scaled else {})
     codes = [(r.node, r.code) for r in report.refused]
@@ -582,11 +576,11 @@ def _fold_and_compare(rng, model: ir.Model) -> FusionReport:
     """Fold ``model``; its outputs must be those of the unfolded model; a second run is a no-op."""
     feeds = {"x": _normal(rng, *HEAD_INPUT)}
     before = run(model, feeds)
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert modified, report.refused
     assert_close(run(model, feeds), before)
     proto = _proto(model)
-    assert _fold(model)[1] is False and _proto(model) == proto
+    assert fold(model)[1] is False and _proto(model) == proto
     return report
 
 
@@ -693,7 +687,7 @@ def test_refuses_head_fold(name, rng):
     model = g.model({"x": (F, HEAD_INPUT)}, outputs)
     proto = _proto(model)
 
-    report, modified = _fold(model)
+    report, modified = fold(model)
 
     assert not modified and report.fused == []
     assert [(r.node, r.code) for r in report.refused] == [("n", code)], report.refused
@@ -702,20 +696,6 @@ def test_refuses_head_fold(name, rng):
 
 
 # ---- ONNX protos by onnx.helper: opsets, Gemm attributes, layers with no bias input ----
-
-
-def _assert_close(actual: np.ndarray, expected: np.ndarray) -> None:
-    """max |actual - expected| <= 1e-4 + 1e-4 * max |expected|, and all finite."""
-    why = mismatch(actual, expected, atol=1e-4, rtol=1e-4)
-    assert why is None, why
-
-
-def _assert_second_run_is_noop(model: ir.Model) -> None:
-    before = ir.to_proto(model).SerializeToString()
-    report, modified = _fold(model)
-    assert not modified
-    assert report.counts["batchnorm_folded"] == 0
-    assert ir.to_proto(model).SerializeToString() == before
 
 
 def _bn_params(rng: np.random.Generator, c: int) -> list[np.ndarray]:
@@ -763,17 +743,17 @@ def _model(nodes, inits, x_shape, y_shape, opset: int) -> ir.Model:
 def _check_fold(model, x, reference, folded: int, gone: str) -> None:
     feeds = {"x": x}
     unfolded = cpu_session(model).run(None, feeds)[0]
-    _assert_close(unfolded, reference.astype(np.float32))
-    report, modified = _fold(model)
+    assert_close_folded(unfolded, reference.astype(np.float32))
+    report, modified = fold(model)
     assert modified
     assert report.counts["batchnorm_folded"] == folded
     assert report.refused == []
     assert gone not in ops(model), ops(model)
     onnx.checker.check_model(ir.to_proto(model), full_check=True)
     result = cpu_session(model).run(None, feeds)[0]
-    _assert_close(result, reference)
-    _assert_close(result, unfolded)
-    _assert_second_run_is_noop(model)
+    assert_close_folded(result, reference)
+    assert_close_folded(result, unfolded)
+    assert_second_run_is_noop(model)
 
 
 @pytest.mark.parametrize("opset", [9, 14, 15])
@@ -875,7 +855,7 @@ def test_refuses_division_by_constant_with_zero():
     d = np.array([1.0, 0.0, 2.0, 3.0], np.float32).reshape(1, 4, 1, 1)
     node = helper.make_node("Div", ["c", "d"], ["y"], name="div")
     model = _conv_then([node], [numpy_helper.from_array(d, "d")])
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert not modified
     assert [(r.node, r.code) for r in report.refused] == [("div", Code.ZERO_DIVISOR)]
     assert ops(model) == ["Conv", "Div"]
@@ -886,7 +866,7 @@ def test_refuses_training_mode_batchnorm():
     node = _bn_node("c", "y", 15, 1e-5, training_mode=1)
     node.output.extend(["running_mean", "running_var"])  # unused, as the spec requires
     model = _conv_then([node], _bn_inits("y", params))
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert not modified
     assert [(r.node, r.code) for r in report.refused] == [("bn_y", Code.TRAINING_MODE)]
     assert report.refused[0].detail.startswith("training_mode=1")
@@ -902,7 +882,7 @@ def test_refuses_batchnorm_on_axis_1_of_rank_3_matmul():
     ]
     w = numpy_helper.from_array(rng.normal(size=(5, 6)).astype(np.float32), "w")
     model = _model(nodes, [w, *_bn_inits("y", params)], [3, 2, 5], [3, 2, 6], 15)
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert not modified
     assert [(r.node, r.code) for r in report.refused] == [("bn_y", Code.WRONG_CHANNEL_AXIS)]
     assert "has its channels on axis 2" in report.refused[0].detail
@@ -934,10 +914,10 @@ def test_refuses_reshape_with_unknown_shape():
     feeds = {"x": x, "shape": np.array([-1, 6])}
     expected = cpu_session(model).run(None, feeds)[0]
     before = ir.to_proto(model).SerializeToString()
-    report, modified = _fold(model)
+    report, modified = fold(model)
     assert not modified
     assert ir.to_proto(model).SerializeToString() == before
     (refusal,) = report.refused
     assert (refusal.node, refusal.code) == ("bn_y", Code.CHANNELS_REGROUPED)
     assert "Reshape 'flatten' from (2, 3, 6) to (" in refusal.detail
-    _assert_close(cpu_session(model).run(None, feeds)[0], expected)
+    assert_close_folded(cpu_session(model).run(None, feeds)[0], expected)

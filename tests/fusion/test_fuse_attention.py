@@ -4,45 +4,13 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-import transformers
-from graphs import cpu_session
 
 import fusion
-from tests.fusion import exported
+from tests.support import exported
+from tests.support.encoders import TinyBert, export_tiny_bert, tiny_bert_feeds
+from tests.support.graphs import cpu_session
 
 pytestmark = pytest.mark.slow
-
-
-class TinyBert(torch.nn.Module):
-    """One BERT layer (hidden 32, 2 heads, erf GELU), random weights, with a padding mask."""
-
-    def __init__(self):
-        super().__init__()
-        config = transformers.BertConfig(
-            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-            intermediate_size=64, max_position_embeddings=32,
-        )  # fmt: skip
-        torch.manual_seed(0)
-        self.bert = transformers.BertModel(config, add_pooling_layer=False).eval()
-
-    def forward(self, input_ids, attention_mask):
-        return self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-
-def _inputs(batch=3, seq=8):
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 64, size=(batch, seq), dtype=np.int64)
-    mask = np.ones((batch, seq), dtype=np.int64)
-    mask[1, 5:] = 0  # padding: the mask must reach the fused attention
-    mask[2, 2:] = 0
-    return {"input_ids": ids, "attention_mask": mask}
-
-
-def _export(module):
-    feeds = _inputs()
-    args = [torch.from_numpy(a) for a in feeds.values()]
-    axes = {name: {0: "batch", 1: "sequence"} for name in feeds}
-    return exported.export(module, args, input_names=list(feeds), dynamic_axes=axes)
 
 
 def _contrib_ops(model: ir.Model) -> list[str]:
@@ -51,7 +19,7 @@ def _contrib_ops(model: ir.Model) -> list[str]:
 
 def test_bert_layer_attention_and_gelu_fused_and_exact():
     module = TinyBert()
-    model = _export(module)
+    model = export_tiny_bert(module)
     report = fusion.optimize(model, target="ort")
     assert report.counts["attention_fused"] == 1, _contrib_ops(model)
     assert report.counts["gelu_fused"] == 1, _contrib_ops(model)
@@ -60,7 +28,7 @@ def test_bert_layer_attention_and_gelu_fused_and_exact():
     fusion.check(model)
     session = cpu_session(model)
     for batch, seq in ((3, 8), (1, 5)):  # also another size than the export's
-        feeds = {k: v[:batch, :seq] for k, v in _inputs().items()}
+        feeds = {k: v[:batch, :seq] for k, v in tiny_bert_feeds().items()}
         with torch.no_grad():
             expected = module(*(torch.from_numpy(a) for a in feeds.values())).numpy()
         (got,) = session.run(None, feeds)
@@ -68,7 +36,7 @@ def test_bert_layer_attention_and_gelu_fused_and_exact():
 
 
 def test_portable_target_keeps_attention_unfused():
-    model = _export(TinyBert())
+    model = export_tiny_bert(TinyBert())
     report = fusion.optimize(model, target="onnx")
     assert report.counts["attention_fused"] == 0 and report.counts["gelu_fused"] == 0
     assert _contrib_ops(model) == []
@@ -78,7 +46,7 @@ def test_portable_target_keeps_attention_unfused():
 
 def test_opting_out_keeps_attention_unfused():
     """``attention=False`` leaves the attention; the GELU (its own pass) is still one op."""
-    model = _export(TinyBert())
+    model = export_tiny_bert(TinyBert())
     report = fusion.optimize(model, target="ort", attention=False)
     assert report.counts["attention_fused"] == 0 and report.counts["gelu_fused"] == 1
     assert _contrib_ops(model) == ["BiasGelu"]

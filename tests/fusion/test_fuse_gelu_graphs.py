@@ -8,11 +8,11 @@ import math
 
 import numpy as np
 import pytest
-from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare
 from onnx import TensorProto
 
 from fusion.base import Code
 from fusion.fuse_gelu import FuseGelu
+from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare
 
 FLOAT = TensorProto.FLOAT
 H = SHAPE[-1]

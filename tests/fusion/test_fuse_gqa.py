@@ -9,10 +9,10 @@ import onnx_ir as ir
 import pytest
 import torch
 import transformers
-from graphs import cpu_session
 
 import fusion
-from tests.fusion import exported
+from tests.support import exported
+from tests.support.graphs import cpu_session
 
 pytestmark = pytest.mark.slow
 

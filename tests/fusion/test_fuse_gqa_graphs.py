@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from graphs import assert_close, make_model, ops, run
 from onnx import TensorProto
 
 from fusion.base import Code
 from fusion.fuse_gqa import FuseGroupQueryAttention
+from tests.support.graphs import assert_close, make_model, ops, run
 
 F = TensorProto.FLOAT
 B, S, T, HEADS, SIZE = 2, 6, 9, 2, 8

@@ -8,12 +8,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import cpu_session
 
 import fusion
 from fusion.fuse_gqa import standard
 from models.llama import WithPast
-from tests.fusion import decoder_testing as dt
+from tests.support import decoder_testing as dt
+from tests.support.graphs import cpu_session
 
 pytestmark = pytest.mark.slow
 

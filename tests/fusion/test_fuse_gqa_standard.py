@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto
 
 from fusion.fuse_gqa import standard
-from tests.graphs import make_model, run
+from tests.support.graphs import make_model, run
 
 LOWEST = np.finfo(np.float32).min
 BATCH, HEADS, KV_HEADS, LENGTH, PAST, SIZE = 2, 4, 2, 3, 5, 8

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from graphs import assert_close, ops, run
-from norm_graphs import Graph, assert_refused, fuse_and_compare, layernorm
 from onnx import TensorProto
 
 import fusion
 from fusion.base import Code
 from fusion.fuse_groupnorm import FuseGroupNorm
+from tests.support.graphs import assert_close, ops, run
+from tests.support.norm_graphs import Graph, assert_refused, fuse_and_compare, layernorm
 
 F = TensorProto.FLOAT
 SHAPE = (2, 6, 4, 5)  # (N, C, H, W)

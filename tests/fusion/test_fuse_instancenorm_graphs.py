@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import assert_close, make_model, ops, run
-from norm_graphs import Graph, layernorm
 from onnx import TensorProto
 
 import fusion
 from fusion.fuse_instancenorm import FuseInstanceNorm
+from tests.support.graphs import assert_close, make_model, ops, run
+from tests.support.norm_graphs import Graph, layernorm
 
 F = TensorProto.FLOAT
 SHAPE = (2, 4, 5, 6)

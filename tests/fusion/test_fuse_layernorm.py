@@ -15,17 +15,17 @@ import onnx
 import onnx_ir as ir
 import pytest
 import torch
-from norm_testing import (
+
+import fusion
+from fusion.base import Code, FusionReport
+from fusion.fuse_layernorm import FuseLayerNorm
+from tests.support.norm_testing import (
     SHAPE,
     assert_within_float16_ulp,
     check_against_torch,
     export,
     op_types,
 )
-
-import fusion
-from fusion.base import Code, FusionReport
-from fusion.fuse_layernorm import FuseLayerNorm
 
 pytestmark = pytest.mark.slow
 

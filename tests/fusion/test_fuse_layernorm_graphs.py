@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import ops, run
-from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, layernorm
 from onnx import TensorProto
 
 from fusion.base import Code
 from fusion.fuse_layernorm import FuseLayerNorm
+from tests.support.graphs import ops, run
+from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, layernorm
 
 H = SHAPE[-1]
 FLOAT = TensorProto.FLOAT

@@ -23,7 +23,12 @@ import onnx_ir as ir
 import pytest
 import torch
 import torch.nn.functional as F
-from norm_testing import (
+
+import fusion
+from fusion.base import Code, FusionReport
+from fusion.fuse_rmsnorm import FuseRMSNorm
+from models.norms import InBFloat16
+from tests.support.norm_testing import (
     SHAPE,
     assert_within_float16_ulp,
     check_against_torch,
@@ -31,11 +36,6 @@ from norm_testing import (
     op_types,
     probes,
 )
-
-import fusion
-from fusion.base import Code, FusionReport
-from fusion.fuse_rmsnorm import FuseRMSNorm
-from models.norms import InBFloat16
 
 pytestmark = pytest.mark.slow
 

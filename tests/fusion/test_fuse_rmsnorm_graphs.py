@@ -11,12 +11,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import ops
-from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, rmsnorm
 from onnx import TensorProto
 
 from fusion.base import Code
 from fusion.fuse_rmsnorm import FuseRMSNorm
+from tests.support.graphs import ops
+from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, rmsnorm
 
 H = SHAPE[-1]
 FLOAT = TensorProto.FLOAT

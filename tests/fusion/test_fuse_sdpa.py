@@ -15,11 +15,11 @@ import onnx_ir as ir
 import pytest
 import torch
 import torch.nn.functional as F
-from graphs import assert_close, run
 from torch import nn
 
 import fusion
-from tests.fusion import exported
+from tests.support import exported
+from tests.support.graphs import assert_close, run
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,6 @@ import math
 
 import numpy as np
 import pytest
-from graphs import assert_close, make_model, ops, run
 from onnx import TensorProto
 
 import fusion
@@ -18,6 +17,8 @@ from fusion.base import Code
 from fusion.fuse_gqa.standard import ABOVE_LOWEST, LOWEST
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_sdpa import FuseSDPA
+from tests.support.attention_graphs import YOLO, YOLO_SCALE, random_feeds, yolo_attention
+from tests.support.graphs import assert_close, make_model, ops, run
 
 F, BOOL = TensorProto.FLOAT, TensorProto.BOOL
 B, N, S, L, H, HV = 2, 3, 5, 7, 8, 6
@@ -49,15 +50,6 @@ def _scaled(qk: str = "qk") -> list:
         ("MatMul", ["q", "kt"], ["raw"], {}),
         ("Mul", ["raw", "scale"], [qk], {}),
     ]
-
-
-def _feeds(rng, inputs: dict) -> dict:
-    return {
-        name: rng.standard_normal(shape).astype(np.float32)
-        if dtype == F
-        else rng.random(shape) > 0.4
-        for name, (dtype, shape) in inputs.items()
-    }
 
 
 def _reference(q, k, v, scale, add=None, keep=None, fill=None, guard=False):
@@ -120,7 +112,7 @@ def test_every_scale_is_the_ops_scale(rng, form):
     scores = [transpose, *nodes, matmul] if on_qk else [transpose, matmul, *nodes]
     inits = {n: np.array(c, np.float32) for n, c in consts.items()}
     model = _attention(scores, _inputs(), inits)
-    feeds = _feeds(rng, _inputs())
+    feeds = random_feeds(rng, _inputs())
     _, got = _fused(model, feeds)
     attention = next(n for n in model.graph if n.op_type == "Attention")
     expected = 1.0 if form == "none" else SCALE
@@ -171,7 +163,7 @@ def test_every_layout_of_k_transposed(rng, form):
     ]
     inputs = _inputs(k=(F, key_shape))
     model = _attention(scores, inputs, inits)
-    feeds = _feeds(rng, inputs)
+    feeds = random_feeds(rng, inputs)
     _fused(model, feeds)
     transposes = [n for n in model.graph if n.op_type == "Transpose"]
     assert len(transposes) == (
@@ -182,32 +174,15 @@ def test_every_layout_of_k_transposed(rng, form):
     assert_close([got], [expected], atol=1e-5)
 
 
-YOLO = {"q": (F, (B, N, H, L)), "k": (F, (B, N, H, L)), "v": (F, (B, N, HV, L))}
-
-
-def _yolo():
-    """C2PSA: ``attn = (q^T @ k) * scale``, ``out = v @ attn^T`` (q, k (B, N, H, L), v
-    (B, N, HV, L))."""
-    nodes = [
-        ("Transpose", ["q"], ["qt"], {"perm": [0, 1, 3, 2]}),
-        ("MatMul", ["qt", "k"], ["raw"], {}),
-        ("Mul", ["raw", "scale"], ["scores"], {}),
-        ("Softmax", ["scores"], ["p"], {"axis": -1}),
-        ("Transpose", ["p"], ["pt"], {"perm": [0, 1, 3, 2]}),
-        ("MatMul", ["v", "pt"], ["y"], {}),
-    ]
-    return make_model(nodes, YOLO, {"y": (F, None)}, {"scale": np.float32(SCALE)}, opset=20)
-
-
 def test_yolo_transposed_query_and_output(rng):
     """C2PSA's attention, on both targets."""
-    feeds = _feeds(rng, YOLO)
+    feeds = random_feeds(rng, YOLO)
     swap = (0, 1, 3, 2)
-    for target in ("ort", "onnx"):
-        _, got = _fused(_yolo(), feeds, target=target)
     q, k, v = (feeds[n].transpose(swap) for n in "qkv")
-    expected = _reference(q, k, v, SCALE).transpose(swap)
-    assert_close([got], [expected], atol=1e-5)
+    expected = _reference(q, k, v, YOLO_SCALE).transpose(swap)
+    for target in ("ort", "onnx"):
+        _, got = _fused(yolo_attention(), feeds, target=target)
+        assert_close([got], [expected], atol=1e-5)
 
 
 @pytest.mark.parametrize("target", ["ort", "onnx"])
@@ -215,13 +190,13 @@ def test_sdpa_transposed_false_leaves_the_transposed_form(rng, target):
     """``sdpa_transposed=False`` leaves C2PSA's attention (``transposed_form``), the model as
     it was; True fuses it, exact, on 2 threads too (the per-provider choice is the caller's:
     the policy tests, test_policy.py)."""
-    feeds = _feeds(rng, YOLO)
-    model = _yolo()
+    feeds = random_feeds(rng, YOLO)
+    model = yolo_attention()
     before = ops(model)
     report = fusion.optimize(model, target=target, threads=2, sdpa_transposed=False)
     assert report.codes("attention") == [Code.TRANSPOSED_FORM], report.refused
     assert ops(model) == before and model.opset_imports[""] == 20
-    report, _ = _fused(_yolo(), feeds, target=target, threads=2, sdpa_transposed=True)
+    report, _ = _fused(yolo_attention(), feeds, target=target, threads=2, sdpa_transposed=True)
     assert report.counts["sdpa_fused"] == 1
 
 
@@ -246,7 +221,7 @@ def test_additive_masks_constant_and_broadcast(rng):
         scores = [*_scaled(), ("Add", ["qk", "mask"], ["scores"], {})]
         inits = {"scale": np.float32(SCALE), "mask": mask}
         model = _attention(scores, _inputs(), inits)
-        feeds = _feeds(rng, _inputs())
+        feeds = random_feeds(rng, _inputs())
         _, got = _fused(model, feeds)
         expected = _reference(feeds["q"], feeds["k"], feeds["v"], SCALE, add=mask)
         assert_close([got], [expected], atol=1e-5)
@@ -262,7 +237,7 @@ def test_where_mask_with_lowest_keeps_the_models_fully_masked_row(rng):
     ]
     inits = {"scale": np.float32(SCALE), "low": np.float32(LOWEST)}
     model = _attention(scores, inputs, inits, guard=True)
-    feeds = _feeds(rng, inputs)
+    feeds = random_feeds(rng, inputs)
     feeds["m"] = _row_masked(feeds["m"], False)
     _, got = _fused(model, feeds)
     add = np.where(feeds["m"], 0, LOWEST).astype(np.float32)
@@ -276,7 +251,7 @@ def test_callers_mask_behind_the_guard(rng):
     inputs = _inputs(m=(F, (B, 1, S, L)))
     model = _attention([*_scaled(), ("Add", ["qk", "m"], ["scores"], {})], inputs,
                        {"scale": np.float32(SCALE)}, guard=True)  # fmt: skip
-    feeds = _feeds(rng, inputs)
+    feeds = random_feeds(rng, inputs)
     feeds["m"] = _row_masked(feeds["m"], -np.inf)
     feeds["m"][1, 0, 3] = LOWEST
     _, got = _fused(model, feeds)
@@ -295,7 +270,7 @@ def test_boolean_masks_either_way_round(rng, fill, attend_branch):
     inputs = _inputs(c=(BOOL, (B, 1, S, L)))
     inits = {"scale": np.float32(SCALE), "fill": np.float32(fill)}
     model = _attention(scores, inputs, inits, guard=fill == -np.inf)
-    feeds = _feeds(rng, inputs)
+    feeds = random_feeds(rng, inputs)
     feeds["c"] = _row_masked(feeds["c"], False)
     _, got = _fused(model, feeds)
     expected = _reference(feeds["q"], feeds["k"], feeds["v"], SCALE, keep=feeds["c"], fill=fill,
@@ -309,7 +284,7 @@ def test_constant_boolean_mask_with_a_large_negative_fill(rng):
     scores = [*_scaled(), ("Where", ["keep", "qk", "fill"], ["scores"], {})]
     inits = {"scale": np.float32(SCALE), "fill": np.float32(-1e9), "keep": keep}
     model = _attention(scores, _inputs(), inits)
-    feeds = _feeds(rng, _inputs())
+    feeds = random_feeds(rng, _inputs())
     _, got = _fused(model, feeds)
     expected = _reference(feeds["q"], feeds["k"], feeds["v"], SCALE, keep=keep, fill=-1e9)
     assert_close([got], [expected], atol=1e-5)
@@ -347,7 +322,7 @@ def test_sam_relative_positions_through_a_view_of_3d_scores(rng):
         "three": np.array([batch, seq, seq], np.int64),
     }
     model = _attention(scores, inputs, inits)
-    feeds = _feeds(rng, inputs)
+    feeds = random_feeds(rng, inputs)
     _, got = _fused(model, feeds)
     grid = feeds["q"].reshape(batch, side, side, H)
     rel_h, rel_w = (grid @ inits[t] for t in ("table_h", "table_w"))
@@ -519,7 +494,7 @@ def _kernel(mask: np.ndarray, rng, scale: float = SCALE) -> np.ndarray:
         [("Attention", ["q", "k", "v", "m"], ["y"], {"scale": scale})],
         _inputs(m=(dtype, mask.shape)), {"y": (F, None)}, opset=23,
     )  # fmt: skip
-    feeds = {**_feeds(rng, _inputs()), "m": mask}
+    feeds = {**random_feeds(rng, _inputs()), "m": mask}
     return run(model, feeds)[0], feeds
 
 
@@ -589,7 +564,7 @@ def test_on_the_cpu_an_attention_of_fewer_heads_than_threads_is_left(
         concrete = {
             n: (t, [3 if isinstance(d, str) else d for d in s]) for n, (t, s) in inputs.items()
         }
-        _fused(model, _feeds(rng, concrete), threads=threads)
+        _fused(model, random_feeds(rng, concrete), threads=threads)
         return
     report = fusion.optimize(model, target="onnx", threads=threads)
     assert report.codes("attention") == [Code.FEW_HEADS], report.refused

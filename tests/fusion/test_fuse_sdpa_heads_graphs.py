@@ -12,11 +12,11 @@ import math
 
 import numpy as np
 import pytest
-from graphs import assert_close, make_model, ops, run
 from onnx import TensorProto
 
 import fusion
 from fusion.base import Code
+from tests.support.graphs import assert_close, make_model, ops, run
 
 F = TensorProto.FLOAT
 B, N, S, H = 2, 3, 4, 8  # SwinV2: windows of S = 4 tokens; XCA: S channels of H tokens per head

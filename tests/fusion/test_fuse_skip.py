@@ -16,14 +16,14 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import cpu_session
-from norm_testing import assert_matches
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
 from fusion.base import Code, FusionReport
 from fusion.fuse_skip import SKIP_OPS, FuseSkip
-from tests.fusion import exported
+from tests.support import exported
+from tests.support.graphs import cpu_session
+from tests.support.norm_testing import assert_matches
 
 pytestmark = pytest.mark.slow
 

@@ -11,14 +11,21 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import ops
-from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, layernorm, rmsnorm
 from onnx import TensorProto
 
 from fusion.base import MS_DOMAIN, Code
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.fuse_skip import FuseSkip
+from tests.support.graphs import ops
+from tests.support.norm_graphs import (
+    SHAPE,
+    Graph,
+    assert_refused,
+    fuse_and_compare,
+    layernorm,
+    rmsnorm,
+)
 
 H = SHAPE[-1]
 FLOAT = TensorProto.FLOAT

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare
 from onnx import TensorProto
 
 from fusion.base import Code
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
+from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare
 
 FLOAT = TensorProto.FLOAT
 H = SHAPE[-1]

@@ -8,11 +8,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
-from graphs import assert_close, run
-from norm_graphs import Graph, inputs, layernorm, rmsnorm
 from onnx import TensorProto
 
 import fusion
+from tests.support.graphs import assert_close, run
+from tests.support.norm_graphs import Graph, inputs, layernorm, rmsnorm
 
 FLOAT = TensorProto.FLOAT
 X = (2, 3, 5, 6)

@@ -6,10 +6,10 @@ import onnx_ir as ir
 import pytest
 import torch
 import transformers
-from graphs import cpu_session
 
 import fusion
-from tests.fusion import exported
+from tests.support import exported
+from tests.support.graphs import cpu_session
 
 HIDDEN, HEADS = 64, 4
 FLOAT = ir.TensorType(ir.DataType.FLOAT)

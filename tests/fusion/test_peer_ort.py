@@ -24,12 +24,12 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from graphs import cpu_session
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
 from fusion.cleanup import cleanup
 from fusion.graph import const_array
+from tests.support.graphs import cpu_session
 
 PEER = Path(__file__).parents[2].parent / "shared/peer/ort"
 EXPECTATIONS = PEER / "expectations.json"

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from graphs import assert_close, run
-from norm_graphs import Graph, fuse_and_compare, inputs
 from onnx import TensorProto
 
 import fusion
 from fusion.base import Code
 from fusion.prune_rows import PruneRows
+from tests.support.graphs import assert_close, run
+from tests.support.norm_graphs import Graph, fuse_and_compare, inputs
 
 FLOAT = TensorProto.FLOAT
 B, S, N, H = 2, 7, 2, 8

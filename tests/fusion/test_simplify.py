@@ -9,13 +9,13 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import cpu_session
-from norm_graphs import Graph
 from onnx import TensorProto
 
 import fusion
 from fusion.graph import KnownShapes, symbolic_shapes
 from fusion.simplify import composed_axes
+from tests.support.graphs import cpu_session
+from tests.support.norm_graphs import Graph
 
 
 def _unsqueezed(shape: tuple, axes: list[int]) -> tuple:

@@ -10,7 +10,6 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import make_model
 from onnx import TensorProto
 from rich.console import Console
 from torch import nn
@@ -27,6 +26,7 @@ from normexport.errors import EXIT_OK, EXIT_USAGE, UsageError
 from normexport.io.export import export_module
 from normexport.runtime.latency import runner
 from normexport.tuning import variants
+from tests.support.graphs import make_model
 
 pytestmark = pytest.mark.slow  # exports PyTorch models
 

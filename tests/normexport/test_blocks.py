@@ -26,7 +26,7 @@ from normexport.io import files
 from normexport.runtime import memory
 from normexport.runtime import plan as plan_mod
 from normexport.verdict import blocks, by_blocks, parity
-from tests.graphs import make_model
+from tests.support.graphs import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -272,7 +272,7 @@ def test_a_saved_model_leaves_no_dirty_pages_in_its_group(tmp_path):
     with it on disk (the group's dirty bytes read in the writing process itself)."""
     writer = (
         "import sys, numpy as np\nfrom pathlib import Path\nimport onnx_ir as ir\n"
-        "from normexport.io import files\nfrom tests.graphs import make_model\n"
+        "from normexport.io import files\nfrom tests.support.graphs import make_model\n"
         "F = ir.DataType.FLOAT\n"
         "model = make_model([('MatMul', ['x', 'w'], ['y'], {})], {'x': (F, [1, 2048])}, "
         "{'y': (F, [1, 8192])}, {'w': np.ones((2048, 8192), np.float32)})\n"

@@ -153,7 +153,7 @@ def test_half_conversion_for_cuda_keeps_float32_an_op_whose_kernel_lacks_float16
 
     from normexport.io import files
     from normexport.precision import convert, kernels
-    from tests.graphs import make_model
+    from tests.support.graphs import make_model
 
     model = make_model(
         [("Relu", ["x"], ["r"], {}), ("Clip", ["r", "lo", "hi"], ["y"], {"name": "clip"})],

@@ -17,7 +17,7 @@ import pytest
 from normexport import cli
 from normexport.errors import EXIT_OK, EXIT_USAGE
 from normexport.io import dims, files
-from tests.graphs import make_model
+from tests.support.graphs import make_model
 
 F = ir.DataType.FLOAT
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import make_model
 from onnx import TensorProto
 from rich.console import Console
 
@@ -17,7 +16,8 @@ from normexport import cli, runtime
 from normexport.report import explain
 from normexport.runtime.policy import SKIP_PROVIDERS
 from normexport.runtime.policy import fusion_policy as policy
-from tests.fusion.test_merge_branches_graphs import MERGED, Block
+from tests.support.graphs import make_model
+from tests.support.reparam_graphs import MERGED, Block
 
 SHAPE = (2, 5, 16)
 F = TensorProto.FLOAT

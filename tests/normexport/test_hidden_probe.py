@@ -15,7 +15,7 @@ import fusion
 from normexport import cli, precision
 from normexport.io import files
 from normexport.verdict import blocks, hidden_probe
-from tests.fusion.norm_graphs import Graph, layernorm
+from tests.support.norm_graphs import Graph, layernorm
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 IDS = (2, 6)

@@ -21,7 +21,7 @@ from normexport import cli, progress, runtime
 from normexport.io import files
 from normexport.runtime import memory, plan, sessions
 from normexport.verdict import parity, speed, tolerance
-from tests.graphs import make_model
+from tests.support.graphs import make_model
 
 F = ir.DataType.FLOAT
 

@@ -17,7 +17,7 @@ from onnx import TensorProto
 from normexport import runtime
 from normexport.io import files
 from normexport.verdict import oracle
-from tests.graphs import make_model
+from tests.support.graphs import make_model
 
 F = TensorProto.FLOAT
 

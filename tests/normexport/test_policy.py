@@ -7,13 +7,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from graphs import assert_close, ops, run
 
 import fusion
 from fusion.base import Code
 from normexport.runtime.latency import latency_threads
 from normexport.runtime.policy import fusion_policy
-from tests.fusion.test_fuse_sdpa_graphs import YOLO, _feeds, _yolo
+from tests.support.attention_graphs import YOLO, random_feeds, yolo_attention
+from tests.support.graphs import assert_close, ops, run
 
 
 def test_each_provider_gets_its_choices_for_the_targets_its_passes_run_for():
@@ -59,14 +59,14 @@ def test_the_cpu_policy_leaves_the_transposed_form_cudas_fuses_it(target):
     """``sdpa_transposed``: the CPU provider's policy leaves C2PSA's attention
     (``transposed_form``: ONNX Runtime runs the MatMuls with the Transposes taken in, where
     Attention needs four copies), the model as it was; CUDA's fuses it, exact."""
-    feeds = _feeds(np.random.default_rng(0), YOLO)
+    feeds = random_feeds(np.random.default_rng(0), YOLO)
     cpu, cuda = (fusion_policy(target, provider, 2) for provider in ("cpu", "cuda"))
-    model = _yolo()
+    model = yolo_attention()
     before = ops(model)
     report = fusion.optimize(model, cpu)
     assert report.codes("attention") == [Code.TRANSPOSED_FORM], report.refused
     assert ops(model) == before and model.opset_imports[""] == 20
-    model = _yolo()
+    model = yolo_attention()
     want = run(model, feeds)
     report = fusion.optimize(model, cuda)
     assert report.counts["sdpa_fused"] == 1, report.refused

@@ -25,7 +25,7 @@ from normexport.io import files
 from normexport.precision import convert, kernels
 from normexport.precision.kept import FP16_MAX, decomposed_norm_nodes
 from normexport.verdict import parity
-from tests.graphs import make_model
+from tests.support.graphs import make_model
 
 F, H = TensorProto.FLOAT, TensorProto.FLOAT16
 D = 16

@@ -13,13 +13,13 @@ from pathlib import Path
 import onnx_ir as ir
 import pytest
 import torch
-from graphs import excess_ops
 
 import models
 import normexport
 from fusion.base import Op
 from models.demo import demo_options
 from normexport import pipeline
+from tests.support.graphs import excess_ops
 
 pytestmark = pytest.mark.slow  # exports PyTorch models
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import make_model
 from onnx import TensorProto
 
 import normexport
@@ -27,6 +26,7 @@ from models.broken import slowed
 from normexport import cli
 from normexport.runtime.latency import Timing
 from normexport.verdict.speed import NOT_TIMED, compare, rejection
+from tests.support.graphs import make_model
 
 #: Rows, features, channels: a graph of about a tenth of a millisecond, whose sessions differ by
 #: about a percent (two sessions of a 12-microsecond graph differed by up to 20%).

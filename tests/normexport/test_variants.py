@@ -8,7 +8,6 @@ import sys
 import numpy as np
 import onnx_ir as ir
 import pytest
-from graphs import make_model, ops, run
 from onnx import TensorProto
 
 from normexport import runtime
@@ -17,6 +16,7 @@ from normexport.io.files import data_path
 from normexport.runtime import sessions
 from normexport.tuning import autotune, forms, variants
 from normexport.verdict.parity import closeness
+from tests.support.graphs import make_model, ops, run
 
 # --- sessions --------------------------------------------------------------------------------
 

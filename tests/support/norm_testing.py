@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 import torch
-from graphs import cpu_session, mismatch
 
-from tests.fusion import exported
+from tests.support import exported
+from tests.support.graphs import cpu_session, mismatch
 
 SHAPE = (2, 3, 16)
 

@@ -11,10 +11,10 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
-from graphs import NodeSpec, assert_close, make_model, run
 
 import fusion
 from fusion.base import Code, FusionPass, FusionReport
+from tests.support.graphs import NodeSpec, assert_close, make_model, run
 
 #: (batch, rows, hidden): the input of every norm here.
 SHAPE = (2, 3, 16)
