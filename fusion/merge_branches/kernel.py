@@ -56,7 +56,7 @@ class Plan:
 
 
 def merged_conv(found: Sum) -> Plan:
-    """The merged Conv of ``found`` (see the module docstring).
+    """The merged Conv of ``found`` (the conditions: docs/fusions.md#mergebranches).
 
     Raises:
         CannotFuse: the branches cannot be one Conv exactly, or the merge would be slower.
