@@ -1,5 +1,5 @@
 """The merged Conv of a sum of branches: its window on one tap grid, its weight and bias
-(see the package docstring, :mod:`fusion.merge_branches`)."""
+(docs/fusions.md#mergebranches)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A 1x1 Conv followed by a Conv, as one Conv (DBB's transform II; see the package
-docstring, :mod:`fusion.merge_branches`)."""
+"""A 1x1 Conv followed by a Conv, as one Conv (DBB's transform II;
+docs/fusions.md#mergebranches)."""
 
 from __future__ import annotations
 
