@@ -1,6 +1,6 @@
 """The conditions on the norm that :class:`fusion.fuse_skip.FuseSkip` fuses with the residual
 ``Add`` before it: what ONNX Runtime's Skip*LayerNormalization kernels take (the list and its
-sources are in :mod:`fusion.fuse_skip`'s docstring).
+sources: docs/fusions.md#fuseskip).
 """
 
 from __future__ import annotations

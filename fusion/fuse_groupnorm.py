@@ -1,49 +1,9 @@
-"""Recognize GroupNorm, in the form ``nn.GroupNorm`` exports and written by hand.
+"""Recognize GroupNorm, in the form ``nn.GroupNorm`` exports and written by hand: keep the exported
+form (no ONNX Runtime CPU kernel for ``GroupNormalization``), make a hand-written one that form,
+and for ``target="ort"`` expand a ``GroupNormalization``-21 into it.
 
-Group normalization (Wu and He 2018) splits the C channels of ``x`` (N, C, *spatial) into G
-groups of C/G consecutive channels and normalizes each (n, group) over its channels and spatial
-positions, then applies a weight and bias per channel::
-
-    v = x.reshape(N, G, -1)                       # or (N, G, C/G, *spatial)
-    v = (v - mean(v)) / sqrt(var(v) + eps)        # over every axis after the group axis
-    y = v.reshape(x.shape) * w[c] + b[c]          # w, b: (C,), as (C, 1, 1) or (1, C, 1, 1)
-
-The exporters write ``nn.GroupNorm`` as ``Reshape -> InstanceNormalization -> Reshape -> Mul ->
-Add``: an InstanceNormalization (onnx/docs/Operators.md#InstanceNormalization) of the (N, G, D)
-view, with scale ones(G) and B zeros(G), normalizes each (n, g) over D, which is the statistic
-above. The one ONNX op for the whole is ``GroupNormalization`` (opset 21 semantics: scale and
-bias per channel; the opset-18 per-group form is deprecated). ONNX Runtime 1.31 has no CPU kernel
-for it (its CUDA provider was not measured): it expands the function op into its body (some
-thirty nodes), which was measured slower than the exported form on the CPU provider
-(``benchmarks/forms.py --set conv``, group ``groupnorm``). So:
-
-- the exported form is recognized and kept, recorded as a ``groupnorm`` refusal with code
-  ``no_ort_kernel`` (``explain`` and the report list every GroupNorm);
-- a hand-written GroupNorm (the mean and variance over the axes after the group axis of the
-  reshaped tensor, in any spelling :class:`~fusion.fuse_layernorm.FuseLayerNorm` accepts) has its
-  normalization replaced by that same ``InstanceNormalization`` (scale ``1/sqrt(f)`` and epsilon
-  ``eps/f`` for a variance scaled by ``f``, as there), which makes it the exported form: counted
-  as ``groupnorm_fused``. The Reshapes and the per-channel Mul / Add stay;
-- for ``target="ort"``, a ``GroupNormalization`` of opset 21 or later (the dynamo exporter writes
-  one for ``nn.GroupNorm`` from opset 21) on a float32 input with constant scale and bias becomes
-  the exported form, ``Reshape(0, G, -1) -> InstanceNormalization(ones, zeros, epsilon) ->
-  Reshape(Shape(x)) -> Mul(scale) -> Add(bias)``, scale and bias as (C, 1, ...): the function
-  body of GroupNormalization-21 (onnx/defs/nn/defs.cc) with the same statistics, for float32
-  input in float32 as its ``stash_type=1`` asks. Counted as ``groupnorm_fused`` too.
-  ``target="onnx"`` keeps the standard op (other runtimes may have a kernel for it).
-
-Before and after (hand-written)::
-
-    x ─ Reshape(N,G,-1) ─ v ─ ReduceMean ─ Sub ─ Pow ─ ReduceMean ─ Add(eps) ─ Sqrt ─ Div ─
-        Reshape(x.shape) ─ Mul(w) ─ Add(b)
-    x ─ Reshape(N,G,-1) ─ InstanceNormalization(ones(G), zeros(G), eps) ─ Reshape(x.shape) ─
-        Mul(w) ─ Add(b)
-
-Recognized only where the shapes say it is a GroupNorm: ``x`` of rank 3 or more with a known
-channel count C, a Reshape to (N, G, ...) that keeps the batch axis (the same dimension, or a
-target of 0 there) with G dividing C and the other axes holding C/G times the spatial size, the
-norm over every axis after the group axis, and a Reshape back to the shape of ``x``. Anything
-else is :class:`~fusion.fuse_layernorm.FuseLayerNorm`'s to fuse or refuse.
+The math, the measurement behind the choice and the shapes it needs: see
+docs/fusions.md#fusegroupnorm.
 """
 
 from __future__ import annotations
@@ -121,7 +81,8 @@ def grouping(view: ir.Value, normalized: ir.Value) -> tuple[int, int] | None:
 
 class FuseGroupNorm(NodeFusionPass):
     """Recognize every GroupNorm: keep the exported form (refusal ``no_ort_kernel``), make a
-    hand-written one that form (``groupnorm_fused``); see the module docstring. Runs before
+    hand-written one that form (``groupnorm_fused``); see docs/fusions.md#fusegroupnorm. Runs
+    before
     :class:`FuseLayerNorm`, whose matcher it uses for the hand-written normalization.
     """
 
@@ -208,7 +169,7 @@ class FuseGroupNorm(NodeFusionPass):
 
 def _expand(graph: ir.Graph, node: ir.Node) -> str:
     """Replace GroupNormalization-21 ``node`` by Reshape -> InstanceNormalization -> Reshape ->
-    Mul -> Add (see the module docstring)."""
+    Mul -> Add (docs/fusions.md#fusegroupnorm)."""
     x, hint = node.inputs[0], label(node)
     groups, rank = node.attributes.get_int("num_groups"), len(x.shape)
     per_channel = (x.shape[1],) + (1,) * (rank - 2)

@@ -1,27 +1,6 @@
-"""Fuse the per-channel "CNN LayerNorm" into one ``InstanceNormalization`` node.
-
-Tutorials normalize a feature map ``x`` of shape (N, C, *spatial) over its spatial axes, with a
-weight and bias per channel::
-
-    mu = x.mean((2, 3), keepdim=True); var = ((x - mu) ** 2).mean((2, 3), keepdim=True)
-    y = gamma * (x - mu) / sqrt(var + eps) + beta        # gamma, beta: (1, C, 1, 1)
-
-ONNX ``InstanceNormalization`` (onnx/docs/Operators.md#InstanceNormalization, opset 6) is
-exactly this function: ``y = scale[c] * (x - mean) / sqrt(var + epsilon) + B[c]`` with the mean
-and the biased variance over the spatial axes of each (n, c). :class:`FuseLayerNorm` would make
-it ``LayerNormalization(axis=2)`` and leave the per-channel ``Mul`` / ``Add`` after it (their
-constants vary along C, an axis LayerNormalization does not normalize); this pass runs first
-and makes the whole subgraph one node. The normalization is matched by FuseLayerNorm's own
-matcher, so every form it accepts is accepted here (a scaled variance ``factor * var`` gives
-``scale = gamma / sqrt(factor)`` and ``epsilon = eps / factor``, as there).
-
-The channel count is read from the shape of ``x``: :func:`fusion.optimize` runs ONNX shape
-inference for the values that carry none (:class:`fusion.FillShapes`; the TorchScript exporter
-writes no shapes for intermediate values) before the passes.
-
-What is not exactly an InstanceNorm is left to FuseLayerNorm, which fuses or refuses it: a norm
-over other axes than 2 and on, a half-precision round trip (InstanceNormalization computes in the
-input type, the fused LayerNormalization in float32), a weight that is not per channel.
+"""Fuse the per-channel "CNN LayerNorm" (a norm over the spatial axes of (N, C, *spatial), then a
+per-channel weight and bias) into one ``InstanceNormalization`` node, with FuseLayerNorm's
+matcher. The math and what is left to FuseLayerNorm: see docs/fusions.md#fuseinstancenorm.
 """
 
 from __future__ import annotations
@@ -85,7 +64,7 @@ def spatial_layernorm(layernorm: FuseLayerNorm, model: ir.Model, node: ir.Node) 
 
 class FuseInstanceNorm(NodeFusionPass):
     """Replace each hand-written per-channel "CNN LayerNorm" by one ``InstanceNormalization``
-    (see the module docstring for the math). Runs before :class:`FuseLayerNorm`.
+    (the math: docs/fusions.md#fuseinstancenorm). Runs before :class:`FuseLayerNorm`.
 
     Counted as ``instancenorm_fused``. It refuses nothing itself: a candidate that is not
     exactly an InstanceNorm is FuseLayerNorm's to fuse or to refuse with the reason.

@@ -1,111 +1,9 @@
 """Fuse a hand-written LayerNorm into one ``LayerNormalization`` node (ONNX opset 17 and up, or
 ONNX Runtime at any opset).
 
-The math
---------
-Layer normalization (Ba, Kiros & Hinton 2016) over the trailing axes ``A = (r-k, ..., r-1)``
-of an input ``x`` of rank ``r``::
-
-    mu  = mean_A(x)
-    d   = x - mu
-    var = mean_A(d * d)                      (the biased variance)
-    y   = d / sqrt(var + eps) * w + b
-
-ONNX ``LayerNormalization`` (opset 17, onnx/docs/Operators.md#LayerNormalization) is defined
-as the function ``Normalized = Mul(D, Reciprocal(Sqrt(Add(ReduceMean(Mul(D, D)), epsilon))))``,
-``Y = Add(Mul(Normalized, Scale), B)`` with ``D = Sub(X, ReduceMean(X))``, both means over
-``[axis, ..., r-1]``, computed in float32 under ``stash_type=1``. With ``axis = -k``,
-``Scale = w``, ``B = b`` and ``epsilon`` the model's own float32 eps constant, that is the
-subgraph above, up to float rounding (one division becomes a reciprocal and a product).
-
-A variance scaled by a positive constant ``f`` is exact too (docs/fusions.md, "Every
-spelling, and only the exact ones")::
-
-    d / sqrt(f * var + eps) = f^(-1/2) * d / sqrt(var + eps / f)
-
-so the fused op takes ``epsilon = eps / f`` and ``Scale = w / sqrt(f)``. The unbiased
-``x.var()`` is the case ``f = N / (N-1)`` (N the number of normalized elements; both exporters
-write it as ``mean(d * d) * N / (N-1)``): epsilon ``eps (N-1)/N``, scale ``w sqrt((N-1)/N)``.
-
-Spellings accepted (as the dynamo and TorchScript exporters write them after
-:func:`fusion.cleanup.cleanup` has merged the two copies of ``x - mean``)::
-
-    square       Pow(d, 2) | Mul(d, d)
-    var          ReduceMean(square) with keepdims=1, or keepdims=0 and then Reshape [Expand] back
-                 to the keepdims shape (the dynamo export of x.var()); times or divided by
-                 one-element constants (the factor f); or ReduceSum(square) times or divided
-                 by constants (f is then N times their product: sum / N is the variance,
-                 sum / (N - 1) the unbiased one)
-    center       d = Sub(x, mean) [Cast to the type of x, a no-op]; mean = ReduceMean(x), or
-                 ReduceSum(x) divided by N or times 1/N (x.sum(-1, keepdim=True) / d); the
-                 variance may center x a second time, over the same axes spelled differently
-                 (the dynamo export of x.var() does: axes [2] where the mean has [-1])
-    divide       Div(n, den) | Mul(n, Reciprocal(den)) | Mul(n, Div(1, den)), where the
-                 numerator n is d, or Mul(w, d) with w a constant (the tutorials' order
-                 w * (x - m) / sqrt(var + eps): w is the scale, and only a bias follows)
-    den          Sqrt(Add(var, eps)), eps a one-element float32 constant (either Add order),
-                 or Sqrt(var) with no eps at all (epsilon 0, below)
-    after        [Cast] [Mul by constant w] [Add of constant b]
-                 (either operand order; w and b may vary along the normalized axes only)
-
-Other frameworks' exporters (docs/model-files.md, "Files from other frameworks"): the mean as
-``GlobalAveragePool`` (the mean over every axis after the first two: tf2onnx's mean over the
-last axis of a 3-D tensor); the variance from the moments, ``max(0, E[x^2] - E[x]^2)``
-(Flax through jax2onnx; :mod:`fusion.norm_match.moments`); the inverse root as ``Pow(., -0.5)``;
-and TensorFlow's batch-norm-style affine, ``x * g + (beta - mean * g)`` with ``g = w /
-sqrt(var + eps)`` (tf2onnx; :mod:`fusion.norm_match.folded`).
-
-N, the number of elements a ReduceSum adds up, is read from the shape of ``x``. A mean whose sum
-is divided by anything else (``sum / (N - 1)``, a wrong constant) is refused: ``x`` minus it is
-not ``x`` minus its mean. Constants count as ``1 / N`` within a few float32 roundings
-(:data:`fusion.norm_match.axes.EXACT`).
-
-No eps. ``torch.onnx.export``'s own optimizer (on by default) removes an ``Add`` of 1e-8 as if
-it were 0 (docs/model-files.md, "How the export is done"), so files from the field hold
-``(x - m) / sqrt(var)``. That is LayerNormalization with ``epsilon=0``, the file's own function
-(both give NaN on a constant row, where the variance is 0), and it is fused so; the report gets a
-note that says what happened and the fix (export from the PyTorch file again with
-``optimize=False``), and what the rewrite became says ``epsilon 0``. An eps of 0 written
-as a constant gets the same note.
-
-Mixed precision. A Cast to float32 after a float32 norm is a no-op and is absorbed. A float16
-or bfloat16 round trip, ``Cast(x, float32)``, the norm, ``Cast`` back to the type of ``x``,
-then weight and bias in that type (the Hugging Face habit), is exactly ``LayerNormalization``
-on the low-precision ``x`` with ``stash_type=1``: its function body normalizes in float32,
-casts the result to the input type, and only then applies ``Scale`` and ``B``. It is fused so.
-Where the weight is applied in float32 before the cast back, one op on the low-precision ``x``
-would round twice where the original rounds once: the norm is fused inside the float32 region
-and the Casts stay.
-
-Before and after::
-
-    x ─ ReduceMean ─┐
-    x ────────────── Sub ─ d ─ Pow(., 2) ─ ReduceMean ─ Add(eps) ─ Sqrt ─┐
-                           d ─────────────────────────────────────────── Div ─ Mul(w) ─ Add(b) ─ y
-
-    x ─ LayerNormalization(x, w, b; axis=-k, epsilon=eps, stash_type=1) ─ y
-
-Below opset 17, ``target="ort"`` still fuses into a default-domain ``LayerNormalization``:
-ONNX Runtime registers it there at every opset (its own LayerNormFusion emits it into opset-10
-to 12 models); :func:`fusion.check` checks it as an ONNX Runtime op.
-
-``x - mean(x)`` may be read elsewhere (two norms of one input, whose centering CSE has made one
-value): the fused node computes it from ``x`` again, and the ReduceMean and Sub stay for their
-other readers (they go when the other norm is fused too). Other intermediate values (the square,
-the variance of two norms that differ in eps only) may be shared among norms that are all
-fused (:class:`fusion.norm_match.NormFusionPass`); read by anything else, they block the fusion.
-
-Left intact, with the reason in the report: for ``target="onnx"``, a model whose opset has no
-LayerNormalization (below 17); means over axes that are not the trailing axes of ``x``, or over
-different axes for the mean and the variance; an intermediate value read outside the subgraph; a
-non-constant eps; a variance scaled by a factor that is not positive, or reshaped to a shape
-other than its keepdims shape; a norm computed in a type other than float32 (the fused op would
-compute it in float32: a different function); ``eps`` added outside the square root
-(``d / (sqrt(var) + eps)`` is a different function). A weight or bias that varies along an axis
-that is not normalized stays a separate ``Mul`` / ``Add`` after the fused node (reported).
-
-The matching helpers are in :mod:`fusion.norm_match`, shared with :mod:`fusion.fuse_rmsnorm`:
-RMSNorm is this computation without the centering.
+The math (a scaled or unbiased variance included), the spellings accepted, epsilon 0, mixed
+precision and each refusal with its code: see docs/fusions.md#fuselayernorm. The matching
+helpers are in :mod:`fusion.norm_match`, shared with :mod:`fusion.fuse_rmsnorm`.
 """
 
 from __future__ import annotations
@@ -152,7 +50,7 @@ class FuseLayerNorm(NormFusionPass):
 
     Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
     like a LayerNorm but cannot be fused exactly is left intact and recorded as a ``"layernorm"``
-    refusal with its reason (see the module docstring).
+    refusal with its reason (docs/fusions.md#fuselayernorm).
     """
 
     kinds = (Kind("layernorm_fused", "layernorm", (Op("LayerNormalization"),)),)

@@ -1,37 +1,8 @@
-"""Fuse a channels-first LayerNorm written by hand into Transpose -> LayerNormalization ->
-Transpose, where that was measured faster.
+"""Fuse a channels-first LayerNorm written by hand (ConvNeXt's, over axis 1 of (N, C, ...)) into
+Transpose -> LayerNormalization -> Transpose, where that was measured faster.
 
-ConvNeXt's original (Liu et al. 2022, ``LayerNorm(data_format="channels_first")``) normalizes a
-feature map ``x`` of shape (N, C, *spatial) over its channel axis, with a weight and bias per
-channel::
-
-    u = x.mean(1, keepdim=True); s = (x - u).pow(2).mean(1, keepdim=True)
-    y = w[:, None, None] * (x - u) / torch.sqrt(s + eps) + b[:, None, None]
-
-ONNX ``LayerNormalization`` (opset 17, onnx/docs/Operators.md#LayerNormalization) normalizes
-trailing axes only, so the exact rewrite moves the channels last and back::
-
-    Transpose(perm=(0, 2, ..., r-1, 1)) -> LayerNormalization(axis=-1, Scale=w, B=b, epsilon=eps)
-        -> Transpose(perm=(0, r-1, 1, ..., r-2))
-
-the same statistics over the same C numbers of each position, the same eps, the weight and bias
-on the same channels. A variance scaled by ``f > 0`` gives ``epsilon = eps / f`` and ``Scale =
-w / sqrt(f)``, as in :class:`~fusion.fuse_layernorm.FuseLayerNorm`. Where ``x`` is itself the
-output of the inverse Transpose (a channels-last tensor moved channels-first), the first
-Transpose cancels against it; where the only reader of ``y`` is a Transpose to channels-last,
-the second cancels against that one.
-
-Speed decides (``benchmarks/forms.py --set conv``, group ``channels_first_layernorm``, CPU): with
-no Transpose cancelled, the rewrite was measured faster than the decomposed form at batch 1 on
-every shape tried, but at batches 2 and 8 slower on some shapes and only as fast or a little
-faster on others (ONNX Runtime's ReduceMean over the channel axis costs much less per sample
-from batch 2 on; the two Transposes do not). With a Transpose cancelled it was faster at every
-shape. So it is fused where a Transpose cancels or where the batch is a static 1, and otherwise
-recognized and kept with the code ``slower_measured`` (a symbolic batch included). A weight or
-bias that is not per channel stays a separate Mul / Add after the fused norm. Candidates that
-are not exactly this function (a mean over other axes, a norm not in float32, eps outside the
-square root, a shared intermediate value, ...) are left to
-:class:`~fusion.fuse_layernorm.FuseLayerNorm`, which refuses them with their reason.
+The math, when a Transpose cancels, and the measurement that decides: see
+docs/fusions.md#fusechannelsfirstlayernorm.
 """
 
 from __future__ import annotations
@@ -105,9 +76,10 @@ def _reader_transpose(value: ir.Value, perm: tuple[int, ...]) -> ir.Node | None:
 
 class FuseChannelsFirstLayerNorm(NodeFusionPass):
     """Replace a hand-written LayerNorm over axis 1 of a (N, C, ...) input by Transpose ->
-    LayerNormalization -> Transpose where measured faster (see the module docstring); counted
-    as ``layernorm_cf_fused``, kept as a ``layernorm_cf`` refusal (``slower_measured``)
-    elsewhere. Runs before :class:`~fusion.fuse_layernorm.FuseLayerNorm`.
+    LayerNormalization -> Transpose where measured faster; counted as ``layernorm_cf_fused``,
+    kept as a ``layernorm_cf`` refusal (``slower_measured``) elsewhere
+    (docs/fusions.md#fusechannelsfirstlayernorm). Runs before
+    :class:`~fusion.fuse_layernorm.FuseLayerNorm`.
     """
 
     kinds = (Kind("layernorm_cf_fused", "layernorm_cf", (Op("LayerNormalization"),)),)
@@ -118,8 +90,8 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
         weight and bias; None for anything else (FuseLayerNorm's to fuse or refuse).
 
         Raises:
-            CannotFuse: ``slower_measured``: the rewrite would not be faster (see the module
-                docstring).
+            CannotFuse: ``slower_measured``: the rewrite would not be faster
+                (docs/fusions.md#fusechannelsfirstlayernorm).
         """
         match = self._normalization(node)
         if match is None:

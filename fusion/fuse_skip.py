@@ -1,106 +1,8 @@
-"""Fuse a residual ``Add`` and the norm after it into ONNX Runtime's Skip*LayerNormalization.
+"""Fuse a residual ``Add`` and the norm after it (and a dense layer's bias Add before it) into
+ONNX Runtime's ``com.microsoft`` SkipLayerNormalization or SkipSimplifiedLayerNormalization.
 
-The math
---------
-ONNX Runtime's contrib ops (domain ``com.microsoft``, version 1; onnxruntime
-docs/ContribOperators.md, schemas in ``core/graph/contrib_ops/bert_defs.cc``) compute, over the
-last axis of ``s = input + skip + bias`` (``bias`` an optional 1-D vector of the last axis)::
-
-    SkipLayerNormalization(input, skip, gamma, beta?, bias?; epsilon)
-        output = (s - mean(s)) / sqrt(var(s) + epsilon) * gamma + beta
-    SkipSimplifiedLayerNormalization(input, skip, gamma, bias?; epsilon)
-        output = s / sqrt(mean(s * s) + epsilon) * gamma
-
-with optional outputs 1 and 2 (mean and inverse std, for training; the CPU kernel never writes
-them) and output 3 ``input_skip_bias_sum``, the sum ``s`` itself. So::
-
-    LayerNormalization(Add(a, b), gamma, beta; axis=-1, epsilon)          (opset 17)
-        = SkipLayerNormalization(a, b, gamma, beta; epsilon)
-    SimplifiedLayerNormalization(Add(a, b), gamma; axis=-1, epsilon)      (ORT, default domain)
-    RMSNormalization(Add(a, b), gamma; axis=-1, epsilon)                  (opset 23)
-        = SkipSimplifiedLayerNormalization(a, b, gamma; epsilon)
-
-and when the sum is read elsewhere too (the residual stream of a pre-norm transformer), its
-readers take output 3.
-
-A dense layer's bias is absorbed: where ``a`` is ``Add(x, c)`` (either order), ``c`` a constant
-1-D vector as long as the last axis and of the data's type, ``x`` of ``a``'s shape, and ``a``
-read by the residual Add only (no graph output), the Skip op takes ``x`` as its operand and
-``c`` as its ``bias`` (input 4 of SkipLayerNormalization, 3 of SkipSimplifiedLayerNormalization),
-and the bias Add goes too: ``Add(MatMul(h, W), c)`` + residual Add + norm is one node after the
-MatMul, as onnxscript's ``optimize_for_ort`` writes it. Output 3 is ``input + skip + bias``,
-the sum the two Adds made.
-
-The graph
----------
-::
-
-    before                                         after
-
-    a ─┐                                           a ─┐
-    b ─ Add ─ s ─ LayerNormalization(γ, β) ─ y     b ─ SkipLayerNormalization(γ, β) ─ y
-              └─ (other readers of s)                  └─ output 3 ─ (other readers of s)
-
-    x ─ Add(c) ─ a ─┐                              x ─┐
-               b ─ Add ─ s ─ LayerNorm ─ y         b ─ SkipLayerNormalization(γ, β, c) ─ y
-
-Where it fits
--------------
-Conditions of the kernels (``contrib_ops/cpu/skip_layer_norm_helper.h``, shared by the CPU and
-CUDA kernels; each one checked by running ORT 1.31's CPU provider, which implements both ops for
-float32 and float16):
-
-* the norm is over the last axis only, and its outputs other than ``Y`` are unused;
-* ``input`` is 2-D or 3-D; ``skip`` has its shape, or for a 3-D input ``(1, S, H)`` or
-  ``(S, H)`` (broadcast over the batch: the Add operand with the full shape becomes ``input``);
-* float32 or float16 (the schema lists bfloat16, but the CPU provider has no kernel for it);
-  ``gamma`` and ``beta`` are 1-D of length ``H`` and of the same type (an RMSNormalization
-  scale of another type is refused); ``epsilon >= 0``;
-* a float16 norm with ``stash_type=0`` (statistics in float16) is refused: the Skip kernels
-  compute them in float32.
-
-A Cast between the ``Add`` and the norm is looked through when it casts to the type the sum
-already has (a no-op). One that changes the type (``Add`` in float16, ``Cast`` to float32, a
-float32 norm: ONNX Runtime's ``skip_layer_norm_*_with_cast`` models) is refused: the ``Add``
-rounds its sum to float16 before the Cast widens it, while a Skip op adds in the norm's type
-(or, in float16, in float32 without rounding the sum), so moving the Cast changes the result.
-
-Everything else with an ``Add`` feeding a norm is left alone and reported with the reason. An
-``Add`` of a constant of rank < 2 is a bias, not a residual, and is no candidate at all.
-
-Numerics and speed
-------------------
-The rewrite is exact up to float rounding, with two differences from the unfused pair: the CPU
-kernel takes the variance in one pass (``E[s^2] - E[s]^2`` in the input type), which cancels
-catastrophically on rows whose mean is large against their spread, where the two-pass variance
-of Add + LayerNormalization does not (the tests' ``1e3 scale`` probe is such a row); and in
-float16 it adds ``input + skip`` in float32 without rounding the sum to float16 before
-normalizing.
-
-It is a speed choice, not an exactness one, and not a win everywhere. One node instead of two
-saves a pass over ``s`` in memory, but ORT's CPU kernels for the Skip ops are not faster than
-its Add and LayerNormalization / RMSNormalization kernels together: the measured ratios per
-shape, CPU provider, float32, are in ``benchmarks/results/forms_cpu.json`` (groups
-``skip_layernorm`` and ``skip_rmsnorm``; made by ``benchmarks/forms.py``), and there the
-SkipLayerNormalization form is the slower one. ORT's own session-time ``SkipLayerNormFusion``
-makes the LayerNorm rewrite by itself at ``ORT_ENABLE_EXTENDED`` and up, on the CPU provider
-too, whenever the sum is read by the norm only; a CPU session avoids it with
-``disabled_optimizers=["SkipLayerNormFusion"]``. So :func:`fusion.optimize` does not run this
-pass by default; the caller chooses it per execution provider (:attr:`fusion.Policy.skip`).
-
-Absorbing the bias changes that: the Skip op then removes two Adds, not one, a pass over the
-tensor ORT's own SkipLayerNormFusion leaves in place. On the CPU provider, BERT (4 layers,
-hidden 256, seq 128, batch 1): Skip ops with the bias absorbed 0.949 of the time of Add +
-LayerNormalization, equal to onnxscript's ``optimize_for_ort`` (0.951); without the bias 0.992
-(whole models: ``benchmarks/results/families_cpu.json``). Where the sum is read elsewhere too
-(output 3: a pre-norm model's residual stream, ViT's), the Skip ops are slower even with the
-bias: ViT-Tiny's shape (12 layers, hidden 192, 197 tokens, batch 1) ran 1.08x the time of Add +
-LayerNormalization with them (0.921 without; onnxscript's ``optimize_for_ort``, Skip ops
-throughout, 0.996 of ours with them). So the CPU mode, ``skip="kv_cache"``
-(:attr:`FuseSkip.skip`), fuses every candidate in a model with a KV cache and, in a
-model without one, only the candidates that absorb a bias and whose sum the norm alone reads
-(a post-norm model's: BERT's); there it reports the refusals of candidates with a bias only (an
-operand made by an Add of a constant vector).
+The math, the kernels' conditions (:mod:`fusion._skip_norm` checks the norm's), the numerics
+and the measurements behind where it runs: see docs/fusions.md#fuseskip.
 """
 
 from __future__ import annotations
@@ -186,9 +88,8 @@ def _residual_before(norm: ir.Node, shapes: KnownShapes) -> tuple[ir.Node | None
 
     Raises:
         CannotFuse: ``cast_between``: a Cast that changes the type lies between a residual Add
-            (:func:`_is_residual`) and the norm. Moving it is not exact: the Add rounds its sum
-            to its own type before the Cast widens (or narrows) it, while the Skip op adds in
-            the norm's type (the float16 kernels add in float32 and never round the sum).
+            (:func:`_is_residual`) and the norm; moving it is not exact
+            (docs/fusions.md#fuseskip).
     """
     value = norm.inputs[0]
     node = value.producer() if value is not None else None
@@ -247,7 +148,7 @@ def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.
 
 class FuseSkip(FusionPass):
     """Fuse ``norm(Add(a, b))`` into ``com.microsoft`` SkipLayerNormalization or
-    SkipSimplifiedLayerNormalization (see the module docstring for the math and the conditions).
+    SkipSimplifiedLayerNormalization (the math and the conditions: docs/fusions.md#fuseskip).
 
     Only the main graph is rewritten. The model's ``com.microsoft`` opset import (version 1) is
     added when a fusion needs it. Running the pass twice changes nothing the second time.

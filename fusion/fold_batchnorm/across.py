@@ -1,12 +1,6 @@
-"""Moving a per-element affine map across ops that commute with it.
-
-A map ``s * x + t`` (``s``, ``t`` broadcast against ``x``) moves across an op ``f`` when
-``f(s * x + t) = s' * f(x) + t'``: Transpose, Reshape, Flatten, Squeeze, Unsqueeze and Identity
-move elements, so ``s'``, ``t'`` are ``s``, ``t`` moved the same way; a mean over axes along
-which the map is constant (GlobalAveragePool, ReduceMean) commutes with it,
-``mean(s * x + t) = s * mean(x) + t``; MaxPool, GlobalMaxPool and ReduceMax commute with a map
-that is the same over their window (or reduced axes), for a positive scale (checked by the
-callers, who know the scale). See the package docstring (:mod:`fusion.fold_batchnorm`).
+"""Moving a per-element affine map ``s * x + t`` across the ops that commute with it (the views,
+means and maxes of :data:`ACROSS`); the positive scale a max needs is checked by the callers,
+who know the scale. Which ops, and why: docs/fusions.md#foldbatchnorm.
 """
 
 from __future__ import annotations
@@ -159,10 +153,9 @@ def _move_across_reduction(
 ) -> np.ndarray:
     """Carry ``coeff`` across a mean or max over whole axes (see :func:`move`).
 
-    Forward, the map must be constant along the reduced axes (``mean(s * x + t)`` is
-    ``s * mean(x) + t`` only there), which are then dropped unless kept; back, they come back
-    as size 1, and a map on the output must not vary along a kept one (it would broadcast the
-    output up: no map of the reduction).
+    Forward, the map must be constant along the reduced axes, which are then dropped unless
+    kept; back, they come back as size 1, and a map on the output must not vary along a kept
+    one (docs/fusions.md#foldbatchnorm).
 
     Raises:
         CannotFuse: ``pools_over_channels``, the map varies along a reduced axis (forward);

@@ -1,10 +1,6 @@
-"""Fold the BatchNorms and constant affine ops after a linear layer into that layer.
-
-From the layer's output, the walk follows the one reader of each value: ops of
-:data:`~fusion.fold_batchnorm.across.ACROSS` are passed, each BatchNorm or constant Add / Sub /
-Mul / Div is composed into one ``(s, t)`` over the layer's output channels, and the walk ends at
-anything else. The layer then absorbs ``(s, t)``: ``W'[c] = s[c] * W[c]``,
-``b'[c] = s[c] * b[c] + t[c]`` (the package docstring, :mod:`fusion.fold_batchnorm`).
+"""Fold the BatchNorms and constant affine ops after a linear layer into that layer: the walk down
+the layer's readers, across the ops of :data:`~fusion.fold_batchnorm.across.ACROSS`, composing
+one ``(s, t)`` over its output channels. The math: docs/fusions.md#foldbatchnorm.
 """
 
 from __future__ import annotations
@@ -125,8 +121,7 @@ def _walk(layer: Layer, stops: dict[ir.Node, CannotFuse], shapes: KnownShapes) -
     """Follow the one reader of each value from the layer output while it can be folded.
 
     The node it stops at goes into ``stops`` where it is a candidate: a BatchNorm, a scale (Mul,
-    Div) or a shift after one (:func:`_scales`). A shift alone (a ViT's positional embedding
-    after its patch Conv) is a bias or an embedding: no fold (:func:`_kind`), no refusal."""
+    Div) or a shift after one (:func:`_scales`); a shift alone is none (:func:`_kind`)."""
     channels = layer.channels
     walk = _Walk(layer, layer.rank, np.ones(channels), np.zeros(channels))
     value = layer.node.outputs[0]
@@ -188,11 +183,10 @@ def _check_pools(pools: list[list], a: np.ndarray) -> None:
 def _kind(chain: list[ir.Node]) -> tuple[str, int] | None:
     """``(kind, count)`` of a fold of ``chain``, or None when it is no fold worth making.
 
-    A chain with BatchNormalization nodes is a ``batchnorm_folded`` that counts them. A chain
-    without is a ``batchnorm_folded`` of 1 when it is a BatchNorm written by hand
-    (:func:`_hand_written_batchnorm`), else an ``affine_folded`` of 1: a scalar (attention's
-    ``1/sqrt(d)``) or a per-channel "layer scale" (ConvNeXt's ``gamma * x``), so that the
-    BatchNorm count stays honest. Shifts alone (bias Adds) are nothing (:func:`_scales`).
+    A chain with BatchNormalization nodes is a ``batchnorm_folded`` that counts them; a chain
+    without, a ``batchnorm_folded`` of 1 when it is a BatchNorm written by hand
+    (:func:`_hand_written_batchnorm`), else an ``affine_folded`` of 1; shifts alone (bias Adds)
+    are nothing (:func:`_scales`). The rule: docs/fusions.md#foldbatchnorm.
     """
     if not _scales(chain):
         return None
@@ -211,13 +205,9 @@ def _scales(chain: list[ir.Node]) -> bool:
 def _hand_written_batchnorm(chain: list[ir.Node]) -> bool:
     """Whether a chain of constant Add / Sub / Mul / Div is a BatchNorm written by hand.
 
-    It is when it scales per channel (a Mul or Div by a constant of more than one element) and
-    also shifts per channel the way a BatchNorm does: it subtracts a per-channel constant (the
-    running mean, ``(x - mean) / sqrt(var + eps)``, anywhere in the chain), or adds or
-    subtracts one after the scale (beta: ``x * scale + shift``, torchvision's
-    FrozenBatchNorm2d). A per-channel scale alone, or after the layer's own bias Add, is a
-    layer scale (ConvNeXt's and PoolFormer's ``gamma * x``, CaiT's LayerScale), not a
-    BatchNorm.
+    It is when it scales per channel and subtracts a per-channel constant anywhere in the chain,
+    or adds or subtracts one after the scale; a per-channel scale alone is a layer scale (the
+    rule: docs/fusions.md#foldbatchnorm).
     """
     scaled = shifted = False
     for node in chain:

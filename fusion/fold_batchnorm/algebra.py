@@ -1,8 +1,8 @@
 """The affine algebra of the fold: BatchNorm and constant Add / Sub / Mul / Div as ``s * x + t``,
 the linear layers that absorb such a map, and the checks that a map is per channel.
 
-The math is in the package docstring (:mod:`fusion.fold_batchnorm`). Every map is computed in
-float64. Each check raises :class:`~fusion.base.CannotFuse` with a stable code.
+Every map is computed in float64. Each check raises :class:`~fusion.base.CannotFuse` with a
+stable code. The math: docs/fusions.md#foldbatchnorm.
 """
 
 from __future__ import annotations
@@ -128,16 +128,9 @@ def _bias_fits(bias: np.ndarray, op: str, channels: int) -> bool:
 
 
 def _training_mode(node: ir.Node) -> str | None:
-    """Why the BatchNormalization ``node`` runs in training mode, or None (inference mode).
-
-    From opset 14 the ``training_mode`` attribute says so. Before 14 there is no such attribute,
-    and the form of the node does: a BatchNormalization with its statistics outputs (5 in all,
-    Y, mean, var, saved_mean, saved_var) is the training-mode form, which ONNX Runtime runs with
-    batch statistics even when the extra outputs are unused (its CPU kernel sets training mode
-    from the output count below opset 14). An output named '' is absent (an empty optional
-    output), and does not count. Statistics outputs that are read are refused at any opset:
-    folding would remove what they hold.
-    """
+    """Why the BatchNormalization ``node`` runs in training mode, or None (inference mode):
+    ``training_mode=1``, a statistics output that is read, or below opset 14 statistics outputs
+    present (the rule and why: docs/fusions.md#foldbatchnorm)."""
     graph = node.graph
     opset = graph.opset_imports.get(node.domain, 0) if graph is not None else 0
     if node.attributes.get_int("training_mode", 0):
@@ -157,8 +150,8 @@ def _training_mode(node: ir.Node) -> str | None:
 
 def batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
     """``(s, t)``, each ``(C,)`` float64, of an inference-mode BatchNormalization:
-    ``s = scale / sqrt(input_var + epsilon)``, ``t = B - input_mean * s`` (the ONNX operator
-    spec, https://onnx.ai/onnx/operators/onnx__BatchNormalization.html).
+    ``s = scale / sqrt(input_var + epsilon)``, ``t = B - input_mean * s``
+    (docs/fusions.md#foldbatchnorm).
 
     Raises:
         CannotFuse: ``training_mode`` (also statistics outputs in use), ``spatial_zero``
@@ -192,11 +185,8 @@ def batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_channels(bn: ir.Node, channels: int, shapes: KnownShapes) -> None:
-    """Refuse a BatchNormalization whose input does not have ``channels`` on axis 1.
-
-    ONNX requires its parameters to be ``(C,)`` with ``C`` the size of axis 1 of its input;
-    ONNX Runtime stops with "Invalid input scale" when the model runs. No fold can be exact
-    for a node that has no value.
+    """Refuse a BatchNormalization whose input does not have ``channels`` on axis 1: no valid
+    BatchNormalization (docs/fusions.md#foldbatchnorm).
 
     Raises:
         CannotFuse: ``channel_mismatch``, axis 1 of the input has a known size other than

@@ -1,11 +1,6 @@
-"""Fold a BatchNorm into the linear layer after it.
-
-``W (s x + t) + b = (W s) x + (W t + b)``, with ``s`` on the layer's input channel axis and
-``W t`` summed over the input channels and kernel taps: exact for a Conv with no padding, a
-Gemm with ``transA = 0`` and a MatMul (input channels on the last axis of its input), when
-every value from the BatchNorm to the layer is read by that path only. The map may cross the
-ops of :data:`~fusion.fold_batchnorm.across.ACROSS` on the way (the package docstring,
-:mod:`fusion.fold_batchnorm`).
+"""Fold a BatchNorm into the linear layers after it (a Conv with no padding, a Gemm with
+``transA = 0``, a MatMul), across the ops of :data:`~fusion.fold_batchnorm.across.ACROSS`.
+The math and the conditions: docs/fusions.md#foldbatchnorm.
 """
 
 from __future__ import annotations

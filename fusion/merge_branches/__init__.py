@@ -1,47 +1,11 @@
-"""Merge re-parameterizable blocks into one convolution (structural re-parameterization).
+"""Merge re-parameterizable blocks into one convolution (structural re-parameterization, the pass
+:class:`MergeBranches`): a sum of Conv, identity and BatchNorm branches that read one tensor, and
+a widening 1x1 Conv followed by a Conv.
 
-Training-time multi-branch blocks (Ding et al., "RepVGG: Making VGG-style ConvNets Great
-Again", CVPR 2021, sec. 3.3; Ding et al., "Diverse Branch Block", CVPR 2021, sec. 3; Vasu et
-al., "MobileOne", CVPR 2023, sec. 3.1; FastViT's RepMixer, RepViT's token mixer) compute, at
-inference, a linear map of one tensor: exported as they are, every branch stays a Conv and a
-BatchNormalization stays on the identity branch. Convolution is linear in its weight, so
-
-**A sum of branches** reading one tensor ``x``::
-
-    y = sum_i c_i * B_i(x) + t
-
-where each branch ``B_i`` is a Conv with a constant weight ``W_i`` (its BatchNorm already
-folded by :mod:`fusion.fold_batchnorm`), ``x`` itself, or a BatchNormalization of ``x``
-(``s * x + b`` per channel), ``c_i`` a per-output-channel coefficient gathered on the way (Sub,
-Neg, Mul by a per-channel constant: FastViT's ``x + gamma * (mixer(x) - norm(x))``) and ``t`` the
-per-channel constants added, is one Conv: on a common tap grid (its dilation the gcd of the
-branches' dilations and tap offsets), each branch is a kernel placed at its offset (an
-identity or BatchNorm is a 1x1 kernel that is ``s_c`` from channel ``c`` to itself, within its
-group), and ``W = sum_i c_i W_i``, ``b = sum_i c_i b_i + t``. Exact when
-
-- every Conv has the same stride and group; an identity or BatchNorm branch needs stride 1 and
-  as many input as output channels;
-- every branch reads the same window of the input around each output: ``pad_begin + pad_end -
-  dilation * (k - 1)`` equal (the output sizes then agree for every input size) and the taps on
-  the common grid;
-- the merged kernel has no more taps than the branches together (else it is slower: refused).
-
-A BatchNorm or per-channel affine map after the sum (RepViT's token mixer) is then folded into
-the merged Conv (:func:`fusion.fold_batchnorm.after.fold_chain_after`).
-
-**A 1x1 Conv then a kxk Conv** (DBB, transform II): ``Conv_k(Conv_1(x))`` with the 1x1 of group
-1, stride 1 and no padding, the kxk of group 1, is ``W[n, c] = sum_m W_k[n, m] W_1[m, c]``,
-``b = b_k + sum_m (sum of W_k[n, m]) b_1[m]``. Exact only where the kxk Conv pads nothing or
-``b_1`` is zero (its padded zeros are not ``b_1``); merged only where the 1x1 has at least as
-many output as input channels (else the merged Conv does more multiply-adds). A pair that
-is neither is left alone with no refusal: it is any CNN's 1x1 then 3x3 (a ResNet's bottleneck,
-a VAE's ``post_quant_conv`` then ``conv_in``), no re-parameterized block.
-
-Outcomes: each merge is a ``reparam_merged``; each BatchNormalization it absorbs (an identity
-branch's) a ``batchnorm_folded``, as is the fold after it. Refusals are of the ``batchnorm``
-family (re-parameterization is BatchNorm folding's second half), with the codes
-``branch_not_conv``, ``stride_mismatch``, ``group_mismatch``, ``pads_not_aligned``,
-``more_work`` and the shared ones, for sums of branches only.
+The math, the conditions of exactness, the refusals with their codes and the papers: see
+docs/fusions.md#mergebranches. The modules: :mod:`~fusion.merge_branches.branches` (the sum
+read into its terms), :mod:`~fusion.merge_branches.kernel` (the merged Conv),
+:mod:`~fusion.merge_branches.pair` (the 1x1 -> kxk pair).
 """
 
 from __future__ import annotations
@@ -60,9 +24,9 @@ __all__ = ["MergeBranches"]
 
 class MergeBranches(FusionPass):
     """Merge sums of convolution, identity and BatchNorm branches reading one tensor, and 1x1
-    Convs followed by a kxk Conv, into one Conv (see the package docstring for the math and
-    the conditions). Runs after :class:`~fusion.fold_batchnorm.FoldBatchNorm`, whose folds
-    leave each branch a Conv with a bias. Graph outputs keep their names.
+    Convs followed by a kxk Conv, into one Conv (the math and the conditions:
+    docs/fusions.md#mergebranches). Runs after :class:`~fusion.fold_batchnorm.FoldBatchNorm`,
+    whose folds leave each branch a Conv with a bias. Graph outputs keep their names.
     """
 
     kinds = (Kind("reparam_merged", "reparam", norm=False),)

@@ -1,5 +1,5 @@
-"""The sum of branches ending at an Add or Sub, read into its terms (see the package
-docstring, :mod:`fusion.merge_branches`)."""
+"""The sum of branches ending at an Add or Sub, read into its terms
+(docs/fusions.md#mergebranches)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The merged Conv of a sum of branches: its window on one tap grid, its weight and bias
-(see the package docstring, :mod:`fusion.merge_branches`)."""
+(docs/fusions.md#mergebranches)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Plan:
 
 
 def merged_conv(found: Sum) -> Plan:
-    """The merged Conv of ``found`` (see the module docstring).
+    """The merged Conv of ``found`` (the conditions: docs/fusions.md#mergebranches).
 
     Raises:
         CannotFuse: the branches cannot be one Conv exactly, or the merge would be slower.

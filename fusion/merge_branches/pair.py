@@ -1,5 +1,5 @@
-"""A 1x1 Conv followed by a Conv, as one Conv (DBB's transform II; see the package
-docstring, :mod:`fusion.merge_branches`)."""
+"""A 1x1 Conv followed by a Conv, as one Conv (DBB's transform II;
+docs/fusions.md#mergebranches)."""
 
 from __future__ import annotations
 
@@ -31,12 +31,9 @@ def is_pair(first: ir.Node, second: ir.Node) -> bool:
 def sequential_weights(first: ir.Node, second: ir.Node) -> tuple[np.ndarray, np.ndarray] | None:
     """The weight and bias of ``second(first(x))`` as one Conv, in ``second``'s dtype
     (``first`` and ``second`` a pair of :func:`is_pair`); None where the merge would not be
-    exact (``second`` pads the output of a 1x1 whose bias is not zero: a padded zero is not that
-    bias) or would be slower (the 1x1 narrows the channels: the merged Conv would do more
-    multiply-adds).
-
-    Such a pair is no candidate of re-parameterization but any CNN's 1x1 then 3x3 (a ResNet's
-    bottleneck, a VAE's ``post_quant_conv`` then ``conv_in``): left alone, it is no refusal.
+    exact (``second`` pads the output of a 1x1 whose bias is not zero) or would be slower (the
+    1x1 narrows the channels): such a pair is left alone, no refusal
+    (docs/fusions.md#mergebranches).
     """
     w1 = const_array(first.inputs[1]).astype(np.float64)
     w2 = const_array(second.inputs[1])

@@ -1,17 +1,7 @@
-"""A norm whose weight is folded into the inverse standard deviation, and whose mean is
-subtracted after it, as TensorFlow writes it (``tf.nn.batch_normalization`` under Keras'
-``LayerNormalization``; Keras' ``RMSNormalization``) and tf2onnx exports it::
-
-    r = Reciprocal(Sqrt(var + eps))     or Div(1, Sqrt(var + eps)), or Pow(var + eps, -0.5)
-    g = Mul(r, gamma)                   (no gamma: g = r)
-    y = Mul(x, g)                       (RMSNorm: the output)
-    y + (beta - m * g)                  (LayerNorm: Add(y, Add(Mul(Neg(m), g), beta)), or
-                                         Sub(beta, Mul(m, g)); no beta: Add(y, Mul(Neg(m), g)))
-
-In real arithmetic ``x * g + beta - m * g = (x - m) / sqrt(var + eps) * gamma + beta``, the
-textbook norm with weight ``gamma`` and bias ``beta`` (its rounding differs: the verdict judges
-every rewrite). :func:`folded_division` finds ``y``'s product, :func:`subtracted_mean` the
-shift.
+"""A norm whose weight is folded into the inverse standard deviation, and whose mean is subtracted
+after it, as TensorFlow writes it and tf2onnx exports it (``x * g + (beta - m * g)``, ``g`` the
+inverse root times the weight). The form and why it is the norm: docs/fusions.md#fuselayernorm.
+:func:`folded_division` finds ``x * g``, :func:`subtracted_mean` the shift.
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""The variance written from the moments, ``E[x^2] - E[x]^2``, as Flax's ``nnx.LayerNorm``
-computes it by default (``use_fast_variance``) and jax2onnx writes it::
-
-    m   = ReduceMean(x)
-    var = Max(Sub(ReduceMean(Mul(x, x)), Mul(m, m)), 0)        (the clip at 0 optional)
-    den = Sqrt(Add(var, eps))
-
-In real arithmetic ``E[x^2] - E[x]^2 = E[(x - E[x])^2] >= 0``, so this is the variance of the
-textbook form and the clip changes nothing; in float32 the two differ by rounding only where the
-mean is small next to the spread (the verdict judges every rewrite). ONNX Runtime's own CPU
-LayerNormalization kernel computes the variance this way too (``mean_square - mean * mean``,
-onnxruntime/core/providers/cpu/nn/layer_norm_impl.cc).
+"""The variance written from the moments, ``Max(E[x^2] - E[x]^2, 0)``, as Flax's ``nnx.LayerNorm``
+computes it and jax2onnx writes it. Why it is the variance: docs/fusions.md#fuselayernorm.
 """
 
 from __future__ import annotations
@@ -42,7 +32,7 @@ def _clipped(value: ir.Value) -> tuple[ir.Value, list[ir.Node]]:
 
 
 def match_moments(den: ir.Value) -> MeanSquare | None:
-    """Match ``den = Sqrt(Add(Max(E[x^2] - E[x]^2, 0), eps))`` (see the module docstring).
+    """Match ``den = Sqrt(Add(Max(E[x^2] - E[x]^2, 0), eps))`` (docs/fusions.md#fuselayernorm).
 
     Returns:
         A :class:`~fusion.norm_match.core.MeanSquare` whose ``value`` is ``x`` itself, whose

@@ -1,8 +1,6 @@
-"""Norms of one pass that share intermediate values (:class:`NormFusionPass`).
-
-Common-subexpression elimination makes the ``x - mean(x)``, square and variance of two norms
-of one input one value; the pass plans which candidates can all be fused together, so that a
-value shared only by norms being fused blocks none of them.
+"""Norms of one pass that share intermediate values (:class:`NormFusionPass`): the pass plans
+which candidates can all be fused together, so that a value shared only by norms being fused
+blocks none of them (docs/fusions.md#fuselayernorm).
 """
 
 from __future__ import annotations
