@@ -1,28 +1,10 @@
-"""Exact graph clean-up run before and after the fusion passes.
+"""Exact graph clean-up run before and after the fusion passes: constant folding, the
+simplifications of :mod:`fusion.simplify`, zero Pads into Convs, Constant nodes made
+initializers, common-subexpression elimination and dead-node removal (:func:`cleanup`), the
+clean-up with inferred shapes (:class:`SimplifyWithShapes`), and the mending of old or malformed
+inputs (:func:`normalize_ir_version`, :func:`drop_malformed_zero_conv_bias`).
 
-Only rewrites that cannot change a number: constant folding (onnxscript's folder, which
-evaluates constant subgraphs with the ONNX reference semantics), the simplifications of the
-exporters' index arithmetic in :mod:`fusion.simplify`, ``Constant`` nodes made initializers
-(onnx_ir's ``LiftConstantsToInitializersPass``, as torch's exporter optimizer does),
-common-subexpression elimination (the exporters write ``x - mean`` twice in a hand-written
-LayerNorm; CSE makes it one value, so the matchers see one shape), and removal of unused
-nodes. onnxscript's full
-``optimize`` is deliberately not used: its pattern rules match constants with ``abs_tol=1e-8``
-and delete an ``Add`` of an eps of 1e-8 (docs/model-files.md, "How the export is done").
-
-Before folding, trailing optional outputs named '' (absent by the spec) are dropped, and the
-``axes`` attribute of Unsqueeze and Squeeze (opsets below 13) is written as sorted non-negative
-axes where the input rank is known: the same node by the spec (Unsqueeze's axes count in the
-output rank, Squeeze's in the input rank, and their order does not matter). The ONNX reference
-implementation that the folder runs inserts (removes) one axis at a time, in the order written
-(reversed): ``Unsqueeze(axes=[-2, -1])`` of a ``(64,)`` tensor came out ``(1, 64, 1)`` instead
-of ``(64, 1, 1)`` (ONNX Runtime's ``fuse-conv-bn-mul-add-unsqueeze.negative_axes`` model).
-Inserted in increasing order, or removed in decreasing order, one axis at a time is the spec's
-result.
-
-:func:`normalize_ir_version` makes an IR-version-3 model an IR-version-4 one with the same
-meaning (see there); :func:`fusion.optimize` runs it first. :func:`drop_malformed_zero_conv_bias`
-mends what one exporter writes, for a caller that exports.
+What each step does and why it is exact: see docs/fusions.md#the-clean-ups.
 """
 
 from __future__ import annotations
@@ -40,8 +22,7 @@ from fusion.shapes import DropShapes, FillShapes
 from fusion.simplify import simplify, with_shapes
 
 #: onnxscript's rules that fold a constant-mode Pad of zeros on the spatial axes into the Conv
-#: (or ConvInteger) that reads it, as its ``pads``: the same zeros by the spec (Operators.md,
-#: Conv: ``pads`` pad with zeros); torch's exporter optimizer runs them (CREPE's ``F.pad``).
+#: (or ConvInteger) that reads it, as its ``pads`` (docs/fusions.md#the-clean-ups).
 _PAD_INTO_CONV = onnxscript.rewriter.RewriteRuleSet(
     [rules.fuse_pad_into_conv_rule, rules.fuse_pad_into_conv_integer_rule]
 )
@@ -75,10 +56,8 @@ def cleanup(model: ir.Model, final: bool = False) -> None:
 
 
 def _own_concat(node: ir.Node) -> bool | None:
-    """True (fold, whatever the sizes) for a Concat of constants that only it reads: its result
-    takes the place of its inputs in the file, no larger, where the folder's size limits (8192
-    elements in) leave it (FuseAttention's packed query, key and value weights); else None, the
-    folder's own rules."""
+    """True (fold, whatever the sizes) for a Concat of constants that only it reads
+    (docs/fusions.md#the-clean-ups); else None, the folder's own rules."""
     if node.op_type != "Concat" or node.domain != "":
         return None
     inputs = [v for v in node.inputs if v is not None]
@@ -113,15 +92,10 @@ class Cleanup(ir.passes.InPlacePass):
 
 
 class SimplifyWithShapes(ir.passes.InPlacePass):
-    """:func:`cleanup` once the values carry the types :class:`fusion.FillShapes` gave them (the
-    folder makes ``CastLike(constant, x)`` a constant only where ``x`` has a type, and the dynamo
-    exporter with ``optimize=False`` leaves none on the values inside torchlib's functions: a
-    GroupNorm's ``CastLike`` of its weight and bias), then :func:`fusion.simplify.with_shapes`
-    (rewrites that read those shapes) and :func:`cleanup` again, as long as it rewrites
-    anything: the sizes it folds feed arithmetic the folder then evaluates
-    (``x.shape[-1] // 2``), and the folder's removal of a Cast to the same type puts an Expand
-    next to its MatMul. Each round removes nodes, so it ends. ``with_shapes``: opset 13 and
-    above, as :func:`fusion.simplify.simplify`."""
+    """:func:`cleanup` once the values carry the types :class:`fusion.FillShapes` gave them, then
+    :func:`fusion.simplify.with_shapes` (rewrites that read those shapes; opset 13 and above, as
+    :func:`fusion.simplify.simplify`) and :func:`cleanup` again, as long as it rewrites anything
+    (in place; it reports no change). Why, and why it ends: docs/fusions.md#the-clean-ups."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         cleanup(model)
@@ -132,11 +106,8 @@ class SimplifyWithShapes(ir.passes.InPlacePass):
 
 def drop_absent_outputs(model: ir.Model) -> int:
     """Drop the trailing outputs named '' (absent optional outputs) of each main-graph node;
-    return how many nodes changed.
-
-    The same node by the spec: an optional output named '' is not there. It must go before the
-    folder runs, whose name fixing gives every unnamed value a name and so makes it look
-    present (a BatchNormalization with a named second output is the training-mode form).
+    return how many nodes changed. The same node by the spec; it must run before the folder
+    (docs/fusions.md#the-clean-ups).
     """
     changed = 0
     for node in model.graph:
@@ -166,8 +137,7 @@ def canonical_axes(model: ir.Model) -> int:
     """Write the ``axes`` attribute of each main-graph Unsqueeze / Squeeze (opset < 13) as
     sorted non-negative axes where the input rank is known; return how many nodes changed.
 
-    Same node by the spec (module docstring); the attribute form only: from opset 13 the axes
-    are an input, and the reference implementation then takes all axes at once, as numpy does.
+    The same node by the spec; the attribute form only (docs/fusions.md#the-clean-ups).
     """
     if opset_version(model) >= 13:
         return 0
@@ -191,15 +161,10 @@ def canonical_axes(model: ir.Model) -> int:
 
 
 def normalize_ir_version(model: ir.Model) -> str | None:
-    """Raise an IR-version-3 model to version 4 with the same meaning; say what changed.
-
-    Below IR version 4 every initializer had to be listed among the graph inputs (onnx.checker
-    requires it), and ONNX Runtime treats those initializers as constants that a caller cannot
-    override (``Graph::CanOverrideInitializer()`` is ``ir_version >= 4``). From version 4 an
-    initializer listed as a graph input is an overridable default, and one not listed is a
-    constant. So the exact version-4 form drops the initializer-backed inputs and sets
-    ``ir_version = 4``; a pass that adds an initializer (a folded weight) then leaves a valid
-    model. Models of version 4 and up are left alone.
+    """Raise an IR-version-3 model to version 4 with the same meaning, in place: the
+    initializers listed among the graph inputs are dropped from them and ``ir_version`` set to 4
+    (why that is the same model: docs/fusions.md#the-clean-ups). Models of version 4 and up are
+    left alone.
 
     Returns:
         A sentence for the report, or None when nothing changed.
@@ -220,12 +185,10 @@ def normalize_ir_version(model: ir.Model) -> str | None:
 
 
 def drop_malformed_zero_conv_bias(model: ir.Model) -> None:
-    """Work around a torch 2.13 dynamo-exporter bug (``optimize=False`` path), in place.
-
-    A Conv3d without bias is exported with the bias ``Expand(0, [C_out, 2])``: shape
-    (C_out, 2), which the checker accepts and ONNX Runtime rejects ("bias must be a 1D tensor").
-    An all-zero bias is exactly no bias, so such an input is dropped. Correct biases (1-D, or
-    any non-zero one) are left alone.
+    """Work around a torch 2.13 dynamo-exporter bug (``optimize=False`` path), in place: drop
+    each Conv's constant bias that is not 1-D and all zeros (a Conv3d's ``Expand(0, [C_out,
+    2])``, which ONNX Runtime rejects); correct biases (1-D, or any non-zero one) are left alone
+    (docs/fusions.md#the-clean-ups).
     """
     for node in model.graph:
         if node.op_type == "Conv" and len(node.inputs) == 3:

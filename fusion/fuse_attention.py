@@ -1,42 +1,10 @@
-"""Fuse attention into ONNX Runtime's contrib ops, with onnxscript's own rules.
+"""Fuse an encoder's attention into ONNX Runtime's contrib ``Attention`` /
+``MultiHeadAttention`` with onnxscript's own rules, then pack the projections
+(:mod:`fusion.pack_attention`) and pass a key and value already in heads as they are
+(:class:`FuseAttention`; ``target="ort"`` only).
 
-Not a norm pass: it runs after them (``target="ort"`` only) so that a transformer's output is
-not slower on ONNX Runtime than what onnxscript's ``optimize_for_ort`` makes of it: with the
-norms fused alone, the attention subgraphs stay as dozens of small ops that
-``optimize_for_ort`` would have fused. The timings of these passes against
-``optimize_for_ort`` per zoo model are in ``benchmarks/results/demo_models_cpu.json``
-(``benchmarks/demo_models.py``; all-MiniLM-L6-v2 in ``demo_minilm_cpu.json``).
-
-The rules are onnxscript's (``onnxscript.rewriter.ort_fusions``, 0.7), applied one rule set
-at a time in the order ``fuse_xformers`` applies them, and nothing else of that pipeline:
-
-* ``sdpa``, ``mha1``/``mha2``, ``mha_scale``, ``mha_bias``, ``attention``: softmax attention
-  (Vaswani et al., 2017, eq. 1) with its Q/K/V projections -> ``MultiHeadAttention`` /
-  ``Attention``, and ``sdpa_via_mha`` for a lone scaled dot-product;
-onnxscript's GELU rules (``erfgelu``, ``gelu``, ``bias_gelu``) are not applied:
-:mod:`fusion.fuse_gelu`, which runs before, reads every spelling and takes the bias in.
-
-Two rewrites of this pass's own follow the rules. A MultiHeadAttention over three
-projections of one input becomes ``Attention`` with the projections packed
-(:mod:`fusion.pack_attention`). And the other: ``sdpa_via_mha`` feeds a key and value that
-are already split into heads, ``(B, N, L, H)``, to MultiHeadAttention through
-``Reshape(Transpose(kv, perm=[0, 2, 1, 3]), [0, 0, -1])``, and the op splits them into heads
-again. MultiHeadAttention also takes key and value as ``(B, N, L, H)`` directly (its 4-D "past
-key" form, ContribOperators.md), so where ``N`` is the op's ``num_heads`` the tensors are
-passed as they are: the same numbers, two Transposes and two Reshapes fewer per attention,
-and no re-split inside the op. ORT's transformer optimizer leaves this attention unfused; the
-llama-tiny zoo model's timings against it are in ``benchmarks/results/demo_llama-tiny_cpu.json``
-(``benchmarks/demo_models.py``).
-
-Op semantics: onnxruntime docs/ContribOperators.md (domain ``com.microsoft``). Left out on
-purpose: onnxscript's norm rules (the norm passes here leave the form to the caller's policy: its
-SkipLayerNormalization is slower on ORT's CPU provider, see :mod:`fusion.fuse_skip`), its
-GQA rules (KV-cache decoding, not what an exported forward pass holds), its rotary-embedding
-rules (they match only after that pipeline's own constant folding: run here, they found no
-rotary embedding in the llama-tiny zoo model, where ``optimize_for_ort`` fuses 4), and its
-``optimize`` (whose constant matching at ``abs_tol=1e-8`` deletes an eps of 1e-8;
-docs/model-files.md, "How the export is done"). These rule sets only match the patterns named
-above: every other node, and every eps, is left as it is.
+Which rules are applied and which left out, what is left to FuseSDPA, and the measurements: see
+docs/fusions.md#fuseattention.
 """
 
 from __future__ import annotations
@@ -103,8 +71,8 @@ class FuseAttention(FusionPass):
 
     Runs for ``target="ort"``, by default or when ``optimize(attention=True)``. With the
     policy's ``threads`` above 1 (the CPU provider), an attention whose batch times heads is
-    fewer is not made one of these ops (their CPU kernels run one thread per batch and head);
-    FuseSDPA then leaves it too, with the code ``few_heads``.
+    fewer is not made one of these ops; FuseSDPA then leaves it too, with the code
+    ``few_heads`` (docs/fusions.md#fuseattention).
     """
 
     kinds = (
@@ -204,10 +172,8 @@ def _few_heads(node: ir.Node, threads: int) -> bool:
 
 def _packed(node: ir.Node) -> bool:
     """Whether ``node`` is onnxscript's scaled dot-product attention on a query that is a part
-    of a packed projection (timm's ``qkv``, :mod:`fusion.fuse_sdpa.layout`): left to FuseSDPA,
-    which makes each part a dense layer of its own and ``Attention`` 3-D on them, no
-    Transpose, where the contrib op keeps the packed projection's Transposes
-    (``benchmarks/results/classifiers_cpu.json``, timm's ViT and DeiT)."""
+    of a packed projection (timm's ``qkv``, :mod:`fusion.fuse_sdpa.layout`): left to FuseSDPA
+    (why: docs/fusions.md#fuseattention)."""
     if node.domain != _FUSION_DOMAIN or node.op_type != "SDPA" or not node.inputs:
         return False
     view = layout.of(node.inputs[0]) if node.inputs[0] is not None else None
@@ -232,13 +198,8 @@ def _pass_kv_in_heads(mha: ir.Node) -> None:
 
     Rewrites only when both key and value are ``Reshape(Transpose(x, perm=[0, 2, 1, 3]),
     [0, 0, -1 or N*H])`` of a rank-4 ``x`` whose axis 1 is the op's ``num_heads`` and whose
-    head size is known, and the op has no bias, past key or past value (ContribOperators.md:
-    a 4-D key excludes them). Then the op's own split of the 3-D key into heads gives back
-    ``x`` exactly. The 4-D form also needs key and value of one shape (ONNX Runtime's
-    ``multihead_attention_helper.h``: "Input 'key' and 'value' shall have same shape (batch_size,
-    num_heads, kv_sequence_length, head_size)"); a value head size other than the key's (LeViT's
-    attention, whose value heads are ``attention_ratio`` times wider) keeps the 3-D form, which
-    takes a value hidden size of its own.
+    head size is known, the op has no bias, past key or past value, and key and value have one
+    shape (why that is exact, and the sources: docs/fusions.md#fuseattention).
     """
     inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
     if any(inputs[i] is not None for i in (3, 6, 7)):  # bias, past_key, past_value

@@ -1,32 +1,9 @@
-"""Fuse a GELU, however an exporter wrote it, into one op.
+"""Fuse a GELU, however an exporter wrote it, into one op: com.microsoft ``Gelu`` /
+``FastGelu`` / ``BiasGelu`` for ``target="ort"``, ONNX's ``Gelu`` for ``target="onnx"``
+(:class:`FuseGelu`).
 
-GELU (Hendrycks & Gimpel 2016) is ``x * Phi(x)``, ``Phi`` the standard normal CDF, in its exact
-form or the paper's tanh approximation::
-
-    erf    0.5 * x * (1 + erf(x / sqrt(2)))
-    tanh   0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x^3)))
-
-ONNX's ``Gelu`` (opset 20, onnx/docs/Operators.md#Gelu) computes either
-(``approximate="none"`` / ``"tanh"``); ONNX Runtime's ``com.microsoft.Gelu`` the erf form and
-``FastGelu`` the tanh form, ``BiasGelu`` and ``FastGelu`` with a bias added before
-(onnxruntime/docs/ContribOperators.md). For ``target="ort"`` the contrib ops are written (any
-opset; the 1-D bias a projection adds just before the GELU taken in, as onnxscript's
-``bias_gelu`` rule did; a GELU op of the file and its bias too), for ``target="onnx"`` ONNX's
-``Gelu``, from opset 20; the two measured against each other and the decomposed forms:
-docs/fusions.md, "GELU", and ``benchmarks/results/gelu_cpu.json``.
-
-Spellings, anchored at the ``Erf`` or ``Tanh`` node (every binary op in either operand order)::
-
-    erf    Erf(Div(x, sqrt(2))) | Erf(Mul(x, 1 / sqrt(2)))
-    tanh   Tanh(Mul(sqrt(2 / pi), Add(x, Mul(0.044715, cube)))), cube = Pow(x, 3) |
-           Mul(Mul(x, x), x)
-    then   t = Add(f, 1), and the product with x and one half in any association:
-           Mul(x, Mul(0.5, t)) (PyTorch's dynamo export, onnxscript's patterns) |
-           Mul(Mul(0.5, x), t) (tf2onnx) | Mul(Mul(x, t), 0.5) | Div(Mul(x, t), 2) (Paddle)
-
-The constants must be the formula's within two roundings of the type they are in; one that
-is not (``x / 2``, ``0.0447``) makes a different function, refused (``gelu_constant``). An
-intermediate value read outside the subgraph blocks the fusion (``shared_output``).
+The formulas, the spellings matched, the refusals and the measurements behind the choice of op:
+see docs/fusions.md#fusegelu.
 """
 
 from __future__ import annotations
@@ -72,8 +49,7 @@ class GeluMatch:
 
 def _biased(x: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value, ir.Node] | None:
     """``(v, bias, add)`` where ``x = Add(v, bias)`` (either order) with ``bias`` of rank 1
-    (ContribOperators.md: BiasGelu's and FastGelu's ``bias`` is 1-D, added along the last
-    axis), read by ``nodes`` only; None otherwise."""
+    (docs/fusions.md#fusegelu), read by ``nodes`` only; None otherwise."""
     add = producer(x, "Add")
     if add is None or x.is_graph_output() or any(u.node not in nodes for u in x.uses()):
         return None
@@ -209,7 +185,7 @@ def _halved_product(
 
 
 class FuseGelu(NodeFusionPass):
-    """Replace each GELU subgraph in the main graph by one op (see the module docstring):
+    """Replace each GELU subgraph in the main graph by one op (see docs/fusions.md#fusegelu):
     ``"gelu_fused"`` in the report; a look-alike with another constant is refused
     (``gelu_constant``)."""
 

@@ -1,18 +1,6 @@
-"""Self-attention's three projections packed into ONNX Runtime's ``Attention`` (com.microsoft,
-ContribOperators.md), as :mod:`fusion.fuse_attention`'s last step.
-
-``MultiHeadAttention(q, k, v)`` where ``q = x @ Wq + bq``, ``k = x @ Wk + bk`` and
-``v = x @ Wv + bv`` read one ``x`` ``(B, S, D)`` with constant weights ``(D, N*H)`` and biases
-``(N*H,)`` (or the op's own packed ``bias``), the key and value passed 3-D or split into the
-op's ``N`` heads (``Transpose(Reshape(., (B, S, N, H)), [0, 2, 1, 3])``), is the op
-``Attention(x, [Wq | Wk | Wv], [bq | bk | bv])``: it computes the three projections as one
-GEMM, splits them into the same ``N`` heads and attends alike (Vaswani et al., 2017, eq. 1;
-the ``scale``, ``attention_bias`` and ``unidirectional`` of the one are the other's). That is
-the form onnxscript's ``optimize_for_ort`` and ONNX Runtime's transformer optimizer give BERT;
-on ONNX Runtime's CPU provider whole encoders run faster in it (BERT, CLIP's vision tower,
-ViT: ``benchmarks/results/decoders_cpu.json``). Left as they are: a ``key_padding_mask`` (the
-``mask_index`` of ``Attention`` reads it otherwise), a past, projections of other inputs
-(cross-attention), of other widths, or with weights computed at run time.
+"""Self-attention's three projections packed into ONNX Runtime's ``Attention`` (com.microsoft),
+as :mod:`fusion.fuse_attention`'s last step (:func:`pack`). When it is exact, what is left as
+it is, and the measurements: see docs/fusions.md#fuseattention.
 """
 
 from __future__ import annotations
@@ -49,7 +37,7 @@ def _projection(value: ir.Value | None, heads: int | None) -> Dense | None:
 
 def pack(graph: ir.Graph, mha: ir.Node) -> bool:
     """Replace the MultiHeadAttention ``mha`` by ``Attention`` where its query, key and value
-    are projections of one input (see the module docstring); return whether it did. The new
+    are projections of one input (see docs/fusions.md#fuseattention); return whether it did. The new
     node takes over ``mha``'s ``meta``; the projections left unread go with the clean-up."""
     inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
     if any(inputs[i] is not None for i in (4, 6, 7)) or any(

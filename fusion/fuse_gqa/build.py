@@ -1,5 +1,7 @@
 """The inputs GroupQueryAttention takes that the model has in other forms: the projections
-before their split into heads, and the sequence lengths (:mod:`fusion.fuse_gqa`)."""
+before their split into heads, the sequence lengths and the rotary caches
+(:mod:`fusion.fuse_gqa`; docs/fusions.md#fusegroupqueryattention).
+"""
 
 from __future__ import annotations
 
@@ -137,9 +139,9 @@ def positions(
     """``[cos_cache, sin_cache, position_ids]`` for a call with a past: ``caches`` hold one
     ``(S, half)`` row per position of the call, so the ``(B, S)`` ``position_ids`` are
     ``0 .. S-1`` in every row, and the caches get ``T`` (``read.total``) rows of zeros below,
-    never read, as the CPU kernel wants at least ``T`` rows ("cos_cache dimension 0 shall not be
-    less than total_sequence_length"). Nodes appended to ``inserted``; kept in ``shared`` per
-    caches and sizes."""
+    never read (the CPU kernel wants at least ``T`` rows:
+    docs/fusions.md#fusegroupqueryattention). Nodes appended to ``inserted``; kept in
+    ``shared`` per caches and sizes."""
     key = ("positions", *map(id, caches), id(read))
     if key in shared:
         return shared[key]

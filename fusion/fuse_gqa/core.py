@@ -1,6 +1,8 @@
 """The core of a decoder's attention around its Softmax, as the exporters write it: the scores
 ``scale * Q @ K^T [+ mask]`` before it, the weights' ``@ V`` after it, the merge of the heads,
-and the nodes that only feed these (:mod:`fusion.fuse_gqa`)."""
+and the nodes that only feed these (:mod:`fusion.fuse_gqa`;
+docs/fusions.md#fusegroupqueryattention).
+"""
 
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ from fusion.fuse_gqa import parts
 def _product(value: ir.Value) -> tuple[ir.Node, float, float, list[ir.Node]] | None:
     """``(Q @ K^T MatMul, factor, softcap, nodes)`` where ``value`` is ``factor * (Q @ K^T)``
     (softcap 0), or ``a * tanh(b * (Q @ K^T))`` with ``a > 0``: the logit soft-capping of
-    Gemma 2 (``softcap * tanh(scores / softcap)``), which is ONNX's ``Attention`` ``softcap=a``
-    with ``scale = a * b`` (Operators.md, Attention-23: soft-capped before the mask is added;
-    ONNX Runtime's GroupQueryAttention likewise); None otherwise."""
+    Gemma 2 (``softcap * tanh(scores / softcap)``), the ops' ``softcap=a`` with
+    ``scale = a * b`` (docs/fusions.md#fusegroupqueryattention); None otherwise."""
     outer, cap, nodes = parts.scaled(value)
     tanh = producer(outer, "Tanh")
     if tanh is None:

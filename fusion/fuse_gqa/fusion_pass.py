@@ -1,5 +1,6 @@
 """The pass of :mod:`fusion.fuse_gqa` (:class:`FuseGroupQueryAttention`) and what it matches
-(:class:`GQAMatch`); the module docstring of :mod:`fusion.fuse_gqa` has the math."""
+(:class:`GQAMatch`); the math is in docs/fusions.md#fusegroupqueryattention.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from fusion.fuse_gqa import build, core, guard, masks, parts, standard, trace
 
 @dataclasses.dataclass
 class GQAMatch:
-    """One attention to fuse (see the module docstring).
+    """One attention to fuse (see docs/fusions.md#fusegroupqueryattention).
 
     Attributes:
         query, key, value: the heads, traced back to their split (:class:`parts.Heads`).
@@ -91,7 +92,7 @@ def _check_standard_only(model: ir.Model, match: GQAMatch) -> None:
 
 class FuseGroupQueryAttention(NodeFusionPass):
     """Replace each decoder attention of the main graph by one ``GroupQueryAttention``, or by
-    ``Attention`` and ``RotaryEmbedding`` (see the module docstring); counted as
+    ``Attention`` and ``RotaryEmbedding`` (see docs/fusions.md#fusegroupqueryattention); counted as
     ``"gqa_fused"``, refusals under ``"gqa"``. The model's opset is raised to 23 before the
     first rewrite that needs it.
 
@@ -114,7 +115,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
         """The attention whose Softmax is ``node``, or None.
 
         Raises:
-            CannotFuse: see the module docstring.
+            CannotFuse: see docs/fusions.md#fusegroupqueryattention.
         """
         if node.op_type != "Softmax" or node.domain != "":
             return None

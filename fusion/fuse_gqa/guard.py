@@ -1,20 +1,8 @@
-"""GroupQueryAttention behind an ``If``, where its kernel computes the model's attention on some
-of the inputs the model accepts but not all (:mod:`fusion.fuse_gqa`): for the models that ONNX's
-``Attention`` cannot take instead (:mod:`.standard`: below opset 18, or a mask of another form).
-
-Two such limits of ONNX Runtime's CPU kernel (checked on 1.31):
-
-* with a past (a KV cache that is not empty), it refuses more than one query per sequence in a
-  batch of more than one ("batch_size must be 1 when sequence_length > 1 and past context is
-  given"): a batched chunked prefill, which the model computes;
-* a row of ``attention_bias`` masked everywhere gives NaN, where the dynamo export's guard
-  ``Where(IsNaN(p), 0, p)`` gives 0 (a left-padded query row).
-
-So the op sits in the ``then`` branch of an ``If`` on ``(B == 1 or S == 1 or P == 0) and every
-row of the mask keeps a key`` (the half that applies), and the model's own nodes, unchanged, in
-the ``else`` branch: the result is the model's function on every input. The condition is
-computed once for the layers that share the shapes and the mask. ONNX Runtime's ``If`` costs
-about a microsecond a call (``benchmarks/results/decoders_cpu.json`` times whole models).
+"""GroupQueryAttention behind an ``If`` whose other branch is the model's own attention, for the
+models ONNX's ``Attention`` cannot take instead (:mod:`.standard`): the condition under which
+the op's CPU kernel computes the model's attention (:func:`condition`) and the branch
+(:func:`branch`). The kernel's limits it guards against: see
+docs/fusions.md#fusegroupqueryattention.
 """
 
 from __future__ import annotations
@@ -38,10 +26,11 @@ def condition(
     inserted: list[ir.Node],
     shared: dict,
 ) -> ir.Value:
-    """The boolean scalar under which the op computes the model's attention (see the module
-    docstring) for the ``(B, S, .)`` ``query``, the ``(B, K, P, H)`` ``past`` key (or None) and
-    the run-time ``(B | 1, N | 1, S, T)`` ``bias`` (or None); nodes appended to ``inserted``,
-    kept in ``shared`` for the layers of the same key."""
+    """The boolean scalar under which the op computes the model's attention
+    (docs/fusions.md#fusegroupqueryattention) for the ``(B, S, .)`` ``query``, the
+    ``(B, K, P, H)`` ``past`` key (or None) and the run-time ``(B | 1, N | 1, S, T)`` ``bias``
+    (or None); nodes appended to ``inserted``, kept in ``shared`` for the layers of the same
+    key."""
     read = build.sizes(graph, query, past, inserted, shared) if past is not None else None
     key = ("condition", id(read), id(bias))
     if key in shared:

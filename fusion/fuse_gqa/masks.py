@@ -1,14 +1,7 @@
 """A decoder's additive attention mask, evaluated where it is computed from constants and the
-shapes of the model's inputs alone, and what GroupQueryAttention makes of it
-(:mod:`fusion.fuse_gqa`).
-
-A mask of an export at a fixed length is a constant subgraph the constant folder leaves (its
-``(1, 1, S, S)`` booleans are over the folder's size limit). With symbolic axes it is computed
-from the ``Shape`` of values (``Range``, ``LessOrEqual``, ``Where``: transformers' causal mask)
-and nothing else: where every axis of those values is a number or a named symbol, the mask is
-evaluated, by the ONNX reference implementation, at every assignment of :data:`SIZES` to the
-symbols, and must be causal (or absent) at each. That is a check at those sizes, not a proof for
-every size; the run's parity check adds the sizes it runs.
+shapes of the model's inputs alone (:func:`evaluate`, at the sizes :data:`SIZES`), and what
+GroupQueryAttention makes of it (:func:`classify`, :func:`masking`) (:mod:`fusion.fuse_gqa`).
+What is checked, and at which sizes: see docs/fusions.md#fusegroupqueryattention.
 """
 
 from __future__ import annotations
@@ -81,7 +74,7 @@ def _shape_feeds(shapes: set[ir.Node], sizes: tuple[int, ...]) -> dict[str, np.n
 def _beyond_sizes(constants: dict[str, np.ndarray]) -> int | None:
     """An integer constant larger than every size of :data:`SIZES` (the ``2**63 - 1`` of "to
     the end" aside) among ``constants``, or None: with one, a mask checked at those sizes may
-    still differ at larger ones (a sliding window of 4096 is causal below 4096)."""
+    still differ at larger ones (docs/fusions.md#fusegroupqueryattention)."""
     limit = max(max(sizes) for sizes in SIZES)
     for array in constants.values():
         if array.dtype.kind in "iu" and array.size <= 64:
@@ -93,7 +86,8 @@ def _beyond_sizes(constants: dict[str, np.ndarray]) -> int | None:
 
 def evaluate(value: ir.Value, opset: int, max_nodes: int = 256) -> list[np.ndarray] | None:
     """``value`` at each assignment of :data:`SIZES` (one array when it reads no shape), where
-    it is computed from constants and shapes alone (see the module docstring); else None.
+    it is computed from constants and shapes alone (docs/fusions.md#fusegroupqueryattention);
+    else None.
 
     Raises:
         CannotFuse: it reads shapes and holds an integer constant beyond those sizes.

@@ -1,23 +1,11 @@
 """The pieces of a decoder's attention as the exporters write them, traced back from the
-attention's Softmax: what :mod:`fusion.fuse_gqa` fuses.
+attention's Softmax: what :mod:`fusion.fuse_gqa` fuses. Each function takes a value of the graph
+and returns what it is made of, or None when it is not that piece: :func:`heads`,
+:func:`rotary`, :func:`repeat_kv`, :func:`with_past`, :func:`transposed_key`, and the rotary
+tables (:func:`tables`). Shapes are named as transformers' attention names them: ``B`` batch,
+``S`` query length, ``T`` key length, ``N`` query heads, ``K`` key/value heads, ``H`` head size.
 
-Each function takes a value of the graph and returns what it is made of, or None when it is
-not that piece. The shapes named below are the conventional ones of transformers' attention
-(``LlamaAttention`` and the models that copy it): ``B`` batch, ``S`` query length, ``T`` key
-length, ``N`` query heads, ``K`` key/value heads, ``H`` head size.
-
-* :func:`heads`: ``Transpose(y, perm=[0, 2, 1, 3])`` of a ``(B, S, n, H)`` value ``y``, the
-  projection split into heads (``view(B, S, -1, H).transpose(1, 2)``).
-* :func:`rotary`: the rotary position embedding of RoFormer (Su et al., 2021, eq. 34, the
-  non-interleaved form of transformers' ``apply_rotary_pos_emb``),
-  ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = Concat(-x[..., H/2:], x[..., :H/2])``.
-* :func:`repeat_kv`: transformers' ``repeat_kv``, ``K`` heads each repeated ``N / K`` times:
-  ``Reshape(Expand(Unsqueeze(x, [2]), (B, K, r, T, H)), (B, K * r, T, H))``.
-* :func:`with_past`: the KV cache's ``Concat(past, new, axis=2)`` of ``(B, K, P, H)`` and
-  ``(B, K, S, H)`` heads, the ``present`` of the layer.
-* :func:`transposed_key`: ``k`` with its last two axes swapped, as ``Transpose(perm=[0, 1, 3,
-  2])`` or as the dynamo exporter's ``Reshape(Transpose(Reshape(k, (B*N, T, H)), [0, 2, 1]),
-  (B, N, H, T))``.
+Each piece's form and its math: see docs/fusions.md#fusegroupqueryattention.
 """
 
 from __future__ import annotations
@@ -71,7 +59,8 @@ def heads(value: ir.Value) -> Heads | None:
 
 @dataclasses.dataclass
 class Rotary:
-    """A rotary embedding ``x * cos + rotate_half(x) * sin`` (see the module docstring).
+    """A rotary embedding ``x * cos + rotate_half(x) * sin``
+    (docs/fusions.md#fusegroupqueryattention).
 
     Attributes:
         x: the heads rotated, ``(B, n, L, H)``.
@@ -144,7 +133,7 @@ def rotary(value: ir.Value, head_size: int) -> Rotary | None:
 
 def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
     """``(x, r, nodes)`` when ``value`` is ``x`` of shape ``(B, K, T, H)`` with each head
-    repeated ``r`` times (see the module docstring): ``(B, K * r, T, H)``, or the
+    repeated ``r`` times (see docs/fusions.md#fusegroupqueryattention): ``(B, K * r, T, H)``, or the
     ``(B, K, r, T, H)`` Expand before its Reshape (which the dynamo exporter merges into the
     Reshape of :func:`transposed_key`); else None."""
     reshape = producer(value, "Reshape")
@@ -266,10 +255,10 @@ def scaled(value: ir.Value) -> tuple[ir.Value, float, list[ir.Node]]:
 
 def rotary_tables(cos: np.ndarray, sin: np.ndarray, head_size: int) -> tuple | None:
     """The ``(max_positions, H/2)`` cos and sin caches of GroupQueryAttention's rotary
-    embedding (ContribOperators.md, ``cos_cache``) that compute ``x * cos + rotate_half(x) *
-    sin`` for the constant tables ``cos``, ``sin`` (broadcast ``(..., L, H)``, row ``i`` for
-    position ``i``), or None where they cannot: a table that differs between batches or heads,
-    or whose two halves differ (the op multiplies both halves of a head by one row)."""
+    embedding that compute ``x * cos + rotate_half(x) * sin`` for the constant tables ``cos``,
+    ``sin`` (broadcast ``(..., L, H)``, row ``i`` for position ``i``), or None where they
+    cannot: a table that differs between batches or heads, or whose two halves differ
+    (docs/fusions.md#fusegroupqueryattention)."""
     tables = []
     for table in (cos, sin):
         if table.ndim < 2 or table.shape[-1] != head_size:

@@ -1,27 +1,9 @@
 """A decoder's attention with a KV cache or a run-time mask as ONNX's own ``Attention`` and
-``RotaryEmbedding`` (opset 23, Operators.md), where :mod:`fusion.fuse_gqa` would otherwise put
-``GroupQueryAttention`` behind an ``If`` (:mod:`.guard`).
-
-ONNX Runtime's CPU kernel of ``Attention`` computes every input the model accepts: a batch of
-several sequences of several new tokens after a past (which ``GroupQueryAttention`` refuses),
-and an additive mask of the ``(B | 1, N | 1, S, T)`` shape the model computes. So no ``If``:
-per layer the rotations of the query and the key (``RotaryEmbedding``, by the model's own
-``cos``/``sin`` rows for the call, the first halves computed from ``f`` of its ``cat(f, f)``
-and expanded to the batch, :func:`_rotation`), then ``Attention`` with the past key and
-value, whose ``present`` outputs keep the model's names.
-
-Where a row of the mask is masked everywhere (a padded query), two values differ. The kernel
-takes a mask value equal to float32's lowest as masked (``-inf``), so such a row gives 0, as
-the dynamo export's guard ``Where(IsNaN(p), 0, p)`` gives for ``-inf``; the model with the
-finite ``finfo.min`` that transformers writes gives the mean of the values (every score is
-``finfo.min`` after rounding). So the mask is used as the model computes it where its masked
-value is ``-inf`` and the model has the guard, and with ``finfo.min`` replaced by the next
-float32 above it where the masked value is finite: each score plus either rounds to the same
-number while the scores are below ``2**103`` in magnitude, so the row is the mean of the values
-in both. Any other mask keeps the ``If`` (:func:`bias`).
-
-The model's opset is raised to 23 by onnxscript's version converter (:func:`upgrade`), which
-rewrites the ops whose meaning changed between the versions.
+``RotaryEmbedding`` (opset 23), where :mod:`fusion.fuse_gqa` would otherwise put
+``GroupQueryAttention`` behind an ``If`` (:mod:`.guard`): the opset raise (:func:`upgrade`), the
+mask as the op takes it (:func:`bias`, :func:`attention_mask`) and the rewrite
+(:func:`rewrite`). Why it is exact (rows masked everywhere, float32's lowest): see
+docs/fusions.md#fusegroupqueryattention.
 """
 
 from __future__ import annotations
@@ -70,10 +52,11 @@ def upgrade(model: ir.Model) -> None:
 
 
 def bias(mask: ir.Value | None, nan_guard: bool) -> str | None:
-    """How ``Attention`` takes the model's run-time additive ``mask`` (see the module
-    docstring): ``"as is"`` (also where there is none), ``"raised"`` where its masked value
-    float32's lowest becomes the next float32 above, or None where it cannot (the ``If``
-    stays). ``nan_guard``: the model maps NaN attention weights to 0."""
+    """How ``Attention`` takes the model's run-time additive ``mask``: ``"as is"`` (also where
+    there is none), ``"raised"`` where its masked value float32's lowest becomes the next
+    float32 above, or None where it cannot (the ``If`` stays); why:
+    docs/fusions.md#fusegroupqueryattention. ``nan_guard``: the model maps NaN attention
+    weights to 0."""
     if mask is None:
         return "as is"
     where = producer(mask, "Where")
@@ -110,9 +93,9 @@ def attention_mask(graph: ir.Graph, mask: ir.Value, how: str, shared: dict) -> i
 
 def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> str:
     """Replace ``match`` (a :class:`fusion.fuse_gqa.GQAMatch`) by ``RotaryEmbedding`` of the
-    query and the key and one ``Attention`` (see the module docstring) before ``anchor``, the
-    last matched node; ``how`` from :func:`bias`. Layers of the same sizes and tables share the
-    positions and caches, kept in ``shared``."""
+    query and the key and one ``Attention`` (docs/fusions.md#fusegroupqueryattention) before
+    ``anchor``, the last matched node; ``how`` from :func:`bias`. Layers of the same sizes and
+    tables share the positions and caches, kept in ``shared``."""
     name = anchor.name or "attention"
     inserted: list[ir.Node] = []
     heads = (match.query, match.key, match.value)

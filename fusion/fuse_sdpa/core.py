@@ -1,6 +1,7 @@
 """The scaled dot-product attention core around a Softmax, however it was decomposed
 (:mod:`fusion.fuse_sdpa`): the weights' product with ``V``, the scores' scale, mask and bias,
-and ``Q`` and ``K`` as ``Attention`` takes them."""
+and ``Q`` and ``K`` as ``Attention`` takes them. The forms read: see docs/fusions.md#fusesdpa.
+"""
 
 from __future__ import annotations
 
@@ -212,8 +213,8 @@ def _swapped_view(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
 
 
 def scores(value: ir.Value) -> Scores:
-    """The Softmax's input ``value`` parsed into :class:`Scores` (see the module docstring of
-    :mod:`fusion.fuse_sdpa` for the forms).
+    """The Softmax's input ``value`` parsed into :class:`Scores` (the forms:
+    docs/fusions.md#fusesdpa).
 
     Raises:
         CannotFuse: ``scores_form``, ``not_constant``, ``scale_not_scalar``,

@@ -1,5 +1,6 @@
 """The pass of :mod:`fusion.fuse_sdpa` (:class:`FuseSDPA`) and what it matches
-(:class:`SDPAMatch`); the module docstring of :mod:`fusion.fuse_sdpa` has the math."""
+(:class:`SDPAMatch`); the math is in docs/fusions.md#fusesdpa.
+"""
 
 from __future__ import annotations
 
@@ -48,9 +49,9 @@ class SDPAMatch:
 
 
 class FuseSDPA(NodeFusionPass):
-    """Replace each scaled dot-product attention by ONNX's ``Attention`` (see the module
-    docstring); counted as ``sdpa_fused``, refusals under ``attention``. The model's opset is
-    raised to 23 before the first rewrite."""
+    """Replace each scaled dot-product attention by ONNX's ``Attention``
+    (docs/fusions.md#fusesdpa); counted as ``sdpa_fused``, refusals under ``attention``. The
+    model's opset is raised to 23 before the first rewrite."""
 
     kinds = (Kind("sdpa_fused", "attention", (Op("Attention"),), norm=False),)
     needs_opset = {"ort": standard.OPSET, "onnx": standard.OPSET}
@@ -68,7 +69,7 @@ class FuseSDPA(NodeFusionPass):
         """The attention around the Softmax ``node``, or None where it is no attention's.
 
         Raises:
-            CannotFuse: see the module docstring.
+            CannotFuse: see docs/fusions.md#fusesdpa.
         """
         if not core.is_candidate(node):
             return None

@@ -1,24 +1,7 @@
-"""``Attention``'s 3-D form where the heads are a view: the tensors before the split into heads.
-
-ONNX's ``Attention`` takes ``Q``, ``K``, ``V`` either 4-D ``(B, N, S, H)`` or 3-D ``(B, S, N*H)``
-with ``q_num_heads`` / ``kv_num_heads`` (Operators.md, Attention-23); its output has the form of
-``Q``. The 3-D form is the 4-D one with each tensor read through the view ``(B, S, N*H) ->
-(B, S, N, H) -> Transpose(0, 2, 1, 3)``, so where the model makes its 4-D tensors by that view
-(and merges the heads of the output back by its inverse), the 3-D form computes the same numbers
-without the Transposes: ONNX Runtime's CPU kernel reads the heads of a 3-D tensor in place
-(strided GEMMs, ``AttentionGemm``'s ``lda > K``, onnxruntime/core/providers/cpu/llm/
-attention.cc), where each Transpose is a copy of the tensor. Two views are recognized:
-
-* batch first, ``Transpose(Reshape(x, (B, S, N, H)), (0, 2, 1, 3))`` with ``x`` ``(B, S, N*H)``
-  (transformers, diffusers, whisper, open_clip's ViT);
-* sequence first at batch 1, ``Reshape(Transpose(Reshape(x, (S, N, H)), (1, 0, 2)), (1, N, S,
-  H))`` with ``x`` ``(S, 1, N*H)`` (torch's decomposition of ``nn.MultiheadAttention``'s
-  attention, as open_clip's attention pooling runs it): ``x`` is ``(1, S, N*H)`` reshaped.
-
-The output side: every reader of the 4-D output a Transpose whose result is read by Reshapes
-only, that Transpose ordering the axes of static size other than 1 as ``(B, S, N, H)`` does:
-the Reshapes then read the 3-D output in the same element order (where their shapes copy no
-axis of their input by a 0).
+"""``Attention``'s 3-D form where the heads are a view: the tensors before the split into heads
+(:func:`of`, :func:`source`) and the Reshapes that read the output's heads merged back
+(:func:`merged_readers`). The views recognized and why the 3-D form is the same numbers with
+fewer copies: see docs/fusions.md#fusesdpa.
 """
 
 from __future__ import annotations
@@ -65,7 +48,7 @@ def of(value: ir.Value) -> Heads | None:
 
 
 def _sequence_first(value: ir.Value, out: list) -> Heads | None:
-    """The sequence-first view at batch 1 (see the module docstring), or None."""
+    """The sequence-first view at batch 1 (see docs/fusions.md#fusesdpa), or None."""
     back = producer(value, "Reshape")
     transpose = producer(back.inputs[0], "Transpose") if back is not None else None
     split = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
@@ -81,7 +64,7 @@ def _sequence_first(value: ir.Value, out: list) -> Heads | None:
 
 
 def _packed(value: ir.Value, out: list) -> Heads | None:
-    """Part ``i`` of a packed projection (see the module docstring), or None."""
+    """Part ``i`` of a packed projection (see docs/fusions.md#fusesdpa), or None."""
     part, nodes = _part(value)
     transpose = producer(part, "Transpose")
     split = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
@@ -136,7 +119,7 @@ def _ints(value: ir.Value | None) -> list[int] | None:
 
 
 def merged_readers(value: ir.Value) -> list[ir.Node] | None:
-    """The Reshapes that read ``value``'s heads merged back (see the module docstring), or
+    """The Reshapes that read ``value``'s heads merged back (see docs/fusions.md#fusesdpa), or
     None where anything else reads it."""
     out = dims(value)
     if out is None or len(out) != 4 or value.is_graph_output():

@@ -1,31 +1,10 @@
 """What is added to (or masked in) the scores, as ``Attention``'s ``attn_mask``
-(:mod:`fusion.fuse_sdpa`).
+(:mod:`fusion.fuse_sdpa`): additive terms (:func:`additive_term`), boolean masks
+(:func:`boolean`), terms added through a view of the scores (:class:`View`), and the fit to the
+kernel's shape (:func:`fit`), gathered into a :class:`Mask` (:func:`of_scores`).
 
-ONNX Runtime's CPU kernel of ``Attention`` (1.31, measured) adds a float ``attn_mask`` to the
-scaled scores, except that it takes an entry equal to float32's lowest as ``-inf``, and it gives
-a row masked at every key (every entry ``-inf`` or lowest, or a boolean row all False) zeros. The
-model's Softmax gives NaN for a row of ``-inf`` (0 behind the dynamo exporter's guard
-``Where(IsNaN(p), 0, p)``) and the mean of the values for a row of lowest. So:
-
-* an additive mask is passed as the model adds it, float32's lowest raised to the next float32
-  above (:data:`fusion.fuse_gqa.standard.ABOVE_LOWEST`: each score plus either rounds to the one
-  number for scores under ``2**103`` in magnitude, so a row of them is the mean of the values in
-  both); in a constant, in a ``Where`` of constants (:func:`fusion.fuse_gqa.standard.bias`), or
-  at run time (``Where(Equal(m, lowest), above, m)``) for a mask the caller passes or computes
-  from a constant holding ``-inf`` or lowest;
-* a mask that can hold a row of ``-inf`` needs the model's NaN guard, or must be computed from
-  constants and shapes alone with no such row at any size it is evaluated at
-  (:func:`fusion.fuse_gqa.masks.evaluate`: torch's causal mask with symbolic lengths);
-* a bias computed from the data (relative positions, ALiBi) is added as it is: it is ``-inf``
-  or lowest only where the model's own arithmetic overflows;
-* a boolean mask ``Where(c, scores, f)`` (either branch order, ``Not(c)`` likewise) is ``c``
-  itself for ``f = -inf`` (with the guard, or no row all masked) and for a finite ``f <= -1e4``
-  with no row all masked (a kept score over ``f + 104`` makes ``exp(f - max)`` zero in float32,
-  as the op's masked weights are), and the additive ``Where(c, 0, above)`` for ``f`` = lowest.
-
-The kernel takes a mask of rank 2 to 4 whose last two axes are ``(S, L)`` exactly, broadcast over
-the batch and the heads: a mask broadcast along either is expanded to them, and a 3-D mask of
-3-D scores (the heads in the batch) gets a head axis.
+How ONNX Runtime's kernel treats masked rows and which masks are exact: see
+docs/fusions.md#fusesdpa.
 """
 
 from __future__ import annotations
@@ -41,7 +20,7 @@ from fusion.base import CannotFuse, Code
 from fusion.fuse_gqa import masks as gqa_masks
 from fusion.fuse_gqa import standard
 
-#: The highest fill of a boolean mask taken as masking (see the module docstring).
+#: The highest fill of a boolean mask taken as masking (see docs/fusions.md#fusesdpa).
 LARGE_NEGATIVE = -1e4
 
 #: Ops that carry a mask the caller passes on to the scores unchanged in value.
@@ -137,8 +116,8 @@ def _masking(array: np.ndarray) -> bool:
 
 
 def additive_term(term: ir.Value, guard: bool, opset: int, mask: Mask) -> None:
-    """Add ``term`` (a float32 value added to the scores) to ``mask`` (see the module
-    docstring); ``guard``: the model maps NaN weights to 0.
+    """Add ``term`` (a float32 value added to the scores) to ``mask`` (docs/fusions.md#fusesdpa);
+    ``guard``: the model maps NaN weights to 0.
 
     Raises:
         CannotFuse: ``mask_not_exact``: a row masked everywhere would differ.
@@ -197,7 +176,7 @@ def check_terms(mask: Mask) -> None:
 
 def boolean(where: ir.Node, guard: bool, opset: int) -> Mask:
     """The mask of ``Where(c, scores, f)`` or ``Where(c, f, scores)`` with ``f`` a one-element
-    constant (see the module docstring); ``guard``: the model maps NaN weights to 0.
+    constant (see docs/fusions.md#fusesdpa); ``guard``: the model maps NaN weights to 0.
 
     Raises:
         CannotFuse: ``mask_not_exact``: a fill Attention cannot match, or a row that may be
@@ -280,7 +259,7 @@ def of_scores(scores, guard: bool, opset: int, shape: list) -> Mask | None:
     their ``shape``; None where nothing is added to them.
 
     Raises:
-        CannotFuse: see the module docstring; ``scores_form``: a boolean mask beside another.
+        CannotFuse: see docs/fusions.md#fusesdpa; ``scores_form``: a boolean mask beside another.
     """
     if scores.where is not None:
         if scores.terms or scores.view is not None:

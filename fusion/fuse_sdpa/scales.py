@@ -1,6 +1,7 @@
 """The constants that scale the scores of :mod:`fusion.fuse_sdpa`'s attention besides the one
 number on them: a number on ``Q`` or on ``K^T`` (:func:`unscaled`), one number per head on the
-scores (:func:`per_head`)."""
+scores (:func:`per_head`). See docs/fusions.md#fusesdpa.
+"""
 
 from __future__ import annotations
 
@@ -44,8 +45,7 @@ def per_head(node: ir.Node, scale: np.ndarray, scores: list | None) -> np.ndarra
     """``scale``, a constant of several values that ``node`` multiplies the scores (of dims
     ``scores``) by, where it is one number per head: 1 in every axis but the heads' (the third
     from last: a 4-D attention's heads, a 3-D one's batch times heads), there as many as the
-    scores have (SwinV2's logit scale and XCA's temperature, ``(N, 1, 1)``). Such a scale
-    moves into ``Q``: ``(s_h Q) K^T = s_h (Q K^T)`` (:func:`.build.rewrite`), its sign too.
+    scores have. Such a scale moves into ``Q`` (:func:`.build.rewrite`; docs/fusions.md#fusesdpa).
 
     Raises:
         CannotFuse: ``scale_not_scalar``: it varies along another axis, or broadcasts the

@@ -1,5 +1,6 @@
 """:class:`PruneRows`: each constant selection of rows moved up through the ops that compute
-row by row, so that they compute the selected rows only."""
+row by row, so that they compute the selected rows only (docs/fusions.md#prunerows).
+"""
 
 from __future__ import annotations
 
@@ -13,19 +14,15 @@ from fusion.prune_rows.rows import Selection, keep_last, read, select
 
 
 class PruneRows(FusionPass):
-    """Compute only the rows the outputs read (:mod:`fusion.prune_rows`).
+    """Compute only the rows the outputs read (:mod:`fusion.prune_rows`), in place.
 
-    Anchored at each selection of rows of a float tensor of rank 2 or more whose producer
-    computes row by row (:func:`fusion.prune_rows.rules.plan`): a Gather of a constant index
-    or a Slice of a constant range along one axis. The selection is moved above its producer
-    (the producer made again on the selected rows of its inputs) wherever every output the
-    producer has that is read is read by that same selection only; selections of one value
-    that keep the same rows are one. Repeated until no selection moves. One
-    ``rows_pruned`` per anchor that moved, ``became`` the number of nodes now computing the
-    selected rows only. With the policy's ``last_rows``, each of those outputs is first kept
-    at its last position only (a Slice, anchored at ``NAME_last``). A ReduceMean or ReduceSum
-    over the rows of such a producer (a mean pooling) is refused with ``every_row_read``:
-    every row is read, nothing to prune.
+    Anchored at each constant selection of rows (a Gather or a Slice) of a float tensor of rank
+    2 or more whose producer computes row by row (:func:`fusion.prune_rows.rules.plan`),
+    repeated until no selection moves; one ``rows_pruned`` per anchor that moved, ``became`` the
+    number of nodes now computing the selected rows only. With the policy's ``last_rows``, each
+    of those outputs is first kept at its last position only (a Slice, anchored at
+    ``NAME_last``). A mean pooling over the rows is refused with ``every_row_read``. When a
+    selection moves and where it stops: docs/fusions.md#prunerows.
     """
 
     kinds = (Kind("rows_pruned", "rows", norm=False),)

@@ -1,12 +1,7 @@
 """Which ops compute each row of their output from the same row of their inputs alone, and which
 rows of which inputs a selection of output rows reads (:func:`plan`): the rules
-:class:`fusion.prune_rows.PruneRows` moves a selection up by.
-
-A node whose output rows along an axis each depend on one row of each input (or on the whole of
-an input that has no such axis: a weight, a bias, a broadcast constant) computes the selected
-rows of its output from the same rows of its inputs, with the same kernel on the same values.
-Anything else (a reduction, a norm or a convolution over the axis, an attention's keys and
-values, a Reshape that merges the axis with another) reads every row: the selection stops there.
+:class:`fusion.prune_rows.PruneRows` moves a selection up by; :class:`Stop` where it cannot.
+The rules and their sources: see docs/fusions.md#prunerows.
 """
 
 from __future__ import annotations

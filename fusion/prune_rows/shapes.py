@@ -1,9 +1,7 @@
-"""The shapes :mod:`fusion.prune_rows` reads where inference leaves them out: ONNX's shape
-inference knows no contrib op, and ONNX Runtime's symbolic inference stops at the first node
-it cannot follow (the passes before write contrib ops it does not take as they are), so the
-values after them carry none. Filled forward, in graph order, for the ops the rules move a
-selection through: MultiHeadAttention, the views, MatMul by a matrix, and elementwise ops whose
-other inputs broadcast to the first."""
+"""The shapes :mod:`fusion.prune_rows` reads where inference leaves them out, filled forward in
+graph order (:func:`fill`). Why they are missing and for which ops they are filled: see
+docs/fusions.md#prunerows.
+"""
 
 from __future__ import annotations
 

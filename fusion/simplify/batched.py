@@ -1,26 +1,9 @@
-"""A batched MatMul between views that merge its batch axes, as the batched MatMul itself.
+"""A batched MatMul between views that merge its batch axes, as the batched MatMul of their
+sources (tf2onnx's Einsum, :func:`unmerge_batched_matmuls`), and a bias added after a split into
+heads moved before it (:func:`bias_before_split`). The view chains are followed by
+:mod:`fusion.simplify.views`.
 
-tf2onnx decomposes an ``Einsum`` (Keras' ``MultiHeadAttention``: ``aecd,abcd->acbe`` for the
-scores, ``acbe,aecd->abcd`` for the weighted values) into a MatMul of 3-D tensors whose batch
-axis is the batch and the heads merged, between chains of ``Unsqueeze``, ``Transpose``,
-``Reshape`` (its target often computed at run time from ``Shape``, ``Gather``, ``ReduceProd``,
-``Concat`` and ``Max``) and ``Squeeze``::
-
-    q (B, S, N, H) -> Unsqueeze -> Transpose -> Reshape (B*N, S, H) --\\
-    k (B, L, N, H) -> Unsqueeze -> Transpose -> Reshape -> Transpose --- MatMul (B*N, S, L)
-                                                                  -> Reshape (B, N, S, L, 1)
-                                                                  -> Squeeze  (B, N, S, L)
-
-Every one of those ops moves elements without changing them, and a batched MatMul computes
-each batch entry alone (Operators.md, MatMul: numpy.matmul), so the result is the MatMul of the
-two sources arranged by one Transpose each, ``MatMul(Transpose(q, [0, 2, 1, 3]), Transpose(k,
-[0, 2, 3, 1]))``, wherever the chains only move whole axes (merged and split back, unit axes
-in and out): the same numbers in the same places. The attention passes then see the textbook
-form (:mod:`fusion.fuse_sdpa`).
-
-The chains are followed axis by axis (:mod:`fusion.simplify.views`). Anything else (a split
-of an axis into new ones, a group that stays merged at the end, a MatMul whose contracted or
-batch axes do not line up) leaves the graph as it is.
+Why these are exact, and what is left alone: see docs/fusions.md#the-clean-ups.
 """
 
 from __future__ import annotations
@@ -122,7 +105,7 @@ def _dim_of(size: Size) -> int | str | None:
 
 def _plan(views: Views, node: ir.Node) -> tuple | None:
     """What :func:`_rebuild` inserts for the MatMul ``node``, or None where the rewrite does
-    not apply (see the module docstring)."""
+    not apply (see docs/fusions.md#the-clean-ups)."""
     a, b = node.inputs
     chains = (chain_back(a), chain_back(b))
     if not any(n.op_type == "Reshape" for chain in chains for n in chain):
@@ -155,7 +138,7 @@ def _plan(views: Views, node: ir.Node) -> tuple | None:
 
 def unmerge_batched_matmuls(graph: ir.Graph) -> int:
     """Rewrite each MatMul between views that merge its batch axes as the MatMul of its
-    sources (see the module docstring), in place; return how many. The old chains are left
+    sources (see docs/fusions.md#the-clean-ups), in place; return how many. The old chains are left
     for the dead-node clean-up."""
     done = 0
     for node in list(graph):
@@ -175,9 +158,8 @@ def bias_before_split(graph: ir.Graph) -> int:
     """Move each constant bias added right after a Reshape that splits the last axis into
     two (``Add(Reshape(y, [..., N, H]), b)``, ``b`` of shape ``(N, H)``, as Keras adds its
     ``EinsumDense`` bias after the split into heads) before it: ``Reshape(Add(y, b'), [..., N,
-    H])`` with ``b'`` of shape ``(N*H,)``, the same numbers in the same places (the Reshape only
-    renames the positions). A projection then reads as MatMul, bias, split into heads, as the
-    attention rules expect. Needs ``y``'s last size and ``b``'s shape known; return how many."""
+    H])`` with ``b'`` of shape ``(N*H,)`` (docs/fusions.md#the-clean-ups). Needs ``y``'s last
+    size and ``b``'s shape known; return how many."""
     done = 0
     for add in list(graph):
         if add.op_type != "Add" or add.domain != "" or add.graph is not graph:

@@ -1,5 +1,6 @@
 """torch's index arithmetic written with fewer nodes (:mod:`fusion.simplify`): chained
-Unsqueezes, and advanced indexing by aranges."""
+Unsqueezes, and advanced indexing by aranges. See docs/fusions.md#the-clean-ups.
+"""
 
 from __future__ import annotations
 
@@ -155,8 +156,9 @@ def _as_vector(graph: ir.Graph, scalar: ir.Value, nodes: list[ir.Node]) -> ir.Va
 
 
 def slice_index_grids(graph: ir.Graph) -> int:
-    """Replace each GatherND over a grid of aranges (module docstring, :func:`_grid`) by
-    ``Unsqueeze(Slice(x, 0, [n_0, ..], [0, ..]), other axes)``; return how many."""
+    """Replace each GatherND over a grid of aranges (:func:`_grid`) by
+    ``Unsqueeze(Slice(x, 0, [n_0, ..], [0, ..]), other axes)`` (docs/fusions.md#the-clean-ups);
+    return how many."""
     replaced = 0
     for node in list(graph):
         found = _grid(node)
@@ -244,12 +246,9 @@ def _flat_grid(node: ir.Node) -> tuple[ir.Value, list[int]] | None:
 
 def flat_index_grids(graph: ir.Graph) -> int:
     """Replace torch's TorchScript indexing of a 2-D ``x`` by whole aranges,
-    ``Reshape(Gather(Flatten(x, 2), rows * x.shape[1] + cols), Shape(index))`` with ``rows``
-    and ``cols`` aranges of ``x``'s two sizes on increasing axes of a grid (transformers' mask
-    reads ``attention_mask[batch_arange, kv_arange]`` so, in Optimum's exports), by ``x`` with
-    the grid's other axes inserted: element ``(b, k)`` of the grid reads ``b * T + k`` of the
-    flattened ``x``, which is ``x[b, k]``. Needs the inferred shapes (the aranges' lengths);
-    return how many."""
+    ``Reshape(Gather(Flatten(x, 2), rows * x.shape[1] + cols), Shape(index))``, by ``x`` with
+    the grid's other axes inserted (docs/fusions.md#the-clean-ups). Needs the inferred shapes (the
+    aranges' lengths); return how many."""
     replaced = 0
     for node in list(graph):
         found = _flat_grid(node) if node.domain == "" and node.graph is graph else None

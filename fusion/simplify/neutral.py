@@ -1,6 +1,7 @@
 """Nodes that change nothing, read through (:mod:`fusion.simplify`): neutral elements, and with
-the inferred shapes, sizes that are numbers, whole Slices and Expands that broadcast nothing
-new."""
+the inferred shapes, sizes that are numbers, whole Slices, Expands that broadcast nothing new and
+Casts to a value's own type. See docs/fusions.md#the-clean-ups.
+"""
 
 from __future__ import annotations
 
@@ -31,10 +32,9 @@ def _no_negative_zero(value: ir.Value | None) -> bool:
 
 
 def _never_negative_zero(x: ir.Value) -> bool:
-    """Whether no element of ``x`` can be ``-0``: a sum is ``-0`` only where every addend is
-    (IEEE 754, round to nearest: ``a + -a`` is ``+0``), so a Conv's or ConvTranspose's output
-    with a constant bias, or an Add of a constant, none of whose elements is ``-0``, never is.
-    Integers have no ``-0``."""
+    """Whether no element of ``x`` can be ``-0``: an integer, or a Conv's or ConvTranspose's
+    output with a constant bias, or an Add of a constant, none of whose elements is ``-0``
+    (why: docs/fusions.md#the-clean-ups)."""
     if x.dtype is not None and not x.dtype.is_floating_point():
         return True
     node = x.producer()
@@ -60,9 +60,7 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
 
 def drop_neutral_ops(graph: ir.Graph) -> int:
     """Read ``x`` for each ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)``, ``Div(x, 1)``,
-    ``Add(x, 0)`` and ``Sub(x, 0)`` (:data:`_NEUTRAL`; transformers' mask starts from
-    ``ones & causal``, its rotary tables are scaled by an ``attention_scaling`` of 1, ConvTasNet
-    sums its skips from a Python ``0.0``, torch's own exporter optimizer drops it too) whose
+    ``Add(x, 0)`` and ``Sub(x, 0)`` (:data:`_NEUTRAL`; docs/fusions.md#the-clean-ups) whose
     constant is one element of ``x``'s type and of rank at most ``x``'s (so it adds no axis and
     casts nothing), and whose result is no graph output; ``x + 0`` and ``x - -0`` only where
     ``x`` is never ``-0`` (:data:`_NEUTRAL`); return how many."""
@@ -90,10 +88,8 @@ def drop_neutral_ops(graph: ir.Graph) -> int:
 
 
 def explicit_softmax_axis(graph: ir.Graph) -> int:
-    """Write ``axis=-1`` on each Softmax that leaves it to its default (opset 13 and up:
-    Operators.md, Softmax-13, ``axis`` default -1; tf2onnx omits it): the same op, which
-    attention patterns written with the attribute then match. The caller runs it on opset 13
-    or above only (below, the default is 1 and the op coerces its input to 2-D). Return how
+    """Write ``axis=-1`` on each Softmax that leaves it to its default, the same op from opset
+    13 (docs/fusions.md#the-clean-ups); the caller runs it on opset 13 or above only. Return how
     many."""
     done = 0
     for node in graph:
@@ -105,9 +101,8 @@ def explicit_softmax_axis(graph: ir.Graph) -> int:
 
 def fold_known_sizes(graph: ir.Graph) -> int:
     """Replace each ``Gather(Shape(x), i)`` (constant ``i``, a scalar or a vector; ``Shape``'s
-    ``start``/``end`` honoured) whose dimensions of ``x`` are numbers by a constant: the
-    TorchScript exporter's ``x.shape[-1] // 2`` of the rotary embedding, which onnxscript's
-    folder leaves (it folds vector indices only); return how many."""
+    ``start``/``end`` honoured) whose dimensions of ``x`` are numbers by a constant
+    (docs/fusions.md#the-clean-ups); return how many."""
     folded = 0
     for node in list(graph):
         if node.op_type != "Gather" or node.domain != "" or node.graph is not graph:
@@ -133,10 +128,8 @@ def fold_known_sizes(graph: ir.Graph) -> int:
 
 def drop_whole_slices(graph: ir.Graph) -> int:
     """Read ``x`` for each Slice of ``x`` with steps of 1 whose result has ``x``'s shape
-    (provably, :func:`fusion._ir.same_shape`): with step 1 a slice as long as its axis starts at
-    0 and ends at its end (Operators.md, Slice-13, the bounds clamped), whatever its bounds
-    compute to (transformers' ``causal_mask[:, :, :, : key.shape[-2]]`` of a mask as long as the
-    keys); return how many."""
+    (provably, :func:`fusion._ir.same_shape`), whatever its bounds compute to
+    (docs/fusions.md#the-clean-ups); return how many."""
     dropped = 0
     for node in list(graph):
         if node.op_type != "Slice" or node.domain != "" or node.graph is not graph:
@@ -158,8 +151,7 @@ def drop_whole_slices(graph: ir.Graph) -> int:
 def _broadcast_only(expand: ir.Node, matmul: ir.Node) -> bool:
     """Whether ``matmul`` computes the same with the input of ``expand`` (one of its operands)
     as with its output: the Expand keeps the last two axes and the rank, and each batch axis it
-    widens from 1 the other operand has at that width (MatMul broadcasts it the same way,
-    Operators.md, MatMul and numpy's matmul)."""
+    widens from 1 the other operand has at that width (docs/fusions.md#the-clean-ups)."""
     source, wide = dims(expand.inputs[0]), dims(expand.outputs[0])
     others = [v for v in matmul.inputs if v is not expand.outputs[0]]
     other = dims(others[0]) if len(others) == 1 else None
@@ -176,9 +168,7 @@ def _broadcast_only(expand: ir.Node, matmul: ir.Node) -> bool:
 def drop_neutral_expands(graph: ir.Graph) -> int:
     """Read ``x`` for each ``Expand(x, shape)`` that changes nothing: its result has ``x``'s
     shape (provably), or every reader is a MatMul that broadcasts ``x`` as the Expand would
-    (:func:`_broadcast_only`: transformers' rotary ``inv_freq[None, :, None].expand(B, -1, 1)``
-    before its MatMul with the positions); return how many. The TorchScript exporter computes
-    each target with about ten nodes of index arithmetic, which go with it."""
+    (:func:`_broadcast_only`; docs/fusions.md#the-clean-ups); return how many."""
     dropped = 0
     for node in list(graph):
         if node.op_type != "Expand" or node.domain != "" or node.graph is not graph:
@@ -200,9 +190,8 @@ def drop_neutral_expands(graph: ir.Graph) -> int:
 
 
 def drop_same_type_casts(graph: ir.Graph) -> int:
-    """Read ``x`` for each ``Cast(x, to)`` whose ``x`` already has the type ``to`` (an identity,
-    Operators.md, Cast), known once the values carry their inferred types (Gemma 2's
-    ``softmax(..., dtype=float32)`` of float32 scores); return how many."""
+    """Read ``x`` for each ``Cast(x, to)`` whose ``x`` already has the type ``to``, known once
+    the values carry their inferred types (docs/fusions.md#the-clean-ups); return how many."""
     dropped = 0
     for node in list(graph):
         if node.op_type != "Cast" or node.domain != "" or node.graph is not graph:

@@ -1,4 +1,6 @@
-"""Slices that tile an axis as one Split (:mod:`fusion.simplify`)."""
+"""Slices that tile an axis as one Split (:mod:`fusion.simplify`). See
+docs/fusions.md#the-clean-ups.
+"""
 
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ def interval(node: ir.Node) -> tuple[int, int, int] | None:
 
 def split_slices(graph: ir.Graph) -> int:
     """Replace the Slices of one tensor whose intervals (:func:`interval`) tile one axis, each
-    non-empty, by one Split of that axis (Operators.md, Split-13: sizes as an input); return
-    how many Splits were made."""
+    non-empty, by one Split of that axis (sizes as an input, opset 13); return how many Splits
+    were made."""
     groups: dict[tuple, list] = {}
     for node in graph:
         found = interval(node)

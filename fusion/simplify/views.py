@@ -1,11 +1,9 @@
-"""View chains followed axis by axis: the ops that move elements without changing them
-(``Unsqueeze``, ``Squeeze``, ``Transpose``, ``Reshape``), each value of a chain a list of
-groups of its source's axes (:class:`Views`), for :mod:`fusion.simplify.batched`.
+"""View chains followed axis by axis (``Unsqueeze``, ``Squeeze``, ``Transpose``, ``Reshape``):
+each value of a chain a list of groups of its source's axes (:class:`Views`), sizes kept as
+numbers or products of symbols (:class:`Size`), for :mod:`fusion.simplify.batched`; and the
+naming of the sizes Reshapes' -1 stand for (:func:`unify_reshape_symbols`).
 
-A Reshape must merge consecutive groups or split a merged group back at its axes; its target
-is read as numbers, or as products of the sizes of the axes it was computed from (``Shape``,
-``Gather``, ``Slice``, ``ReduceProd``, ``Concat``, ``Max``), an unknown size kept as a symbol
-(:class:`Size`), so a batch of unknown size is followed too.
+What a chain may do and still be followed: see docs/fusions.md#the-clean-ups.
 """
 
 from __future__ import annotations
@@ -69,7 +67,7 @@ def group_size(group: Group) -> Size:
 
 class Views:
     """The groups of the values of view chains, and sizes read off shapes and computed shape
-    tensors (see the module docstring)."""
+    tensors (see docs/fusions.md#the-clean-ups)."""
 
     def __init__(self):
         self.groups: dict[ir.Value, list[Group]] = {}
@@ -282,11 +280,10 @@ def unify_reshape_symbols(graph: ir.Graph) -> int:
     """Name the size a Reshape's -1 stands for after its input's, where that is proven: a
     constant target with one -1 (and 0s copying the input's axes), an input of one unknown
     size ``s`` and numbers otherwise, the numbers of both sides multiplying to the same: the
-    -1 is ``s``. ONNX's shape inference names each such size afresh (``unk__3``), so the query,
-    key and value split from one input's projections get three batch names; with one, the
-    attention rules see one batch. Every use of the fresh name in the graph's value shapes is
-    replaced (the shapes are the passes' scaffolding: :class:`fusion.FillShapes`); return how
-    many names were replaced."""
+    -1 is ``s`` (why: docs/fusions.md#the-clean-ups). Every use of the fresh name in the
+    graph's value shapes is replaced (the shapes are the passes' scaffolding:
+    :class:`fusion.FillShapes`);
+    return how many names were replaced."""
     renamed: dict[str, str] = {}
     for node in graph:
         if node.op_type != "Reshape" or node.domain != "" or len(node.inputs) < 2:
