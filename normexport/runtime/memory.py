@@ -38,8 +38,11 @@ def give_back() -> None:
     buffers with ``free``, and glibc keeps much of it in the process's heap (about 1 GiB
     after a session of the 3 B float16 model, ``benchmarks/scale.py``), so the next session
     comes on top of it; ``malloc_trim(0)`` returns it. Nothing where the C library is not
-    glibc."""
-    gc.collect()  # the session objects themselves first
+    glibc. A full garbage collection comes first: a session held in a reference cycle, and
+    every onnx_ir model let go (its nodes and graphs refer to each other, so only the cyclic
+    collector frees them and their tensors), are freed before the heap is trimmed. Its cost
+    grows with the live objects it walks (PyTorch loaded: hundreds of thousands)."""
+    gc.collect()
     libc = _libc()
     if libc is not None:
         libc.malloc_trim(0)
