@@ -123,8 +123,9 @@ class Chains:
         self, path: Path, opener: Opener, sets: Mapping[str, Mapping], **rule
     ) -> ParityResult:
         """The verdict on the model at ``path``, opened block by block by ``opener``, each
-        block fed its own chain and the oracle's values (docs/memory.md#parity-block-by-block). ``rule``: :func:`check_parity`'s keywords but ``output_names``
-        (tolerances, the references as :meth:`final` runs, the rule's bound)."""
+        block fed its own chain and the oracle's values (docs/memory.md#parity-block-by-block).
+        ``rule``: :func:`check_parity`'s keywords but ``output_names`` (tolerances, the
+        references as :meth:`final` runs, the rule's bound)."""
         found = blocks(ir.load(path), self.cuts)
         chain: Store = {id(f): {} for f in sets.values()}
         local: Store = {id(f): {} for f in sets.values()}
