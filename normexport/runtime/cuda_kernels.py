@@ -2,8 +2,8 @@
 without a GPU, against ONNX Runtime's own kernel table kept as :data:`TABLE`
 (``cuda_kernels.json`` beside this module; ``tools/refresh_cuda_kernels.py`` rebuilds it with
 :func:`parse`). :func:`without_kernel` lists a model's nodes without one, each a
-:class:`Fallback`; :func:`lacks_type` asks of one whether the kernel lacks a type. The table's source and the
-matching rule (schema version, type constraints, ops that need no kernel):
+:class:`Fallback`; :func:`lacks_type` asks of one whether the kernel lacks a type. The table's
+source and the matching rule (schema version, type constraints, ops that need no kernel):
 docs/cuda.md#the-table and docs/cuda.md#the-check.
 """
 
