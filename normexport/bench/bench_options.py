@@ -21,7 +21,8 @@ class BenchOptions:
         provider: ``"cpu"`` or ``"cuda"`` (already resolved).
         batches, seqs, sweep: the points, see :func:`sweep_points` (None keeps the example's
             size).
-        io_binding, cuda_graph: see :mod:`normexport.bench`.
+        io_binding, cuda_graph: time with IO binding, with CUDA graph capture and replay
+            (docs/benchmarks.md#what-bench-times-and-how).
         target: normexport's target.
         only: variants to build (default: all).
         floor: measure the elementwise floor.

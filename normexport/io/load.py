@@ -1,19 +1,9 @@
-"""Load a model file, telling the kinds apart by their contents, never by their names.
-
-Kinds:
-
-- ``onnx``: an ONNX protobuf;
-- ``exported_program``: ``torch.export.save`` archive (``.pt2``; carries its example inputs).
-  Its tensors are read without unpickling anything; an archive that holds pickles is loaded
-  only with ``--trust-pickle`` (see :func:`normexport.io.program.load_program`). Outputs of a
-  pytree type torch does not know (transformers ``ModelOutput``s) load as a
-  :class:`normexport.io.program.StandIn` mapping;
-- ``torchscript``: ``torch.jit.save`` archive;
-- ``state_dict``: ``torch.save`` of a mapping of tensors (needs ``--model-class``);
-- ``pickled_module``: ``torch.save`` of a whole nn.Module. Unpickling runs code from the file,
-  so it is loaded only with ``--trust-pickle``.
-
-The last two are read by :mod:`normexport.io.pickles`.
+"""Load a model file, telling the kinds apart by their contents, never by their names:
+:func:`load_model` returns a :class:`LoadedModel`, whose ``kind`` is one of ``onnx``,
+``exported_program`` (a ``torch.export.save`` archive, :func:`normexport.io.program.load_program`),
+``torchscript``, ``state_dict`` and ``pickled_module`` (the last two read by
+:mod:`normexport.io.pickles`). What each is, and which need ``--trust-pickle`` or
+``--model-class``: docs/model-files.md#what-model-may-be.
 """
 
 from __future__ import annotations
@@ -38,7 +28,8 @@ class LoadedModel:
 
     Attributes:
         path: the file.
-        kind: see the module docstring.
+        kind: ``onnx``, ``exported_program``, ``torchscript``, ``state_dict`` or
+            ``pickled_module`` (docs/model-files.md#what-model-may-be).
         module: the PyTorch model (eval mode) or None for ONNX; for an exported program, the
             ``torch.export.ExportedProgram`` itself.
         onnx_model: the ONNX model for kind ``onnx``, else None.

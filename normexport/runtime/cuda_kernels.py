@@ -1,21 +1,10 @@
 """Which nodes of a model ONNX Runtime's CUDA execution provider has no kernel for, checked
-without a GPU.
-
-Where a node's op, domain, opset version or types have no CUDA kernel, ONNX Runtime places
-the node on the CPU without a word and copies its tensors across. The source of truth is ONNX
-Runtime's own kernel table (``docs/OperatorKernels.md``, generated from the registered kernels
-by ``tools/python/gen_opkernel_doc.py``): its CUDAExecutionProvider section is kept as
-:data:`TABLE` (``cuda_kernels.json`` beside this module, with its source written in it), and
-``tools/refresh_cuda_kernels.py`` rebuilds it for another version (:func:`parse`).
-
-A node matches a kernel of its domain and op type whose version range holds the node's
-*schema* version (the op's latest version at the model's opset: ONNX Runtime registers kernels
-by schema version), and whose type constraints admit the node's input and output types (each
-formal input's constraint from the op's schema, ONNX Runtime's own, contrib ops included).
-Types the model does not annotate are not checked. ``Constant`` needs no kernel (ONNX Runtime
-makes it an initializer), nor an op without one that an ONNX function defines (``CastLike``):
-ONNX Runtime inlines its body where no provider has a kernel for it; the table is the CUDA
-provider's alone, so an op with such a body and a CPU kernel would run on the CPU unseen.
+without a GPU, against ONNX Runtime's own kernel table kept as :data:`TABLE`
+(``cuda_kernels.json`` beside this module; ``tools/refresh_cuda_kernels.py`` rebuilds it with
+:func:`parse`). :func:`without_kernel` lists a model's nodes without one, each a
+:class:`Fallback`; :func:`lacks_type` asks of one whether the kernel lacks a type. The table's
+source and the matching rule (schema version, type constraints, ops that need no kernel):
+docs/cuda.md#the-table and docs/cuda.md#the-check.
 """
 
 from __future__ import annotations

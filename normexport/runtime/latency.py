@@ -1,23 +1,10 @@
-"""Latency of several variants of one model, timed interleaved in one process.
-
-Each round runs every variant once, in an order drawn at random (seeded), so that drift of a
-shared, noisy machine (frequency, other tenants) lands on all variants alike and no variant
-always runs after the same other one (a rotated order keeps each variant's predecessor: the
-decoders benchmark's A/A control then ran a few percent off 1). After a warm-up, rounds
-continue until ``budget_s`` is spent (at least ``min_runs``, at most ``max_runs``). Medians and
-p90 are quoted; compare variants by their ratio, never by absolute numbers from different runs.
-
-Spread: each :class:`Timing` carries a 95% percentile-bootstrap confidence interval of its
-median (Efron and Tibshirani, "An Introduction to the Bootstrap", 1993, ch. 13) and its min and
-max. Because round ``i`` of every variant ran back to back, two variants are compared by the
-median of their per-round ratios (:func:`paired_ratio`), whose bootstrap interval is much
-tighter than one computed from two independent medians on a machine whose speed drifts.
-
-Where each variant is an ONNX Runtime session, where and when a session was opened matters too:
-two sessions of one file, timed interleaved, can differ by a few percent, the later-opened one
-faster (``benchmarks/results/decoders_cpu.json``, the control). :func:`counterbalanced` opens
-several copies of each variant in ABBA order and :func:`rotating` times them in turn, so that no
-variant's sessions are all the earlier ones.
+"""Latency of several variants of one model, timed interleaved in one process:
+:func:`time_interleaved` (rounds in a random order, each variant's :class:`Timing` with its
+bootstrap interval, :func:`bootstrap_ci`), :func:`paired_ratio` (two variants compared round by
+round, a :class:`Ratio`), :func:`counterbalanced` and :func:`rotating` (sessions opened in ABBA
+order and timed in turn), :class:`BoundRun` and :func:`runner` (one run of a session, with or
+without IO binding), :func:`latency_threads`. Why the rounds, the statistics and the sessions
+are so: docs/benchmarks.md#how-a-timing-is-made.
 """
 
 from __future__ import annotations

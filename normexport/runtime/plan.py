@@ -1,27 +1,11 @@
-"""The memory plan: before the first session opens, what each stage needs, what the machine
-has, and how the run goes about it (docs/memory.md).
-
-What the stages hold, read from the tensors' headers (nothing is loaded):
-
-- the passes and every session's working memory: a few tensors at a time (a BatchNorm fold
-  reads a weight and writes its folded copy; the CPU provider casts a half-precision weight to
-  float32 just before its node runs, in the verdict's priority order), so about
-  :data:`WORKING_TENSORS` times the largest tensor in float32 (a weight, or a tensor the graph
-  makes from constant shapes: :func:`made_tensor`), plus the graph. Where even that does not
-  fit, the run stops before any work (exit 2) with what it needs and what there is;
-- parity: each session runs every node on every input set, so its weights (memory-mapped from
-  the external data file: page cache the kernel can drop, not a copy) must stay resident or be
-  read from disk again on every run; the largest is the float64 oracle's (float32 tensors
-  twice). Where that and the working memory exceed :data:`~normexport.runtime.memory.
-  SESSIONS_SHARE` of what is available, parity goes block by block
-  (:mod:`normexport.verdict.by_blocks`), each block reading at most what fits;
-- latency: a deployed session prepacks its weights (anonymous memory; half precision in
-  float32 on CPU: :func:`normexport.runtime.memory.session_bytes`). Where one does not fit, the
-  latency is not timed and the report says why; ``--autotune``, which times deployed sessions,
-  stops the run before any work instead (it was asked for by name).
-
-What is available: :func:`normexport.runtime.memory.available_bytes` (``MemAvailable`` and
-every memory cgroup's limit over the process).
+"""The memory plan: before the first session opens, what each stage needs (read from the
+tensors' headers, nothing loaded), what the machine has
+(:func:`normexport.runtime.memory.available_bytes`), and how the run goes about it:
+:func:`plan` makes the :class:`MemoryPlan` (whole-model or block-by-block parity, latency timed
+or not), :func:`made_tensor` finds the largest tensor the graph makes from constant shapes, and
+a run that cannot even do the passes stops before any work
+(:class:`normexport.errors.EnvironmentProblem`, exit 2). What each stage holds and why, and the
+thresholds: docs/memory.md#the-memory-plan.
 """
 
 from __future__ import annotations
@@ -48,7 +32,8 @@ class MemoryPlan:
     Attributes:
         available_bytes: what the process can take now (None: the system does not say).
         weight_bytes: the initializers' bytes on file.
-        working_bytes: the passes' and a session's working memory (see the module docstring).
+        working_bytes: the passes' and a session's working memory besides its weights
+            (:data:`WORKING_TENSORS` times the largest tensor in float32, and the graph).
         parity_bytes: what whole-model parity keeps resident: the float64 oracle's weights
             and the working memory.
         parity_fits: whether that fits in :data:`~normexport.runtime.memory.SESSIONS_SHARE`

@@ -1,17 +1,9 @@
-"""Pick, among exact forms of one model, the one that runs fastest on the user's provider.
-
-The exact fused form is not always the fastest (measured on ORT 1.31's CPU provider, see
-``benchmarks/results/forms_cpu.json``): SkipLayerNormalization is several times slower than
-Add + LayerNormalization, and ORT_ENABLE_ALL turns Add + LayerNormalization back into
-SkipLayerNormalization unless its ``SkipLayerNormFusion`` is disabled. So a candidate is a model
-*and* the session settings it needs; :func:`candidates` builds them from
-:func:`normexport.tuning.forms.exact_forms`, and :func:`autotune` times them interleaved
-(:func:`normexport.runtime.latency.time_interleaved`) and keeps the default unless another is faster
-by more than the spread (the 95% bootstrap interval of the paired ratio lies below 1).
-
-Every candidate's outputs are compared with the default's first: one that differs by more than
-``atol + rtol * max|ref|`` (or gives NaN/Inf where the default does not) is rejected, never
-picked.
+"""Pick, among exact forms of one model, the one that runs fastest on the user's provider: a
+:class:`Candidate` is a model and the session settings it needs; :func:`candidates` builds them
+from :func:`normexport.tuning.forms.exact_forms`, and :func:`autotune` checks each against the
+default's outputs, times them interleaved (:func:`normexport.runtime.latency.time_interleaved`)
+and returns an :class:`AutotuneResult`. Why, which candidates, and the rule that keeps one:
+docs/benchmarks.md#how-autotune-chooses.
 """
 
 from __future__ import annotations
@@ -124,10 +116,7 @@ def candidates(
 
     ``attention_unfused``: the file of the same model optimized with ``attention=False``
     (:func:`fusion.optimize`); its forms join as ``attention_unfused`` and
-    ``attention_unfused+FORM``. Fused attention is a speed choice per provider and shape: on
-    ORT's CPU provider the llama-tiny zoo model's MultiHeadAttention has been slower than its
-    unfused MatMul-Softmax-MatMul at a small sequence length and faster at a long one (time both
-    with ``normexport bench``, or let this module choose for the user's inputs)."""
+    ``attention_unfused+FORM`` (why: docs/benchmarks.md#how-autotune-chooses)."""
     sources = {"": model}
     if attention_unfused is not None:
         sources[ATTENTION_UNFUSED] = attention_unfused

@@ -1,18 +1,8 @@
-"""A model cut into blocks at value names, for parity block by block (docs/memory.md).
-
-A *boundary* after node ``k`` (in topological order) is the set of values computed by the nodes
-before it and read by a node after it or by the graph outputs: everything that must be handed
-from one block to the next (a transformer's residual stream, its attention mask and rotary
-tables). Boundaries are chosen on the reference model (:func:`boundaries`) so that each block
-reads at most a given number of bytes of weights, preferring the places where the fewest
-values cross (the layer boundaries). Value names survive normexport's passes, so the same
-boundaries cut the optimized model too; where a rewrite spans one (a fused node computes a
-value on each side), that boundary is dropped for that model and its two blocks run as one
-(:func:`blocks`).
-
-A block runs as its own model (:func:`cut`): its inputs are graph inputs, its outputs are what
-it hands on, and its initializers still point into the model's own external data file, so
-nothing is copied.
+"""A model cut into blocks at value names, for parity block by block: :func:`boundaries`
+chooses the cuts on the reference model within a weight budget, :func:`blocks` finds a
+model's blocks (:class:`Block`) at those cuts (dropping a cut that a rewrite spans), :func:`cut`
+makes one block a model of its own, its initializers still in the model's external data file.
+Where the cuts go and why: docs/memory.md#parity-block-by-block.
 """
 
 from __future__ import annotations
@@ -48,6 +38,8 @@ class Block:
     spans: int = 1
 
 
+#: A boundary after node ``k`` (in topological order): the names of the values computed by the
+#: nodes before it and read by a node after it or by the graph outputs.
 Boundary = tuple[str, ...]
 
 

@@ -1,23 +1,10 @@
-"""Parity block by block, for a model whose whole-model parity does not fit in memory
-(docs/memory.md; the plan that decides: :mod:`normexport.runtime.plan`).
-
-The input graph is cut into blocks (:mod:`normexport.verdict.blocks`). Each block of the
-references runs as its own ONNX Runtime session on every input set, and is freed before the
-next opens, so that one block's weights are in memory at a time:
-
-- the **oracle**: the block in float64 (:func:`normexport.verdict.oracle.onnx_float64`, its
-  self-check on the block's example inputs; where it cannot be built, the block as written,
-  and the notes say which), fed the oracle's previous blocks' outputs (a chain);
-- the **raw** model's block as written, fed its own previous blocks' outputs (its chain: what
-  the whole raw model computes) and fed the oracle's (its local rounding noise).
-
-A candidate (the optimized model, or a rollback build) is cut at the same boundaries (a
-boundary that a rewrite spans is dropped for it: :func:`normexport.verdict.blocks.blocks`),
-and each of its blocks runs fed its own previous outputs (its chain: what the whole model
-computes) and fed the oracle's (the error this block makes, apart from what it was fed). The
-verdict: the final outputs of the chains by the usual rule
-(:func:`normexport.verdict.parity.check_parity`), and every float value each block hands on,
-fed either way, by the same rule (:class:`normexport.verdict.result.BlockVerdict`).
+"""Parity block by block, for a model whose whole-model parity does not fit in memory (the
+plan that decides: :mod:`normexport.runtime.plan`). :class:`Chains` runs the references (the
+float64 oracle and the raw model) one block at a time, cut by :mod:`normexport.verdict.blocks`,
+and judges each candidate (the optimized model, or a rollback build) cut at the same
+boundaries: the chains' final outputs by :func:`normexport.verdict.parity.check_parity`, every
+value a block hands on by :class:`normexport.verdict.result.BlockVerdict`. What runs fed what,
+and why: docs/memory.md#parity-block-by-block.
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ Store = dict[int, dict[str, np.ndarray]]
 
 
 class Chains:
-    """The references of a model run block by block (see the module docstring).
+    """The references of a model run block by block (docs/memory.md#parity-block-by-block).
 
     Args:
         raw_path: the raw model (the input file), its external data beside it.
@@ -135,9 +122,10 @@ class Chains:
     def judge(
         self, path: Path, opener: Opener, sets: Mapping[str, Mapping], **rule
     ) -> ParityResult:
-        """The verdict on the model at ``path`` (see the module docstring), opened block by
-        block by ``opener``. ``rule``: :func:`check_parity`'s keywords but ``output_names``
-        (tolerances, the references as :meth:`final` runs, the rule's bound)."""
+        """The verdict on the model at ``path``, opened block by block by ``opener``, each
+        block fed its own chain and the oracle's values (docs/memory.md#parity-block-by-block).
+        ``rule``: :func:`check_parity`'s keywords but ``output_names`` (tolerances, the
+        references as :meth:`final` runs, the rule's bound)."""
         found = blocks(ir.load(path), self.cuts)
         chain: Store = {id(f): {} for f in sets.values()}
         local: Store = {id(f): {} for f in sets.values()}

@@ -1,24 +1,9 @@
-"""The parity oracle: the most exact run of the model that can be built here.
-
-The verdict (:mod:`normexport.verdict.parity`) measures the optimized model, the raw model and
-PyTorch float32 against one reference, the *oracle*. It is, in order of preference:
-
-1. ``pytorch_float64``: a deep copy of the PyTorch model in float64 (``.double()``; float inputs
-   cast, integer inputs as they are). In an exported program (``.pt2``) the ops that name
-   float32 (``aten.to.dtype``, ``aten.full(dtype=...)``, the exporter's dtype asserts) are
-   rewritten to float64 too, so that an upcast such as LLaMA's RMSNorm's stays the widest type.
-2. ``onnx_float64``: an ONNX graph (the input file, or the raw export where the PyTorch copy
-   cannot run) with its float32 tensors in float64: initializers, ``Constant`` and
-   ``ConstantOfShape`` values, ``Cast(to=float)``, graph inputs and outputs, and LayerNorm's
-   ``stash_type``. Inputs that the ONNX spec types as float only (``Resize`` scales, say) get a
-   Cast back. It runs on ONNX Runtime's CPU provider (optimizations off) where that has a float64
-   kernel for every op, else on ``onnx.reference`` (the spec's numpy evaluator; default-domain
-   ops only, and small enough to be one protobuf), which has one for every op.
-3. otherwise the float32 reference (``pytorch_float32``, or ``onnx``: the input file as
-   written), with the reason in the notes.
-
-Float16 and bfloat16 parts of a graph (``Cast(to=float16)``) stay as written: they are part of
-the function the model computes.
+"""The parity oracle: the most exact run of the model that can be built here, against which
+:mod:`normexport.verdict.parity` measures the optimized model, the raw model and PyTorch
+float32. :func:`pytorch_float64` and :func:`onnx_float64` build the candidates, each an
+:class:`Oracle` (``run`` None, with the reason in its notes, where it cannot be built);
+:func:`to_float64` widens an ONNX graph. Which oracle is preferred, what is widened, which
+engine runs it and the self-check: docs/parity.md#three-models-many-input-sets-one-oracle.
 """
 
 from __future__ import annotations
@@ -108,12 +93,10 @@ def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[
 def onnx_float64(
     source: Path | ir.Model, as_written: Run, example: Mapping, work: Path, what: str
 ) -> Oracle:
-    """The ONNX model at ``source`` (a file, or a model, widened in place) in float64 (see the
-    module docstring), checked on the example.
-
-    The check: on the example, the float64 run must agree with the file run as written in
-    float32 within :data:`SELF_CHECK` (``closeness``'s atol, rtol): a conversion or an engine
-    that computes another function (``onnx.reference`` had such bugs) is never an oracle.
+    """The ONNX model at ``source`` (a file, or a model, widened in place) in float64
+    (:func:`to_float64`), checked on the example: the float64 run must agree with the file run as
+    written in float32 within :data:`SELF_CHECK` (``closeness``'s atol, rtol)
+    (docs/parity.md#three-models-many-input-sets-one-oracle).
 
     Args:
         source: the model file (its external data beside it), or the model.

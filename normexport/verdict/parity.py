@@ -1,15 +1,7 @@
-"""Numerical parity: did the optimizer keep the function the model computes?
-
-The optimized model, the raw model (the unoptimized export, or the input file) and, for a
-PyTorch model, PyTorch float32 eager run on every input set and are compared, per output, with
-the *oracle*, the most exact run there is (float64 where it can be built); the metrics are max
-abs error and relative L2 error. An output fails where it has NaN or Inf where the oracle is
-finite, or where it is beyond the tolerance **and** beyond :data:`NOISE_FACTOR` times the raw
-model's own error (float32 noise is not the optimizer's); a half-precision model by the
-relative-L2 rule of its type; the export is judged too (PyTorch eager and the raw export must
-agree through the oracle); beside the verdict, each output's *noise ratio* against the raw model
-(``--strict`` fails on it); a check whose oracle is constant within ``atol`` is reported weak.
-The rule, the numbers and the measurements behind them: docs/parity.md.
+"""Numerical parity: did the optimizer keep the function the model computes? The optimized
+model, the raw model and PyTorch float32 are compared, per output and input set, with the
+oracle (:mod:`normexport.verdict.oracle`). The rule (float32 and half precision), the export's
+judgement, the noise ratio and weak checks: docs/parity.md#the-rule and the sections after it.
 
 This module holds the rule (:func:`compare`, :func:`check_parity`); the numbers it uses
 (tolerances, factors) and :func:`closeness` are defined in :mod:`normexport.verdict.tolerance`,

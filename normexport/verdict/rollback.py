@@ -1,32 +1,14 @@
 """Undo the rewrites that ONNX Runtime rejects or that change the function; never lose a run.
 
-After the passes, the optimized model is checked as a whole (:func:`check`): the ONNX checker
-at the level the input passed, an ONNX Runtime session on the provider (graph optimizations
-off, as parity runs it, and on, as a deployment runs it), a run on every input set, and the
-parity rule of :mod:`normexport.verdict.parity` against the oracle. A model that fails is not
-published as it is, and the run does not stop: the rewrites responsible are found and left
-out, and the model without them is published.
-
-Finding them (:func:`roll_back`): the rewrites the passes reported are grouped by the pass that
-made them, in pass order; adaptive group testing (Hwang, "A method for detecting all defective
-members in a population by group testing", JASA 1972: halve a group that fails, keep a half
-that passes) finds the passes whose rewrites fail the check, then, within each, the rewrites
-themselves. Each test builds the model again from the raw one with some rewrites excluded
-(:func:`fusion.optimize`'s ``exclude``) and checks it. A model with ``b`` bad rewrites among
-``n`` takes about ``b * log2(n)`` tests; a model that passes is checked once.
-
-Before the search, the model built with no rewrite at all is checked: where it fails too, no
-rewrite is to blame, and nothing is undone (a model whose function changed is published and
-fails the parity verdict, exit 1; one that ONNX Runtime or the checker rejects even so is a bug
-of normexport's: :class:`RollbackFailed`, exit 3).
-
-Rewrites are not independent: leaving one out can make another (a BatchNorm that no longer
-folds into the layer before it may fold into the layer after it). So the model built without
-the ones found is checked again, and the search repeats on what is still failing, until it
-passes (it ends: the model with none passes).
-
-The latency verdict (:mod:`normexport.verdict.speed`) runs the same search with a timing as its
-check, within a budget (:func:`roll_back`'s ``afford``).
+:func:`verify` checks an optimized model as a whole (checker, ONNX Runtime sessions, a run on
+every input set, the parity rule) and says why it cannot be published (:class:`Rejection`);
+:func:`roll_back` finds the rewrites responsible by group testing and builds the model again
+without them (:class:`Outcome`, :class:`Undone`), or raises :class:`RollbackFailed` where no
+rewrite is to blame and the model cannot be published. The latency verdict
+(:mod:`normexport.verdict.speed`) runs the same search with a timing as its check, within a
+budget (``afford``). The check, the search, its cost and its ending:
+docs/parity.md#rollback-one-bad-rewrite-never-costs-you-the-model and
+docs/parity.md#finding-the-rewrites-responsible.
 """
 
 from __future__ import annotations
@@ -217,14 +199,11 @@ def roll_back(
     afford: Callable[[int], bool] = lambda groups: True,
 ) -> Outcome:
     """Check the optimized model at ``path`` (whose passes reported ``report``); where it
-    fails, find the rewrites responsible and build it again without them (see the module
-    docstring).
+    fails, find the rewrites responsible and build it again without them
+    (docs/parity.md#finding-the-rewrites-responsible).
 
-    First the model with no rewrite at all is checked: where it fails too, no rewrite is to
-    blame. If both failed with one code of ``tolerated`` (by default: both only changed the
-    function, because something after the passes did, or the export and the oracle disagree in
-    a way the rule does not forgive), the model is kept as the passes made it and
-    :attr:`Outcome.unexplained` says why: the parity verdict reports it.
+    Where the model with no rewrite at all fails too, with the same code, one of ``tolerated``,
+    the model is kept as the passes made it and :attr:`Outcome.unexplained` says why.
 
     Args:
         path, report: the optimized model's file and what its passes did.

@@ -1,40 +1,13 @@
 """The latency verdict: the published model is not slower than the raw model beyond the spread
 of an A/A control timed in the same run.
 
-A timing (the main job's, :func:`normexport.pipeline.timing.timed_against_raw`) runs, in every round
-and in a random order (:func:`normexport.runtime.latency.time_interleaved`), two ``ORT_ENABLE_ALL``
-sessions of the raw model and two of the candidate, opened raw, candidate, candidate, raw
-(:func:`normexport.runtime.latency.counterbalanced`; where two of each do not fit in memory, and on
-CUDA, one session of each, called twice a round). A model's time in a round is the mean of its two
-calls.
-
-The rule (:class:`Comparison`): the candidate is **slower** where the lower bound of the 95%
-bootstrap interval of the median per-round ratio candidate / raw
-(:func:`normexport.runtime.latency.paired_ratio`) is above ``1 + m``, ``m`` the A/A controls'
-deviation from 1: the larger of ``|1 - lo|`` and ``|hi - 1|`` of the 95% intervals of each
-model's second session over its first, timed in the same rounds, the larger of the two
-models'. Slower, so, only where the whole interval lies beyond what two sessions of one model
-differ by on this machine now. Both models' controls, not the raw model's alone: sessions of
-one file differ persistently (a 12-microsecond graph's by up to 20%), and one pair is a small
-sample of that; two sessions of one small graph, timed as two models 80 times (both ways), were
-called slower 4 times by the raw model's control alone, never by both.
-
-Where the model as the stages made it is slower, in its first timing and in a second one as
-long (:func:`normexport.pipeline.timing.judged`: a search started on noise would undo rewrites
-that are not slower), the rewrites responsible are found by the
-parity rollback's group testing (:func:`normexport.verdict.rollback.roll_back`, this timing as
-its check, :func:`rejection`), each test a model built again from the raw one without some
-rewrites, and left out (code ``slower_here``, the ratio of a model where it was the only
-suspect left). What that costs, in timings of ``--budget / SEARCH_SLICES`` seconds each (at
-least 20 rounds), after the first timing (``--budget`` seconds, the report's latency): the model
-with no rewrite (1); the passes with rewrites, ``P`` of them, by halving (about
-``2 * log2(P) + 1`` per slower pass); within a slower pass of ``n`` rewrites, about
-``2 * log2(n) + 1`` more, where the search's time so far and that many more tests at its mean
-time fit in ``--budget`` (else the pass is undone whole); the model kept (1), and a round more
-where it is still slower. 40 rewrites in 4 passes, one slower among a pass's 16: 1 + 5 + 9 + 1
-= 16 timings, half a second each at the default budget of 10 s (builds aside: a large model's
-search stops at the passes sooner). Where not even the passes can be searched within the
-budget, every rewrite is undone: the model with none was timed not slower.
+:class:`Comparison` holds one model timed against the raw model with both models' A/A controls
+and applies the rule (:attr:`Comparison.slower`); :func:`compare` makes one from the timings of
+:func:`normexport.runtime.latency.time_interleaved`; :func:`rejection` turns it into the check
+of the rollback's search (:func:`normexport.verdict.rollback.roll_back`, driven by
+:func:`normexport.pipeline.timing.judged`); :class:`Speed` is the report's ``speed``. The
+sessions, the rule and its reasons, the search and what it costs:
+docs/benchmarks.md#the-latency-verdict-never-a-slower-model.
 """
 
 from __future__ import annotations
@@ -56,7 +29,8 @@ NOT_TIMED = "--no-benchmark: nothing was timed"
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """One model timed against the raw model, with the A/A control (see the module docstring).
+    """One model timed against the raw model, with the A/A controls
+    (docs/benchmarks.md#the-latency-verdict-never-a-slower-model).
 
     Attributes:
         ratio: the model's time over the raw model's, per round (> 1: slower), with its 95%
