@@ -1,16 +1,20 @@
 """The README and docs/ say what the code does: the API's keywords, the count of fusion kinds in
-the quickstart, the scripts ``make bench`` runs, the modules
-docs/architecture.md's layout names. Read from the files; nothing imported but the
-names they describe."""
+the quickstart, the scripts ``make bench`` runs, the modules docs/architecture.md's layout
+names; and docs/ is the one home of the design's facts: every section a docstring or a document
+names is there, each pass has its section in docs/fusions.md, and no module docstring restates
+them. Read from the files; nothing imported but the names they describe."""
 
 from __future__ import annotations
 
+import ast
+import importlib
 import inspect
 import re
 from pathlib import Path
 
 import normexport
 from fusion import FUSION_KINDS
+from fusion.registry import PASSES
 from tests.support.readme import README, WORDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,3 +139,106 @@ def test_the_layout_names_every_module_and_only_modules():
     }
     wrong = {folder: found for folder, found in wrong.items() if any(found)}
     assert not wrong, f"part: (not named, named but no module): {wrong}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a Markdown heading: lower case, punctuation but ``-`` and ``_``
+    dropped, each space a ``-``."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors of the headings of the Markdown file ``path`` (a repeated one as
+    ``name-1``, ``name-2``, as GitHub numbers them), outside code blocks."""
+    found: set[str] = set()
+    fenced = False
+    for line in path.read_text().splitlines():
+        fenced ^= line.startswith("```")
+        if not fenced and (heading := re.match(r"#{1,6} (.+)", line)):
+            slug, n = _slug(heading.group(1)), 0
+            while (slug if not n else f"{slug}-{n}") in found:
+                n += 1
+            found.add(slug if not n else f"{slug}-{n}")
+    return found
+
+
+#: ``file.md#anchor``, in a Markdown link or named in prose or code.
+_SECTION = re.compile(r"([\w./-]*?)([\w-]+\.md)#([\w-]+)")
+
+
+def _broken_sections(text: str, documents: dict[str, set[str]]) -> list[str]:
+    """Each ``file.md#anchor`` of ``text`` whose file is one of ``documents`` (file name -> its
+    anchors) and has no such heading (another project's, as ONNX's ``Operators.md#Gelu``, is
+    not checked)."""
+    return [
+        f"{name}#{anchor}"
+        for _, name, anchor in _SECTION.findall(text)
+        if name in documents and anchor not in documents[name]
+    ]
+
+
+def test_every_section_named_exists():
+    """A docstring or a document that points to a section (``docs/fusions.md#fusesdpa``,
+    ``[report.md](report.md#fusions)``) points to a heading that is there."""
+    documents = {p.name: _anchors(p) for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]}
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    for folder in ("fusion", "normexport", "models", "benchmarks", "tests", "tools"):
+        files += (ROOT / folder).rglob("*.py")
+    broken = [
+        f"{path.relative_to(ROOT)}: {section}"
+        for path in files
+        if path.name not in {"test_docs.py", "test_recipes.py"}  # made-up sections
+        for section in _broken_sections(path.read_text(), documents)
+    ]
+    assert not broken, "sections that are not there:\n" + "\n".join(broken)
+
+
+def test_the_section_check_finds_a_missing_heading():
+    documents = {"fusions.md": _anchors(ROOT / "docs" / "fusions.md")}
+    assert _slug("Why wasn't my LayerNorm fused?") == "why-wasnt-my-layernorm-fused"
+    assert _broken_sections("see docs/fusions.md#fusesdpa and (#x)", documents) == []
+    assert _broken_sections("docs/fusions.md#fuse-sdpa", documents) == ["fusions.md#fuse-sdpa"]
+    assert _broken_sections("[a](fusions.md#x), Operators.md#Gelu", documents) == ["fusions.md#x"]
+
+
+#: The most lines a pass's module docstring holds: what the module is and where its section
+#: is; the facts live in the section.
+PASS_DOCSTRING_LINES = 12
+
+
+def test_each_pass_has_a_section_that_its_module_points_to():
+    """docs/fusions.md is the one home of a pass's math, refusals and sources: each pass of
+    ``fusion.registry.PASSES`` has its section under "Each pass", and its module's docstring
+    (a package's ``__init__.py``) points there and stays short."""
+    fusions = ROOT / "docs" / "fusions.md"
+    each = fusions.read_text().split("\n## Each pass\n", 1)[1].split("\n## ", 1)[0]
+    sections = {_slug(h) for h in re.findall(r"^### (.+)$", each, re.MULTILINE)}
+    wrong = []
+    for fusion_pass in PASSES:
+        anchor = fusion_pass.__name__.lower()
+        face = importlib.import_module(".".join(fusion_pass.__module__.split(".")[:2]))
+        doc = face.__doc__ or ""
+        if anchor not in sections:
+            wrong.append(f"{fusion_pass.__name__}: no section ### {fusion_pass.__name__}")
+        if f"docs/fusions.md#{anchor}" not in doc:
+            wrong.append(f"{face.__name__}'s docstring does not name docs/fusions.md#{anchor}")
+        if len(doc.splitlines()) > PASS_DOCSTRING_LINES:
+            wrong.append(f"{face.__name__}'s docstring: {len(doc.splitlines())} lines")
+    assert not wrong, "\n".join(wrong)
+
+
+#: The most lines any module's docstring of fusion or normexport holds: what the module holds,
+#: takes and gives, and the docs/ section of its facts. Rules, derivations, sources and
+#: measurements live in docs/, once.
+MODULE_DOCSTRING_LINES = 20
+
+
+def test_no_module_docstring_restates_the_docs():
+    long = []
+    for package in ("fusion", "normexport"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            if len(doc.splitlines()) > MODULE_DOCSTRING_LINES:
+                long.append(f"{path.relative_to(ROOT)} ({len(doc.splitlines())} lines)")
+    assert not long, "module docstrings that hold what docs/ should:\n" + "\n".join(long)

@@ -55,7 +55,8 @@ OPTION_CHECKS = (
     "tests/normexport/test_api.py::test_flags_fill_options_by_name",
     "tests/normexport/test_api.py::test_flags_keywords_and_fields_are_one_set_of_names",
 )
-FUSE_BAR = '''"""FuseBar: fuses nothing, refuses every Relu (tests/test_recipes.py)."""
+FUSE_BAR = '''"""FuseBar: fuses nothing, refuses every Relu (tests/test_recipes.py); see
+docs/fusions.md#fusebar."""
 
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 
@@ -141,6 +142,11 @@ A_NEW_PASS = Recipe(
             "docs/architecture.md",
             "`fuse_gelu`, `fuse_skip`,",
             "`fuse_gelu`, `fuse_skip`, `fuse_bar`,",
+        ),
+        Edit(
+            "docs/fusions.md",
+            "\n## The fusion policy\n",
+            "\n### FuseBar\n\nEvery Relu refused, `bar_refused`.\n\n## The fusion policy\n",
         ),
         Edit("tests/fusion/test_fuse_bar_graphs.py", None, FUSE_BAR_TEST),
     ),

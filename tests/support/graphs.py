@@ -112,7 +112,10 @@ def assert_close(
 def mismatch(got: np.ndarray, want: np.ndarray, *, atol: float, rtol: float) -> str | None:
     """Why ``got`` is not close to ``want`` (None where it is): a shape of its own, NaN or Inf
     where ``want`` is finite, or ``max |got - want|`` above ``atol + rtol * max |want|`` (over
-    the elements where ``want`` is finite; the others are not compared)."""
+    the elements where ``want`` is finite; the others are not compared). The rule is
+    normexport's (:func:`normexport.verdict.tolerance.closeness`), written again on purpose:
+    fusion's tests import no normexport, and an oracle that shared the product's code could
+    not catch a mistake in it."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     if got.shape != want.shape:
         return f"shape {got.shape} vs {want.shape}"
