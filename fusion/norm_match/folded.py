@@ -56,7 +56,7 @@ def _inverse_root(value: ir.Value) -> tuple[ir.Value, bool, ir.Node] | None:
 
 def folded_division(node: ir.Node) -> Folded | None:
     """The product of a norm whose inverse root carries its weight or is an ``rsqrt``
-    (see the module docstring); None for anything else, including the plain
+    (docs/fusions.md#fuselayernorm); None for anything else, including the plain
     ``Mul(n, Reciprocal(d))``, which :func:`fusion._ir.as_division` reads."""
     if node.op_type != "Mul" or node.domain != "" or len(node.inputs) != 2:
         return None

@@ -79,7 +79,7 @@ def _schemas() -> dict[tuple[str, str], list]:
 
 def without_kernel(model: ir.Model) -> list[Fallback]:
     """Every node of ``model`` (subgraphs included) the CUDA provider has no kernel for, in
-    graph order (see the module docstring)."""
+    graph order (the rule: docs/cuda.md#the-check)."""
     found = []
     for node in model.graph.all_nodes():
         domain = node.domain or "ai.onnx"

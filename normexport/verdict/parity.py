@@ -53,7 +53,7 @@ __all__ = [
 
 #: Which float32 run of a PyTorch model the export check judges against the oracle: the raw
 #: export (the oracle is PyTorch's: float64, or float32 itself) or PyTorch float32 (the oracle
-#: is the raw export in float64). See the module docstring.
+#: is the raw export in float64): docs/parity.md#the-export-is-judged-too.
 EXPORT_JUDGED = ("raw", "pytorch")
 
 
@@ -72,7 +72,7 @@ def compare(
     judge_export: str | None = None,
 ) -> OutputError:
     """Compare one output ``got`` with the oracle ``ref`` (same shape; any float dtype) and
-    judge it (see the module docstring); ``raw`` and ``pytorch`` are the raw model's and
+    judge it (docs/parity.md#the-rule); ``raw`` and ``pytorch`` are the raw model's and
     PyTorch float32's outputs, where there are. With ``max_rel_l2`` the half-precision rule
     judges instead, ``rounded`` being the oracle's output on the inputs rounded to the half
     type (None: no rounding allowance). ``judge_export`` (:data:`EXPORT_JUDGED`) also judges
