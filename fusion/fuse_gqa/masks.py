@@ -205,8 +205,9 @@ def masking(mask, opset: int, tables, query: parts.Heads, key: parts.Heads, past
     (an encoder's attention, :mod:`fusion.fuse_attention`'s).
 
     Raises:
-        CannotFuse: :func:`classify`'s refusals where nothing is rotated, or where a row
-            is all masked; a run-time mask not of the op's ``attention_bias`` shape.
+        CannotFuse: :func:`classify`'s refusals but ``not_constant`` (a row all masked
+            among them) where the query and key are rotated; a run-time mask not of the op's
+            ``attention_bias`` shape.
     """
     if past is None:
         try:

@@ -82,7 +82,7 @@ def _attention(mask: np.ndarray, rng) -> tuple[np.ndarray, np.ndarray]:
     return got, expected
 
 
-def test_the_kernel_computes_rows_masked_everywhere_as_the_module_docstring_says():
+def test_the_kernel_computes_rows_masked_everywhere_as_the_docs_say():
     rng = np.random.default_rng(0)
     mask = np.where(rng.random((BATCH, 1, LENGTH, TOTAL)) < 0.3, LOWEST, 0).astype(np.float32)
     mask[:, :, :, 0] = 0  # every row keeps a key
