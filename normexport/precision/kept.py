@@ -1,14 +1,7 @@
-"""The nodes a half-precision model keeps in float32, and why: the norms left decomposed, and
-for float16 the nodes that read constants it cannot hold.
-
-- **norms left decomposed** (a fusion refused them, :data:`fusion.registry.DECOMPOSED_FAMILIES`)
-  are kept in float32, with casts around them: a hand-written norm in float16 squares its input,
-  and ``x**2`` overflows float16 above ``|x| = 256``; in bfloat16 it would sum its input with 8
-  significant bits (:func:`decomposed_norms`).
-- **constants that float16 cannot hold** (:func:`unsafe_constants`): every node with a float
-  initializer that overflows float16 (``|v| > 65504``), or whose float16 copy loses more than
-  float16's own rounding (:data:`FP16_LOSS`), stays in float32, where the converter would
-  silently clamp it. bfloat16 has float32's exponent range: none is kept for it.
+"""The nodes a half-precision model keeps in float32: the norms left decomposed
+(:func:`decomposed_norms`) and, for float16, the nodes that read constants it cannot hold
+(:func:`unsafe_constants`, :data:`FP16_LOSS`). Which, and why: docs/precision.md#float16
+(bfloat16 keeps the first kind only: docs/precision.md#bfloat16).
 """
 
 from __future__ import annotations

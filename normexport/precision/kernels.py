@@ -1,15 +1,9 @@
 """The kernel question for half precision: which op types ONNX Runtime has no kernel of the
-target type for, and whether a bfloat16 model is worth having.
-
-:func:`normexport.precision.to_half` loads each converted model in an ONNX Runtime session on
-the provider; each op type it reports NOT_IMPLEMENTED for (:func:`missing_kernel`) is blocked
-(:func:`to_block`: the op itself, or the ops whose ONNX function body uses it) and stays
-float32, until the model loads. Where the provider has no bfloat16 kernel for the model's linear
-ops (:data:`fusion.registry.LINEAR_OPS`; the norms, :data:`fusion.registry.NORM_OPS`, where it
-has none; any op where it has neither: :func:`must_run_in_half`), nothing heavy would run in
-bfloat16 and the conversion is refused (:class:`normexport.errors.UsageError`,
-:func:`bf16_refusal`), naming the op types ONNX Runtime reported: its CPU provider has no
-bfloat16 MatMul, Gemm, Add or Mul.
+target type for on the provider (:func:`missing_kernel`; :func:`to_block` names what to keep
+float32 until the model loads), and whether a bfloat16 model is worth having
+(:func:`must_run_in_half`; :func:`bf16_refusal` the refusal, a
+:class:`normexport.errors.UsageError`). The rules: docs/precision.md#float16 and
+docs/precision.md#bfloat16.
 """
 
 from __future__ import annotations
