@@ -181,8 +181,8 @@ def _broken_sections(text: str, documents: dict[str, set[str]]) -> list[str]:
 def test_every_section_named_exists():
     """A docstring or a document that points to a section (``docs/fusions.md#fusesdpa``,
     ``[report.md](report.md#fusions)``) points to a heading that is there."""
-    documents = {p.name: _anchors(p) for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]}
     files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    documents = {path.name: _anchors(path) for path in files}
     for folder in ("fusion", "normexport", "models", "benchmarks", "tests", "tools"):
         files += (ROOT / folder).rglob("*.py")
     broken = [
