@@ -99,6 +99,21 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
     )
 
 
+#: Which input sets stay where fewer run (:func:`fewer_sets`), most telling first: the
+#: example, one random set, the probes that find a lost epsilon, then the rest in order.
+KEPT_FIRST = ("example", "random_0", "constant", "huge_1e3", "overflow_outliers", "zeros")
+
+
+def fewer_sets(job: Job, count: int | None) -> Job:
+    """``job`` with its first ``count`` input sets in :data:`KEPT_FIRST`'s order (the others
+    after, in theirs), where the memory plan keeps fewer (``count`` not None)."""
+    if count is None or count >= len(job.sets):
+        return job
+    names = [n for n in KEPT_FIRST if n in job.sets]
+    names += [n for n in job.sets if n not in names]
+    return dataclasses.replace(job, sets={n: job.sets[n] for n in names[:count]})
+
+
 def run_policy(opts: Options, raw, provider: str) -> fusion.Policy:
     """The fusion policy of a run of ``opts`` on ``raw`` (an onnx_ir model) for ``provider``
     (``"cpu"`` or ``"cuda"``): :func:`normexport.runtime.policy.fusion_policy` given what the

@@ -16,7 +16,7 @@ from normexport.arguments import Options, plan_outputs
 from normexport.errors import UsageError
 from normexport.io import external, files
 from normexport.pipeline import published, raw_model, rewrite, timing
-from normexport.pipeline.job import Job, start
+from normexport.pipeline.job import Job, fewer_sets, start
 from normexport.pipeline.prepare import prepare
 from normexport.pipeline.raw_model import RawModel
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
@@ -63,11 +63,14 @@ def run(opts: Options) -> Report:
             latency=opts.benchmark,
             autotune=opts.autotune,
             by_blocks=job.loaded.module is None,
+            feeds=job.sets["example"],
+            sets=len(job.sets),
         )
         if memory.said:
             progress.say(memory.line)
+        job = fewer_sets(job, memory.input_sets)
         with files.work_folder(output) as work:
-            ref, judge = _reference(job, raw, work, memory.block_bytes)
+            ref, judge = _reference(job, raw, work, memory)
             weights = external.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
                 staged = rewrite.optimize(job, raw, ref, judge, work)
@@ -86,15 +89,17 @@ def run(opts: Options) -> Report:
 
 
 def _reference(
-    job: Job, raw: ir.Model, work: Path, block_bytes: int | None
+    job: Job, raw: ir.Model, work: Path, memory: plan.MemoryPlan
 ) -> tuple[RawModel, Judge]:
     """The reference stage: the reference model on file, and the parity judge with every
-    reference run on every input set, one model (or one block: ``block_bytes``, the memory
-    plan's) at a time, each freed before the passes.
+    reference run on every input set, one model (or one block: the memory plan's
+    ``block_bytes``) at a time, each freed before the passes; the oracle in float64 where the
+    plan has room for it.
 
     Raises:
         UsageError: ``--last-token-logits`` where the verdict runs block by block.
     """
+    block_bytes = memory.block_bytes
     if job.policy.last_rows and block_bytes is not None:
         raise UsageError(
             f"{job.opts.model}: --last-token-logits needs the whole-model verdict, and this "
@@ -116,6 +121,7 @@ def _reference(
             strict=job.opts.strict,
             rule=job.computes_in,
             block_bytes=block_bytes,
+            float64=memory.float64_oracle,
             last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))

@@ -12,17 +12,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import NamedTuple
 
+import numpy as np
 import onnx_ir as ir
 
 from normexport.errors import EnvironmentProblem
 from normexport.runtime import memory
+from normexport.runtime.activations import Activations, estimate
 
 #: The largest tensor, in float32, times this: the working memory of the passes and of a
 #: session besides its weights.
 WORKING_TENSORS = 3
 #: Below this many bytes of weights, and where everything fits, the plan is not said.
 QUIET_BYTES = 2**26
+#: Copies of the outputs the references keep per input set, in float32 sizes: the float64
+#: oracle's (2) and its run on the inputs moved by one ulp (2), the raw model's and PyTorch
+#: float32's (1 each).
+KEPT_COPIES = 6
+#: The input sets kept where their outputs do not fit: at least this many, the example first.
+MIN_SETS = 2
+#: The share of what is left beside a run that the kept outputs may take.
+KEPT_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +46,15 @@ class MemoryPlan:
         weight_bytes: the initializers' bytes on file.
         working_bytes: the passes' and a session's working memory besides its weights
             (:data:`WORKING_TENSORS` times the largest tensor in float32, and the graph).
-        parity_bytes: what whole-model parity keeps resident: the float64 oracle's weights
-            and the working memory.
+        activation_bytes: what a float32 run holds besides its weights, on the example's
+            shapes (:func:`normexport.runtime.activations.estimate`: the values alive at
+            once and the largest Conv's unfolded input).
+        oracle_activation_bytes: the same for the oracle's run (twice the float32 values in
+            a float64 oracle).
+        kept_bytes: the references' outputs kept for one input set (:data:`KEPT_COPIES`
+            times the outputs' float32 bytes).
+        parity_bytes: what whole-model parity keeps resident: the oracle's weights, its
+            run's activations, the kept outputs of every input set and the working memory.
         parity_fits: whether that fits in :data:`~normexport.runtime.memory.SESSIONS_SHARE`
             of what is available (True where the system does not say).
         block_bytes: parity goes block by block, each block reading at most this many bytes
@@ -47,16 +66,22 @@ class MemoryPlan:
     available_bytes: int | None
     weight_bytes: int
     working_bytes: int
+    activation_bytes: int
+    oracle_activation_bytes: int
+    kept_bytes: int
     parity_bytes: int
     parity_fits: bool
     block_bytes: int | None
+    float64_oracle: bool
+    input_sets: int | None
     latency: str | None
     line: str
 
     @property
     def said(self) -> bool:
         """Whether the plan is worth a line before the run: large weights, or a change."""
-        changed = not self.parity_fits or self.latency is not None
+        changed = not self.parity_fits or self.latency is not None or not self.float64_oracle
+        changed = changed or self.input_sets is not None
         return changed or self.weight_bytes >= QUIET_BYTES
 
     def to_dict(self) -> dict:
@@ -72,16 +97,23 @@ def plan(
     latency: bool,
     autotune: bool,
     by_blocks: bool = True,
+    feeds: Mapping[str, np.ndarray] | None = None,
+    sets: int = 1,
 ) -> MemoryPlan:
     """The memory plan of the raw ``model`` (its initializers read from their headers), named
     ``source`` in messages, on ``provider``; ``latency``, ``autotune``: whether they run;
     ``by_blocks``: whether parity can run block by block (ONNX input: a PyTorch model is in
-    memory whole, and its parity runs whole).
+    memory whole, and its parity runs whole); ``feeds``: the example inputs (graph input name
+    -> array; their shapes fix the activations: none counted where None); ``sets``: how many
+    input sets parity runs. What does not fit degrades in this order: a float32 oracle where
+    the float64 run's activations alone do not fit, fewer input sets (at least
+    :data:`MIN_SETS`) where their kept outputs would take more than :data:`KEPT_SHARE` of
+    what is left beside the run, then parity block by block (docs/memory.md#the-memory-plan).
 
     Raises:
-        EnvironmentProblem: not even the passes fit (exit 2), or ``autotune`` was asked for
-            and a deployed session does not fit; the message gives what is needed and what
-            there is.
+        EnvironmentProblem: not even the passes fit, or a float32 run's activations on these
+            input shapes do not (exit 2), or ``autotune`` was asked for and a deployed
+            session does not fit; the message gives what is needed and what there is.
     """
     tensors = [v.const_value for g in model.graphs() for v in g.initializers.values()]
     tensors = [t for t in tensors if t is not None]
@@ -93,21 +125,17 @@ def plan(
     available = memory.available_bytes()
     share = memory.SESSIONS_SHARE * available if available is not None else None
     have = f"{_gib(available)} available{_where(available)}" if available is not None else ""
-    if share is not None and made * WORKING_TENSORS > share:
+    if share is not None:
+        _refuse_what_cannot_run(source, share, have, (made, maker), widest, working)
+    run = estimate(model, feeds) if feeds else Activations(0, 0, 0, 0)
+    if share is not None and run.peak_bytes + working > share:
         raise EnvironmentProblem(
-            f"{source}: not enough memory to run this model: {maker} makes a tensor of "
-            f"{_gib(made)} from constant shapes, and a run holds about {WORKING_TENSORS} such "
-            f"tensors, {have}; run it where more memory is free, or make the shape smaller"
+            f"{source}: not enough memory to run this model on these input shapes: a run "
+            f"holds about {_gib(run.peak_bytes)} of values besides its weights and the "
+            f"passes' {_gib(working)}, {have}; give smaller shapes (--input-shape, --dim) or "
+            "run it where more memory is free"
         )
-    if share is not None and working > share:
-        raise EnvironmentProblem(
-            f"{source}: not enough memory to optimize this model: the passes need about "
-            f"{_gib(working)} (the largest tensor, {_gib(widest)} in float32, "
-            f"{WORKING_TENSORS} times, and the graph), {have}; run it where more memory is free"
-        )
-    blocks, fits = None, share is None or oracle + working <= share
-    if not fits and by_blocks:
-        blocks = max(int((share - working) * weights / max(oracle, 1)), widest)
+    parity = _parity(run, share, weights, oracle, working, widest, sets, by_blocks)
     deployed = memory.weights_in_session(tensors, provider)
     skipped = None
     if (latency or autotune) and share is not None and deployed > share:
@@ -118,10 +146,106 @@ def plan(
         if autotune:
             raise EnvironmentProblem(f"{source}: --autotune times deployed sessions: {skipped}")
     line = f"memory: {_gib(weights)} of weights, {have or 'available memory unknown'}: "
-    line += _parity_line(fits, blocks, oracle + working)
+    line += parity.line
     line += f"; {skipped}" if skipped and latency else ""
     skipped = skipped if latency else None
-    return MemoryPlan(available, weights, working, oracle + working, fits, blocks, skipped, line)
+    return MemoryPlan(
+        available_bytes=available,
+        weight_bytes=weights,
+        working_bytes=working,
+        activation_bytes=run.peak_bytes,
+        oracle_activation_bytes=parity.activation_bytes,
+        kept_bytes=parity.kept_bytes,
+        parity_bytes=parity.needed,
+        parity_fits=parity.fits,
+        block_bytes=parity.blocks,
+        float64_oracle=parity.float64,
+        input_sets=parity.sets,
+        latency=skipped,
+        line=line,
+    )
+
+
+def _refuse_what_cannot_run(
+    source: str,
+    share: float,
+    have: str,
+    made_by: tuple[int, str],
+    widest: int,
+    working: int,
+) -> None:
+    """Stop before any work where not even the passes fit in ``share``.
+
+    Raises:
+        EnvironmentProblem: a tensor made from constant shapes, or the passes, need more
+            than ``share``; the message names the file, what it needs and ``have`` (what
+            there is).
+    """
+    made, maker = made_by
+    if made * WORKING_TENSORS > share:
+        raise EnvironmentProblem(
+            f"{source}: not enough memory to run this model: {maker} makes a tensor of "
+            f"{_gib(made)} from constant shapes, and a run holds about {WORKING_TENSORS} such "
+            f"tensors, {have}; run it where more memory is free, or make the shape smaller"
+        )
+    if working > share:
+        raise EnvironmentProblem(
+            f"{source}: not enough memory to optimize this model: the passes need about "
+            f"{_gib(working)} (the largest tensor, {_gib(widest)} in float32, "
+            f"{WORKING_TENSORS} times, and the graph), {have}; run it where more memory is free"
+        )
+
+
+class _Parity(NamedTuple):
+    """How parity runs: :class:`MemoryPlan`'s fields of the same meaning, and its words."""
+
+    float64: bool
+    activation_bytes: int
+    kept_bytes: int
+    sets: int | None
+    needed: int
+    fits: bool
+    blocks: int | None
+    line: str
+
+
+def _parity(
+    run: Activations,
+    share: float | None,
+    weights: int,
+    oracle: int,
+    working: int,
+    widest: int,
+    sets: int,
+    by_blocks: bool,
+) -> _Parity:
+    """How parity runs beside ``share`` bytes (None: unknown), degraded in :func:`plan`'s
+    order: a float32 oracle, fewer input sets, then block by block. ``oracle`` is the float64
+    oracle's weights, ``widest`` the largest tensor in float32 (the smallest block)."""
+    float64 = share is None or run.float64_peak_bytes + working <= share
+    oracle = oracle if float64 else weights
+    acts = run.float64_peak_bytes if float64 else run.peak_bytes
+    kept, count = KEPT_COPIES * run.output_bytes, None
+    rest = share - working - acts if share is not None else None
+    if rest is not None and kept * sets > KEPT_SHARE * rest:
+        count = min(sets, max(MIN_SETS, int(KEPT_SHARE * rest // max(kept, 1))))
+    needed = oracle + acts + working + kept * (count or sets)
+    blocks, fits = None, share is None or needed <= share
+    if not fits and by_blocks and float64:  # each block's oracle is a float64 run
+        room = share - working - acts - kept * (count or sets)
+        blocks = max(int(room * weights / max(oracle, 1)), widest)
+    line = _parity_line(fits, blocks, needed, pytorch=not by_blocks)
+    if not float64:
+        line += (
+            f"; the float64 oracle's run would hold about {_gib(run.float64_peak_bytes)}: "
+            "the reference is the model as written, in float32"
+        )
+    if count is not None:
+        line += (
+            f"; the references' outputs take {_gib(kept)} per input set: parity runs "
+            f"{count} of the {sets} input sets"
+        )
+    return _Parity(float64, acts, kept, count, needed, fits, blocks, line)
 
 
 def made_tensor(model: ir.Model) -> tuple[int, str]:
@@ -176,14 +300,16 @@ def _made_elements(node: ir.Node) -> int | None:
     return None
 
 
-def _parity_line(fits: bool, blocks: int | None, needed: int) -> str:
-    """How parity runs, in words: whole, whole though it does not fit, or block by block."""
+def _parity_line(fits: bool, blocks: int | None, needed: int, *, pytorch: bool) -> str:
+    """How parity runs, in words: whole, whole though it does not fit (a PyTorch model's,
+    ``pytorch``, or beside a float32 oracle), or block by block."""
     if fits:
         return "whole-model parity fits"
     if blocks is None:
+        how = "a PyTorch model's runs whole" if pytorch else "it runs whole"
         return (
-            f"whole-model parity needs about {_gib(needed)}, and a PyTorch model's runs whole: "
-            "its sessions read their weights from disk on every run"
+            f"whole-model parity needs about {_gib(needed)}, and {how}: its sessions read "
+            "their weights from disk on every run"
         )
     return (
         f"whole-model parity needs about {_gib(needed)}, so parity runs block by block, each "

@@ -31,6 +31,9 @@ from normexport.verdict.parity import (
 
 Run = Callable[[Mapping[str, np.ndarray]], list[np.ndarray]]
 
+#: The oracle's note where the memory plan has no room for a float64 run.
+NO_ROOM = "no float64 oracle: its run's activations do not fit in memory (the memory plan)"
+
 
 #: ``open(model, folder)``: opens the candidate model as it runs (its ONNX Runtime session):
 #: its file (``folder`` None), or one block of it as a serialized graph whose tensors lie in
@@ -63,6 +66,9 @@ class Judge:
             model is in memory whole anyway); None: the whole model at once.
         last_position: the outputs (by index) the candidate computes at the last position of
             axis 1 only (``--last-token-logits``): the references' are compared there too.
+        float64: whether a float64 oracle may be built (False: the memory plan has no room
+            for its run; the reference is then the raw model or PyTorch float32, and the
+            notes say why).
 
     Raises:
         ValueError: ``last_position`` with ``block_bytes`` (the blocks' values are compared
@@ -84,12 +90,13 @@ class Judge:
         strict: bool,
         rule: str = "fp32",
         block_bytes: int | None = None,
+        float64: bool = True,
         last_position: tuple[int, ...] = (),
     ):
         if last_position and block_bytes is not None:
             raise ValueError("a verdict block by block compares whole outputs")
         self.loaded, self.raw, self.raw_path, self.rule = loaded, raw, raw_path, rule
-        self.last_position = last_position
+        self.last_position, self.float64 = last_position, float64
         self.chains = None
         if block_bytes is not None and loaded.module is None:
             self.chains = _chains(raw_path, block_bytes, work, provider)
@@ -227,7 +234,11 @@ def references(judge: Judge) -> dict:
     rule's ``round_inputs``, :func:`normexport.verdict.parity.ulp_perturbed`)."""
     raw, example = judge.raw, judge.sets["example"]
     if judge.loaded.module is None:
-        found = onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph")
+        found = (
+            onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph")
+            if judge.float64
+            else Oracle(None, "", [NO_ROOM])
+        )
         if found.run is None:  # compared with the input file itself, tolerance only
             notes = [*found.notes, "the reference is the input file as written, in float32"]
             return dict(reference=raw, reference_kind="onnx", oracle_kind="onnx", notes=notes)
@@ -259,6 +270,8 @@ def _pytorch_oracle(judge: Judge, raw: Run) -> Oracle:
     """The PyTorch model in float64; where that cannot run, the raw export in float64; where
     neither can, None (PyTorch float32 is the reference), with every reason in the notes."""
     example = judge.sets["example"]
+    if not judge.float64:
+        return Oracle(None, "pytorch_float32", [NO_ROOM, "the reference is PyTorch float32"])
     found = pytorch_float64(judge.loaded, example, judge.feed_names)
     if found.run is not None:
         return found

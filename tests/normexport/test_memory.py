@@ -8,6 +8,8 @@ the pipeline runs on them end to end on ONNX Runtime.
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 
@@ -232,3 +234,118 @@ def test_the_plan_counts_the_tensors_made_from_constant_shapes(
     assert code == 2 and "ConstantOfShape" in line and "8.00 GiB" in line, line
     small = _constant_of_shape(tmp_path / "in" / "small.onnx", 16)
     assert plan.made_tensor(ir.load(small))[0] == 64
+
+
+def _conv_model(path: Path, rng, side: int = 128) -> Path:
+    """x (1, 8, side, side) -> Conv 3x3 (pads 1) -> Relu -> Conv 3x3 -> a LayerNorm over the
+    last axis, hand-written: values of 2 * 8 * side**2 bytes, weights of under 5 KiB."""
+    weights = {
+        "w1": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) / 8,
+        "w2": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) / 8,
+        "eps": np.array(1e-5, np.float32),
+    }
+    conv = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+    nodes = [
+        ("Conv", ["x", "w1"], ["c1"], conv),
+        ("Relu", ["c1"], ["r"], {}),
+        ("Conv", ["r", "w2"], ["c2"], conv),
+        ("ReduceMean", ["c2"], ["m"], {"axes": [-1], "keepdims": 1}),
+        ("Sub", ["c2", "m"], ["d"], {}),
+        ("Mul", ["d", "d"], ["sq"], {}),
+        ("ReduceMean", ["sq"], ["v"], {"axes": [-1], "keepdims": 1}),
+        ("Add", ["v", "eps"], ["ve"], {}),
+        ("Sqrt", ["ve"], ["s"], {}),
+        ("Div", ["d", "s"], ["y"], {}),
+    ]
+    shape = [1, 8, side, side]
+    model = make_model(nodes, {"x": (F, shape)}, {"y": (F, shape)}, weights, opset=17)
+    path.parent.mkdir(exist_ok=True)
+    files.save_model(model, path, external_data=False)
+    return path
+
+
+def _conv_plan(path: Path, side: int = 128, sets: int = 8) -> plan.MemoryPlan:
+    feeds = {"x": np.zeros((1, 8, side, side), np.float32)}
+    return plan.plan(
+        ir.load(path), "m", "cpu", latency=False, autotune=False, feeds=feeds, sets=sets
+    )
+
+
+def test_the_plan_counts_the_values_a_run_holds(tmp_path, rng):
+    """The activations on the example's shapes: at the second Conv its input, its output and
+    its unfolded input (8 * 9 * side**2 float32) are alive at once; the float64 oracle holds
+    every float32 value twice over; each input set keeps six copies of the output."""
+    side = 128
+    found = _conv_plan(_conv_model(tmp_path / "m.onnx", rng, side), side)
+    value = 8 * side * side * 4
+    assert found.activation_bytes >= 2 * value + 9 * value
+    assert found.activation_bytes <= 4 * value + 9 * value
+    assert found.oracle_activation_bytes == 2 * found.activation_bytes
+    assert found.kept_bytes == plan.KEPT_COPIES * value
+    assert found.parity_bytes >= found.oracle_activation_bytes + 8 * found.kept_bytes
+    assert plan.plan(ir.load(tmp_path / "m.onnx"), "m", "cpu", latency=False, autotune=False)
+
+
+def test_a_float64_run_that_does_not_fit_gives_a_float32_oracle(
+    tmp_path, out_dir, rng, monkeypatch
+):
+    """Room for the model's float32 run and not for its float64 oracle's: the oracle is the
+    file as written, the plan and the notes say so, and the run still reaches a verdict."""
+    path = _conv_model(tmp_path / "in" / "m.onnx", rng)
+    need = _conv_plan(path)
+    share = (need.activation_bytes + need.oracle_activation_bytes) / 2 + need.working_bytes
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(share / memory.SESSIONS_SHARE))
+    report = normexport.optimize(path, output=out_dir / "m.onnx", benchmark=False)
+    assert not report.memory.float64_oracle and "float64 oracle's run" in report.memory.line
+    assert report.parity.oracle == "onnx", report.parity.notes
+    assert any("do not fit" in note for note in report.parity.notes)
+    assert report.passed and report.fusions.counts["layernorm_fused"] == 1
+
+
+def test_outputs_that_do_not_fit_run_fewer_input_sets(tmp_path, out_dir, rng, monkeypatch):
+    """The references' kept outputs of every input set do not fit: parity runs fewer sets,
+    the example first, and the plan says how many."""
+    path = _conv_model(tmp_path / "in" / "m.onnx", rng)
+    need = _conv_plan(path)
+    rest = (plan.MIN_SETS + 1) * need.kept_bytes / plan.KEPT_SHARE
+    share = rest + need.oracle_activation_bytes + need.working_bytes
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(share / memory.SESSIONS_SHARE))
+    report = normexport.optimize(path, output=out_dir / "m.onnx", benchmark=False)
+    assert report.memory.input_sets == plan.MIN_SETS + 1, report.memory.line
+    assert f"parity runs {plan.MIN_SETS + 1} of the 8 input sets" in report.memory.line
+    assert list(report.parity.probes) == ["example", "random_0", "constant"]
+    assert report.parity.oracle == "onnx_float64" and report.passed
+
+
+def test_values_that_do_not_fit_are_exit_2_before_any_work(
+    tmp_path, out_dir, rng, monkeypatch, capsys
+):
+    """A float32 run's values alone do not fit: exit 2, naming the file and the shapes to
+    change, before any session opens."""
+    path = _conv_model(tmp_path / "in" / "m.onnx", rng)
+    need = _conv_plan(path)
+    share = need.activation_bytes / 2 + need.working_bytes
+    monkeypatch.setattr(memory, "available_bytes", lambda: int(share / memory.SESSIONS_SHARE))
+    code = cli.main([str(path), "-o", str(out_dir / "m.onnx"), "--no-benchmark"])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "on these input shapes" in line and "--input-shape" in line, line
+    assert str(path) in line and not out_dir.joinpath("m.onnx").exists()
+
+
+def test_counting_the_values_computes_none_of_them(tmp_path):
+    """The activations are counted from shapes alone: a 1 GiB ConstantOfShape of a constant
+    shape is counted at its size, in a process whose address space could not hold it a few
+    times over (ONNX's data propagation, which computes such values, took 14 GB at 1e8)."""
+    big = _constant_of_shape(tmp_path / "big.onnx", 2**28)
+    script = (
+        "import resource, sys, numpy as np, onnx_ir as ir\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))\n"
+        "from normexport.runtime.activations import estimate\n"
+        "found = estimate(ir.load(sys.argv[1]), {'x': np.zeros(1, np.float32)})\n"
+        "print(found.peak_bytes)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(big)], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 2 * 2**30  # the zeros and their sum with x, alive at once
