@@ -1,4 +1,5 @@
-"""The parity stage: the verdict on the published output, with the hidden-state probe for half
+"""The parity stage: the verdict on the published output, the output judged as deployed (and
+repaired where ONNX Runtime's own fusions misread it), with the hidden-state probe for half
 precision."""
 
 from __future__ import annotations
@@ -6,16 +7,21 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from normexport import precision, runtime
+import onnx_ir as ir
+
+from fusion.ort_forms import ISSUES, avoid_ort_misfusions
+from normexport import precision, progress, runtime
+from normexport.io import files
 from normexport.pipeline.job import Job
 from normexport.pipeline.raw_model import RawModel
 from normexport.pipeline.rewrite import Staged
-from normexport.verdict import hidden_probe
+from normexport.verdict import deployed, hidden_probe
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
+from normexport.verdict.result import Deployed
 
 
-def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
+def parity(job: Job, staged: Staged, judge: Judge, path: Path | None = None) -> ParityResult:
     """The parity verdict of the published output (``job.output``) against the oracle (see
     :mod:`normexport.verdict.parity` and :mod:`normexport.verdict.references`), with the raw
     model (the raw export, or the input file as written) and PyTorch float32 compared with it
@@ -26,9 +32,9 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
 
     A float32 model that is still the one :func:`normexport.verdict.rollback.verify` judged
     keeps that verdict (its runs are not repeated); autotune's choice or a half-precision model
-    is judged anew.
+    is judged anew, as is ``path`` (a model other than the one staged), where given.
     """
-    if staged.verified is not None:
+    if staged.verified is not None and path is None:
         return dataclasses.replace(staged.verified, strict=job.opts.strict)
 
     def candidate(model, folder):  # opened once the references have run and been freed
@@ -41,7 +47,42 @@ def parity(job: Job, staged: Staged, judge: Judge) -> ParityResult:
 
         return run, [o.name for o in session.get_outputs()]
 
-    return judge(job.output, candidate, precision=job.output_rule)
+    return judge(path or job.output, candidate, precision=job.output_rule)
+
+
+def as_deployed(
+    job: Job, staged: Staged, judge: Judge, verdict: ParityResult, work: Path
+) -> ParityResult:
+    """``verdict`` (the published output's) with the output judged as deployed
+    (:func:`normexport.verdict.deployed.judged`: ONNX Runtime's default session against the
+    oracle) as its ``deployed``. Where that fails, the output is rewritten into the forms ONNX
+    Runtime's fusions do not misread (:func:`fusion.ort_forms.avoid_ort_misfusions`, exact),
+    judged again as written and as deployed, and published in its place where both pass (the
+    verdict returned is then the new model's); else the output stays as it is and the verdict
+    fails (docs/parity.md#judged-as-deployed).
+    """
+    progress.step(f"as deployed ({deployed.LEVEL})")
+    judged = (job.provider, judge, job.output_rule, staged.disabled)
+    passed, message = deployed.judged(job.output, *judged)
+    sets = list(job.sets)
+    verdict.deployed = Deployed(passed, message, sets)
+    model = None if passed else ir.load(job.output)
+    repairs = {ISSUES[k]: n for k, n in avoid_ort_misfusions(model).items()} if model else {}
+    if not repairs:
+        return verdict
+    repaired = work / "deployed" / job.output.name
+    repaired.parent.mkdir()
+    files.save_model(model, repaired, external_data=job.external)
+    del model
+    progress.step("the output repaired for ONNX Runtime, judged again")
+    again = parity(job, staged, judge, repaired)
+    fixed, after = deployed.judged(repaired, *judged)
+    if not (fixed and again.passed):
+        verdict.deployed = Deployed(False, message, sets, None, repairs)
+        return verdict
+    files.publish_model(repaired, job.output)
+    again.deployed = Deployed(True, after, sets, message, repairs)
+    return again
 
 
 def hidden_state_probe(job: Job, ref: RawModel, verdict: ParityResult, work: Path) -> None:

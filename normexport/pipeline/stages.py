@@ -150,10 +150,11 @@ def _latency(
 def _parity(
     job: Job, ref: RawModel, staged: rewrite.Staged, judge: Judge, work: Path
 ) -> ParityResult:
-    """The parity stage of the published output, with the hidden-state probe for half
-    precision."""
+    """The parity stage of the published output, judged as deployed too (and repaired for
+    ONNX Runtime where it can be), with the hidden-state probe for half precision."""
     with progress.stage("parity"):
         verdict = published.parity(job, staged, judge)
+        verdict = published.as_deployed(job, staged, judge, verdict, work)
         if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
             published.hidden_state_probe(job, ref, verdict, work)
     return verdict

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from normexport.report.schema import Checker, Cost, Fusions, NormOps, Report
 from normexport.report.timed import render_latency, render_speed
-from normexport.verdict.result import OutputError, ParityResult
+from normexport.verdict.result import Deployed, OutputError, ParityResult
 from normexport.verdict.tolerance import NOISE_WARN_FACTOR
 
 if TYPE_CHECKING:
@@ -116,6 +116,8 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
             why += ", or the half-precision allowance reaches 1,"
 
         console.print(f"[yellow]weak check[/]: the {why} for output {name!r} on " + where)
+    if parity.deployed is not None:
+        console.print(_deployed(parity.deployed))
     for probe, f in parity.failures()[:10]:
         console.print(
             f"[red]diverges[/]: output {f.output!r} on input set {probe!r}: max abs err "
@@ -131,6 +133,20 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
             f"within {NOISE_WARN_FACTOR:g}x (float32 rounding), so a rewrite may have changed "
             "the function a little" + ("" if parity.strict else "; --strict makes this a failure")
         )
+
+
+def _deployed(deployed: Deployed) -> str:
+    """One line: the output judged as deployed, and what was repaired for ONNX Runtime."""
+    repairs = ", ".join(f"{n} node(s) for {issue}" for issue, n in deployed.repairs.items())
+    if deployed.found is not None:
+        return (
+            f"[yellow]as deployed[/]: {deployed.found}; published in an exact form it runs "
+            f"correctly (rewritten: {repairs}): {deployed.message}"
+        )
+    if deployed.passed:
+        return f"as deployed: {deployed.message}"
+    tried = f" (the exact forms for ONNX Runtime's known bugs tried: {repairs})" if repairs else ""
+    return f"[red]as deployed[/]: {deployed.message}{tried}"
 
 
 def _cuda_note(fallbacks: list) -> str:
@@ -360,6 +376,7 @@ def _verdict(parity: ParityResult) -> str:
             ("the optimized model diverges", parity.failures()),
             ("the export differs from the model", parity.export_failures()),
             ("--strict: noise ratio above the factor", parity.strict and parity.warnings()),
+            ("it runs otherwise as deployed", parity.deployed and not parity.deployed.passed),
         )
         if found
     ]

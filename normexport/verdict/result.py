@@ -107,6 +107,30 @@ class BlockVerdict:
 
 
 @dataclasses.dataclass
+class Deployed:
+    """The published model judged as a user opens it: ONNX Runtime's default session
+    (``ORT_ENABLE_ALL``: its own fusions on), its outputs against the oracle by the same rule
+    (docs/parity.md#judged-as-deployed).
+
+    Attributes:
+        passed: the default session loads and runs the published model, and every output passes
+            the rule on every input set.
+        message: what it found, one line (the worst output, or why it failed).
+        sets: the input sets it ran on.
+        found: what the default session did to the model before normexport repaired it (None:
+            nothing was repaired).
+        repairs: the exact rewrites made for ONNX Runtime (:func:`fusion.ort_forms.
+            avoid_ort_misfusions`): the ONNX Runtime issue each avoids -> nodes rewritten.
+    """
+
+    passed: bool
+    message: str
+    sets: list[str]
+    found: str | None = None
+    repairs: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
 class ParityResult:
     """The parity verdict over all input sets.
 
@@ -122,6 +146,8 @@ class ParityResult:
         max_rel_l2: the half-precision rule's bound on relative L2 error (None: float32 rule).
         strict: a noise-ratio warning (:meth:`warnings`) fails the verdict (``--strict``).
         blocks: where the verdict was taken block by block, each block's; else None.
+        deployed: the published model judged as deployed (:class:`Deployed`); None where
+            that was not checked.
     """
 
     reference: str
@@ -134,14 +160,16 @@ class ParityResult:
     max_rel_l2: float | None = None
     strict: bool = False
     blocks: list[BlockVerdict] | None = None
+    deployed: Deployed | None = None
 
     @property
     def passed(self) -> bool:
         """The verdict: every output passed the optimizer's rule on every input set, the
-        export was judged nowhere to differ from PyTorch, and with :attr:`strict` nothing was
-        warned of."""
+        export was judged nowhere to differ from PyTorch, the model runs alike as deployed
+        (:attr:`deployed`, where checked), and with :attr:`strict` nothing was warned of."""
         return (
-            not self.failures()
+            (self.deployed is None or self.deployed.passed)
+            and not self.failures()
             and not self.export_failures()
             and not (self.strict and self.warnings())
         )
@@ -232,4 +260,5 @@ class ParityResult:
             "raw_export_max_abs_err": self.raw_worst(),
             "blocks": [b.to_dict() for b in self.blocks] if self.blocks is not None else None,
             "worst_block": self.worst_block().block["index"] if self.worst_block() else None,
+            "deployed": dataclasses.asdict(self.deployed) if self.deployed else None,
         }

@@ -155,7 +155,7 @@ def verify(
         ), None
     except ValueError as err:  # output count or shapes differ from the reference's
         return Rejection(Code.CHANGED_THE_FUNCTION, str(err)), None
-    return _diverged(verdict), verdict
+    return diverged(verdict), verdict
 
 
 class _LoadFailed(Exception):
@@ -166,20 +166,20 @@ class _RunFailed(Exception):
     """ONNX Runtime failed to run the candidate model (its message)."""
 
 
-def _diverged(verdict: ParityResult) -> Rejection | None:
+def diverged(verdict: ParityResult) -> Rejection | None:
     """``changed_the_function`` where an output fails the parity rule and the raw model has no
     NaN/Inf there (one that has is the export's to answer for), naming the outputs and sets."""
-    diverged = [
+    found = [
         (probe, e)
         for probe, e in verdict.failures()
         if e.raw_max_abs_err is None or math.isfinite(e.raw_max_abs_err)
     ]
-    if not diverged:
+    if not found:
         return None
     where: dict[str, list[str]] = {}
-    for probe, e in diverged:
+    for probe, e in found:
         where.setdefault(e.output, []).append(probe)
-    probe, e = diverged[0]
+    probe, e = found[0]
     why = "; ".join(f"output {out!r} diverges on {', '.join(sets)}" for out, sets in where.items())
     raw = "" if e.raw_max_abs_err is None else f", raw model's {e.raw_max_abs_err:.3g}"
     why += (
