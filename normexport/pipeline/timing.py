@@ -107,25 +107,9 @@ def judged(
         )
     except _CannotTell as err:
         return unchecked(str(err))
-    head_to_head = None
-    if outcome.undone:  # an independent timing of what the search found, before undoing it
-        _, head_to_head = timed_against_raw(
-            job,
-            ref,
-            staged.path,
-            budget.seconds,
-            staged.disabled,
-            min_runs=verdict.MIN_RUNS,
-            base=(outcome.path, WITHOUT),
-        )
-        budget.tested()
-        why = None if head_to_head is None else verdict.undecided([head_to_head])
-        if head_to_head is None or why is not None or not head_to_head.slower:
-            said = why or (APART if head_to_head is None else head_to_head.message())
-            return unchecked(
-                f"the search found {len(outcome.undone)} rewrite(s) slower, but the model as "
-                f"optimized, timed against the model without them, was not: {said}"
-            )
+    head_to_head, why = _head_to_head(job, ref, staged, outcome, budget)
+    if why is not None:
+        return unchecked(why)
     latency, published = timed[outcome.path]
     eager = timed[staged.path][0].timings  # PyTorch, timed alone, with the first only
     latency.timings = {k: t for k, t in eager.items() if k == "pytorch_eager"} | latency.timings
@@ -178,6 +162,36 @@ def _as_optimized(
         latency.timings = eager | latency.timings
         budget.tested()
     return latency, None, APART
+
+
+def _head_to_head(
+    job: Job, ref: RawModel, staged: Staged, outcome: rollback.Outcome, budget: _Budget
+) -> tuple[verdict.Comparison | None, str | None]:
+    """Where the search undid rewrites, an independent timing of what it found: the model as
+    optimized against the model without them (``--budget`` seconds, fresh sessions,
+    :data:`~verdict.MIN_RUNS` rounds at least), and why they must not be undone (it does not
+    call the model as optimized slower, or cannot tell), or None; (None, None) where nothing
+    was undone."""
+    if not outcome.undone:
+        return None, None
+    base = (outcome.path, WITHOUT)
+    seconds, disabled = budget.seconds, staged.disabled
+    _, comparison = timed_against_raw(
+        job, ref, staged.path, seconds, disabled, min_runs=verdict.MIN_RUNS, base=base
+    )
+    budget.tested()
+    if comparison is None:
+        why: str | None = APART
+    else:
+        why = verdict.undecided([comparison])
+        if why is None and not comparison.slower:
+            why = comparison.message()
+    if why is None:
+        return comparison, None
+    return comparison, (
+        f"the search found {len(outcome.undone)} rewrite(s) slower, but the model as optimized, "
+        f"timed against the model without them, was not: {why}"
+    )
 
 
 def _keep(ref: RawModel, staged: Staged, outcome: rollback.Outcome) -> Staged:
