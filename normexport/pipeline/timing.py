@@ -125,7 +125,7 @@ def judged(
 
 
 #: What the model as optimized is timed against where the search undid rewrites.
-WITHOUT = "the model without them"
+WITHOUT = "the time of the model without them"
 
 
 class _CannotTell(Exception):
@@ -256,7 +256,7 @@ def timed_against_raw(
     min_runs: int = MIN_ROUNDS,
     base: tuple[Path, str] | None = None,
 ) -> tuple[Latency, verdict.Comparison | None]:
-    """The raw model (or ``base``: another model's file, and what it is in words) and the
+    """The raw model (or ``base``: another model's file, and whose time it is in words) and the
     model at ``path`` (run with ORT's ``disabled`` optimizers) on the example inputs, timed
     interleaved for ``budget_s`` seconds (``min_runs`` rounds at least) in ORT_ENABLE_ALL
     sessions (what a deployment runs), and with ``eager`` PyTorch eager first (where there is a
@@ -280,7 +280,7 @@ def timed_against_raw(
     threads, provider, feeds = job.threads, job.provider, job.sets["example"]
     # Spinning off: these sessions are timed interleaved with each other.
     session = functools.partial(runtime.make_session, spinning=False, threads=threads)
-    base_path, against = base or (ref.path, "the raw model")
+    base_path, against = base or (ref.path, "the raw model's time")
     opens = {
         "ort_raw": lambda: session(base_path, provider),
         "ort_optimized": lambda: session(path, provider, disabled_optimizers=disabled),

@@ -48,14 +48,14 @@ class Comparison:
             bootstrap interval.
         raw_control, model_control: the A/A controls: each model's second session's time over
             its first's, in the same rounds.
-        against: what the model was timed against, in words (the raw model, unless
+        against: whose time the model's is over, in words (the raw model's, unless
             :func:`compare` was told otherwise).
     """
 
     ratio: Ratio
     raw_control: Ratio
     model_control: Ratio
-    against: str = "the raw model"
+    against: str = "the raw model's time"
 
     @property
     def margin(self) -> float:
@@ -81,7 +81,7 @@ class Comparison:
         """The ratio with its interval and the control's margin, in words."""
         r = self.ratio
         return (
-            f"{r.median:.3g}x {self.against}'s time (95% interval {r.ci_low:.3g}x-{r.ci_high:.3g}x"
+            f"{r.median:.3g}x {self.against} (95% interval {r.ci_low:.3g}x-{r.ci_high:.3g}x"
             f", {r.runs} rounds; A/A controls within ±{self.margin:.3g})"
         )
 
@@ -98,7 +98,7 @@ class Comparison:
 
 
 def compare(
-    raw: Sequence[Timing], model: Sequence[Timing], against: str = "the raw model"
+    raw: Sequence[Timing], model: Sequence[Timing], against: str = "the raw model's time"
 ) -> tuple[Timing, Timing, Comparison]:
     """The raw model's and the model's timings, each the per-round mean of its two sessions
     (ms), and their :class:`Comparison`.
@@ -106,7 +106,7 @@ def compare(
     Args:
         raw, model: the two sessions' timings of each (ms), all from one
             :func:`~normexport.runtime.latency.time_interleaved` call.
-        against: what ``raw`` is, in words (:attr:`Comparison.against`).
+        against: whose time ``raw``'s is, in words (:attr:`Comparison.against`).
 
     Raises:
         ValueError: not two timings of each, or not from one call (different run counts).
