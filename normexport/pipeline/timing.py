@@ -28,6 +28,10 @@ from normexport.verdict import rollback
 from normexport.verdict import speed as verdict
 from normexport.verdict.checker_levels import check_output
 
+#: The fewest timed rounds of the main job's latency: the budget (``--budget``) decides above
+#: it, and a model whose rounds take longer is timed past the budget (each timing says which
+#: bound decided, :attr:`normexport.runtime.latency.Timing.bound`).
+MIN_ROUNDS = 5
 #: Why the speed is unchecked where the two models were timed one at a time.
 APART = (
     "the two models were timed one at a time (they do not fit in memory together): no paired "
@@ -39,14 +43,20 @@ def judged(
     job: Job, ref: RawModel, staged: Staged, work: Path
 ) -> tuple[Staged, Latency, verdict.Speed]:
     """Time the staged model against the raw one for ``--budget`` seconds (the report's
-    latency); where it is slower by the rule of :mod:`normexport.verdict.speed`, search for the
+    latency); where it is slower by the rule of :mod:`normexport.verdict.speed`, time it again
+    (fresh sessions, fresh rounds: :func:`_as_optimized`) until :data:`~verdict.AGREEING`
+    timings of :data:`~verdict.MIN_RUNS` rounds call it slower, and only then search for the
     rewrites responsible (:func:`normexport.verdict.rollback.roll_back`, each test a model
     built again from the raw one by :func:`normexport.pipeline.rewrite.builder`, without the
     rewrites the parity rollback undid, and timed for ``--budget / SEARCH_SLICES`` seconds,
-    the search within ``--budget`` more: :class:`_Budget`), and put the model without them in
-    the staged model's place, with them under the fusion report's refusals (``slower_here``)
-    and its parity to be judged anew. A half-precision model or autotune's form is judged, not
-    rebuilt (the search builds the passes' float32 form).
+    :data:`~verdict.MIN_RUNS` rounds at least, the search within ``--budget`` more:
+    :class:`_Budget`); the model without them is put in the staged model's place only where the
+    model as optimized, timed against it (``--budget`` seconds, fresh sessions), is slower too,
+    with them under the fusion report's refusals (``slower_here``) and its parity to be judged
+    anew. Where a timing is too busy to tell or the timings disagree
+    (:func:`~verdict.undecided`), the staged model is kept as the stages made it and the speed
+    is unchecked. A half-precision model or autotune's form is judged, not rebuilt (the search
+    builds the passes' float32 form).
 
     Returns:
         The staged model (a new :class:`Staged` where rewrites were undone), the latency of
@@ -54,59 +64,134 @@ def judged(
     """
     budget = _Budget(job.opts.budget_s)
     timed: dict[Path, tuple[Latency, verdict.Comparison | None]] = {}
+    first: list[verdict.Comparison] = []  # the model as optimized against the raw model
 
     def check(path: Path) -> rollback.Rejection | None:
-        first = not timed
-        seconds = budget.seconds if first else budget.seconds / verdict.SEARCH_SLICES
-        disabled = staged.disabled if first else ()
-        timed[path] = timed_against_raw(job, ref, path, seconds, disabled, eager=first)
+        if not timed:
+            *timed[path], why = _as_optimized(job, ref, staged, budget, first)
+            if why is not None:
+                raise _CannotTell(why)
+            return verdict.rejection(timed[path][1])
+        seconds = budget.seconds / verdict.SEARCH_SLICES
+        timed[path] = timed_against_raw(job, ref, path, seconds, min_runs=verdict.MIN_RUNS)
         budget.tested()
-        if first and verdict.rejection(timed[path][1]) is not None:
-            again = timed_against_raw(job, ref, path, seconds, disabled)
-            timed[path] = _confirmed(timed[path], again)
-            budget.tested()
-        return verdict.rejection(timed[path][1])
+        comparison = timed[path][1]
+        if comparison is None or comparison.busy is not None:
+            raise _CannotTell(APART if comparison is None else verdict.undecided([comparison]))
+        return verdict.rejection(comparison)
+
+    def unchecked(why: str) -> tuple[Staged, Latency, verdict.Speed]:
+        speed = verdict.Speed(why, *first[:1], first[1:], models_timed=budget.timings)
+        return staged, timed[staged.path][0], speed
 
     not_rebuilt = _not_rebuilt(staged)
-    if not_rebuilt is not None:
-        check(staged.path)
-        latency, comparison = timed[staged.path]
-        kept = not_rebuilt if comparison is not None and comparison.slower else None
-        return staged, latency, _speed(comparison, comparison, [], 1, kept)
-    always = (
-        frozenset(u.rewrite for u in staged.rollback.undone) if staged.rollback else frozenset()
-    )
-    outcome = rollback.roll_back(
-        staged.path,
-        staged.fusions,
-        rewrite.builder(job, ref, work, "speed", always),
-        check,
-        tolerated=(Code.SLOWER_HERE,),
-        afford=budget.affords,
-    )
+    try:
+        if not_rebuilt is not None:
+            slower = check(staged.path) is not None
+            latency, comparison = timed[staged.path]
+            kept = not_rebuilt if slower else None
+            speed = verdict.Speed(
+                None, first[0], first[1:], comparison, [], None, budget.timings, kept
+            )
+            return staged, latency, speed
+        always = (
+            frozenset(u.rewrite for u in staged.rollback.undone) if staged.rollback else frozenset()
+        )
+        outcome = rollback.roll_back(
+            staged.path,
+            staged.fusions,
+            rewrite.builder(job, ref, work, "speed", always),
+            check,
+            tolerated=(Code.SLOWER_HERE,),
+            afford=budget.affords,
+        )
+    except _CannotTell as err:
+        return unchecked(str(err))
+    head_to_head, why = _head_to_head(job, ref, staged, outcome, budget)
+    if why is not None:
+        return unchecked(why)
     latency, published = timed[outcome.path]
-    first = timed[staged.path][0].timings  # PyTorch, timed alone, with the first only
-    latency.timings = {k: t for k, t in first.items() if k == "pytorch_eager"} | latency.timings
+    eager = timed[staged.path][0].timings  # PyTorch, timed alone, with the first only
+    latency.timings = {k: t for k, t in eager.items() if k == "pytorch_eager"} | latency.timings
     kept = None
     if outcome.unexplained is not None:
         kept = "no rewrite is to blame: the model built with none was slower too"
-    result = _speed(timed[staged.path][1], published, outcome.undone, outcome.checks, kept)
-    return _keep(ref, staged, outcome), latency, result
+    if published is not None and published.slower and kept is None:
+        kept = "every rewrite undone; the model with none, timed not slower before, was now"
+    speed = verdict.Speed(
+        None, first[0], first[1:], published, outcome.undone, head_to_head, budget.timings, kept
+    )
+    return _keep(ref, staged, outcome), latency, speed
 
 
-def _confirmed(
-    first: tuple[Latency, verdict.Comparison | None],
-    again: tuple[Latency, verdict.Comparison | None],
-) -> tuple[Latency, verdict.Comparison | None]:
-    """The timing of the model as the stages made it, where its first timing found it slower:
-    ``again`` (a second one, of as many seconds), with PyTorch's time from ``first``. The search
-    starts only where the second says slower too: a burst of the machine's load can put one
-    timing's interval past the A/A controls' spread, two in a row far more rarely, and a search
-    started on noise would undo rewrites that are not slower."""
-    latency, comparison = again
-    eager = {k: t for k, t in first[0].timings.items() if k == "pytorch_eager"}
-    latency.timings = eager | latency.timings
-    return latency, comparison
+#: What the model as optimized is timed against where the search undid rewrites.
+WITHOUT = "the time of the model without them"
+
+
+class _CannotTell(Exception):
+    """A timing that cannot judge the model (too busy, the models timed apart, timings in
+    disagreement: :func:`normexport.verdict.speed.undecided`): the speed is unchecked and the
+    model kept as the stages made it."""
+
+
+def _as_optimized(
+    job: Job, ref: RawModel, staged: Staged, budget: _Budget, comparisons: list
+) -> tuple[Latency, verdict.Comparison | None, str | None]:
+    """The model as the stages made it timed against the raw model (``--budget`` seconds, with
+    PyTorch eager first), and again, each time in fresh sessions and rounds, for
+    :data:`~verdict.MIN_RUNS` rounds at least, while :func:`~verdict.another` asks; each
+    comparison appended to ``comparisons``. A burst of the machine's load can put one timing's
+    interval past the A/A controls' spread, two in a row far more rarely, and a search started
+    on noise would undo rewrites that are not slower.
+
+    Returns:
+        The last timing's latency (PyTorch's from the first) and comparison, and why they
+        cannot judge the model (:data:`APART`, or :func:`~verdict.undecided`'s reason) or None.
+    """
+    seconds, disabled = budget.seconds, staged.disabled
+    latency, comparison = timed_against_raw(job, ref, staged.path, seconds, disabled, eager=True)
+    budget.tested()
+    eager = {k: t for k, t in latency.timings.items() if k == "pytorch_eager"}
+    while comparison is not None:
+        comparisons.append(comparison)
+        if not verdict.another(comparisons):
+            return latency, comparison, verdict.undecided(comparisons)
+        latency, comparison = timed_against_raw(
+            job, ref, staged.path, seconds, disabled, min_runs=verdict.MIN_RUNS
+        )
+        latency.timings = eager | latency.timings
+        budget.tested()
+    return latency, None, APART
+
+
+def _head_to_head(
+    job: Job, ref: RawModel, staged: Staged, outcome: rollback.Outcome, budget: _Budget
+) -> tuple[verdict.Comparison | None, str | None]:
+    """Where the search undid rewrites, an independent timing of what it found: the model as
+    optimized against the model without them (``--budget`` seconds, fresh sessions,
+    :data:`~verdict.MIN_RUNS` rounds at least), and why they must not be undone (it does not
+    call the model as optimized slower, or cannot tell), or None; (None, None) where nothing
+    was undone."""
+    if not outcome.undone:
+        return None, None
+    base = (outcome.path, WITHOUT)
+    seconds, disabled = budget.seconds, staged.disabled
+    _, comparison = timed_against_raw(
+        job, ref, staged.path, seconds, disabled, min_runs=verdict.MIN_RUNS, base=base
+    )
+    budget.tested()
+    if comparison is None:
+        why: str | None = APART
+    else:
+        why = verdict.undecided([comparison])
+        if why is None and not comparison.slower:
+            why = comparison.message()
+    if why is None:
+        return comparison, None
+    return comparison, (
+        f"the search found {len(outcome.undone)} rewrite(s) slower, but the model as optimized, "
+        f"timed against the model without them, was not: {why}"
+    )
 
 
 def _keep(ref: RawModel, staged: Staged, outcome: rollback.Outcome) -> Staged:
@@ -123,22 +208,6 @@ def _keep(ref: RawModel, staged: Staged, outcome: rollback.Outcome) -> Staged:
     return dataclasses.replace(staged, fusions=fusions, checker=checker, verified=None)
 
 
-def _speed(
-    as_optimized: verdict.Comparison | None,
-    published: verdict.Comparison | None,
-    undone: list[rollback.Undone],
-    timings: int,
-    kept: str | None,
-) -> verdict.Speed:
-    """The verdict's report: unchecked where the models were timed apart (:data:`APART`); a
-    published model still slower after the search is one timed so where the model with no
-    rewrite was not (every rewrite undone: the machine's noise)."""
-    if published is not None and published.slower and kept is None:
-        kept = "every rewrite undone; the model with none, timed not slower before, was now"
-    unchecked = None if as_optimized is not None else APART
-    return verdict.Speed(unchecked, as_optimized, published, undone, timings, kept)
-
-
 def _not_rebuilt(staged: Staged) -> str | None:
     """Why the search cannot rebuild the staged model (it builds the passes' float32 form), or
     None."""
@@ -151,15 +220,17 @@ def _not_rebuilt(staged: Staged) -> str | None:
 
 class _Budget:
     """The search's time, from the end of the first timing: ``seconds`` (``--budget``) in
-    all, builds included."""
+    all, builds included; ``timings``: the timings so far, the first included."""
 
     def __init__(self, seconds: float):
         self.seconds = seconds
+        self.timings = 0
         self._start: float | None = None
         self._tests = 0
 
     def tested(self) -> None:
         """Count a timing (the first one starts the search's clock)."""
+        self.timings += 1
         if self._start is None:
             self._start = time.perf_counter()
         else:
@@ -182,11 +253,14 @@ def timed_against_raw(
     budget_s: float,
     disabled: tuple[str, ...] = (),
     eager: bool = False,
+    min_runs: int = MIN_ROUNDS,
+    base: tuple[Path, str] | None = None,
 ) -> tuple[Latency, verdict.Comparison | None]:
-    """The raw model and the model at ``path`` (run with ORT's ``disabled`` optimizers) on the
-    example inputs, timed interleaved for ``budget_s`` seconds in ORT_ENABLE_ALL sessions (what
-    a deployment runs), and with ``eager`` PyTorch eager first (where there is a module), alone,
-    for a quarter of it; ms. PyTorch and ONNX Runtime get the same number of threads
+    """The raw model (or ``base``: another model's file, and whose time it is in words) and the
+    model at ``path`` (run with ORT's ``disabled`` optimizers) on the example inputs, timed
+    interleaved for ``budget_s`` seconds (``min_runs`` rounds at least) in ORT_ENABLE_ALL
+    sessions (what a deployment runs), and with ``eager`` PyTorch eager first (where there is a
+    module), alone, for a quarter of it; ms. PyTorch and ONNX Runtime get the same number of threads
     (``job.threads``: ``--threads``, else the cores this process may run on): each with its
     default beside the other's pool oversubscribes the cores and times the contention. PyTorch
     is not timed in the ONNX models' rounds: there its thread pool slowed the ORT call after it,
@@ -206,8 +280,9 @@ def timed_against_raw(
     threads, provider, feeds = job.threads, job.provider, job.sets["example"]
     # Spinning off: these sessions are timed interleaved with each other.
     session = functools.partial(runtime.make_session, spinning=False, threads=threads)
+    base_path, against = base or (ref.path, "the raw model's time")
     opens = {
-        "ort_raw": lambda: session(ref.path, provider),
+        "ort_raw": lambda: session(base_path, provider),
         "ort_optimized": lambda: session(path, provider, disabled_optimizers=disabled),
     }
     timings: dict = {}
@@ -215,21 +290,21 @@ def timed_against_raw(
         progress.step("pytorch_eager")
         run = Eager(job.loaded.module)
         calls = {"pytorch_eager": lambda: run([feeds[n] for n in job.feed_names])}
-        timings |= _timed(calls, threads, budget_s / 4)
+        timings |= _timed(calls, threads, budget_s / 4, MIN_ROUNDS)
         budget_s -= budget_s / 4
     copies, apart = runtime_memory.copies_that_fit([ref.path, path], provider, most=2)
     groups = [list(opens)] if apart is None else [[name] for name in opens]
     for group in groups:
         progress.step(", ".join(group) + (", interleaved" if len(group) > 1 else ""))
         opened = counterbalanced({name: opens[name] for name in group}, copies)
-        timings |= _timed(_twice(opened, feeds), threads, budget_s / len(groups))
+        timings |= _timed(_twice(opened, feeds), threads, budget_s / len(groups), min_runs)
         opened = None  # one group's sessions at a time
         runtime_memory.give_back()
     pairs = {name: [timings.pop(f"{name}#{i}") for i in (0, 1)] for name in opens}
     comparison = None
     if apart is None:
         timings["ort_raw"], timings["ort_optimized"], comparison = verdict.compare(
-            pairs["ort_raw"], pairs["ort_optimized"]
+            pairs["ort_raw"], pairs["ort_optimized"], against
         )
     else:  # timed apart: each model's own mean over its calls, no pairing across models
         for name, pair in pairs.items():
@@ -249,17 +324,12 @@ def _twice(opened: dict, feeds: dict) -> dict:
     return calls
 
 
-#: The fewest timed rounds of the main job's latency: the budget (``--budget``) decides above
-#: it, and a model whose rounds take longer is timed past the budget (each timing says which
-#: bound decided, :attr:`normexport.runtime.latency.Timing.bound`).
-MIN_ROUNDS = 5
-
-
-def _timed(timed: dict, threads: int, budget_s: float) -> dict:
-    """:func:`time_interleaved` of ``timed`` with PyTorch on ``threads`` threads meanwhile."""
+def _timed(timed: dict, threads: int, budget_s: float, min_runs: int) -> dict:
+    """:func:`time_interleaved` of ``timed`` (``min_runs`` rounds at least) with PyTorch on
+    ``threads`` threads meanwhile."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return dict(time_interleaved(timed, budget_s=budget_s, min_runs=MIN_ROUNDS))
+        return dict(time_interleaved(timed, budget_s=budget_s, min_runs=min_runs))
     finally:
         torch.set_num_threads(before)

@@ -55,7 +55,8 @@ def render_speed(speed: Speed, console: Console) -> None:
     """The latency verdict in a line (and one line per rewrite undone): unchecked and why,
     kept as optimized, slower rewrites undone, or slower and kept, and why."""
     if speed.unchecked is not None:
-        console.print(f"[yellow]speed unchecked[/]: {speed.unchecked}")
+        kept = "; published as the stages made it" if speed.as_optimized is not None else ""
+        console.print(f"[yellow]speed unchecked[/]: {speed.unchecked}{kept}")
         return
     first, published = speed.as_optimized, speed.published
     timed = f"{speed.models_timed} model(s) timed"
@@ -64,8 +65,10 @@ def render_speed(speed: Speed, console: Console) -> None:
         return
     if speed.undone:
         console.print(
-            f"[yellow]slower here[/]: as optimized {first.message()}; undid "
-            f"{len(speed.undone)} rewrite(s) ({timed}), published: {published.message()}"
+            f"[yellow]slower here[/]: as optimized {first.message()}, {len(speed.again)} "
+            f"timing(s) more agreed; undid {len(speed.undone)} rewrite(s) ({timed}), "
+            f"published: {published.message()}; as optimized against it: "
+            f"{speed.head_to_head.message()}"
         )
         for u in speed.undone:
             console.print(f"  {u.rewrite.kind} at {u.rewrite.node!r}: {u.rejection.message}")

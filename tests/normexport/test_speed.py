@@ -12,7 +12,9 @@ speed of the machine's: only that such a slowdown is found, and what the run did
 
 from __future__ import annotations
 
+import contextlib
 import json
+import multiprocessing
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +26,18 @@ import normexport
 from fusion import Code
 from models.broken import slowed
 from normexport import cli
+from normexport.pipeline import timing
 from normexport.runtime.latency import Timing
-from normexport.verdict.speed import NOT_TIMED, compare, rejection
+from normexport.verdict.speed import (
+    MAX_MARGIN,
+    MIN_RUNS,
+    NOT_TIMED,
+    Comparison,
+    another,
+    compare,
+    rejection,
+    undecided,
+)
 from tests.support.graphs import make_model
 
 #: Rows, features, channels: a graph of about a tenth of a millisecond, whose sessions differ by
@@ -93,6 +105,115 @@ def test_slower_only_beyond_the_controls_spread():
         compare(raw[:1], raw)
 
 
+def _comparison(ratio: float, runs: int, noise: float, seed: int = 0) -> Comparison:
+    """A made-up timing: the model ``ratio`` times the raw model's time over ``runs`` rounds,
+    every call off by up to ``noise`` (relative, uniform), so the A/A controls' margin grows
+    with it."""
+    rng = np.random.default_rng(seed)
+    base = 1.0 + 0.2 * rng.random(runs)
+
+    def calls(scale: float) -> Timing:
+        return Timing.from_samples(scale * base * (1 + noise * rng.uniform(-1, 1, runs)))
+
+    return compare([calls(1.0), calls(1.0)], [calls(ratio), calls(ratio)])[2]
+
+
+def test_slower_only_on_agreeing_timings_of_enough_rounds_on_a_machine_that_can_tell():
+    """The brief's loaded run: one timing of 13 rounds calling the model 1.07x slower, its
+    controls tight. It undoes nothing alone: another timing of MIN_RUNS rounds is asked for,
+    then a third (the first has too few rounds to count); one that disagrees or is too busy
+    leaves the speed unchecked (the model kept as the stages made it)."""
+    burst = _comparison(1.07, 13, 0.005)
+    assert burst.slower and burst.margin < 0.05 and burst.ratio.runs < MIN_RUNS
+    assert another([burst]) and undecided([burst]) is None
+    slower = _comparison(1.5, MIN_RUNS, 0.01, seed=1)
+    assert slower.slower and another([burst, slower])  # the 13 rounds do not count
+    assert not another([burst, slower, slower]) and undecided([burst, slower, slower]) is None
+    quiet = _comparison(1.0, MIN_RUNS, 0.01, seed=2)
+    assert not quiet.slower and not another([burst, quiet]) and not another([quiet])
+    assert undecided([quiet]) is None  # not slower: kept as optimized, checked
+    why = undecided([burst, quiet])
+    assert why.startswith("the timings disagree") and "slower: 1.07x" in why
+    assert "not slower: 0.999x" in why and "13 rounds" in why
+    busy = _comparison(3.0, MIN_RUNS, 0.9, seed=3)  # sessions of one model 2x apart
+    assert busy.margin > MAX_MARGIN and busy.busy is not None and quiet.busy is None
+    assert not another([burst, busy]) and not another([busy])
+    assert undecided([busy]).startswith("the machine was too busy to tell (A/A controls")
+    assert undecided([burst, busy]) == undecided([busy])
+    with pytest.raises(ValueError, match="at least one"):
+        undecided([])
+
+
+def test_a_load_burst_in_the_first_timings_undoes_nothing(tmp_path, out_dir, rng, capsys):
+    """The timings the pipeline takes, with the first two of the model as optimized replaced by
+    the brief's loaded one (1.07x over 13 rounds, A/A controls within ±0.03; the rest real): the
+    third, in fresh sessions, disagrees, so the very file a run without timing writes is
+    published, the speed unchecked. (Trusting the two, the search undid every rewrite: every
+    model it built was timed, really, not slower.)"""
+    model = _layernorm_matmul_bn(tmp_path / "in" / "m.onnx", rng)
+    plain = normexport.optimize(model, output=out_dir / "a.onnx", benchmark=False)
+    real, bursts = timing.timed_against_raw, []
+
+    def loaded(job, ref, path, *args, **kwargs):
+        latency, comparison = real(job, ref, path, *args, **kwargs)
+        if path.name == "b.onnx" and len(bursts) < 2:
+            bursts.append(_comparison(1.07, 13, 0.005))
+            return latency, bursts[-1]
+        return latency, comparison
+
+    args = [str(model), "-o", str(out_dir / "b.onnx"), "--provider", "cpu", "--budget", "0.5"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timing, "timed_against_raw", loaded)
+        assert cli.main([*args, "--report", str(tmp_path / "r.json")]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    speed = json.loads((tmp_path / "r.json").read_text())["speed"]
+    assert (out_dir / "b.onnx").read_bytes() == plain.output.read_bytes(), speed
+    assert len(bursts) == 2 and speed["models_timed"] == 3, speed
+    assert not speed["checked"] and speed["undone"] == [] and speed["published"] is None
+    assert speed["as_optimized"]["slower"] and speed["again"][0]["slower"]
+    assert not speed["again"][1]["slower"] and speed["again"][1]["ratio"]["runs"] >= MIN_RUNS
+    assert speed["unchecked"].startswith("the timings disagree")
+    assert "speed unchecked: the timings disagree" in text
+    assert "published as the stages made it" in text
+
+
+def _spin(stop) -> None:
+    """A busy process: spins on a core until ``stop`` is set."""
+    while not stop.is_set():
+        pass
+
+
+@contextlib.contextmanager
+def _busy_machine(workers: int = 2):
+    """``workers`` processes spinning beside the caller (2: every core of a 2-core machine)."""
+    context = multiprocessing.get_context("fork")
+    stop = context.Event()
+    spinning = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(workers)]
+    for process in spinning:
+        process.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for process in spinning:
+            process.join(5)
+
+
+def test_a_busy_machine_publishes_the_model_a_quiet_one_does(tmp_path, out_dir, rng):
+    """Two processes spinning on the cores while the model is timed (a short budget: few
+    rounds, the loaded case): the very file a run without timing writes, nothing undone,
+    whether the verdict could tell (not slower) or not (unchecked, and why)."""
+    model = _layernorm_matmul_bn(tmp_path / "in" / "m.onnx", rng)
+    plain = normexport.optimize(model, output=out_dir / "a.onnx", benchmark=False)
+    args = [str(model), "-o", str(out_dir / "b.onnx"), "--provider", "cpu", "--budget", "0.3"]
+    with _busy_machine():
+        assert cli.main([*args, "--report", str(tmp_path / "r.json")]) == 0
+    speed = json.loads((tmp_path / "r.json").read_text())["speed"]
+    assert (out_dir / "b.onnx").read_bytes() == plain.output.read_bytes(), speed
+    assert speed["undone"] == [] and speed["head_to_head"] is None
+    assert speed["checked"] or speed["unchecked"].startswith("the "), speed
+
+
 def test_a_rewrite_made_slower_is_undone(tmp_path, out_dir, rng, capsys):
     """The fused LayerNormalization made some ten times slower (exactly): the verdict finds
     it, undoes it (``slower_here`` with the ratio and its interval) and publishes the model
@@ -153,8 +274,10 @@ def test_no_benchmark_says_the_speed_is_unchecked(tmp_path, rng, capsys):
         "checked": False,
         "unchecked": NOT_TIMED,
         "as_optimized": None,
+        "again": [],
         "published": None,
         "undone": [],
+        "head_to_head": None,
         "models_timed": 0,
         "kept_slower": None,
     }
