@@ -135,11 +135,15 @@ def test_slower_only_on_agreeing_timings_of_enough_rounds_on_a_machine_that_can_
     why = undecided([burst, quiet])
     assert why.startswith("the timings disagree") and "slower: 1.07x" in why
     assert "not slower: 0.999x" in why and "13 rounds" in why
-    busy = _comparison(3.0, MIN_RUNS, 0.9, seed=3)  # sessions of one model 2x apart
-    assert busy.margin > MAX_MARGIN and busy.busy is not None and quiet.busy is None
+    busy = _comparison(1.3, MIN_RUNS, 0.9, seed=3)  # sessions of one model 2x apart
+    assert busy.margin > MAX_MARGIN and not busy.slower
+    assert busy.busy is not None and quiet.busy is None
     assert not another([burst, busy]) and not another([busy])
     assert undecided([busy]).startswith("the machine was too busy to tell (A/A controls")
     assert undecided([burst, busy]) == undecided([busy])
+    clear = _comparison(8.0, MIN_RUNS, 0.9, seed=4)  # slower beyond even that margin
+    assert clear.margin > MAX_MARGIN and clear.slower and clear.busy is None
+    assert another([clear]) and not another([clear, clear]) and undecided([clear, clear]) is None
     with pytest.raises(ValueError, match="at least one"):
         undecided([])
 
