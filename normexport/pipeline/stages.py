@@ -67,7 +67,7 @@ def run(opts: Options) -> Report:
         if memory.said:
             progress.say(memory.line)
         with files.work_folder(output) as work:
-            ref, judge = _reference(job, raw, work, memory.block_bytes)
+            ref, judge, job = _reference(job, raw, work, memory.block_bytes)
             weights = external.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
                 staged = rewrite.optimize(job, raw, ref, judge, work)
@@ -87,10 +87,11 @@ def run(opts: Options) -> Report:
 
 def _reference(
     job: Job, raw: ir.Model, work: Path, block_bytes: int | None
-) -> tuple[RawModel, Judge]:
+) -> tuple[RawModel, Judge, Job]:
     """The reference stage: the reference model on file, and the parity judge with every
     reference run on every input set, one model (or one block: ``block_bytes``, the memory
-    plan's) at a time, each freed before the passes.
+    plan's) at a time, each freed before the passes; and the job, with the example inputs the
+    input file runs on (:func:`normexport.pipeline.raw_model.raw_model`).
 
     Raises:
         UsageError: ``--last-token-logits`` where the verdict runs block by block.
@@ -102,7 +103,7 @@ def _reference(
             "available): run it where more memory is free, or without --last-token-logits"
         )
     with progress.stage("reference"):
-        ref = raw_model.raw_model(job, raw, work)
+        ref, job = raw_model.raw_model(job, raw, work)
         judge = Judge(
             loaded=job.loaded,
             raw=ref.runs,
@@ -119,7 +120,7 @@ def _reference(
             last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))
-    return ref, judge
+    return ref, judge, job
 
 
 def _latency(
@@ -183,7 +184,7 @@ def _report(
         parity=parity,
         provider=runtime.PROVIDERS[job.provider][0],
         provider_note=job.provider_note,
-        notes=list(job.loaded.notes),
+        notes=job.notes,
         latency=latency,
         autotune=staged.tuned,
         precision=staged.precision,
