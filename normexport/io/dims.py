@@ -3,7 +3,7 @@
 names' defaults, expressions of names (Optimum writes ``past_sequence_length +
 sequence_length``), and the sizes normexport picks where none is given (:func:`tries`: one size
 per name across the inputs, larger ones where the model refuses the first);
-docs/model-files.md#example-inputs.
+docs/model-files.md#sizes-normexport-picks.
 """
 
 from __future__ import annotations
@@ -126,10 +126,8 @@ def check_given(given: Mapping[str, int], inputs: Sequence[ir.Value], path: str)
 
 
 #: The sizes tried, in order, for an axis normexport sizes itself: a sequence's or samples'
-#: axis, and a spatial axis of an image (axes 2 and 3 of a 4-D input: networks downsample by up
-#: to 32, docs/model-files.md#example-inputs). The first is the size taken; the next where the
-#: model refuses it (a window, a kernel, a minimum length). A usual name's default grows by the
-#: same factors (16 times each try); a batch stays 1.
+#: axis, and a spatial axis of an image (axes 2 and 3 of a 4-D input); why these:
+#: docs/model-files.md#sizes-normexport-picks.
 LADDER = (16, 256, 4096)
 IMAGE_LADDER = (64, 256, 1024)
 

@@ -171,7 +171,7 @@ def _has_numpy(dtype: ir.DataType) -> bool:
 class Sizing:
     """An ONNX model's example input specs, try by try (:func:`onnx_input_specs`): the sizes
     normexport picked for the axes given none, and the larger ones it tries where the model
-    refuses them (docs/model-files.md#example-inputs).
+    refuses them (docs/model-files.md#sizes-normexport-picks).
 
     Attributes:
         tries: ``(specs, sizes)`` per try, in order (:func:`normexport.io.dims.tries`); the

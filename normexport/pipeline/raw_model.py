@@ -115,7 +115,7 @@ def _runs(job: Job, raw: Recorded, path: Path, model: ir.Model) -> Job:
     """Run the input file on the example inputs, before anything is optimized: a model that
     ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
     user's to fix, not a parity failure. Where it refuses the sizes normexport picked (a
-    window, a kernel longer than them), the next larger ones are tried (said on the terminal:
+    window, a kernel longer than them), the next larger ones are tried (on the live display:
     :func:`normexport.pipeline.job.larger`), until one runs or none is left.
 
     Returns:
@@ -144,11 +144,9 @@ def _runs(job: Job, raw: Recorded, path: Path, model: ir.Model) -> Job:
                 f"{path}: ONNX Runtime cannot run this model {given} on inputs {shapes} "
                 f"({error}); {_hint(job)}"
             ) from None
-        grown = job.sizing.grown()
-        progress.say(
-            f"{path}: the model does not run at {_sizes(job.sizing.picked, grown)} ({error}); "
-            f"trying {_sizes(bigger.sizing.picked, grown)}"
-        )
+        grown = job.sizing.grown()  # on the live display only: stderr holds errors alone
+        refused, tried = _sizes(job.sizing.picked, grown), _sizes(bigger.sizing.picked, grown)
+        progress.step(f"{refused} refused: trying {tried}")
         job = bigger
 
 
