@@ -75,6 +75,16 @@ def test_dim_sets_every_axis_of_that_name_and_their_sums(tmp_path, out_dir, rng)
     assert not [n for n in report["notes"] if "sizes normexport picked" in n]
 
 
+def test_a_shape_given_sizes_its_names_in_the_other_inputs(tmp_path, out_dir, rng):
+    """``--input-shape x=2x3x8`` sizes ``batch_size`` and ``sequence_length`` in the mask too
+    (it got the usual 1 and 16 + 16: two sizes for one name)."""
+    path = _decoder_inputs(tmp_path / "in" / "m.onnx", rng)
+    argv = [str(path), "-o", str(out_dir / "m.onnx"), "--input-shape", "x=2x3x8"]
+    code, report = _run(argv, tmp_path)
+    assert code == EXIT_OK and report["inputs"]["mask"]["shape"] == [2, 19]  # 16 past + 3
+    assert "past_sequence_length=16" in _picked(report) and "batch" not in _picked(report)
+
+
 def test_axes_of_other_names_are_picked_and_said(tmp_path, out_dir, rng):
     """An axis of a name with no default gets the size suggested before (16) and runs; the
     report's note says so (it was exit 2 with a command to copy)."""
