@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.cuda_graph and provider != "cuda":
         why = "not --provider cpu" if opts.provider == "cpu" else "and it is not in use here"
         raise UsageError(f"--cuda-graph needs the CUDA provider, {why}")
-    loaded, example, raw, _ = prepare(opts)
+    loaded, example, raw, *_ = prepare(opts)
     files.refuse_overwriting(external.input_files(loaded.path, loaded.onnx_model), writes)
     batches, seqs, sweep_note = _narrowed(raw, example, batches, seqs, loaded.kind, opts, args)
     if sweep_note:

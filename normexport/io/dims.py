@@ -1,19 +1,15 @@
 """Sizes for the symbolic axes of an ONNX model's inputs, by name: ``--dim NAME=SIZE``
-(ONNX Runtime's free-dimension override, by name), the usual names' defaults, and expressions
-of them (Optimum writes ``past_sequence_length + sequence_length``).
-
-A symbolic axis gets, in order: the size ``--dim`` gives its name; the size of an expression of
-names (``+``, ``-``, ``*``, ``//`` and integers) whose names have sizes; the default of a usual
-name (:data:`USUAL`: the batch, sequence and past sequence axes as Optimum, ONNX Runtime's
-tools and ``torch.onnx.export``'s ``dynamic_axes`` name them; the report says which it used);
-a first axis of any other name is 1 (a batch). Any other axis has no size, and one error names
-every input with its symbolic axes and gives a command to copy.
+(ONNX Runtime's free-dimension override, by name), the sizes of the shapes given, the usual
+names' defaults, expressions of names (Optimum writes ``past_sequence_length +
+sequence_length``), and the sizes normexport picks where none is given (:func:`tries`: one size
+per name across the inputs, larger ones where the model refuses the first);
+docs/model-files.md#sizes-normexport-picks.
 """
 
 from __future__ import annotations
 
 import ast
-import shlex
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
@@ -63,11 +59,6 @@ def _name(dim: object) -> str | None:
     return str(dim)
 
 
-def _shown(dim: object) -> str:
-    """An axis as the error lists it: its size, name or expression, ``?`` where unnamed."""
-    return str(dim) if isinstance(dim, int) else _name(dim) or "?"
-
-
 def names(dim: object) -> list[str]:
     """The names a symbolic axis is made of (its own, or those of its expression); none for
     an int or an unnamed axis."""
@@ -80,10 +71,10 @@ def names(dim: object) -> list[str]:
     return [n.id for n in ast.walk(tree) if isinstance(n, ast.Name)] or [str(dim)]
 
 
-def size(dim: object, given: Mapping[str, int], defaulted: dict[str, int]) -> int | None:
-    """The size of axis ``dim`` (an int, or a symbolic one) from ``given`` sizes, expressions
-    of them and :data:`USUAL` (each default used is recorded in ``defaulted``); None where it
-    has none (a negative size, as Paddle's exporter writes ``-1`` for an axis of any size)."""
+def size(dim: object, given: Mapping[str, int]) -> int | None:
+    """The size of axis ``dim`` (an int, or a symbolic one) from ``given`` sizes by name and
+    expressions of them; None where it has none (an unknown name, a size below 1, or a negative
+    int: Paddle's exporter writes ``-1`` for an axis of any size)."""
     if isinstance(dim, int):
         return dim if dim >= 0 else None
     text = _name(dim)
@@ -92,8 +83,8 @@ def size(dim: object, given: Mapping[str, int], defaulted: dict[str, int]) -> in
     if text in given:
         return given[text]
     try:
-        value = _evaluate(ast.parse(text, mode="eval").body, given, defaulted)
-    except (SyntaxError, KeyError, ValueError):
+        value = _evaluate(ast.parse(text, mode="eval").body, given)
+    except (SyntaxError, KeyError, ValueError, ZeroDivisionError):
         return None
     return value if value > 0 else None
 
@@ -106,22 +97,15 @@ _OPS = {
 }
 
 
-def _evaluate(node: ast.AST, given: Mapping[str, int], defaulted: dict[str, int]) -> int:
+def _evaluate(node: ast.AST, given: Mapping[str, int]) -> int:
     """An axis expression's value. Raises KeyError (an unknown name), ValueError (anything but
     names, integers and ``+ - * //``)."""
     if isinstance(node, ast.Name):
-        if node.id in given:
-            return given[node.id]
-        defaulted[node.id] = USUAL[node.id]
-        return USUAL[node.id]
+        return given[node.id]
     if isinstance(node, ast.Constant) and isinstance(node.value, int):
         return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
-        left, right = (
-            _evaluate(node.left, given, defaulted),
-            _evaluate(node.right, given, defaulted),
-        )
-        return _OPS[type(node.op)](left, right)
+        return _OPS[type(node.op)](_evaluate(node.left, given), _evaluate(node.right, given))
     raise ValueError(ast.dump(node))
 
 
@@ -141,56 +125,107 @@ def check_given(given: Mapping[str, int], inputs: Sequence[ir.Value], path: str)
             )
 
 
-#: The size suggested for a spatial axis of an image (axes 2 and 3 of a 4-D input): networks
-#: downsample by up to 32 (ResNet, MobileNet, YOLO's P5), so 16 or 32 leaves an empty tensor (the
-#: PaddleOCR classifier's outputs came out constant at 16 and 32), 64 a 2 x 2 grid; any other
-#: axis gets :data:`SUGGESTED_SIZE`.
-SUGGESTED_IMAGE_SIZE = 64
-SUGGESTED_SIZE = 16
+#: The sizes tried, in order, for an axis normexport sizes itself: a sequence's or samples'
+#: axis, and a spatial axis of an image (axes 2 and 3 of a 4-D input); why these:
+#: docs/model-files.md#sizes-normexport-picks.
+LADDER = (16, 256, 4096)
+IMAGE_LADDER = (64, 256, 1024)
 
 
-def _suggested(value: ir.Value, axis: int) -> int:
-    """The size suggested for ``value``'s ``axis``: a batch of 1, an image's
-    :data:`SUGGESTED_IMAGE_SIZE`, else :data:`SUGGESTED_SIZE`."""
-    if axis == 0:
-        return 1
-    return SUGGESTED_IMAGE_SIZE if len(value.shape) == 4 and axis >= 2 else SUGGESTED_SIZE
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """One try of sizes for the symbolic axes of an ONNX model's inputs (:func:`tries`).
 
+    Attributes:
+        names: axis name -> size, for every name of the inputs' axes (given or not).
+        unnamed: ``(input name, axis)`` -> size, for the axes with no name (``None``, ``-1``,
+            or an expression with no positive value).
+        picked: what normexport chose, as the report says it: ``name`` or ``input[axis]`` ->
+            size, the names first (empty where every size was given or fixed by the file).
+    """
 
-def _axes(value: ir.Value, name: str) -> list[int]:
-    """The axes of ``value`` whose size is or depends on the symbolic ``name``."""
-    shape = value.shape if value.shape is not None else ()
-    return [axis for axis, d in enumerate(shape) if name in names(d)]
+    names: dict[str, int]
+    unnamed: dict[tuple[str, int], int]
+    picked: dict[str, int]
 
-
-def missing(
-    path: str, inputs: Sequence[ir.Value], unknown: Iterable[str], unnamed: Sequence[ir.Value]
-) -> UsageError:
-    """The one error for axes with no size: every input with its symbolic axes, and a
-    command that gives each unknown name a size (``--dim``) and each input with an unnamed
-    axis its shape (``--input-shape``), quoted for a POSIX shell (Paddle names axes ``?``)."""
-    listed = [
-        f"{v.name} ({', '.join(_shown(d) for d in v.shape)})"
-        for v in inputs
-        if v.shape is not None and any(not isinstance(d, int) for d in v.shape)
-    ]
-    sizes = {
-        name: max(
-            (_suggested(v, axis) for v in inputs for axis in _axes(v, name)), default=SUGGESTED_SIZE
+    def shape(self, value: ir.Value) -> tuple[int, ...]:
+        """``value``'s shape (it has one) with these sizes, in elements per axis."""
+        return tuple(
+            self.unnamed[(value.name, axis)]
+            if (value.name, axis) in self.unnamed
+            else size(dim, self.names)
+            for axis, dim in enumerate(value.shape)
         )
-        for name in dict.fromkeys(unknown)
-    }
-    flags = [f"--dim {shlex.quote(f'{name}={n}')}" for name, n in sizes.items()]
-    for value in unnamed:  # no name to size it by: its whole shape
-        shape = "x".join(
-            str(d) if isinstance(d, int) and d >= 0 else str(_suggested(value, axis))
-            for axis, d in enumerate(value.shape)
+
+
+#: Names exporters write for an axis they leave unnamed (tf2onnx's ``None``, Paddle's ``?``):
+#: where no ``--dim`` gives them a size, each such axis is sized on its own.
+PLACEHOLDERS = {"None", "?"}
+
+
+def _image_axis(value: ir.Value, axis: int) -> bool:
+    return len(value.shape) == 4 and axis >= 2
+
+
+def tries(inputs: Sequence[ir.Value], given: Mapping[str, int]) -> list[Sizes]:
+    """The sizes to try, in order, for the symbolic axes of ``inputs`` (those with a shape).
+
+    A name has one size wherever it appears: its ``given`` one (``--dim``, the shapes given);
+    else 1 for a batch (a usual batch name, or any input's first axis); else a usual name's
+    default (:data:`USUAL`); else it is picked: :data:`IMAGE_LADDER`'s first size where it is a
+    spatial axis of an image, else :data:`LADDER`'s. An axis with no name (or a
+    :data:`PLACEHOLDERS` one) is a batch of 1 first, else picked alike, on its own. Each
+    further try multiplies every picked and usual size but the batches' by the next step of its
+    ladder (16 times, or 4 times for an image): as many tries as :data:`LADDER` has sizes, one
+    where nothing grows.
+
+    Args:
+        inputs: the graph's inputs (initializers aside).
+        given: axis name -> size the user gave.
+
+    Returns:
+        the tries, the first the sizes taken unless the model refuses them.
+    """
+    shaped = [v for v in inputs if v.shape is not None]
+    batches = {n for n, s in USUAL.items() if s == 1}
+    batches |= {_name(v.shape[0]) for v in shaped if len(v.shape) and names(v.shape[0])}
+    keys: dict[str | tuple[str, int], bool] = {}  # name or (input, axis) -> an image's axis
+    for v in shaped:
+        for axis, dim in enumerate(v.shape):
+            named = [n for n in names(dim) if n not in PLACEHOLDERS or n in given]
+            for key in named if named or size(dim, given) is not None else [(v.name, axis)]:
+                keys[key] = keys.get(key, False) or _image_axis(v, axis)
+    fixed, growing = dict(given), {}  # growing: key -> (base, ladder)
+    for key, image in keys.items():
+        if key in given:
+            continue
+        if key in batches or (isinstance(key, tuple) and key[1] == 0):
+            fixed[key] = 1
+        elif key in USUAL:
+            growing[key] = (USUAL[key], LADDER)
+        else:
+            growing[key] = (IMAGE_LADDER[0], IMAGE_LADDER) if image else (LADDER[0], LADDER)
+    first = fixed | {key: base for key, (base, _) in growing.items()}
+    for v in shaped:  # an expression with no positive value: sized on its own
+        for axis, dim in enumerate(v.shape):
+            if (v.name, axis) not in keys and size(dim, first) is None:
+                keys[(v.name, axis)] = _image_axis(v, axis)
+                ladder = IMAGE_LADDER if _image_axis(v, axis) else LADDER
+                if axis == 0:
+                    fixed[(v.name, axis)] = 1
+                else:
+                    growing[(v.name, axis)] = (ladder[0], ladder)
+    out = []
+    for step in range(len(LADDER) if growing else 1):
+        sized = fixed | {k: base * lad[step] // lad[0] for k, (base, lad) in growing.items()}
+        picked = {k: sized[k] for k in keys if k not in given}
+        out.append(
+            Sizes(
+                names={k: n for k, n in sized.items() if isinstance(k, str)},
+                unnamed={k: n for k, n in sized.items() if isinstance(k, tuple)},
+                picked={
+                    (k if isinstance(k, str) else f"{k[0]}[{k[1]}]"): n for k, n in picked.items()
+                },
+            )
         )
-        flags.append(f"--input-shape {shlex.quote(f'{value.name}={shape}')}")
-    what = (
-        "axes with no size" if not unnamed else "axes with no size (give its shape where unnamed)"
-    )
-    return UsageError(
-        f"{path}: symbolic {what}; its inputs: {'; '.join(listed)}. Give each a size, e.g.: "
-        f"normexport {shlex.quote(path)} {' '.join(flags)}"
-    )
+    return out

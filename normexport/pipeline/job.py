@@ -13,7 +13,7 @@ from normexport import precision
 from normexport.arguments import Options
 from normexport.errors import UsageError
 from normexport.io import files
-from normexport.io.inputs import id_ranges, input_sets
+from normexport.io.inputs import Sizing, example_arrays, id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
 from normexport.report.explain import already_fused
@@ -46,6 +46,8 @@ class Job:
             machine's cores: :func:`normexport.runtime.latency.latency_threads`).
         policy: the fusion policy of the run (:func:`run_policy`): what the passes, the
             rollback's rebuilds and the autotuner's variants run with.
+        sizing: the example's sizes try by try, where normexport made an ONNX file's example
+            (:class:`normexport.io.inputs.Sizing`; :func:`larger`), else None.
     """
 
     opts: Options
@@ -63,6 +65,13 @@ class Job:
     external: bool
     threads: int
     policy: fusion.Policy
+    sizing: Sizing | None = None
+
+    @property
+    def notes(self) -> list[str]:
+        """The report's notes: the loading's, then the sizes normexport picked."""
+        picked = self.sizing.note() if self.sizing is not None else None
+        return [*self.loaded.notes, *([picked] if picked else [])]
 
     @property
     def output_rule(self) -> str:
@@ -74,11 +83,9 @@ class Job:
 def start(opts: Options, output: Path, provider: tuple[str, str | None], prepared: Prepared) -> Job:
     """The :class:`Job` of a prepared model: feed names, the input sets for parity, what the raw
     model holds (read before any pass changes it)."""
-    loaded, example, raw, export = prepared
+    loaded, example, raw, export, sizing = prepared
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
-    sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
-    if opts.precision != "fp32":
-        sets |= precision.overflow_set(sets["example"])
+    sets = _sets(opts, example, feed_names, raw)
     threads = opts.threads or latency_threads()
     return Job(
         opts=opts,
@@ -96,6 +103,7 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         external=files.wants_external_data(raw),
         threads=threads,
         policy=run_policy(opts, raw, provider[0]),
+        sizing=sizing,
     )
 
 
@@ -112,6 +120,28 @@ def fewer_sets(job: Job, count: int | None) -> Job:
     names = [n for n in KEPT_FIRST if n in job.sets]
     names += [n for n in job.sets if n not in names]
     return dataclasses.replace(job, sets={n: job.sets[n] for n in names[:count]})
+
+
+def _sets(opts: Options, example: dict[str, np.ndarray], feed_names: list[str], raw) -> dict:
+    """The parity input sets of ``example`` (:func:`normexport.io.inputs.input_sets`), with the
+    overflow probe for half precision."""
+    sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
+    if opts.precision != "fp32":
+        sets |= precision.overflow_set(sets["example"])
+    return sets
+
+
+def larger(job: Job, raw) -> Job | None:
+    """``job`` with the example inputs of its next, larger try of sizes (where the model
+    refused those normexport picked: :class:`normexport.io.inputs.Sizing`), and the input sets
+    made from them; None where there is no larger try. ``raw``: the onnx_ir model (its tables
+    bound the ids drawn, :func:`normexport.io.inputs.id_ranges`)."""
+    sizing = job.sizing.larger() if job.sizing is not None else None
+    if sizing is None:
+        return None
+    example = example_arrays(sizing.specs, id_ranges(raw))
+    sets = _sets(job.opts, example, job.feed_names, raw)
+    return dataclasses.replace(job, example=example, sets=sets, sizing=sizing)
 
 
 def run_policy(opts: Options, raw, provider: str) -> fusion.Policy:

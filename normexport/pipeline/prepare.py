@@ -17,11 +17,13 @@ from normexport.errors import InputFileError, UsageError
 from normexport.io import examples, external
 from normexport.io.export import ExportError, export_module
 from normexport.io.inputs import (
+    Sizing,
     check_size,
     conform,
     declared_dtypes,
+    example_arrays,
+    id_ranges,
     onnx_input_specs,
-    random_array,
 )
 from normexport.io.load import LoadedModel, load_model
 
@@ -43,12 +45,15 @@ class ExportInfo:
 
 
 class Prepared(NamedTuple):
-    """The loaded model, its example inputs, and its ONNX form before normexport's passes."""
+    """The loaded model, its example inputs, its ONNX form before normexport's passes, and,
+    for an ONNX file whose example inputs normexport made, their sizes try by try (None
+    otherwise)."""
 
     loaded: LoadedModel
     example: dict[str, np.ndarray]
     raw: ir.Model
     export: ExportInfo
+    sizing: Sizing | None = None
 
 
 def prepare(opts: Options) -> Prepared:
@@ -56,8 +61,10 @@ def prepare(opts: Options) -> Prepared:
     the ONNX as it is).
 
     Returns:
-        ``(loaded, example inputs by name, ONNX model before normexport's passes, export)``;
-        ``export.exporter`` is ``"dynamo"``, ``"torchscript"`` or ``"none"`` for ONNX input.
+        ``(loaded, example inputs by name, ONNX model before normexport's passes, export,
+        sizing)``; ``export.exporter`` is ``"dynamo"``, ``"torchscript"`` or ``"none"`` for
+        ONNX input; ``sizing`` the example's sizes try by try, for an ONNX file's example made
+        here (:class:`normexport.io.inputs.Sizing`), else None.
 
     Raises:
         UsageError: a bad option (:func:`normexport.arguments.check_options`), a file that
@@ -80,14 +87,16 @@ def prepare(opts: Options) -> Prepared:
         )
     if loaded.kind == "onnx":
         external.require_external_data(loaded.onnx_model, loaded.path)
-    example = _example_inputs(loaded, opts)
+    example, sizing = _example_inputs(loaded, opts)
     raw, export = _raw_onnx(loaded, example, opts)
-    return Prepared(loaded, example, raw, export)
+    return Prepared(loaded, example, raw, export, sizing)
 
 
-def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]:
+def _example_inputs(
+    loaded: LoadedModel, opts: Options
+) -> tuple[dict[str, np.ndarray], Sizing | None]:
     """Example inputs by name: from ``--inputs``, ``--input-shape``, the file (or the example
-    arguments of an in-memory module), or the graph."""
+    arguments of an in-memory module), or the graph (with its sizes try by try)."""
     specs = list(opts.input_shape)
     if opts.inputs is not None:
         try:
@@ -97,32 +106,25 @@ def _example_inputs(loaded: LoadedModel, opts: Options) -> dict[str, np.ndarray]
             raise UsageError(f"--inputs {opts.inputs}: cannot read it as .npz ({err})") from None
         model = loaded.onnx_model if loaded.kind == "onnx" else loaded.module
         expected = declared_dtypes(model, arrays)
-        return conform(arrays, expected, f"--inputs {opts.inputs}")
-    rng = np.random.default_rng(0)
+        return conform(arrays, expected, f"--inputs {opts.inputs}"), None
     if opts.dim and loaded.kind != "onnx":
         raise UsageError(
             f"--dim sizes the symbolic axes of an ONNX file's inputs; {loaded.path} is a "
             "PyTorch model: give its inputs with --input-shape"
         )
     if loaded.kind == "onnx":
-        specs, defaulted = onnx_input_specs(loaded.onnx_model, specs, str(loaded.path), opts.dim)
-        if defaulted:
-            given = ", ".join(f"{k}={v}" for k, v in defaulted.items())
-            loaded.notes.append(f"symbolic axes given their usual size: {given} (--dim to choose)")
-    elif not specs and loaded.example_inputs is not None:
-        return dict(loaded.example_inputs)
+        sizing = onnx_input_specs(loaded.onnx_model, specs, str(loaded.path), opts.dim)
+        return example_arrays(sizing.specs, id_ranges(loaded.onnx_model)), sizing
+    if not specs and loaded.example_inputs is not None:
+        return dict(loaded.example_inputs), None
     elif not specs:
         raise UsageError(
             f"cannot guess the inputs of {loaded.path} ({loaded.kind.replace('_', ' ')}): add "
             "--input-shape for each input, e.g. --input-shape 1,3,224,224 or "
             "--input-shape input_ids=2x16:int64 (or --inputs FILE.npz)"
         )
-    names = [s.name or (f"input_{i}" if len(specs) > 1 else "input") for i, s in enumerate(specs)]
-    check_size(specs, names)
-    return {
-        name: random_array(dataclasses.replace(s, name=name), rng)
-        for name, s in zip(names, specs, strict=True)
-    }
+    check_size(specs)
+    return example_arrays(specs), None
 
 
 def _raw_onnx(

@@ -8,15 +8,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import onnx_ir as ir
 
-from normexport import runtime
+from normexport import progress, runtime
 from normexport.errors import InputFileError, RunTimedOut, UsageError, one_line
 from normexport.io import files
-from normexport.pipeline.job import Job
+from normexport.pipeline.job import Job, larger
 from normexport.verdict.checker_levels import checker_level
 from normexport.verdict.parity import Recorded
 
@@ -39,28 +37,29 @@ class RawModel:
     checker: tuple[str, str | None] = ("full", None)
 
 
-def raw_model(job: Job, raw: ir.Model, work: Path) -> RawModel:
+def raw_model(job: Job, raw: ir.Model, work: Path) -> tuple[RawModel, Job]:
     """The raw model on file (:class:`RawModel`): for ONNX input the input itself (loaded
     as written, run once on the example, checked; its session freed), else the raw export
-    saved into ``work``.
+    saved into ``work``; and the job, with larger example inputs where the model refused the
+    sizes normexport picked (:func:`_runs`).
 
     Raises:
         InputFileError: ONNX Runtime cannot load the input file.
-        UsageError: ONNX Runtime cannot run the input file as given.
+        UsageError: ONNX Runtime cannot run the input file as given (at any size tried).
     """
     if job.loaded.kind != "onnx":
         path = work / "raw.onnx"
         files.save_model(raw, path, external_data=True)
-        return RawModel(path, _recorded(runtime.OnDemand(path, job.provider)))
+        return RawModel(path, _recorded(runtime.OnDemand(path, job.provider))), job
     path = Path(job.opts.model)
     session = runtime.OnDemand(path, job.provider)
     _opens(session, path)
     recorded = _recorded(session)
     try:
-        _runs_as_given(recorded, job.sets["example"], path, _hint(job.opts))
+        job = _runs(job, recorded, path, raw)
     finally:
         recorded.close()
-    return RawModel(path, recorded, checker_level(path))
+    return RawModel(path, recorded, checker_level(path)), job
 
 
 def _recorded(session: runtime.OnDemand) -> Recorded:
@@ -86,34 +85,70 @@ def _opens(session: runtime.OnDemand, path: Path) -> None:
         ) from None
 
 
-def _hint(opts: Any) -> str:
+def _hint(job: Job) -> str:
     """What to check where the input file fails on the example inputs: the inputs the user
-    gave, the sizes of the symbolic axes, or the file itself."""
-    if opts.input_shape or opts.inputs:
-        return "check --input-shape / --inputs against the model's inputs"
+    gave, the sizes normexport picked (all tried), the ``--dim`` sizes, or, where every size is
+    the file's, its inputs or the file itself."""
+    opts = job.opts
+    if opts.inputs:
+        return "check --inputs against the model's inputs"
+    if job.sizing is not None and job.sizing.picked:
+        return (
+            f"normexport picked the sizes and tried {job.sizing.tried()}: give the sizes it "
+            f"takes ({job.sizing.flags()}), or real inputs with --inputs FILE.npz"
+            + ("; check that the --dim sizes agree with one another" if opts.dim else "")
+        )
+    if opts.input_shape:
+        return "check --input-shape against the model's inputs"
     if getattr(opts, "dim", None):
         return (
-            "check that the --dim sizes agree with one another (a mask over the past and the "
-            "new tokens has as many positions as the two together)"
+            "check the --dim sizes: the model may need them to agree with one another (a mask "
+            "over the past and the new tokens has as many positions as the two together) or "
+            "to be larger (a window, a kernel)"
         )
-    return "fix or re-export it"
+    return (
+        "where it runs on real inputs, give them with --inputs FILE.npz; else fix or re-export it"
+    )
 
 
-def _runs_as_given(raw: Recorded, feeds: dict[str, np.ndarray], path: Path, hint: str) -> None:
-    """Run the input file once on the example inputs, before anything is optimized: a model
-    that ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
-    user's to fix, not a parity failure. ``hint``: what to check (:func:`_hint`).
+def _runs(job: Job, raw: Recorded, path: Path, model: ir.Model) -> Job:
+    """Run the input file on the example inputs, before anything is optimized: a model that
+    ONNX Runtime loads but cannot run (an invalid node, inputs of the wrong shape) is the
+    user's to fix, not a parity failure. Where it refuses the sizes normexport picked (a
+    window, a kernel longer than them), the next larger ones are tried (on the live display:
+    :func:`normexport.pipeline.job.larger`), until one runs or none is left.
+
+    Returns:
+        ``job``, with the example and input sets of the sizes that ran.
 
     Raises:
-        UsageError: ONNX Runtime fails on it, naming the inputs that were given.
+        UsageError: ONNX Runtime fails on every example tried, naming the inputs that were
+            given and what to check (:func:`_hint`).
     """
-    try:
-        raw(feeds)  # the failure is reported once, by us
-    except RunTimedOut as err:  # said as it is: the model ran, too long
-        raise RunTimedOut(f"{path}: {err}") from None
-    except Exception as err:  # ORT's own error types
-        shapes = " ".join(f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items())
-        raise UsageError(
-            f"{path}: ONNX Runtime cannot run this model as given on inputs {shapes} "
-            f"({one_line(err)}); {hint}"
-        ) from None
+    while True:
+        try:
+            raw(job.sets["example"])  # the failure is reported once, by us
+            return job
+        except RunTimedOut as err:  # said as it is: the model ran, too long
+            raise RunTimedOut(f"{path}: {err}") from None
+        except Exception as err:  # ORT's own error types
+            error = one_line(err)
+        bigger = larger(job, model)
+        if bigger is None:
+            feeds = job.sets["example"]
+            shapes = " ".join(
+                f"{k}={'x'.join(map(str, v.shape))}:{v.dtype}" for k, v in feeds.items()
+            )
+            given = "at the largest sizes tried" if job.sizing and job.sizing.at else "as given"
+            raise UsageError(
+                f"{path}: ONNX Runtime cannot run this model {given} on inputs {shapes} "
+                f"({error}); {_hint(job)}"
+            ) from None
+        grown = job.sizing.grown()  # on the live display only: stderr holds errors alone
+        refused, tried = _sizes(job.sizing.picked, grown), _sizes(bigger.sizing.picked, grown)
+        progress.step(f"{refused} refused: trying {tried}")
+        job = bigger
+
+
+def _sizes(picked: dict[str, int], keys: list[str]) -> str:
+    return ", ".join(f"{k}={picked[k]}" for k in keys)

@@ -56,21 +56,9 @@ def run(opts: Options) -> Report:
         files.write_back(inputs)  # a model file just written: clean pages, which a limit drops
         job = start(opts, output, provider, prepared)
         del prepared  # the passes change ``raw`` in place; nothing else holds it
-        memory = plan.plan(
-            raw,
-            str(opts.model),
-            job.provider,
-            latency=opts.benchmark,
-            autotune=opts.autotune,
-            by_blocks=job.loaded.module is None,
-            feeds=job.sets["example"],
-            sets=len(job.sets),
-        )
-        if memory.said:
-            progress.say(memory.line)
-        job = fewer_sets(job, memory.input_sets)
+        memory, job = _planned(job, raw)
         with files.work_folder(output) as work:
-            ref, judge = _reference(job, raw, work, memory)
+            ref, judge, job, memory = _reference(job, raw, work, memory)
             weights = external.tensor_bytes(ir.load(ref.path))  # headers only
             with progress.stage("optimize"):
                 staged = rewrite.optimize(job, raw, ref, judge, work)
@@ -88,26 +76,52 @@ def run(opts: Options) -> Report:
     return _report(job, staged, written, verdict, latency, judged, cost, memory)
 
 
+def _planned(job: Job, raw: ir.Model) -> tuple[plan.MemoryPlan, Job]:
+    """The memory plan of ``raw`` on ``job``'s example inputs (said where it is worth a line),
+    and the job with the input sets it keeps (:func:`normexport.pipeline.job.fewer_sets`).
+
+    Raises:
+        EnvironmentProblem: as :func:`normexport.runtime.plan.plan`.
+    """
+    memory = plan.plan(
+        raw,
+        str(job.opts.model),
+        job.provider,
+        latency=job.opts.benchmark,
+        autotune=job.opts.autotune,
+        by_blocks=job.loaded.module is None,
+        feeds=job.sets["example"],
+        sets=len(job.sets),
+    )
+    if memory.said:
+        progress.say(memory.line)
+    return memory, fewer_sets(job, memory.input_sets)
+
+
 def _reference(
     job: Job, raw: ir.Model, work: Path, memory: plan.MemoryPlan
-) -> tuple[RawModel, Judge]:
+) -> tuple[RawModel, Judge, Job, plan.MemoryPlan]:
     """The reference stage: the reference model on file, and the parity judge with every
     reference run on every input set, one model (or one block: the memory plan's
-    ``block_bytes``) at a time, each freed before the passes; the oracle in float64 where the
-    plan has room for it.
+    ``block_bytes``) at a time, each freed before the passes, the oracle in float64 where the
+    plan has room for it; the job, with the example inputs the input file runs on
+    (:func:`normexport.pipeline.raw_model.raw_model`), and the memory plan made again on them
+    where they are larger than those first picked.
 
     Raises:
         UsageError: ``--last-token-logits`` where the verdict runs block by block.
+        EnvironmentProblem: the larger inputs do not fit (:func:`_planned`).
     """
-    block_bytes = memory.block_bytes
-    if job.policy.last_rows and block_bytes is not None:
-        raise UsageError(
-            f"{job.opts.model}: --last-token-logits needs the whole-model verdict, and this "
-            "model's runs block by block (its weights do not fit twice in the memory "
-            "available): run it where more memory is free, or without --last-token-logits"
-        )
     with progress.stage("reference"):
-        ref = raw_model.raw_model(job, raw, work)
+        ref, runs = raw_model.raw_model(job, raw, work)
+        if runs is not job:  # the sizes first picked were refused: the plan on those that run
+            memory, job = _planned(runs, raw)
+        if job.policy.last_rows and memory.block_bytes is not None:
+            raise UsageError(
+                f"{job.opts.model}: --last-token-logits needs the whole-model verdict, and this "
+                "model's runs block by block (its weights do not fit twice in the memory "
+                "available): run it where more memory is free, or without --last-token-logits"
+            )
         judge = Judge(
             loaded=job.loaded,
             raw=ref.runs,
@@ -120,12 +134,12 @@ def _reference(
             rtol=job.opts.rtol,
             strict=job.opts.strict,
             rule=job.computes_in,
-            block_bytes=block_bytes,
+            block_bytes=memory.block_bytes,
             float64=memory.float64_oracle,
             last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))
-    return ref, judge
+    return ref, judge, job, memory
 
 
 def _latency(
@@ -190,7 +204,7 @@ def _report(
         parity=parity,
         provider=runtime.PROVIDERS[job.provider][0],
         provider_note=job.provider_note,
-        notes=list(job.loaded.notes),
+        notes=job.notes,
         latency=latency,
         autotune=staged.tuned,
         precision=staged.precision,

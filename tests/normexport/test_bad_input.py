@@ -35,7 +35,8 @@ import torch
 from onnx import TensorProto, helper
 
 from normexport import cli, runtime
-from normexport.io.files import default_output
+from normexport.io.files import default_output, save_model
+from tests.support.graphs import stft_front_end
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -221,6 +222,8 @@ def shared(tmp_path_factory) -> Path:
     _onnx_file(folder / "dangling.onnx", dangling=True)
     _onnx_file(folder / "custom_op.onnx", custom_op=True)
     _onnx_file(folder / "ir99.onnx", ir_version=99)
+    window = stft_front_end(np.random.default_rng(0), kernel=8000)  # runs at no size picked
+    save_model(window, folder / "window.onnx", external_data=False)
     model = ir.load(_onnx_file(folder / "ext.onnx"))
     ir.save(model, folder / "ext.onnx", external_data="ext.onnx.data", size_threshold_bytes=0)
     (folder / "ext.onnx.data").unlink()
@@ -317,6 +320,9 @@ CASES = [
     Case("onnx-ir-version-99", ["ir99.onnx"], 2, ("ir99.onnx: ONNX Runtime cannot load",)),
     Case("onnx-wrong-input-shape", ["good.onnx", "--input-shape", "2,5"], 2,
          ("cannot run this model as given", "--input-shape")),
+    Case("onnx-no-size-picked-runs", ["window.onnx"], 2,
+         ("window.onnx: ONNX Runtime cannot run this model at the largest sizes tried",
+          "tried samples=16, 256, 4096", "--dim samples=SIZE")),
     Case("onnx-good", ["good.onnx", *OUT], 0, ("parity passed",)),
     # --- options
     Case("state-dict-without-model-class", ["state.pt", *SHAPE], 2, ("--model-class",)),

@@ -69,6 +69,34 @@ def make_model(
     return ir.serde.deserialize_model(proto)
 
 
+def stft_front_end(rng: np.random.Generator, kernel: int = 400, *, state: bool = False) -> ir.Model:
+    """An STFT-as-Conv audio front end: ``wave`` (batch, samples) float32 through a Conv of
+    ``kernel`` samples (random weights), stride 160, averaged over its frames into ``y`` (batch,
+    8); with ``state``, a recurrent state (2, batch, 8) averaged and added, as a voice-activity
+    detector takes one. It runs only on ``kernel`` samples or more."""
+    weights = {
+        "w": (rng.standard_normal((8, 1, kernel)) * 0.05).astype(np.float32),
+        "b": rng.standard_normal(8).astype(np.float32),
+        "one": np.array([1], np.int64),
+        "two": np.array([2], np.int64),
+        "zero": np.array([0], np.int64),
+    }
+    nodes = [
+        ("Unsqueeze", ["wave", "one"], ["w3"], {}),
+        ("Conv", ["w3", "w", "b"], ["c"], {"strides": [160]}),
+        ("ReduceMean", ["c", "two"], ["y0" if state else "y"], {"keepdims": 0}),
+    ]
+    inputs = {"wave": (onnx.TensorProto.FLOAT, ["batch", "samples"])}
+    if state:
+        nodes += [
+            ("ReduceMean", ["state", "zero"], ["s"], {"keepdims": 0}),
+            ("Add", ["y0", "s"], ["y"], {}),
+        ]
+        inputs["state"] = (onnx.TensorProto.FLOAT, [2, "batch", 8])
+    outputs = {"y": (onnx.TensorProto.FLOAT, ["batch", 8])}
+    return make_model(nodes, inputs, outputs, weights, opset=18)
+
+
 def run(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
     """Outputs of ``model`` on ``feeds``, on ORT's CPU provider with graph optimizations off
     (so that ONNX Runtime's own fusions do not hide what a pass did)."""
