@@ -262,9 +262,7 @@ def _t5_int8(folder: Path) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from transformers import T5Config, T5EncoderModel
 
-    config = T5Config(
-        vocab_size=200, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4
-    )
+    config = T5Config(vocab_size=200, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
     model = _randomize(T5EncoderModel(config))
     ids = torch.randint(0, 200, (1, 16))
     float32 = folder / "t5_float32.onnx"
@@ -313,7 +311,7 @@ def run_file(name: str, path: Path, work: Path) -> dict:
             "passed": found.get("passed"),
             "inputs": found.get("inputs"),
             "memory_line": (found.get("memory") or {}).get("line"),
-            "fusions": {k: v for k, v in (found.get("fusions") or {}).get("counts", {}).items() if v},
+            "fusions": {k: v for k, v in found["fusions"]["counts"].items() if v},
         }
     return entry
 
