@@ -24,7 +24,6 @@ from fusion.norm_match import (
     no_eps_note,
     normalized_dims,
     param_value,
-    reduced_trailing,
     subtracted_mean,
     variance,
     weight_first,
@@ -87,7 +86,7 @@ class FuseLayerNorm(NormFusionPass):
         x = center.x if center is not None else core.value
         centers, shift = [center] if center is not None else [], None
         if numerator is x:  # the mean subtracted after the product, batch-norm style
-            mean = (center.reduce if center is not None else core.mean).outputs[0]
+            mean = (center if center is not None else core.mean).mean
             shift = subtracted_mean(node.outputs[0], mean, found.scaled)
             if shift is None:
                 raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
@@ -106,11 +105,13 @@ class FuseLayerNorm(NormFusionPass):
         rank = rank_of(x, core.value, node.outputs[0])
         k = check_core(core, x, rank)
         dims = normalized_dims(k, x, core.value, node.outputs[0])
-        for center in centers:
+        for center in [*centers, *([core.mean] if core.mean is not None else [])]:
             center.require_mean(k, rank, dims)
-        if core.mean is not None and reduced_trailing(core.mean, rank) != k:
+        if core.mean is not None and core.factor != 1.0:
             raise CannotFuse(
-                Code.DIFFERENT_AXES, "the mean and the mean square reduce over different axes"
+                Code.WRONG_MEAN_DIVISOR,
+                f"E[x^2] - E[x]^2 with E[x^2] scaled by {core.factor:.7g}: not the variance "
+                "(its sum is not divided by the number of elements summed)",
             )
         centering = [n for c in centers for n in c.nodes]
         # x - mean(x) read elsewhere too (two norms of one input, made one value by CSE) stays

@@ -45,6 +45,8 @@ class Code(enum.StrEnum):
     #: ``x - sum(x) / c`` with ``c`` not the number of elements summed (or a scaled mean):
     #: not x minus its mean.
     WRONG_MEAN_DIVISOR = "wrong_mean_divisor"
+    #: ``Max(E[x^2] - E[x]^2, c)`` with ``c`` not 0: a clamp the variance does not imply.
+    CLAMP_NOT_ZERO = "clamp_not_zero"
 
     # BatchNorm and affine folding.
     #: No Conv / ConvTranspose / Gemm / MatMul before it (or after it) to fold into.
@@ -112,7 +114,8 @@ class Code(enum.StrEnum):
 
     # InstanceNorm / GroupNorm / channels-first LayerNorm.
     #: The fused op has no ONNX Runtime kernel on the provider measured (ORT expands it into
-    #: its function body, measured slower than the form the graph has): that form is kept.
+    #: its function body, measured slower than the form the graph has), or none for the
+    #: norm's type (a bfloat16 RMSNormalization): that form is kept.
     NO_ORT_KERNEL = "no_ort_kernel"
     #: The exact rewrite was measured slower than the form the graph has on the provider
     #: (``benchmarks/forms.py --set conv``): that form is kept.

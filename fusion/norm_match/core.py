@@ -83,7 +83,8 @@ class MeanSquare:
         eps_constant: whether eps is a constant (of any size).
         no_eps: whether there is no eps at all (no Add before the Sqrt).
         mean: where the variance is written from the moments, ``E[v^2] - E[v]^2``
-            (:mod:`fusion.norm_match.moments`), the reduction of ``E[v]``; None otherwise.
+            (:mod:`fusion.norm_match.moments`), ``E[v]`` as a :class:`Centering` (its
+            reduction and scalar steps, no Sub); None otherwise.
     """
 
     value: ir.Value
@@ -94,7 +95,7 @@ class MeanSquare:
     nodes: list[ir.Node]
     eps_constant: bool = False
     no_eps: bool = False
-    mean: ir.Node | None = None
+    mean: Centering | None = None
 
     def take_eps(self, eps: ir.Value) -> None:
         """Record ``eps``, the value added under the root: its number where it is a
@@ -202,6 +203,13 @@ class Centering:
     factor: float
     nodes: list[ir.Node]
 
+    @property
+    def mean(self) -> ir.Value:
+        """The mean's value: the output of the last scalar step after the reduction (of the
+        reduction itself where there is none)."""
+        steps = [n for n in self.nodes if n.op_type not in ("Sub", "Cast")]
+        return steps[-1].outputs[0]
+
     def require_mean(self, k: int, rank: int | None, dims: tuple[int | None, ...]) -> None:
         """Require that the mean is over the ``k`` normalized axes (of sizes ``dims``) and is the
         mean: a ReduceMean, or a ReduceSum divided by exactly the number of elements it sums.
@@ -226,6 +234,23 @@ class Centering:
             )
 
 
+def scaled_reduction(value: ir.Value) -> tuple[ir.Node, float, list[ir.Node]] | None:
+    """``(reduce, f, steps)`` when ``value = f * Reduce(v)`` through scalar Mul / Div steps
+    (``ReduceMean``, or ``ReduceSum`` divided by a constant; :data:`REDUCTIONS`), the steps in
+    graph order; None otherwise."""
+    steps: list[ir.Node] = []
+    factor = 1.0
+    while (node := value.producer() if value is not None else None) is not None:
+        if (step := _scalar_step(node)) is None:
+            break
+        value, c = step
+        factor *= c
+        steps.insert(0, node)
+    if node is None or node.op_type not in REDUCTIONS or node.domain != "":
+        return None
+    return node, factor, steps
+
+
 def centered(value: ir.Value) -> Centering | None:
     """The centering when ``value = Sub(x, f * Reduce(x))`` (see :class:`Centering`), maybe
     followed by a Cast to the type of ``x`` (a no-op, kept by old files whose intermediate
@@ -237,21 +262,13 @@ def centered(value: ir.Value) -> Centering | None:
     if sub is None:
         return None
     x, mean = sub.inputs
-    chain: list[ir.Node] = []
-    factor = 1.0
-    while (node := mean.producer() if mean is not None else None) is not None:
-        if (step := _scalar_step(node)) is None:
-            break
-        mean, c = step
-        factor *= c
-        chain.insert(0, node)
-    if node is None or node.op_type not in REDUCTIONS or node.domain != "":
-        return None
-    if node.inputs[0] is not x:
+    found = scaled_reduction(mean)
+    if found is None or found[0].inputs[0] is not x:
         return None
     if cast is not None and (x.dtype is None or cast.attributes.get_int("to") != x.dtype):
         return None
-    return Centering(x, node, factor, [node, *chain, sub, *([cast] if cast is not None else [])])
+    node, factor, steps = found
+    return Centering(x, node, factor, [node, *steps, sub, *([cast] if cast is not None else [])])
 
 
 def _check_restored(core: MeanSquare, x: ir.Value, k: int) -> None:

@@ -197,3 +197,102 @@ def test_moments_are_no_rmsnorm(rng):
     g = Graph()
     model = _model(g, _flax_layernorm(g, rng))
     assert not FuseRMSNorm("ort")(model).modified
+
+
+# jax2tf then tf2onnx (issue 61): Flax's LayerNorm with each mean a ReduceSum divided by the
+# count (jnp.mean is lax.reduce_sum then lax.div), the clamp jnp.maximum(0.0, var) as Max with
+# the constant first, the rsqrt as Sqrt + Reciprocal, the scale folded into it.
+
+
+def _jax_mean(g: Graph, value: str, out: str, spelling: str, count: float = H) -> str:
+    """``sum(value) / count`` over the last axis: ``"div"`` (``Div`` by the count) or ``"mul"``
+    (``Mul`` by its inverse)."""
+    total = g.reduce("ReduceSum", value, f"{out}_sum", (-1,))
+    if spelling == "div":
+        return g.node("Div", [total, g.const(f"{out}_n", np.float32(count))], out)
+    return g.node("Mul", [g.const(f"{out}_inv", np.float32(1 / count)), total], out)
+
+
+def _clamp(g: Graph, var: str, clamp: str | None, at: float = 0.0) -> str:
+    """``var`` clamped from below at ``at``, as ``clamp`` says."""
+    zero = np.float32(at)
+    if clamp == "max_first":
+        return g.node("Max", [g.const("zero", zero), var], "var")
+    if clamp == "max_last":
+        return g.node("Max", [var, g.const("zero", zero)], "var")
+    if clamp == "relu":
+        return g.node("Relu", [var], "var")
+    if clamp == "full":  # the scalar broadcast to the variance's shape, folded
+        return g.node("Max", [g.const("zero", np.full((*SHAPE[:-1], 1), zero)), var], "var")
+    if clamp == "expand":  # the scalar broadcast by an Expand tf2onnx did not fold
+        shape = g.const("var_shape", np.array([*SHAPE[:-1], 1], np.int64))
+        zeros = g.node("Expand", [g.const("zero", zero), shape], "zeros")
+        return g.node("Max", [zeros, var], "var")
+    return var
+
+
+def _jax2tf_layernorm(
+    g: Graph, rng, *, mean="div", square="div", clamp="max_first", at=0.0, count=H
+) -> str:
+    """Flax's ``nnx.LayerNorm`` through jax2tf and tf2onnx: ``(x - m) * (Reciprocal(Sqrt(
+    max(0, E[x^2] - m^2) + eps)) * scale) + bias``, ``m = sum(x) / N`` (``mean``),
+    ``E[x^2] = sum(x * x) / N`` (``square``), ``count`` the N written into the mean."""
+    m = _jax_mean(g, "x", "m", mean, count)
+    ex2 = _jax_mean(g, g.node("Mul", ["x", "x"], "xx"), "ex2", square)
+    var = _clamp(g, g.node("Sub", [ex2, g.node("Mul", [m, m], "mm")], "var0"), clamp, at)
+    r = _inverse_root(g, var, eps=1e-6)
+    scaled = g.node("Mul", [r, _affine(g, rng, "scale", (1, 1, H))], "g")
+    y = g.node("Mul", [g.node("Sub", ["x", m], "c"), scaled], "xg")
+    return g.node("Add", [y, _affine(g, rng, "bias", (1, 1, H))], "y")
+
+
+@pytest.mark.parametrize("square", ["div", "mul"])
+@pytest.mark.parametrize("mean", ["div", "mul"])
+def test_jax2tf_layernorm_with_sums_over_the_count_is_fused(rng, mean, square):
+    g = Graph()
+    model = _model(g, _jax2tf_layernorm(g, rng, mean=mean, square=square))
+    report = fuse_and_compare(model, FuseLayerNorm("onnx"), rng)
+    assert report.counts["layernorm_fused"] == 1 and not report.refused
+    assert [n.op_type for n in model.graph] == ["LayerNormalization"]
+    (node,) = model.graph
+    assert node.attributes.get_float("epsilon") == np.float32(1e-6)
+    assert len(node.inputs) == 3
+
+
+@pytest.mark.parametrize("clamp", ["max_first", "max_last", "relu", "full", "expand", None])
+def test_the_clamp_at_zero_goes_wherever_it_is_written(rng, clamp):
+    """``max(0, E[x^2] - E[x]^2)`` in each spelling: the fused op's variance is never
+    negative, so the clamp is implied."""
+    g = Graph()
+    model = _model(g, _jax2tf_layernorm(g, rng, clamp=clamp))
+    report = fuse_and_compare(model, FuseLayerNorm("onnx"), rng)
+    assert report.counts["layernorm_fused"] == 1 and not report.refused
+    assert "LayerNormalization" in [n.op_type for n in model.graph]
+    assert not {"Max", "Relu", "Sub"} & {n.op_type for n in model.graph}
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        ({"count": H - 1}, Code.WRONG_MEAN_DIVISOR),
+        ({"count": H - 1, "mean": "mul"}, Code.WRONG_MEAN_DIVISOR),
+        ({"at": 0.1}, Code.CLAMP_NOT_ZERO),
+        ({"at": 0.1, "clamp": "full"}, Code.CLAMP_NOT_ZERO),
+    ],
+    ids=["div_by_n_minus_1", "mul_by_1_over_n_minus_1", "clamp_at_0.1", "full_clamp_at_0.1"],
+)
+def test_sums_not_over_the_count_and_clamps_not_at_zero_are_refused(rng, form):
+    g = Graph()
+    model = _model(g, _jax2tf_layernorm(g, rng, **form[0]))
+    assert_refused(model, FuseLayerNorm("onnx"), form[1])
+
+
+def test_a_mean_square_not_over_the_count_is_refused(rng):
+    """``E[x^2]`` written as ``sum(x * x) / (N - 1)``: ``E[x^2] * f - E[x]^2`` is no variance,
+    scaled or not."""
+    g = Graph()
+    m = _jax_mean(g, "x", "m", "div")
+    ex2 = _jax_mean(g, g.node("Mul", ["x", "x"], "xx"), "ex2", "div", H - 1)
+    var = g.node("Sub", [ex2, g.node("Mul", [m, m], "mm")], "var")
+    y = g.node("Mul", [g.node("Sub", ["x", m], "c"), _inverse_root(g, var)], "y")
+    assert_refused(_model(g, y), FuseLayerNorm("onnx"), Code.WRONG_MEAN_DIVISOR)
