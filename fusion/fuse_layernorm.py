@@ -24,6 +24,7 @@ from fusion.norm_match import (
     no_eps_note,
     normalized_dims,
     param_value,
+    require_kernel,
     subtracted_mean,
     variance,
     weight_first,
@@ -60,12 +61,14 @@ class FuseLayerNorm(NormFusionPass):
         then down through the affine part.
 
         Returns:
-            The match (``x`` float32, or float16 / bfloat16 when a round trip through float32
-            was absorbed; ``k`` trailing axes), or None when ``node`` ends no LayerNorm.
+            The match (``x`` of the type the norm computes in, float32, float16 or bfloat16,
+            or the half type of a round trip through float32; ``k`` trailing axes), or None
+            when ``node`` ends no LayerNorm.
 
         Raises:
             CannotFuse: ``eps_outside_sqrt``, ``wrong_numerator``, ``different_axes``,
-                ``shared_output``, a code of :func:`fusion.norm_match.check_core` or
+                ``shared_output``, ``clamp_not_zero``, ``wrong_mean_divisor``, a code of
+                :func:`fusion.norm_match.check_core` or
                 :meth:`fusion.norm_match.Centering.require_mean`.
         """
         found = divided(node)
@@ -97,7 +100,9 @@ class FuseLayerNorm(NormFusionPass):
             if again is None or again.x is not x:
                 raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
             centers.append(again)
-        return self._matched(node, found, core, centers, first, shift, x)
+        match = self._matched(node, found, core, centers, first, shift, x)
+        require_kernel("LayerNormalization", match.dtype)
+        return match
 
     def _matched(self, node, found, core, centers, first, shift, x) -> NormMatch:
         """The match :meth:`match` found, checked: the axes of every mean, shared values, the
@@ -121,7 +126,7 @@ class FuseLayerNorm(NormFusionPass):
         output = shift[2] if shift else node.outputs[0]
         shared = self.check_shared(rest, output, "LayerNorm")
         nodes = list(dict.fromkeys([*centering, *rest]))
-        match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, output)
+        match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, output, core.dtype)
         match.shared = shared
         weighted = first or found.weighted
         if weighted is not None:

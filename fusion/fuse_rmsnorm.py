@@ -13,6 +13,7 @@ from fusion._ir import label, opset_version, producer, rank_of
 from fusion.base import CannotFuse, Code, Kind, Op
 from fusion.norm_match import (
     NO_EPS,
+    ORT_CPU_TYPES,
     NormFusionPass,
     NormMatch,
     centered,
@@ -21,6 +22,7 @@ from fusion.norm_match import (
     match_eps_outside_sqrt,
     no_eps_note,
     normalized_dims,
+    require_kernel,
     variance,
     weight_first,
 )
@@ -48,8 +50,10 @@ def _clamped_l2_norm(den: ir.Value) -> bool:
 class FuseRMSNorm(NormFusionPass):
     """Replace each hand-written RMSNorm in the main graph by one fused node.
 
-    Opset 23 and up: ``RMSNormalization``. Below 23: ORT's ``SimplifiedLayerNormalization``
-    for ``target="ort"``; nothing for ``target="onnx"`` (each candidate refused with the reason).
+    Opset 23 and up: ``RMSNormalization`` (for ``target="ort"`` in bfloat16, which ONNX Runtime
+    has no kernel for: ``SimplifiedLayerNormalization``). Below 23: ORT's
+    ``SimplifiedLayerNormalization`` for ``target="ort"``; nothing for ``target="onnx"`` (each
+    candidate refused with the reason).
     Fusions are counted as ``"rmsnorm_fused"``; look-alikes and candidates that cannot be fused
     exactly are left intact and recorded as ``"rmsnorm"`` refusals (docs/fusions.md#fusermsnorm).
     """
@@ -67,12 +71,14 @@ class FuseRMSNorm(NormFusionPass):
         """Walk up from ``node`` (the division) to ``x``, then down through Cast and weight.
 
         Returns:
-            The match (``x`` float32, or float16 / bfloat16 when a round trip through float32
-            was absorbed; ``k`` trailing axes), or None when ``node`` ends no RMSNorm.
+            The match (``x`` of the type the norm computes in, float32, float16 or bfloat16,
+            or the half type of a round trip through float32; ``k`` trailing axes), or None
+            when ``node`` ends no RMSNorm.
 
         Raises:
             CannotFuse: ``eps_outside_sqrt``, ``f_normalize``, ``wrong_numerator``,
-                ``shared_output``, or a code of :func:`fusion.norm_match.check_core`.
+                ``shared_output``, ``no_ort_kernel`` (a bfloat16 RMSNormalization, target
+                "onnx"), or a code of :func:`fusion.norm_match.check_core`.
         """
         found = divided(node)
         if found is None:
@@ -100,24 +106,32 @@ class FuseRMSNorm(NormFusionPass):
         shared = self.check_shared(nodes, node.outputs[0], "RMSNorm")
         dims = normalized_dims(k, x, node.outputs[0])
         match = NormMatch(x, k, dims, float(core.eps), core.factor, nodes, node.outputs[0])
+        match.dtype = core.dtype
         match.shared = shared
         if weighted is not None:
             match.take_weight(weighted, rank)
-            return match
-        match.absorb_casts()
-        match.absorb_affine(self, rank, (("Mul", "weight"),), "fused RMSNorm")
+        else:
+            match.absorb_casts()
+            match.absorb_affine(self, rank, (("Mul", "weight"),), "fused RMSNorm")
+        require_kernel(self._op_type(model, match.dtype), match.dtype)
         return match
+
+    def _op_type(self, model: ir.Model, dtype: ir.DataType) -> str:
+        """The fused op: RMSNormalization from opset 23, but for ``target="ort"`` where ONNX
+        Runtime has no kernel for ``dtype`` (bfloat16), SimplifiedLayerNormalization."""
+        standard = opset_version(model) >= 23
+        if standard and (self.target != "ort" or dtype in ORT_CPU_TYPES["RMSNormalization"]):
+            return "RMSNormalization"
+        return "SimplifiedLayerNormalization"
 
     def rewrite(self, model: ir.Model, match: NormMatch) -> str:
         """Insert the fused node, move the readers over, drop the old nodes; return its op."""
         graph = model.graph
         anchor = match.nodes[-1]
         attributes = {"axis": -match.k, "epsilon": match.epsilon}
-        if opset_version(model) >= 23:
-            op_type = "RMSNormalization"
+        op_type = self._op_type(model, match.dtype)
+        if op_type == "RMSNormalization":
             attributes["stash_type"] = 1
-        else:
-            op_type = "SimplifiedLayerNormalization"
         fused = ir.node(
             op_type,
             [match.x, match.scale(graph, label(anchor))],

@@ -24,12 +24,21 @@ from fusion.norm_match.core import (
     match_mean_square,
 )
 from fusion.norm_match.folded import divided, subtracted_mean, variance
-from fusion.norm_match.fused import NO_EPS, NormMatch, no_eps_note, param_value, weight_first
+from fusion.norm_match.fused import (
+    NO_EPS,
+    ORT_CPU_TYPES,
+    NormMatch,
+    no_eps_note,
+    param_value,
+    require_kernel,
+    weight_first,
+)
 from fusion.norm_match.shared import NormFusionPass
 
 __all__ = [
     "FLOAT",
     "NO_EPS",
+    "ORT_CPU_TYPES",
     "REDUCTIONS",
     "Centering",
     "NormFusionPass",
@@ -43,6 +52,7 @@ __all__ = [
     "normalized_dims",
     "param_value",
     "reduced_trailing",
+    "require_kernel",
     "subtracted_mean",
     "variance",
     "weight_first",

@@ -4,7 +4,8 @@
 (:class:`MeanSquare`), :func:`match_eps_outside_sqrt` the form with eps outside the root (a
 refusal), :func:`centered` the centering ``x - mean_A(x)`` of LayerNorm (:class:`Centering`),
 and :func:`check_core` what both passes require of the core: eps a one-element constant, the
-mean over the trailing axes (:mod:`fusion.norm_match.axes`), a positive factor, float32.
+mean over the trailing axes (:mod:`fusion.norm_match.axes`), a positive factor, a type of
+:data:`NORM_TYPES`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from fusion.base import CannotFuse, Code
 from fusion.norm_match.axes import is_one, normalized_dims, reduced_trailing, summed_count
 
 FLOAT = ir.DataType.FLOAT
+
+#: The types a norm may compute in and be fused: float32, and the half types whose fused op
+#: computes the statistics in float32 (``stash_type=1``; docs/fusions.md#fuselayernorm).
+NORM_TYPES = (FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 #: The reductions a mean may be written with: ``ReduceMean``, ``GlobalAveragePool`` (the mean
 #: over every axis after the first two, :func:`fusion._ir.reduce_axes`), or ``ReduceSum`` times
@@ -96,6 +101,11 @@ class MeanSquare:
     eps_constant: bool = False
     no_eps: bool = False
     mean: Centering | None = None
+
+    @property
+    def dtype(self) -> ir.DataType:
+        """The type the norm computes in: that of its eps (set by :func:`check_core`)."""
+        return ir.DataType.from_numpy(self.eps.dtype)
 
     def take_eps(self, eps: ir.Value) -> None:
         """Record ``eps``, the value added under the root: its number where it is a
@@ -334,7 +344,8 @@ def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
         CannotFuse: ``not_constant`` / ``eps_not_scalar`` (eps is not a one-element
             constant), the codes of :func:`~fusion.norm_match.axes.reduced_trailing`,
             :func:`_check_restored` and :func:`~fusion.norm_match.axes.summed_count`,
-            ``factor_not_positive``, ``unsupported_dtype`` (the norm is not in float32).
+            ``factor_not_positive``, ``unsupported_dtype`` (the norm computes in a type
+            other than float32, float16 or bfloat16: :data:`NORM_TYPES`).
     """
     if core.no_eps:
         core.eps = _absent_eps(core, x)
@@ -355,10 +366,10 @@ def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
             f"the mean square is multiplied by {core.factor:g}: only a positive factor can move "
             "into epsilon and the scale",
         )
-    if core.eps.dtype != FLOAT.numpy():
+    if core.eps.dtype not in [t.numpy() for t in NORM_TYPES]:
         raise CannotFuse(
             Code.UNSUPPORTED_DTYPE,
-            f"computes in {core.eps.dtype}: only float32 norms are fused (the fused op with "
-            "stash_type=1 computes in float32, a different function)",
+            f"computes in {core.eps.dtype}: only float32, float16 and bfloat16 norms are fused "
+            "(the fused op with stash_type=1 computes in float32, a different function)",
         )
     return k

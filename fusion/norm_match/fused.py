@@ -28,10 +28,35 @@ from fusion._ir import (
     sole_consumer,
 )
 from fusion.base import CannotFuse, Code, FusionPass
-from fusion.norm_match.core import FLOAT
+from fusion.norm_match.core import FLOAT, NORM_TYPES
 
 #: Types whose round trip through float32 around a norm becomes one fused op on them.
 HALF_TYPES = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+#: The types ONNX Runtime's CPU provider runs each fused norm op in (1.31, asked by opening a
+#: session on each: tests/fusion/test_half_norms_graphs.py). RMSNormalization has no
+#: bfloat16 kernel: ORT expands it into its function body, whose Mul has none.
+ORT_CPU_TYPES = {
+    "LayerNormalization": (FLOAT, *HALF_TYPES),
+    "SimplifiedLayerNormalization": (FLOAT, *HALF_TYPES),
+    "RMSNormalization": (FLOAT, ir.DataType.FLOAT16),
+}
+
+
+def require_kernel(op_type: str, dtype: ir.DataType) -> None:
+    """Require that ONNX Runtime's CPU provider runs ``op_type`` in ``dtype``
+    (:data:`ORT_CPU_TYPES`).
+
+    Raises:
+        CannotFuse: ``no_ort_kernel``.
+    """
+    if dtype not in ORT_CPU_TYPES[op_type]:
+        raise CannotFuse(
+            Code.NO_ORT_KERNEL,
+            f"ONNX Runtime's CPU provider has no {dtype.name.lower()} kernel for {op_type} "
+            "(it expands the op into its function body, which has none either): the norm "
+            "stays as written",
+        )
 
 
 def affine_param(
@@ -82,14 +107,16 @@ def absorb_const(
 
 def weight_first(numerator: ir.Value) -> tuple[ir.Value, ir.Node, ir.Value, np.ndarray] | None:
     """``(v, mul, w, array)`` when ``numerator = Mul(w, v)`` (either operand order) with ``w`` a
-    float32 constant and ``v`` not one: the weight applied before the division, in the
-    tutorials' order ``g * (x - m) / sqrt(var + eps)``; ``w * v / s = (v / s) * w``."""
+    constant of a norm's type (:data:`~fusion.norm_match.core.NORM_TYPES`) and ``v`` not one:
+    the weight applied before the division, in the tutorials' order ``g * (x - m) / sqrt(var +
+    eps)``; ``w * v / s = (v / s) * w``."""
     mul = producer(numerator, "Mul")
     if mul is None or len(mul.inputs) != 2:
         return None
+    types = [t.numpy() for t in NORM_TYPES]
     for value, weight in (mul.inputs, mul.inputs[::-1]):
         array = const_array(weight)
-        if array is not None and array.dtype == FLOAT.numpy() and const_array(value) is None:
+        if array is not None and array.dtype in types and const_array(value) is None:
             return value, mul, weight, array
     return None
 
@@ -106,8 +133,9 @@ class NormMatch:
         factor: the constant the mean square is multiplied by (1 for the textbook form).
         nodes: the nodes the fused node replaces.
         output: the value the fused node's output replaces.
-        dtype: the type of ``x``, ``Scale`` and ``B``: float32, or float16 / bfloat16 when a
-            round trip through float32 was absorbed.
+        dtype: the type of ``x``, ``Scale`` and ``B``: the type the norm computes in
+            (float32, float16, bfloat16), or float16 / bfloat16 when a round trip through
+            float32 was absorbed.
         weight, bias: the absorbed constants, ``(value, array over the normalized axes)``.
         shared: intermediate values that other norms of the same pass read too (see
             :class:`~fusion.norm_match.NormFusionPass`).
@@ -181,7 +209,8 @@ class NormMatch:
         return param
 
     def absorb_casts(self) -> None:
-        """Extend over a no-op Cast to float32 after the norm, or a half-precision round trip.
+        """Extend over a no-op Cast after the norm (to its own type), or a half-precision round
+        trip around a float32 norm.
 
         The round trip is ``Cast(x16, float32)`` before and ``Cast(float16)`` after (or
         bfloat16 both times), with nothing else reading the float32 values: the fused op then
@@ -193,10 +222,11 @@ class NormMatch:
         to = cast.attributes.get_int("to")
         upcast = producer(self.x, "Cast")
         source = upcast.inputs[0] if upcast is not None else None
-        if to == FLOAT:
+        if to == self.dtype:
             self.nodes.append(cast)
         elif (
-            source is not None
+            self.dtype == FLOAT
+            and source is not None
             and source.dtype in HALF_TYPES
             and to == source.dtype
             and escaping_value([upcast, *self.nodes], self.output) is None
