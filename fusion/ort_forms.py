@@ -36,23 +36,24 @@ def avoid_ort_misfusions(model: ir.Model) -> dict[str, int]:
       ``keepdims=1`` and a ``Squeeze`` of the same axes (the fusion matches a ReduceMean read
       by ``Sub`` without checking keepdims);
     - ``constant_last``: a ``Mul`` of a constant and a ``Div``'s output, or an ``Add`` of a
-      constant and a ``Mul``'s output, gets the constant as its second input (the fusion takes
-      the last input whose rank is the number of axes as the scale or bias: on a rank-1 input
-      that was the Div's own output);
+      constant and a ``Mul``'s output, where that output is known to be of rank 1, gets the
+      constant as its second input (the fusion takes the last input whose rank is the number
+      of axes as the scale or bias: on a rank-1 input that was the Div's own output);
     - ``full_rank_scale``: the constant of such a ``Mul`` or ``Add`` that broadcasts the
       other input to a larger shape gets leading ones up to that input's rank (the fusion
       takes it as a scale of the normalized axes and its kernel then refuses it).
+
+    Each rewrites only where its issue's condition holds, so that a model's rewrites cite the
+    issues that concern it and only those.
 
     Returns:
         How many nodes each rewrite changed, by the keys of :data:`ISSUES` (those that changed
         any).
     """
     graph, opset = model.graph, opset_version(model)
-    changed = {
-        "keepdims": sum(_keepdims(graph, node, opset) for node in list(graph)),
-        "constant_last": sum(_constant_last(node) for node in graph),
-    }
+    changed = {"keepdims": sum(_keepdims(graph, node, opset) for node in list(graph))}
     shapes = KnownShapes(model)
+    changed["constant_last"] = sum(_constant_last(node, shapes) for node in graph)
     changed["full_rank_scale"] = sum(_full_rank_scale(graph, node, shapes) for node in graph)
     return {key: count for key, count in changed.items() if count}
 
@@ -97,11 +98,15 @@ def _norm_end(node: ir.Node) -> tuple[int, int] | None:
     return None
 
 
-def _constant_last(node: ir.Node) -> bool:
+def _constant_last(node: ir.Node, shapes: KnownShapes) -> bool:
     """Swap the inputs of a norm's ``Mul`` or ``Add`` (:func:`_norm_end`) whose constant comes
-    first (both ops commute, element by element and in broadcasting)."""
+    first and whose other input is known to be of rank 1 (both ops commute, element by element
+    and in broadcasting)."""
     found = _norm_end(node)
     if found is None or found[0] != 0:
+        return False
+    shape = shapes(node.inputs[1])
+    if shape is None or len(shape) != 1:
         return False
     first, second = node.inputs
     node.replace_input_with(0, second)

@@ -4,21 +4,22 @@ precision."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from pathlib import Path
 
 import onnx_ir as ir
 
-from fusion.ort_forms import ISSUES, avoid_ort_misfusions
-from normexport import precision, progress, runtime
+from normexport import progress, runtime
 from normexport.io import files
 from normexport.pipeline.job import Job
-from normexport.pipeline.raw_model import RawModel
+from normexport.pipeline.raw_model import RawModel, for_ort
 from normexport.pipeline.rewrite import Staged
 from normexport.verdict import deployed, hidden_probe
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
 from normexport.verdict.result import Deployed
+from normexport.verdict.rollback import opened
 
 
 def parity(job: Job, staged: Staged, judge: Judge, path: Path | None = None) -> ParityResult:
@@ -37,37 +38,32 @@ def parity(job: Job, staged: Staged, judge: Judge, path: Path | None = None) -> 
     if staged.verified is not None and path is None:
         return dataclasses.replace(staged.verified, strict=job.opts.strict)
 
-    def candidate(model, folder):  # opened once the references have run and been freed
-        session = runtime.check_session(
-            model, job.provider, disabled_optimizers=staged.disabled, external_data_folder=folder
-        )
-
-        def run(feeds):
-            return runtime.run(session, precision.cast_feeds(session, feeds))
-
-        return run, [o.name for o in session.get_outputs()]
-
+    # opened once the references have run and been freed
+    candidate = opened(runtime.check_session, job.provider, disabled_optimizers=staged.disabled)
     return judge(path or job.output, candidate, precision=job.output_rule)
 
 
 def as_deployed(
-    job: Job, staged: Staged, judge: Judge, verdict: ParityResult, work: Path
+    job: Job, ref: RawModel, staged: Staged, judge: Judge, verdict: ParityResult, work: Path
 ) -> ParityResult:
     """``verdict`` (the published output's) with the output judged as deployed
     (:func:`normexport.verdict.deployed.judged`: ONNX Runtime's default session against the
-    oracle) as its ``deployed``. Where that fails, the output is rewritten into the forms ONNX
-    Runtime's fusions do not misread (:func:`fusion.ort_forms.avoid_ort_misfusions`, exact),
-    judged again as written and as deployed, and published in its place where both pass (the
-    verdict returned is then the new model's); else the output stays as it is and the verdict
-    fails (docs/parity.md#judged-as-deployed).
+    oracle) as its ``deployed``, which says what was repaired in the raw model (``ref``:
+    :func:`normexport.pipeline.raw_model.as_deployed`). Where that fails, the output is
+    rewritten into the forms ONNX Runtime's fusions do not misread
+    (:func:`normexport.pipeline.raw_model.for_ort`, exact), judged again as written and as
+    deployed, and published in its place where both pass (the verdict returned is then the new
+    model's); else the output stays as it is and the verdict fails
+    (docs/parity.md#judged-as-deployed).
     """
     progress.step(f"as deployed ({deployed.LEVEL})")
     judged = (job.provider, judge, job.output_rule, staged.disabled)
-    passed, message = deployed.judged(job.output, *judged)
+    found = deployed.judged(job.output, *judged)
     sets = list(job.sets)
-    verdict.deployed = Deployed(passed, message, sets)
-    model = None if passed else ir.load(job.output)
-    repairs = {ISSUES[k]: n for k, n in avoid_ort_misfusions(model).items()} if model else {}
+    raw = (ref.found, ref.repairs, "raw") if ref.repairs else ()
+    verdict.deployed = Deployed(found.passed, found.message, sets, *raw)
+    model = None if found.passed else ir.load(job.output)
+    repairs = for_ort(model) if model else {}
     if not repairs:
         return verdict
     repaired = work / "deployed" / job.output.name
@@ -76,12 +72,13 @@ def as_deployed(
     del model
     progress.step("the output repaired for ONNX Runtime, judged again")
     again = parity(job, staged, judge, repaired)
-    fixed, after = deployed.judged(repaired, *judged)
-    if not (fixed and again.passed):
-        verdict.deployed = Deployed(False, message, sets, None, repairs)
+    after = deployed.judged(repaired, *judged)
+    repairs = dict(collections.Counter(ref.repairs) + collections.Counter(repairs))
+    if not (after.passed and again.passed):  # tried, not kept
+        verdict.deployed.repairs = repairs
         return verdict
     files.publish_model(repaired, job.output)
-    again.deployed = Deployed(True, after, sets, message, repairs)
+    again.deployed = Deployed(True, after.message, sets, found.message, repairs, "output")
     return again
 
 

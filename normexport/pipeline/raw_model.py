@@ -1,6 +1,8 @@
 """The raw model stage (the report's ``reference`` stage begins with it): the model the output
 is compared with and rebuilt from, on file: the input itself for ONNX input (loaded as written,
-run once on the example inputs, checked), else the raw export saved into the scratch folder.
+run once on the example inputs, checked), else the raw export saved into the scratch folder;
+judged as deployed and, where ONNX Runtime's own fusions misread it, repaired into exact forms
+(:func:`as_deployed`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ from pathlib import Path
 
 import onnx_ir as ir
 
+from fusion.ort_forms import ISSUES, avoid_ort_misfusions
 from normexport import progress, runtime
 from normexport.errors import InputFileError, RunTimedOut, UsageError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job, larger
+from normexport.verdict import deployed
 from normexport.verdict.checker_levels import checker_level
 from normexport.verdict.parity import Recorded
+from normexport.verdict.references import Judge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,17 +29,23 @@ class RawModel:
     """The raw model on file: what the output is compared with and rebuilt from.
 
     Attributes:
-        path: the input file (ONNX input) or the raw export saved in the scratch folder.
+        path: the input file (ONNX input) or the raw export saved in the scratch folder; where
+            it was repaired for ONNX Runtime (:func:`as_deployed`), its repaired form there.
         runs: it, run as written (:func:`normexport.runtime.check_session`, opened on demand,
             its outputs recorded per input set; ``runs.close()`` frees its session).
         checker: how far the ONNX checker accepts it, and its complaint
             (:func:`normexport.verdict.checker_levels.checker_level`; ``("full", None)`` for
             an export).
+        found: where it was repaired for ONNX Runtime (:func:`as_deployed`), what the
+            default session did to it as it was; else None.
+        repairs: those repairs: the ONNX Runtime issue each avoids -> nodes rewritten.
     """
 
     path: Path
     runs: Recorded
     checker: tuple[str, str | None] = ("full", None)
+    found: str | None = None
+    repairs: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def raw_model(job: Job, raw: ir.Model, work: Path) -> tuple[RawModel, Job]:
@@ -60,6 +71,55 @@ def raw_model(job: Job, raw: ir.Model, work: Path) -> tuple[RawModel, Job]:
     finally:
         recorded.close()
     return RawModel(path, recorded, checker_level(path)), job
+
+
+def as_deployed(job: Job, raw: ir.Model, ref: RawModel, judge: Judge, work: Path) -> RawModel:
+    """The raw model ``ref`` judged as deployed (:func:`normexport.verdict.deployed.judged`, by
+    its own rule) before the passes; where ONNX Runtime's default session fails it, ``raw``
+    rewritten in place into the exact forms its fusions do not misread (:func:`for_ort`: the
+    passes then start from them), saved into ``work`` and judged again. Where that model loads
+    and runs as deployed, its :class:`RawModel` (what the default session did to the model as
+    it was, and the repairs), so that the rollback's rebuilds, the latency stage and the output
+    all start from a model that ONNX Runtime loads; its outputs as written are the same, bit for
+    bit, as those recorded. Else ``ref``, where it loads and runs as deployed (another function
+    there is the published output's verdict to find). docs/parity.md#judged-as-deployed.
+
+    Raises:
+        InputFileError: ONNX Runtime's default session cannot load or run the raw model, and
+            no known bug of its fusions explains it (or the exact forms did not help).
+    """
+    progress.step(f"the raw model as deployed ({deployed.LEVEL})")
+    found = deployed.judged(ref.path, job.provider, judge, job.computes_in)
+    if found.passed:
+        return ref
+    repairs = for_ort(raw)
+    if repairs:
+        path = work / "raw-ort" / ref.path.name
+        path.parent.mkdir()
+        files.save_model(raw, path, external_data=job.external)
+        again = deployed.judged(path, job.provider, judge, job.computes_in)
+        if again.runs:
+            return dataclasses.replace(ref, path=path, found=found.message, repairs=repairs)
+        found = again
+    if found.runs:
+        return ref
+    what = "this model" if job.loaded.kind == "onnx" else "its ONNX export"
+    why = (
+        f"the exact forms for {', '.join(repairs)} did not help"
+        if repairs
+        else "no known bug of ONNX Runtime's fusions explains it (docs/parity.md)"
+    )
+    raise InputFileError(
+        f"{job.opts.model}: ONNX Runtime's default session fails {what}: {found.message}; "
+        f"it runs with graph optimizations off, and {why}: report it to ONNX Runtime, or "
+        "fix or re-export the model"
+    )
+
+
+def for_ort(model: ir.Model) -> dict[str, int]:
+    """:func:`fusion.ort_forms.avoid_ort_misfusions` of ``model`` (in place): the ONNX Runtime
+    issue each rewrite avoids -> the nodes it rewrote (those that rewrote any)."""
+    return {ISSUES[key]: n for key, n in avoid_ort_misfusions(model).items()}
 
 
 def _recorded(session: runtime.OnDemand) -> Recorded:

@@ -139,6 +139,7 @@ def _reference(
             last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))
+        ref = raw_model.as_deployed(job, raw, ref, judge, work)
     return ref, judge, job, memory
 
 
@@ -168,7 +169,7 @@ def _parity(
     ONNX Runtime where it can be), with the hidden-state probe for half precision."""
     with progress.stage("parity"):
         verdict = published.parity(job, staged, judge)
-        verdict = published.as_deployed(job, staged, judge, verdict, work)
+        verdict = published.as_deployed(job, ref, staged, judge, verdict, work)
         if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
             published.hidden_state_probe(job, ref, verdict, work)
     return verdict

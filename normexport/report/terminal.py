@@ -136,8 +136,16 @@ def _render_parity(parity: ParityResult, console: Console) -> None:
 
 
 def _deployed(deployed: Deployed) -> str:
-    """One line: the output judged as deployed, and what was repaired for ONNX Runtime."""
+    """One line: the output judged as deployed, and what was repaired for ONNX Runtime (in the
+    raw model, before the passes, or in the output)."""
     repairs = ", ".join(f"{n} node(s) for {issue}" for issue, n in deployed.repairs.items())
+    if deployed.repaired == "raw":
+        color = "yellow" if deployed.passed else "red"
+        return (
+            f"[{color}]as deployed[/]: the raw model: {deployed.found}; repaired before the "
+            f"passes into an exact form (rewritten: {repairs}), from which every model of the "
+            f"run starts; the output: {deployed.message}"
+        )
     if deployed.found is not None:
         return (
             f"[yellow]as deployed[/]: {deployed.found}; published in an exact form it runs "

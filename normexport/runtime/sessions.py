@@ -151,24 +151,37 @@ def check_session(
 FP16_INITIALIZERS_TO_FP32 = "FuseFp16InitializerToFp32NodeTransformer"
 
 
+def deployed_session(
+    model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike,
+    provider: str = "cpu",
+    *,
+    disabled_optimizers: Sequence[str] = (),
+    **options,
+) -> ort.InferenceSession:
+    """A session that opens ``model`` as a deployment does (``ORT_ENABLE_ALL``: every graph
+    transformer of ONNX Runtime runs on it, less ``disabled_optimizers``), lean for the checks:
+    no spinning, nothing logged, the weights mapped, not prepacked, float16 initializers not
+    widened (:data:`FP16_INITIALIZERS_TO_FP32` off) and CUDA's float32 products in float32
+    (:func:`check_session`'s reasons), none of which moves the graph ONNX Runtime runs
+    (docs/parity.md#judged-as-deployed). ``options``: more of :func:`make_session`'s keywords.
+
+    Raises:
+        see :func:`make_session`.
+    """
+    lean = {"spinning": False, "quiet": True, "prepacking": False, "tf32": False}
+    disabled = [FP16_INITIALIZERS_TO_FP32, *disabled_optimizers]
+    return make_session(model, provider, disabled_optimizers=disabled, **(lean | options))
+
+
 def load_check(path: str | os.PathLike, provider: str = "cpu") -> None:
-    """Open the model at ``path`` as a deployment would (``ORT_ENABLE_ALL``: every graph
-    transformer of ONNX Runtime runs on it) and free it: whether ONNX Runtime's optimizers
-    accept it. The weights are mapped, not prepacked, and float16 initializers not widened
-    (:data:`FP16_INITIALIZERS_TO_FP32` off), so the check costs no copy of the weights.
+    """Open the model at ``path`` as a deployment would (:func:`deployed_session`) and free it:
+    whether ONNX Runtime's optimizers accept it, at the cost of no copy of the weights.
 
     Raises:
         ProviderUnavailable: the provider does not load.
         whatever ONNX Runtime raises for a model it cannot load (its own error types).
     """
-    make_session(
-        path,
-        provider,
-        spinning=False,
-        quiet=True,
-        prepacking=False,
-        disabled_optimizers=[FP16_INITIALIZERS_TO_FP32],
-    )
+    deployed_session(path, provider)
     give_back()
 
 

@@ -120,7 +120,11 @@ class Deployed:
         found: what the default session did to the model before normexport repaired it (None:
             nothing was repaired).
         repairs: the exact rewrites made for ONNX Runtime (:func:`fusion.ort_forms.
-            avoid_ort_misfusions`): the ONNX Runtime issue each avoids -> nodes rewritten.
+            avoid_ort_misfusions`): the ONNX Runtime issue each avoids -> nodes rewritten (in
+            the raw model and the output together; tried, where none was kept).
+        repaired: the model they were kept in: ``"raw"`` (the raw model, before the passes: the
+            reference, the passes, the latency and the output all start from it) or
+            ``"output"`` (the published output); None where none was kept.
     """
 
     passed: bool
@@ -128,6 +132,7 @@ class Deployed:
     sets: list[str]
     found: str | None = None
     repairs: dict[str, int] = dataclasses.field(default_factory=dict)
+    repaired: str | None = None
 
 
 @dataclasses.dataclass

@@ -17,15 +17,16 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import Any
 
 import fusion
 from fusion import Code, Fused, FusionReport
 from fusion.registry import PASSES
-from normexport import runtime
+from normexport import precision, runtime
 from normexport.errors import one_line
 from normexport.io import files
 from normexport.verdict.parity import ParityResult
-from normexport.verdict.references import Judge
+from normexport.verdict.references import Candidate, Judge
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,45 +126,58 @@ def verify(
     except Exception as err:  # ORT's own error types
         why = f"ONNX Runtime's {name} cannot load it: {runtime.message(err)}"
         return Rejection(Code.REJECTED_BY_RUNTIME, why), None
-
-    def candidate(model, folder):  # opened by the judge once the references have run
-        try:
-            session = runtime.check_session(
-                model, provider, quiet=True, external_data_folder=folder
-            )
-        except runtime.ProviderUnavailable:
-            raise
-        except Exception as err:  # ORT's own error types
-            raise _LoadFailed(runtime.message(err)) from None
-
-        def run(feeds):
-            try:
-                return runtime.run(session, feeds, quiet=True)
-            except Exception as err:  # ORT's own error types
-                raise _RunFailed(runtime.message(err)) from None
-
-        return run, [o.name for o in session.get_outputs()]
-
-    try:
-        verdict = judge(path, candidate)
-    except _LoadFailed as err:
-        why = f"ONNX Runtime's {name} cannot load it: {err}"
+    try:  # opened by the judge once the references have run
+        verdict = judge(path, opened(runtime.check_session, provider))
+    except RuntimeFailed as err:
+        why = f"ONNX Runtime's {name} cannot {err.doing} it: {err}"
         return Rejection(Code.REJECTED_BY_RUNTIME, why), None
-    except _RunFailed as err:
-        return Rejection(
-            Code.REJECTED_BY_RUNTIME, f"ONNX Runtime's {name} cannot run it: {err}"
-        ), None
     except ValueError as err:  # output count or shapes differ from the reference's
         return Rejection(Code.CHANGED_THE_FUNCTION, str(err)), None
     return diverged(verdict), verdict
 
 
-class _LoadFailed(Exception):
-    """ONNX Runtime failed to load the candidate model as written (its message)."""
+class RuntimeFailed(Exception):
+    """ONNX Runtime failed to load or to run a candidate of :func:`opened` (its message).
+
+    Attributes:
+        doing: ``"load"`` or ``"run"``.
+    """
+
+    def __init__(self, doing: str, message: str):
+        super().__init__(message)
+        self.doing = doing
 
 
-class _RunFailed(Exception):
-    """ONNX Runtime failed to run the candidate model (its message)."""
+def opened(session: Callable[..., Any], provider: str, **options) -> Candidate:
+    """The judge's candidate (:data:`normexport.verdict.references.Candidate`) that opens its
+    model with ``session(model, provider, quiet=True, external_data_folder=folder,
+    **options)`` (:func:`normexport.runtime.check_session`, as written, or
+    :func:`normexport.runtime.deployed_session`, as deployed) and runs it on feeds cast to the
+    session's float inputs (:func:`normexport.precision.cast_feeds`): the one way the verdict's
+    checks open and run a model, so that what they report of a failure cannot drift.
+
+    Raises:
+        RuntimeFailed: (by the candidate or its runs) ONNX Runtime failed to load or run it.
+        normexport.runtime.ProviderUnavailable: (by the candidate) the provider does not load.
+    """
+
+    def candidate(model, folder):
+        try:
+            ran = session(model, provider, quiet=True, external_data_folder=folder, **options)
+        except runtime.ProviderUnavailable:
+            raise
+        except Exception as err:  # ORT's own error types
+            raise RuntimeFailed("load", runtime.message(err)) from None
+
+        def run(feeds):
+            try:
+                return runtime.run(ran, precision.cast_feeds(ran, feeds), quiet=True)
+            except Exception as err:  # ORT's own error types
+                raise RuntimeFailed("run", runtime.message(err)) from None
+
+        return run, [o.name for o in ran.get_outputs()]
+
+    return candidate
 
 
 def diverged(verdict: ParityResult) -> Rejection | None:
