@@ -1,7 +1,7 @@
 """Fuse an encoder's attention into ONNX Runtime's contrib ``Attention`` /
-``MultiHeadAttention`` with onnxscript's own rules, then pack the projections
-(:mod:`fusion.pack_attention`) and pass a key and value already in heads as they are
-(:class:`FuseAttention`; ``target="ort"`` only).
+``MultiHeadAttention`` with onnxscript's own rules, then expand a bias to the shape the kernels
+take, pack the projections (:mod:`fusion.pack_attention`) and pass a key and value already in
+heads as they are (:class:`FuseAttention`; ``target="ort"`` only).
 
 Which rules are applied and which left out, what is left to FuseSDPA, and the measurements: see
 docs/fusions.md#fuseattention.
