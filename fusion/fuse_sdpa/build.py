@@ -75,7 +75,9 @@ def _lifted(graph: ir.Graph, value: ir.Value, count: int, inserted: list[ir.Node
     unsqueeze = ir.node("Unsqueeze", [value, axes])
     out = unsqueeze.outputs[0]
     shape = dims(value)
-    out.shape, out.dtype = ir.Shape([1] * count + shape), value.dtype
+    if shape is not None:
+        out.shape = ir.Shape([1] * count + shape)
+    out.dtype = value.dtype
     inserted.append(unsqueeze)
     return out
 
