@@ -1,7 +1,7 @@
 """Fuse an encoder's attention into ONNX Runtime's contrib ``Attention`` /
-``MultiHeadAttention`` with onnxscript's own rules, then pack the projections
-(:mod:`fusion.pack_attention`) and pass a key and value already in heads as they are
-(:class:`FuseAttention`; ``target="ort"`` only).
+``MultiHeadAttention`` with onnxscript's own rules, then expand a bias to the shape the kernels
+take, pack the projections (:mod:`fusion.pack_attention`) and pass a key and value already in
+heads as they are (:class:`FuseAttention`; ``target="ort"`` only).
 
 Which rules are applied and which left out, what is left to FuseSDPA, and the measurements: see
 docs/fusions.md#fuseattention.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common as common_passes
 from onnxscript.rewriter import RewriteRuleSet
@@ -25,7 +26,7 @@ from onnxscript.rewriter.ort_fusions import (
 )
 
 from fusion import pack_attention
-from fusion._ir import const_array, label, producer
+from fusion._ir import add_initializer, const_array, dims, label, opset_version, producer, same_dim
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 from fusion.fuse_sdpa import layout
 
@@ -108,7 +109,9 @@ class FuseAttention(FusionPass):
         # the sdpa rule makes onnxscript functions; those no later rule consumed are inlined
         common_passes.InlinePass()(model)
         for node in list(model.graph):
-            if node.domain == "com.microsoft" and node.op_type == "MultiHeadAttention":
+            if node.domain == MS_DOMAIN and node.op_type in ("Attention", "MultiHeadAttention"):
+                _bias_for_kernel(model, node)
+            if node.domain == MS_DOMAIN and node.op_type == "MultiHeadAttention":
                 _pass_kv_in_heads(node)
                 pack_attention.pack(model.graph, node)
         common_passes.RemoveUnusedNodesPass()(model)
@@ -191,6 +194,44 @@ def _anchor(node: ir.Node, kind: str) -> str:
     origin = sorted(_origin(node), key=lambda o: o[1])
     ops = _ANCHOR_OPS[kind]
     return next((name for op, name in origin if op in ops), origin[0][1])
+
+
+def _bias_for_kernel(model: ir.Model, node: ir.Node) -> None:
+    """Expand the ``attention_bias`` of ``node``, a MultiHeadAttention or Attention
+    (com.microsoft), to ``(.., S, L)`` where it may be broadcast along the query's length ``S``
+    or the key's ``L`` (a padding mask of one column, ``(B, 1, S, 1)``): onnxscript's rules pass
+    the model's bias as it is, ONNX Runtime's kernels refuse one whose last two axes are not
+    ``(S, L)``. Exact: the op adds the bias broadcast to the scores, the Expand only repeats it
+    (docs/fusions.md#fuseattention). Left as it is with a past key (the total length is then
+    the past's too), or a query or key of unknown shape or other than a 3-D query and a 3-D or
+    4-D key."""
+    inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
+    mha = node.op_type == "MultiHeadAttention"
+    bias, query, past = inputs[5], inputs[0], inputs[6 if mha else 4]
+    key = inputs[1] if mha else query  # Attention: self-attention on its one input
+    if bias is None or past is not None or opset_version(model) < 15:
+        return
+    q, k, b = dims(query), dims(key), dims(bias)
+    if q is None or len(q) != 3 or k is None or len(k) not in (3, 4):
+        return
+    axis = len(k) - 2  # the key's length: (B, L, D) or (B, N, L, H)
+    rows = [q[1], k[axis]]
+    if b is not None and len(b) == 4 and all(map(same_dim, b[2:], rows)):
+        return
+    graph, made = model.graph, []
+    if all(isinstance(r, int) for r in rows):
+        shape = add_initializer(graph, "attention_bias_shape", np.array([1, 1, *rows], np.int64))
+    else:
+        made += [
+            ir.node("Shape", [query], {"start": 1, "end": 2}),
+            ir.node("Shape", [key], {"start": axis, "end": axis + 1}),
+        ]
+        ones = add_initializer(graph, "attention_bias_ones", np.ones(2, np.int64))
+        made.append(ir.node("Concat", [ones, *(n.outputs[0] for n in made)], {"axis": 0}))
+        shape = made[-1].outputs[0]
+    made.append(ir.node("Expand", [bias, shape]))
+    graph.insert_before(node, made)
+    node.replace_input_with(5, made[-1].outputs[0])
 
 
 def _pass_kv_in_heads(mha: ir.Node) -> None:

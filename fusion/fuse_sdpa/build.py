@@ -27,7 +27,13 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     the old nodes. Return what it became."""
     inserted: list[ir.Node] = []
     key, value = (operand(o, inserted, graph) for o in (match.key, match.value))
-    inputs = [match.query, key, value]
+    inputs = [
+        _lifted(graph, v, count, inserted)
+        for v, count in zip((match.query, key, value), match.lifts, strict=True)
+    ]
+    if match.perm is not None:
+        inverse = core.Operand(inputs[2], core.inverse(match.perm))
+        inputs[2] = operand(inverse, inserted, graph)
     if match.heads is not None:
         inputs[0] = _scaled_query(graph, match.query, match.heads, inserted)
     attributes = {"scale": match.scale}
@@ -41,6 +47,8 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     out = fused.outputs[0]
     if match.transposed:
         out = operand(core.Operand(out, core.swap(match.rank)), inserted, graph)
+    if match.perm is not None:
+        out = operand(core.Operand(out, match.perm), inserted, graph)
     graph.insert_before(match.nodes[-1], inserted)
     if merged is None:
         out.type = match.output.type
@@ -55,6 +63,23 @@ def rewrite(graph: ir.Graph, match, shared: dict) -> str:
     remove_nodes(graph, match.nodes[::-1])
     _drop_unread(graph, match.side)
     return f"Attention (opset {standard.OPSET})"
+
+
+def _lifted(graph: ir.Graph, value: ir.Value, count: int, inserted: list[ir.Node]) -> ir.Value:
+    """``value`` with ``count`` leading axes of size 1 (an ``Unsqueeze`` appended to
+    ``inserted``; ``value`` itself for none): a 3-D operand of a 4-D attention as the model's
+    MatMuls broadcast it."""
+    if count == 0:
+        return value
+    axes = add_initializer(graph, "attn_lift_axes", np.arange(count, dtype=np.int64))
+    unsqueeze = ir.node("Unsqueeze", [value, axes])
+    out = unsqueeze.outputs[0]
+    shape = dims(value)
+    if shape is not None:
+        out.shape = ir.Shape([1] * count + shape)
+    out.dtype = value.dtype
+    inserted.append(unsqueeze)
+    return out
 
 
 def _scaled_query(
@@ -80,7 +105,7 @@ def _three_d(
     4-D views' new nodes out of ``inserted``, their other nodes to ``match.side``), the head
     counts in ``attributes``, and return the Reshapes that merge the output's heads, to read
     the 3-D output instead; else None."""
-    if match.rank != 4 or match.transposed:
+    if match.rank != 4 or match.transposed or match.perm is not None:
         return None
     views = [layout.of(v) for v in inputs]
     merged = layout.merged_readers(match.output)

@@ -114,30 +114,52 @@ def is_candidate(softmax: ir.Node) -> bool:
     return False
 
 
-def weights(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node], bool, bool]:
-    """``(P @ V MatMul, nodes after the Softmax up to it, transposed, guarded)``: ``P @ V``
-    (maybe behind the NaN guard, :func:`fusion.fuse_gqa.core.weights_reader`), or YOLO's
-    ``V @ P^T`` (transposed).
+@dataclasses.dataclass
+class Weights:
+    """How the Softmax's output reaches its product with ``V``.
+
+    Attributes:
+        product: the MatMul ``P @ V`` (YOLO's ``V @ P^T`` where ``transposed``).
+        nodes: the nodes after the Softmax up to it.
+        transposed: the product is ``V @ P^T``.
+        guard: the weights pass the dynamo exporter's NaN guard.
+        perm: the product reads ``Transpose(P, perm)``, a permutation of the leading axes only
+            (the last two kept), or None.
+    """
+
+    product: ir.Node
+    nodes: list[ir.Node]
+    transposed: bool = False
+    guard: bool = False
+    perm: tuple[int, ...] | None = None
+
+
+def weights(softmax: ir.Node) -> Weights:
+    """The weights' product with ``V``: ``P @ V`` (maybe behind the NaN guard,
+    :func:`fusion.fuse_gqa.core.weights_reader`), ``Transpose(P, perm) @ V`` with ``perm``
+    moving leading axes only (SwinV2's one-head attention once :mod:`fusion.simplify.batched`
+    dropped its unit axes), or YOLO's ``V @ P^T`` (transposed).
 
     Raises:
-        CannotFuse: ``shared_output``: the weights are read elsewhere.
+        CannotFuse: ``shared_output``: the weights are read elsewhere; ``scores_form``: they
+            reach their ``@ V`` through other ops.
     """
     found = gqa_core.weights_reader(softmax)
     if found is not None:
-        return found[0], found[1], False, bool(found[1])
+        return Weights(found[0], found[1], guard=bool(found[1]))
     weights = softmax.outputs[0]
     transpose = sole_consumer(weights)
-    rank = len(weights.shape or ())
-    swapped = (
-        transpose is not None
-        and transpose.op_type == "Transpose"
-        and rank >= 3
-        and tuple(transpose.attributes.get_ints("perm", ())) == swap(rank)
-    )
-    matmul = sole_consumer(transpose.outputs[0]) if swapped else None
-    product = matmul is not None and matmul.op_type == "MatMul"
-    if product and matmul.inputs[1] is transpose.outputs[0]:
-        return matmul, [transpose], True, False
+    perm = ()
+    if transpose is not None and transpose.op_type == "Transpose" and transpose.domain == "":
+        perm = tuple(transpose.attributes.get_ints("perm", ()))
+    rank = len(perm)
+    matmul = sole_consumer(transpose.outputs[0]) if rank >= 3 else None
+    if matmul is not None and matmul.op_type == "MatMul":
+        if perm == swap(rank) and matmul.inputs[1] is transpose.outputs[0]:
+            return Weights(matmul, [transpose], transposed=True)
+        leading = perm[-2:] == (rank - 2, rank - 1) and perm != tuple(range(rank))
+        if leading and matmul.inputs[0] is transpose.outputs[0]:
+            return Weights(matmul, [transpose], perm=perm)
     if weights.is_graph_output() or len(list(weights.uses())) > 1:
         raise CannotFuse(Code.SHARED_OUTPUT, "the attention weights are read elsewhere")
     reader = next(iter(weights.uses())).node
@@ -145,6 +167,23 @@ def weights(softmax: ir.Node) -> tuple[ir.Node, list[ir.Node], bool, bool]:
         f"the attention weights reach their @ V through other ops ({reader.op_type} "
         f"{reader.name!r} first)"
     )
+
+
+def lifted(shape: list, rank: int) -> list:
+    """``shape`` with leading axes of size 1 up to ``rank``: how MatMul broadcasts a
+    lower-rank operand (numpy's rule)."""
+    return [1] * (rank - len(shape)) + list(shape)
+
+
+def lifted_perm(perm: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    """``perm`` on the last ``len(perm)`` of ``rank`` axes, the leading ones kept."""
+    lead = rank - len(perm)
+    return (*range(lead), *(lead + p for p in perm))
+
+
+def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes ``perm``."""
+    return tuple(int(i) for i in np.argsort(perm))
 
 
 def operand(transposed: ir.Value, rank: int) -> Operand:
@@ -312,10 +351,15 @@ def _view(value: ir.Value, found: Scores) -> ir.Value:
     return split.inputs[0]
 
 
-def check_shapes(query: ir.Value, key_t: ir.Value, value: list | None) -> int:
+def check_shapes(
+    query: ir.Value, key_t: ir.Value, value: list | None, perm: tuple[int, ...] | None = None
+) -> int:
     """The rank (3 or 4) of the attention, after checking that ``Attention`` takes the
     query, the key (``key_t`` is ``K^T``) and the value (its ``value`` dims, ``(.., L, Hv)``)
     as the MatMuls do: one batch, key and value heads alike (or one key head), one length.
+    Each may be 3-D or 4-D: the rank is the largest, a 3-D one read as the MatMuls broadcast it
+    (:func:`lifted`); ``perm``: the weights reach ``V`` through ``Transpose(P, perm)`` of their
+    leading axes (:class:`Weights`), so ``V`` is read through the inverse permutation.
 
     Raises:
         CannotFuse: ``unknown_shape``, ``unsupported_rank``, ``shape_mismatch``,
@@ -324,11 +368,15 @@ def check_shapes(query: ir.Value, key_t: ir.Value, value: list | None) -> int:
     q, kt = dims(query), dims(key_t)
     if q is None or kt is None or value is None:
         raise CannotFuse(Code.UNKNOWN_SHAPE, "the shapes of Q, K and V are not known")
-    rank = len(q)
-    if rank not in (3, 4) or len(kt) != rank or len(value) != rank:
+    ranks = {len(q), len(kt), len(value)}
+    if not ranks <= {3, 4}:
         raise CannotFuse(
-            Code.UNSUPPORTED_RANK, "Q, K and V are not all 3-D or all 4-D: Attention takes those"
+            Code.UNSUPPORTED_RANK, "Q, K and V are not each 3-D or 4-D: Attention takes those"
         )
+    rank = max(ranks)
+    q, kt, value = (lifted(d, rank) for d in (q, kt, value))
+    if perm is not None:
+        value = [value[i] for i in inverse(lifted_perm(perm, rank))]
     if query.dtype != ir.DataType.FLOAT:
         raise CannotFuse(Code.UNSUPPORTED_DTYPE, f"the attention computes in {query.dtype}")
     if not (same_dim(q[0], kt[0]) and same_dim(q[0], value[0])):

@@ -32,6 +32,11 @@ class SDPAMatch:
         transposed: that value is ``(.., Hv, S)``: the op's output transposed.
         rank: 3 or 4.
         nodes: the nodes replaced; side: nodes removed where nothing else reads them.
+        lifts: the axes of size 1 put before ``Q``, ``K`` and ``V`` to make them ``rank``-D,
+            as the MatMuls broadcast them (:func:`.core.lifted`).
+        perm: the output is ``Transpose(Y, perm)`` and ``V`` read through the inverse: the
+            weights reach ``@ V`` through that Transpose of their leading axes
+            (:class:`.core.Weights`), or None.
     """
 
     softmax: ir.Node
@@ -46,6 +51,8 @@ class SDPAMatch:
     nodes: list[ir.Node]
     side: list[ir.Node]
     heads: np.ndarray | None = None
+    lifts: tuple[int, int, int] = (0, 0, 0)
+    perm: tuple[int, ...] | None = None
 
 
 class FuseSDPA(NodeFusionPass):
@@ -80,7 +87,8 @@ class FuseSDPA(NodeFusionPass):
         axis = node.attributes.get_int("axis", -1 if opset >= 13 else 1)
         if axis not in (-1, len(shape) - 1):
             raise CannotFuse(Code.SOFTMAX_AXIS, f"the Softmax is over axis {axis}, not the keys")
-        pv, after, transposed, guard = core.weights(node)
+        reached = core.weights(node)
+        pv, transposed, perm = reached.product, reached.transposed, reached.perm
         found = core.scores(node.inputs[0])
         query, q_factor, q_nodes = scales.unscaled(found.matmul.inputs[0])
         key_t, k_factor, k_nodes = scales.unscaled(found.matmul.inputs[1])
@@ -88,7 +96,7 @@ class FuseSDPA(NodeFusionPass):
         value_dims = dims(value_in)
         if transposed and value_dims is not None:
             value_dims = [*value_dims[:-2], value_dims[-1], value_dims[-2]]
-        rank = core.check_shapes(query, key_t, value_dims)
+        rank = core.check_shapes(query, key_t, value_dims, perm)
         self._provider_gate(query, transposed)
         scale = found.factor * q_factor * k_factor
         if not (math.isfinite(scale) and scale > 0):
@@ -96,17 +104,20 @@ class FuseSDPA(NodeFusionPass):
         product = dims(found.matmul.outputs[0])  # the scores before a mask broadcasts them
         if product is None:
             raise CannotFuse(Code.UNKNOWN_SHAPE, "the shape of Q @ K^T is not known")
-        mask = masks.of_scores(found, guard, opset, product)
-        nodes = [*found.nodes, node, *after, pv]
+        mask = masks.of_scores(found, reached.guard, opset, core.lifted(product, rank))
+        nodes = [*found.nodes, node, *reached.nodes, pv]
         if escaping_value(nodes, pv.outputs[0]) is not None:
             raise CannotFuse(Code.SHARED_OUTPUT, "the scores or the weights are read elsewhere")
-        key = core.operand(key_t, rank)
-        value = core.operand(value_in, rank) if transposed else core.Operand(value_in, None)
+        key = core.operand(key_t, len(dims(key_t)))
+        value = core.Operand(value_in, None)
+        if transposed:
+            value = core.operand(value_in, len(value_dims))
         side = [*q_nodes, *k_nodes, *key.nodes, *value.nodes]
-        output = pv.outputs[0]
+        lifts = tuple(rank - len(dims(v)) for v in (query, key_t, value_in))
         return SDPAMatch(
-            node, query, key, value, scale, mask, output, transposed, rank, nodes, side, found.heads
-        )
+            node, query, key, value, scale, mask, pv.outputs[0], transposed, rank, nodes, side,
+            found.heads, lifts, None if perm is None else core.lifted_perm(perm, rank),
+        )  # fmt: skip
 
     def _provider_gate(self, query: ir.Value, transposed: bool) -> None:
         """Refuse what the policy's execution provider runs slower fused (its ``threads``,

@@ -766,3 +766,31 @@ def test_views_that_are_not_the_3d_form_keep_the_4d_form(rng, layout, reader, ba
     assert [len(v.shape) for v in _attention_node(model).inputs[:3]] == [4, 4, 4]
     fusion.check(model)
     assert_close(run(model, feeds), before)
+
+
+@pytest.mark.parametrize(
+    ("q", "k", "v", "fused"),
+    [
+        ((1, 1, S, H), (1, 1, L, H), (1, L, HV), True),  # V's unit head axis dropped
+        ((1, S, H), (1, L, H), (1, 1, L, HV), True),  # Q and K 3-D, V 4-D
+        ((1, S, H), (1, 1, L, H), (1, L, HV), True),  # only K 4-D
+        ((3, S, H), (1, 3, L, H), (1, 3, L, HV), True),  # 3-D Q read as (1, 3, S, H): 3 heads
+        ((3, S, H), (2, 3, L, H), (2, 3, L, HV), False),  # Q broadcast over the batch
+    ],
+)
+def test_q_k_v_of_mixed_rank_are_read_as_the_matmuls_broadcast_them(rng, q, k, v, fused):
+    """A 3-D operand beside 4-D ones is the MatMul's broadcast, ``(1, X, ., .)``: Attention
+    takes it unsqueezed where that gives one batch and heads alike (exact on ONNX Runtime);
+    where it would broadcast the batch, ``shape_mismatch``, not ``unsupported_rank``."""
+    inputs = {"q": (F, q), "k": (F, k), "v": (F, v)}
+    nodes = [
+        ("Transpose", ["k"], ["kt"], {"perm": [*range(len(k) - 2), len(k) - 1, len(k) - 2]}),
+        ("MatMul", ["q", "kt"], ["raw"], {}),
+        ("Mul", ["raw", "scale"], ["scores"], {}),
+    ]
+    model = _attention(nodes, inputs, {"scale": np.array(SCALE, np.float32)})
+    if fused:
+        _fused(model, random_feeds(rng, inputs))
+        return
+    report = fusion.optimize(model, target="onnx")
+    assert report.codes("attention") == [Code.SHAPE_MISMATCH], report.refused
