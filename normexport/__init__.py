@@ -93,10 +93,10 @@ def _run(opts: Options) -> Report:
     """Run the pipeline on ``opts`` (a module in eval mode, its training flag restored) and
     write the JSON report and chart where ``opts.report`` asks."""
     from normexport import pipeline
-    from normexport.arguments import onnxruntime_conflict
+    from normexport.arguments import check_onnxruntime
     from normexport.report import write_chart, write_json
 
-    conflict = onnxruntime_conflict()
+    conflict = check_onnxruntime()
     if conflict:
         warnings.warn(conflict, RuntimeWarning, stacklevel=3)
     training = getattr(opts.module, "training", False)

@@ -32,7 +32,7 @@ from normexport.arguments.options import (
     make_options,
     parse_dynamic,
 )
-from normexport.arguments.preflight import onnxruntime_conflict, plan_outputs, preflight
+from normexport.arguments.preflight import check_onnxruntime, plan_outputs, preflight
 
 __all__ = [
     "DynamicAxes",
@@ -49,6 +49,6 @@ __all__ = [
     "options_from_args",
     "parse_dynamic",
     "plan_outputs",
-    "onnxruntime_conflict",
+    "check_onnxruntime",
     "preflight",
 ]

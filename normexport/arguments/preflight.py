@@ -6,6 +6,7 @@ not after the imports (seconds) and the export (minutes)."""
 from __future__ import annotations
 
 import importlib.metadata
+import sys
 from pathlib import Path
 
 from normexport.arguments.options import Options, check_options
@@ -18,29 +19,29 @@ def preflight(opts: Options, *, writes: bool = True) -> list[str]:
     """Check ``opts`` (:func:`~normexport.arguments.options.check_options`), where ``writes``
     the paths the run writes (:func:`plan_outputs`), the model file's kind
     (:func:`normexport.io.kinds.detect_kind`) and the ONNX Runtime packages
-    (:func:`onnxruntime_conflict`).
+    (:func:`check_onnxruntime`).
 
     Returns:
         The warnings to show before the run, one line each.
 
     Raises:
         UsageError: a bad option value or output path; InputFileError: no model file;
-            EnvironmentProblem: see :func:`onnxruntime_conflict`.
+            EnvironmentProblem: see :func:`check_onnxruntime`.
     """
     check_options(opts)
     if writes:
         plan_outputs(opts)
     if opts.module is None:
         detect_kind(Path(opts.model))
-    conflict = onnxruntime_conflict()
+    conflict = check_onnxruntime()
     return [conflict] if conflict else []
 
 
-#: The distributions on PyPI that install the ``onnxruntime`` import package; the first is the
-#: one normexport depends on.
+#: The distributions on PyPI that install the ``onnxruntime`` import package; the first two are
+#: normexport's extras (``normexport[cpu]``, ``normexport[gpu]``: pyproject.toml).
 ONNXRUNTIME_DISTRIBUTIONS = (
-    "onnxruntime-gpu",
     "onnxruntime",
+    "onnxruntime-gpu",
     "onnxruntime-directml",
     "onnxruntime-openvino",
     "onnxruntime-qnn",
@@ -52,8 +53,15 @@ ONNXRUNTIME_DISTRIBUTIONS = (
 )
 
 
-def onnxruntime_conflict() -> str | None:
-    """Where two ONNX Runtime distributions are installed in this environment (say
+#: How to install ONNX Runtime with normexport, per machine (README: Install).
+INSTALL_LINE = (
+    "pip install 'normexport[cpu]' (onnxruntime: any machine, macOS and Linux aarch64 "
+    "included) or 'normexport[gpu]' (onnxruntime-gpu: the CUDA provider, Linux or Windows x86-64)"
+)
+
+
+def check_onnxruntime() -> str | None:
+    """That one ONNX Runtime distribution is installed. Where two are (say
     ``onnxruntime`` beside ``onnxruntime-gpu``; ONNX Runtime's install guide: install one), the
     warning line that says so with the fix; None where there is one. They write the same
     package folder, so the one installed last overwrote the other's files: ``onnxruntime``
@@ -61,9 +69,13 @@ def onnxruntime_conflict() -> str | None:
     removes files the other needs. Reads the installed distributions' metadata (milliseconds);
     ONNX Runtime is imported only where two are found.
 
+    Returns:
+        the warning where two are installed, else None.
+
     Raises:
-        EnvironmentProblem: two are installed and ``import onnxruntime`` fails or gives no
-            ``InferenceSession`` (a package left half removed).
+        EnvironmentProblem: none is installed (the message gives :data:`INSTALL_LINE`), or two
+            are and ``import onnxruntime`` fails or gives no ``InferenceSession`` (a package
+            left half removed).
     """
     found = []
     for name in ONNXRUNTIME_DISTRIBUTIONS:
@@ -71,13 +83,17 @@ def onnxruntime_conflict() -> str | None:
             found.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
             continue
+    if not found:
+        raise EnvironmentProblem(
+            f"ONNX Runtime is not installed in this environment ({sys.executable}): {INSTALL_LINE}"
+        )
     if len(found) < 2:
         return None
     names = " ".join(entry.split()[0] for entry in found)
     line = (
         f"{' and '.join(found)} are installed in one environment: they overwrite each other's "
         f"files (ONNX Runtime's install guide: keep one); fix: pip uninstall -y {names} && "
-        f"pip install {ONNXRUNTIME_DISTRIBUTIONS[0]}"
+        "pip install onnxruntime (CPU) or onnxruntime-gpu (CUDA)"
     )
     try:
         import onnxruntime

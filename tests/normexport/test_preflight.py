@@ -4,8 +4,10 @@ are said in one line with the fix, at start; a package they left broken is exit 
 from __future__ import annotations
 
 import importlib.metadata
+import re
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -13,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from normexport import cli
-from normexport.arguments import onnxruntime_conflict
+from normexport.arguments import check_onnxruntime
 from normexport.arguments.preflight import ONNXRUNTIME_DISTRIBUTIONS
 
 
@@ -48,7 +50,7 @@ def _model(path) -> None:
 
 def test_one_distribution_is_no_conflict(monkeypatch):
     _installed(monkeypatch, {"onnxruntime-gpu": "1.31.1"})
-    assert onnxruntime_conflict() is None
+    assert check_onnxruntime() is None
 
 
 def test_two_distributions_are_said_at_start_with_the_fix(monkeypatch, tmp_path, capsys):
@@ -59,8 +61,8 @@ def test_two_distributions_are_said_at_start_with_the_fix(monkeypatch, tmp_path,
     err = capsys.readouterr().err
     warned = [line for line in err.splitlines() if line.startswith("normexport: warning:")]
     assert code == 0 and len(warned) == 1, err
-    assert "onnxruntime-gpu 1.31.1 and onnxruntime 1.32.0" in warned[0]
-    assert "pip uninstall -y onnxruntime-gpu onnxruntime && pip install onnxruntime-gpu" in err
+    assert "onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1" in warned[0]
+    assert "pip uninstall -y onnxruntime onnxruntime-gpu && pip install onnxruntime (CPU)" in err
     assert err.splitlines()[0] == warned[0]  # said first, before any work
 
 
@@ -75,6 +77,18 @@ def test_a_package_they_left_broken_is_exit_2(monkeypatch, tmp_path, capsys):
     assert code == 2 and "now `import onnxruntime` fails" in line and "pip install" in line, line
 
 
+def test_no_onnxruntime_is_exit_2_with_the_install_line(monkeypatch, tmp_path, capsys):
+    """Installed without an extra (``pip install normexport``), there is no ONNX Runtime: one
+    line that says which extra to install, exit 2, before any work."""
+    _installed(monkeypatch, {})
+    _model(tmp_path / "m.onnx")
+    code = cli.main([str(tmp_path / "m.onnx"), "-o", str(tmp_path / "o.onnx")])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "ONNX Runtime is not installed" in line, line
+    assert "normexport[cpu]" in line and "normexport[gpu]" in line
+    assert not (tmp_path / "o.onnx").exists()
+
+
 def test_the_api_warns(monkeypatch, tmp_path):
     import normexport
 
@@ -82,3 +96,18 @@ def test_the_api_warns(monkeypatch, tmp_path):
     _model(tmp_path / "m.onnx")
     with pytest.warns(RuntimeWarning, match="overwrite each other's files"):
         normexport.optimize(tmp_path / "m.onnx", output=tmp_path / "o.onnx", benchmark=False)
+
+
+def test_onnx_runtime_is_an_extra_one_package_each():
+    """The base install names no ONNX Runtime distribution (``onnxruntime-gpu`` has no wheels
+    for macOS or aarch64, and beside a user's ``onnxruntime`` it clashes): the ``cpu`` extra
+    takes ``onnxruntime``, ``gpu`` takes ``onnxruntime-gpu``, one each."""
+    import tomllib
+
+    project = tomllib.loads(Path(__file__).parents[2].joinpath("pyproject.toml").read_text())
+    project = project["project"]
+    names = [re.split(r"[<>=!~ \[;]", d)[0] for d in project["dependencies"]]
+    assert not set(names) & set(ONNXRUNTIME_DISTRIBUTIONS), names
+    extras = project["optional-dependencies"]
+    assert [re.split(r"[<>=]", d)[0] for d in extras["cpu"]] == ["onnxruntime"]
+    assert [re.split(r"[<>=]", d)[0] for d in extras["gpu"]] == ["onnxruntime-gpu"]
