@@ -41,7 +41,7 @@ class Fused:
     @property
     def where(self) -> str:
         """The anchor for a reader: its name, after its subgraph's path where it has one."""
-        return _where(self.node, self.path)
+        return where_in(self.node, self.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +70,13 @@ class Refused:
     def where(self) -> str:
         """The anchor for a reader: ``module (node)`` where the module is known, the node after
         its subgraph's path (``If 'cond' / then_branch / 'ReduceMean_3'``) where it has one."""
-        node = _where(self.node, self.path)
+        node = where_in(self.node, self.path)
         return f"{self.module} ({node})" if self.module else node
 
 
-def _where(node: str, path: str | None) -> str:
-    """``node``, or ``path / 'node'`` in a subgraph."""
+def where_in(node: str, path: str | None) -> str:
+    """A node for a reader: ``node`` (a name) in the main graph, ``path / 'node'`` in the
+    subgraph at ``path`` (:attr:`Refused.path`)."""
     return f"{path} / '{node}'" if path else node
 
 
