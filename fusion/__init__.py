@@ -13,12 +13,14 @@
 The graph helpers the passes use that a caller may use too are in :mod:`fusion.graph`.
 
 Every rewrite is exact (up to float rounding): a candidate that cannot be expressed exactly by
-the fused op is left alone and recorded in the report with its reason.
+the fused op is left alone and recorded in the report with its reason; :func:`unlisted` finds
+what still looks like a norm or an attention in an optimized model and is in no report.
 """
 
 from __future__ import annotations
 
 from fusion import graph, registry
+from fusion.audit import Lookalike, lookalikes, unlisted
 from fusion.base import (
     TARGETS,
     CannotFuse,
@@ -53,16 +55,19 @@ __all__ = [
     "FillShapes",
     "FusionReport",
     "Kind",
+    "Lookalike",
     "NodeFusionPass",
     "Op",
     "Policy",
     "Refused",
     "check",
     "graph",
+    "lookalikes",
     "cleanup",
     "norm_ops",
     "onnxruntime_ops",
     "optimize",
     "ort_registered",
     "registry",
+    "unlisted",
 ]

@@ -273,23 +273,28 @@ def _vague(shape: ir.Shape | None) -> bool:
 
 
 class KnownShapes:
-    """Static shapes (and element types) of a model's main-graph values, for passes that need
-    more than the model carries.
+    """Static shapes (and element types) of a model's values, in its main graph and its
+    subgraphs, for passes that need more than the model carries.
 
     A value's own shape is used when every dimension is known (a number or a named symbol), its
     own type when it has one. Otherwise ONNX shape inference is run, once, on a clone of the
-    model (which shares the tensors; the model itself is not changed), the first time such a
-    value is asked about: the TorchScript exporter, for one, leaves most intermediate shapes
-    out. Where that inference leaves dimensions unknown, ONNX Runtime's symbolic inference
-    (:mod:`fusion._symbolic`) gives them where it can. Call the instance with a value to get its
-    shape, or None when neither source knows it;
-    :meth:`dtype` gives its element type. Values that a pass creates after that first inference
-    are answered from what they carry.
+    whole model (which shares the tensors; the model itself is not changed), the first time such
+    a value is asked about: the TorchScript exporter, for one, leaves most intermediate shapes
+    out. ONNX's inference goes into the subgraphs of ``If``, ``Loop`` and ``Scan`` with the
+    outer scope's shapes; each graph's values are matched with the clone's by name within that
+    graph. Where that inference leaves main-graph dimensions unknown, ONNX Runtime's symbolic
+    inference (:mod:`fusion._symbolic`) gives them where it can. Call the instance with a value
+    to get its shape, or None when neither source knows it; :meth:`dtype` gives its element
+    type. Values that a pass creates after that first inference are answered from what they
+    carry.
+
+    Args:
+        model: the model, or a :class:`fusion._scopes.Scope` of it (its ``main`` is used).
     """
 
     def __init__(self, model: ir.Model):
-        self._model = model
-        self._inferred: dict[str, ir.Value] | None = None
+        self._model: ir.Model = getattr(model, "main", model)
+        self._inferred: dict[ir.Value, ir.Value] | None = None
 
     def _inference(self, value: ir.Value) -> ir.Value | None:
         """The clone's copy of ``value`` after shape inference (None if it has no name there)."""
@@ -297,20 +302,22 @@ class KnownShapes:
             clone = self._model.clone()
             inference = ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False)
             inference(clone)
-            graph = clone.graph
-            values = [*graph.inputs, *graph.initializers.values()]
-            values += [v for node in graph for v in node.outputs]
-            self._inferred = {v.name: v for v in values if v.name}
-            if any(_vague(v.shape) for node in graph for v in node.outputs):
+            self._inferred = {}
+            for graph, inferred in zip(self._model.graphs(), clone.graphs(), strict=True):
+                theirs = _graph_values(inferred)
+                mine = _graph_values(graph).items()
+                self._inferred.update({v: theirs[n] for n, v in mine if n in theirs})
+            if any(_vague(v.shape) for node in clone.graph for v in node.outputs):
                 self._sharpen()
-        return self._inferred.get(value.name) if value.name else None
+        return self._inferred.get(value)
 
     def _sharpen(self) -> None:
-        """Give the inferred values that ONNX's inference left vague (:func:`_vague`) the
-        shape ONNX Runtime's symbolic inference finds (:mod:`fusion._symbolic`), of the same
-        rank."""
+        """Give the inferred main-graph values that ONNX's inference left vague
+        (:func:`_vague`) the shape ONNX Runtime's symbolic inference finds
+        (:mod:`fusion._symbolic`), of the same rank."""
+        mine = _graph_values(self._model.graph)
         for name, shape in symbolic_shapes(self._model).items():
-            found = self._inferred.get(name)
+            found = self._inferred.get(mine.get(name))
             vague = found is not None and _vague(found.shape)
             if vague and (found.shape is None or len(found.shape) == len(shape)):
                 found.shape = shape
@@ -329,6 +336,12 @@ class KnownShapes:
             return value.dtype
         inferred = self._inference(value)
         return inferred.dtype if inferred is not None else None
+
+
+def _graph_values(graph: ir.Graph) -> dict[str, ir.Value]:
+    """The named values of ``graph`` itself (inputs, initializers, node outputs; not those of
+    its subgraphs), by name."""
+    return ir.convenience.create_value_mapping(graph, include_subgraphs=False)
 
 
 def same_dim(a: int | ir.SymbolicDim, b: int | ir.SymbolicDim) -> bool:

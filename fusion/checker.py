@@ -20,10 +20,10 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
     external data itself and handles models over protobuf's 2 GiB limit. An in-memory model is
     written to a temporary folder first (with external data).
 
-    The ONNX Runtime ops (:func:`ort_registered`) live in the default domain, where the
-    checker looks them up among the standard ops and fails; they are checked as custom-domain
-    ops instead, on a copy of the graph (no tensors) written beside the model file, so that
-    every standard op is still fully checked. Loading the model in an ONNX Runtime session
+    The ONNX Runtime ops (:func:`ort_registered`) live in the default domain, where the checker
+    looks them up among the standard ops and fails; they are checked as custom-domain ops instead,
+    on a copy of the graph (no tensors) written beside the model file, so that every standard op is
+    still fully checked (in the subgraphs too). Loading the model in an ONNX Runtime session
     validates those nodes themselves.
 
     Args:
@@ -44,7 +44,7 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
     path = Path(model)
     proto = onnx.load(path, load_external_data=False)
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 0)
-    ort_nodes = [n for n in proto.graph.node if ort_registered(n.op_type, n.domain, opset)]
+    ort_nodes = [n for n in _nodes(proto.graph) if ort_registered(n.op_type, n.domain, opset)]
     if not ort_nodes:
         onnx.checker.check_model(path, full_check=full_check)
         return
@@ -60,3 +60,15 @@ def check(model: ir.Model | str | os.PathLike, *, full_check: bool = True) -> No
         onnx.checker.check_model(copy, full_check=full_check)
     finally:
         os.unlink(copy)
+
+
+def _nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """The nodes of ``graph`` and of its subgraphs (``If``, ``Loop``, ``Scan`` bodies), at any
+    depth."""
+    nodes = []
+    for node in graph.node:
+        nodes.append(node)
+        for attr in node.attribute:
+            for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                nodes += _nodes(sub)
+    return nodes

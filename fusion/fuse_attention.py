@@ -27,6 +27,7 @@ from onnxscript.rewriter.ort_fusions import (
 
 from fusion import pack_attention
 from fusion._ir import add_initializer, const_array, dims, label, opset_version, producer, same_dim
+from fusion._scopes import scopes
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 from fusion.fuse_sdpa import layout
 
@@ -73,7 +74,10 @@ class FuseAttention(FusionPass):
     Runs for ``target="ort"``, by default or when ``optimize(attention=True)``. With the
     policy's ``threads`` above 1 (the CPU provider), an attention whose batch times heads is
     fewer is not made one of these ops; FuseSDPA then leaves it too, with the code
-    ``few_heads`` (docs/fusions.md#fuseattention).
+    ``few_heads`` (docs/fusions.md#fuseattention). onnxscript's rule sets rewrite the subgraphs
+    of the graph they are given too: the pass runs once, on the main graph
+    (:attr:`~fusion.base.FusionPass.reaches_subgraphs`), and records each op it added with the
+    path of the subgraph it is in; an anchor excluded in any graph is excluded in all.
     """
 
     kinds = (
@@ -88,19 +92,21 @@ class FuseAttention(FusionPass):
     option = "attention"
     on_by_default = ("ort",)
     settings = ("threads",)
+    reaches_subgraphs = True
     #: The policy's ``threads``: no Attention / MultiHeadAttention of fewer (batch, head) pairs.
     threads: int = 1
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether a contrib op was added."""
-        before = self._fused_nodes(model)
+        before = set(self._fused_nodes(model))
         level = _shape_log.level
         _shape_log.setLevel(logging.ERROR)
         try:
             common_passes.ShapeInferencePass()(model)  # the attention rules check shapes
             shape_optimization.rules.apply_to_model(model)
+            excluded = frozenset(node for _, node in self.exclude)
             for rules, infer_shapes in _RULES:
-                traced = [_Traced(rule, self.excluded, self.threads) for rule in rules.rules]
+                traced = [_Traced(rule, excluded, self.threads) for rule in rules.rules]
                 RewriteRuleSet(traced).apply_to_model(model)
                 if infer_shapes:
                     common_passes.ShapeInferencePass()(model)
@@ -108,23 +114,27 @@ class FuseAttention(FusionPass):
             _shape_log.setLevel(level)
         # the sdpa rule makes onnxscript functions; those no later rule consumed are inlined
         common_passes.InlinePass()(model)
-        for node in list(model.graph):
+        for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
             if node.domain == MS_DOMAIN and node.op_type in ("Attention", "MultiHeadAttention"):
                 _bias_for_kernel(model, node)
             if node.domain == MS_DOMAIN and node.op_type == "MultiHeadAttention":
                 _pass_kv_in_heads(node)
-                pack_attention.pack(model.graph, node)
+                pack_attention.pack(node.graph, node)
         common_passes.RemoveUnusedNodesPass()(model)
         common_passes.RemoveUnusedFunctionsPass()(model)
-        added = [n for n in model.graph if n in self._fused_nodes(model) and n not in before]
+        paths = {scope.graph: scope.path for scope in scopes(model)}
+        added = [n for n in self._fused_nodes(model) if n not in before]
         for node in added:
             kind = next(k for k in self.kinds if Op(node.op_type, node.domain) in k.ops)
-            self.fused(_anchor(node, kind.name), node.op_type, kind=kind.name)
+            path = paths.get(node.graph)
+            self.fused(_anchor(node, kind.name), node.op_type, kind=kind.name, path=path)
         return bool(added)
 
-    def _fused_nodes(self, model: ir.Model) -> set[ir.Node]:
+    def _fused_nodes(self, model: ir.Model) -> list[ir.Node]:
+        """The nodes of :attr:`kinds`' ops in ``model``'s graph and its subgraphs, in order."""
         ops = {op for kind in self.kinds for op in kind.ops}
-        return {n for n in model.graph if Op(n.op_type, n.domain) in ops}
+        nodes = ir.traversal.RecursiveGraphIterator(model.graph)
+        return [n for n in nodes if Op(n.op_type, n.domain) in ops]
 
 
 class _Traced:
@@ -218,7 +228,7 @@ def _bias_for_kernel(model: ir.Model, node: ir.Node) -> None:
     rows = [q[1], k[axis]]
     if b is not None and len(b) == 4 and all(map(same_dim, b[2:], rows)):
         return
-    graph, made = model.graph, []
+    graph, made = model.graph, []  # the main graph's initializers: a subgraph reads them too
     if all(isinstance(r, int) for r in rows):
         shape = add_initializer(graph, "attention_bias_shape", np.array([1, 1, *rows], np.int64))
     else:
@@ -230,7 +240,7 @@ def _bias_for_kernel(model: ir.Model, node: ir.Node) -> None:
         made.append(ir.node("Concat", [ones, *(n.outputs[0] for n in made)], {"axis": 0}))
         shape = made[-1].outputs[0]
     made.append(ir.node("Expand", [bias, shape]))
-    graph.insert_before(node, made)
+    node.graph.insert_before(node, made)
     node.replace_input_with(5, made[-1].outputs[0])
 
 

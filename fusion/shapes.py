@@ -9,8 +9,8 @@ from fusion._ir import KnownShapes, fully_known
 
 
 class FillShapes(ir.passes.InPlacePass):
-    """Give each main-graph node output that carries no shape (or no element type) the one
-    ONNX shape inference finds (:class:`fusion._ir.KnownShapes`: onnx_ir's
+    """Give each node output, in the main graph and its subgraphs, that carries no shape (or no
+    element type) the one ONNX shape inference finds (:class:`fusion._ir.KnownShapes`: onnx_ir's
     ``ShapeInferencePass`` on a clone, initializers over 1 KB left out of the protobuf, so
     external data and the 2 GiB limit do not matter), or where that one leaves dimensions
     unknown, ONNX Runtime's symbolic shape inference (:mod:`fusion._symbolic`: the head count of
@@ -27,7 +27,7 @@ class FillShapes(ir.passes.InPlacePass):
 
     Attributes:
         filled: ``(value, its shape, its type)`` before, for each value given something.
-        nodes: the main graph's nodes when it ran.
+        nodes: the nodes of the main graph and its subgraphs when it ran.
     """
 
     def __init__(self):
@@ -37,9 +37,10 @@ class FillShapes(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         shapes = KnownShapes(model)
-        self.nodes = set(model.graph)
+        nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
+        self.nodes = set(nodes)
         self.filled = []
-        for value in (v for node in model.graph for v in node.outputs):
+        for value in (v for node in nodes for v in node.outputs):
             shape = _filled(value.shape, shapes(value) if not fully_known(value.shape) else None)
             dtype = shapes.dtype(value) if value.dtype is None else None
             if shape is not None or dtype is not None:

@@ -28,12 +28,20 @@ class Fused:
             ``"folded into Conv 'conv1'"``.
         count: how many norms the rewrite removed (a chain of two BatchNorms folded at once
             counts 2).
+        path: the subgraph the anchor is in, e.g. ``If 'cond' / then_branch``
+            (docs/fusions.md#subgraphs); None in the main graph.
     """
 
     kind: str
     node: str
     became: str
     count: int = 1
+    path: str | None = None
+
+    @property
+    def where(self) -> str:
+        """The anchor for a reader: its name, after its subgraph's path where it has one."""
+        return where_in(self.node, self.path)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +55,8 @@ class Refused:
         detail: one sentence that says why the rewrite would not be exact.
         module: the path of the ``nn.Module`` the anchor came from (``layer1.0.bn1``), where
             the exporter recorded it (:func:`fusion._ir.module_path`), else None.
+        path: the subgraph the anchor is in, e.g. ``If 'cond' / then_branch``
+            (docs/fusions.md#subgraphs); None in the main graph.
     """
 
     family: str
@@ -54,15 +64,29 @@ class Refused:
     code: str
     detail: str
     module: str | None = None
+    path: str | None = None
+
+    @property
+    def where(self) -> str:
+        """The anchor for a reader: ``module (node)`` where the module is known, the node after
+        its subgraph's path (``If 'cond' / then_branch / 'ReduceMean_3'``) where it has one."""
+        node = where_in(self.node, self.path)
+        return f"{self.module} ({node})" if self.module else node
+
+
+def where_in(node: str, path: str | None) -> str:
+    """A node for a reader: ``node`` (a name) in the main graph, ``path / 'node'`` in the
+    subgraph at ``path`` (:attr:`Refused.path`)."""
+    return f"{path} / '{node}'" if path else node
 
 
 @dataclasses.dataclass
 class FusionReport:
     """What passes did: rewrites and refusals in graph order, notes, counts per kind.
 
-    A refusal of the same (family, node, code) is kept once, so a pass run twice does not repeat
-    it; two reasons for one candidate (a rewrite undone, then another pass's refusal) are both
-    kept.
+    A refusal of the same (family, node, code, path) is kept once, so a pass run twice does not
+    repeat it; two reasons for one candidate (a rewrite undone, then another pass's refusal) are
+    both kept.
     """
 
     fused: list[Fused] = dataclasses.field(default_factory=list)
@@ -79,18 +103,28 @@ class FusionReport:
             counts[f.kind] += f.count
         return counts
 
-    def record(self, kind: str, node: str, became: str, count: int = 1) -> None:
-        """Record a rewrite of ``kind`` anchored at ``node`` into ``became``."""
-        self.fused.append(Fused(kind, node, became, count))
+    def record(
+        self, kind: str, node: str, became: str, count: int = 1, path: str | None = None
+    ) -> None:
+        """Record a rewrite of ``kind`` anchored at ``node`` (in the subgraph ``path``) into
+        ``became``."""
+        self.fused.append(Fused(kind, node, became, count, path))
 
     def refuse(
-        self, family: str, node: str, code: Code, detail: str, module: str | None = None
+        self,
+        family: str,
+        node: str,
+        code: Code,
+        detail: str,
+        module: str | None = None,
+        path: str | None = None,
     ) -> None:
         """Record that the candidate of ``family`` anchored at ``node`` (from the user's
-        ``module``, where known) was left alone, and why."""
-        if any((r.family, r.node, r.code) == (family, node, code) for r in self.refused):
+        ``module``, where known; in the subgraph ``path``) was left alone, and why."""
+        key = (family, node, code, path)
+        if any((r.family, r.node, r.code, r.path) == key for r in self.refused):
             return
-        self.refused.append(Refused(family, node, str(Code(code)), detail, module))
+        self.refused.append(Refused(family, node, str(Code(code)), detail, module, path))
 
     def note(self, text: str) -> None:
         """Record a change to the model that is not a fusion (kept once)."""
@@ -101,7 +135,7 @@ class FusionReport:
         """Append ``other``'s rewrites, refusals and notes (refusals and notes kept once)."""
         self.fused.extend(other.fused)
         for r in other.refused:
-            self.refuse(r.family, r.node, Code(r.code), r.detail, r.module)
+            self.refuse(r.family, r.node, Code(r.code), r.detail, r.module, r.path)
         for text in other.notes:
             self.note(text)
 

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, NamedTuple
 import onnx_ir as ir
 
 from fusion._ir import label, module_path, opset_version
+from fusion._scopes import path_of, scopes
 from fusion.base.codes import CannotFuse, Code
 from fusion.base.outcomes import FusionReport, FusionResult
 from fusion.base.policy import TARGETS, Policy
@@ -50,15 +51,19 @@ class FusionPass(ir.passes.InPlacePass):
     """Base class of the fusion passes: declarations, the opset gate, and the outcomes.
 
     Subclasses set :attr:`kinds` and implement :meth:`apply`; they record into
-    :attr:`outcomes` with :meth:`fused` and :meth:`refused`.
+    :attr:`outcomes` with :meth:`fused` and :meth:`refused`. :meth:`call` runs :meth:`apply` on
+    the main graph, then on each subgraph (``If`` branches, ``Loop`` and ``Scan`` bodies), given
+    as a :class:`fusion._scopes.Scope` whose ``graph`` is the subgraph
+    (docs/fusions.md#subgraphs); what it records there carries the subgraph's path.
 
     Args:
         target: one of :data:`TARGETS`.
-        exclude: anchors (:attr:`~fusion.base.Fused.node`) of rewrites to leave out: a
-            candidate anchored there is neither rewritten nor refused (whoever excludes it says
-            why: a caller's rollback of rewrites it rejects does). Anchors are node
-            names of the graph the pass runs on, so a run on the same model with the same
-            passes before it finds them again.
+        exclude: anchors of rewrites to leave out, each ``(path, node)``
+            (:attr:`~fusion.base.Fused.path`, :attr:`~fusion.base.Fused.node`): a candidate
+            anchored there is neither rewritten nor refused (whoever excludes it says why: a
+            caller's rollback of rewrites it rejects does). Anchors are node names of the graph
+            the pass runs on, so a run on the same model with the same passes before it finds
+            them again; :attr:`excluded` holds those of the graph being run.
         **settings: the policy fields of :attr:`settings`, kept as attributes of those names
             (a field not given keeps the class's default).
 
@@ -80,10 +85,19 @@ class FusionPass(ir.passes.InPlacePass):
     #: constructor and kept as the attribute of the same name (declared on the class with its
     #: default).
     settings: ClassVar[tuple[str, ...]] = ()
+    #: Whether :meth:`apply` on the main graph rewrites its subgraphs too (onnxscript's rule
+    #: sets recurse into them): :meth:`call` then runs it once, on the main graph, and the pass
+    #: records each outcome with its subgraph's path itself.
+    reaches_subgraphs: ClassVar[bool] = False
     #: Per target, the ai.onnx opset that the ops it emits need (absent: any opset).
     needs_opset: ClassVar[Mapping[str, int]] = {}
 
-    def __init__(self, target: str = "ort", exclude: Collection[str] = (), **settings: Any):
+    def __init__(
+        self,
+        target: str = "ort",
+        exclude: Collection[tuple[str | None, str]] = (),
+        **settings: Any,
+    ):
         super().__init__()
         if unknown := set(settings) - set(self.settings):
             raise ValueError(f"{type(self).__name__} has no setting {sorted(unknown)}")
@@ -94,8 +108,14 @@ class FusionPass(ir.passes.InPlacePass):
         if target not in self.targets:
             raise ValueError(f"{type(self).__name__} emits ONNX Runtime ops: it needs target='ort'")
         self.target = target
-        self.excluded = frozenset(exclude)
+        self.exclude = frozenset(exclude)
+        self.excluded = self._excluded_in(None)
+        self.path: str | None = None
         self.outcomes = FusionReport()
+
+    def _excluded_in(self, path: str | None) -> frozenset[str]:
+        """The anchors of :attr:`exclude` in the graph at ``path`` (None: the main graph)."""
+        return frozenset(node for where, node in self.exclude if where == path)
 
     @classmethod
     def enabled(cls, policy: Policy) -> bool:
@@ -124,15 +144,25 @@ class FusionPass(ir.passes.InPlacePass):
             "target ONNX Runtime",
         )
 
-    def fused(self, node: ir.Node | str, became: str, *, kind: str | None = None, count: int = 1):
-        """Record a rewrite anchored at ``node`` (of :attr:`kinds`\\ [0] unless ``kind``)."""
+    def fused(
+        self,
+        node: ir.Node | str,
+        became: str,
+        *,
+        kind: str | None = None,
+        count: int = 1,
+        path: str | None = None,
+    ):
+        """Record a rewrite anchored at ``node`` (of :attr:`kinds`\\ [0] unless ``kind``), in
+        the graph being run unless ``path`` names another."""
         name = node if isinstance(node, str) else label(node)
-        self.outcomes.record(kind or self.kinds[0].name, name, became, count)
+        self.outcomes.record(kind or self.kinds[0].name, name, became, count, path or self.path)
 
     def refused(self, node: ir.Node | str, refusal: CannotFuse) -> None:
-        """Record that the candidate anchored at ``node`` was left alone, and why."""
+        """Record that the candidate anchored at ``node`` (in the graph being run) was left
+        alone, and why."""
         name, module = (node, None) if isinstance(node, str) else (label(node), module_path(node))
-        self.outcomes.refuse(self.family, name, refusal.code, refusal.detail, module)
+        self.outcomes.refuse(self.family, name, refusal.code, refusal.detail, module, self.path)
 
     def plan(self, model: ir.Model) -> None:
         """Prepare ``model`` before the first pass of the run runs (after the shapes are
@@ -140,10 +170,26 @@ class FusionPass(ir.passes.InPlacePass):
         before it must see the raised one. Nothing by default."""
 
     def call(self, model: ir.Model) -> FusionResult:
-        """Run :meth:`apply` with fresh :attr:`outcomes`; the result carries them."""
+        """Run :meth:`apply` with fresh :attr:`outcomes` on the main graph, then on each
+        subgraph there was before it ran (:func:`fusion._scopes.scopes`; one whose node a
+        rewrite removed is skipped; none where :attr:`reaches_subgraphs`), :attr:`path` and
+        :attr:`excluded` set for each; the result carries the outcomes."""
         self.outcomes = FusionReport()
-        modified = self.apply(model)
+        inner = [] if self.reaches_subgraphs else scopes(model)
+        modified = self._apply_in(model)
+        for scope in inner:
+            if scope.owner.graph is not None:
+                modified = self._apply_in(scope) or modified
         return FusionResult(model, modified, self.outcomes)
+
+    def _apply_in(self, model: ir.Model) -> bool:
+        """:meth:`apply` on ``model`` (the main graph or a scope) with its path and anchors."""
+        self.path = path_of(model)
+        self.excluded = self._excluded_in(self.path)
+        try:
+            return self.apply(model)
+        finally:
+            self.path, self.excluded = None, self._excluded_in(None)
 
     def apply(self, model: ir.Model) -> bool:
         """Rewrite ``model`` in place and record outcomes; return whether it changed."""
@@ -151,8 +197,9 @@ class FusionPass(ir.passes.InPlacePass):
 
 
 class NodeFusionPass(FusionPass):
-    """A pass that visits each node of the main graph once: :meth:`match` finds a candidate
-    anchored at the node, :meth:`rewrite` replaces it.
+    """A pass that visits each node of the graph it runs on once (:meth:`FusionPass.call` runs
+    it on each subgraph too): :meth:`match` finds a candidate anchored at the node,
+    :meth:`rewrite` replaces it.
 
     The opset gate applies here: when :meth:`opset_gate` says the ops cannot be emitted, every
     match is recorded as an ``opset_too_low`` refusal and nothing is rewritten. A node among
@@ -179,20 +226,23 @@ class NodeFusionPass(FusionPass):
         return modified
 
     def candidates(self, model: ir.Model) -> list[Any]:
-        """Every candidate :meth:`match` finds in the main graph, without rewriting or
-        recording anything (a plan): refusals and :attr:`excluded` anchors left out."""
+        """Every candidate :meth:`match` finds in ``model``'s graph and the subgraphs under it
+        (so that a plan that raises the whole model's opset sees them all), without rewriting
+        or recording anything: refusals and :attr:`exclude`\\ d anchors left out."""
         outcomes, self.outcomes = self.outcomes, FusionReport()
         found = []
         try:
-            for node in list(model.graph):
-                if label(node) in self.excluded:
-                    continue
-                try:
-                    match = self.match(model, node)
-                except CannotFuse:
-                    continue
-                if match is not None:
-                    found.append(match)
+            for scope in (model, *scopes(model)):
+                excluded = self._excluded_in(path_of(scope))
+                for node in list(scope.graph):
+                    if label(node) in excluded:
+                        continue
+                    try:
+                        match = self.match(scope, node)
+                    except CannotFuse:
+                        continue
+                    if match is not None:
+                        found.append(match)
         finally:
             self.outcomes = outcomes
         return found

@@ -24,9 +24,13 @@ class Finding:
     """One normalization-like subgraph.
 
     Attributes:
-        kind: ``batchnorm``, ``layernorm``, ``rmsnorm`` or ``skip`` (``note`` for a note).
-        node: the anchor node's name in the model as given (empty for a note).
-        outcome: ``"already fused"``, ``"fused"``, ``"left alone"``, or ``"note"``: something
+        kind: ``batchnorm``, ``layernorm``, ``rmsnorm`` or ``skip`` (``note`` for a note;
+            ``norm``, ``batchnorm`` or ``attention`` for an unlisted one).
+        node: the anchor node's name in the model as given, after its subgraph's path where it
+            is in one (:attr:`fusion.Refused.where`; empty for a note).
+        outcome: ``"already fused"``, ``"fused"``, ``"left alone"``, ``"unlisted"`` (what
+            :func:`fusion.unlisted` finds: it looks like a norm, a BatchNorm or an attention and
+            no pass matched it), or ``"note"``: something
             the user should know about the model that is no one subgraph's outcome (e.g. a norm
             fused with epsilon 0 because the file has no eps: :attr:`fusion.FusionReport.notes`).
         detail: the op it is or became, the reason it was left alone, or the note.
@@ -36,6 +40,10 @@ class Finding:
     node: str
     outcome: str
     detail: str
+
+
+#: The outcome of a look-alike that no pass matched (:func:`fusion.unlisted`).
+UNLISTED = "unlisted"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +81,8 @@ def from_report(
     passes."""
     findings = [Finding(a.kind, a.node, "already fused", a.op) for a in already]
     family = {kind.name: kind.family for kind in fusion.registry.KINDS}
-    findings += [Finding(family[f.kind], f.node, "fused", f.became) for f in fused]
-    findings += [
-        Finding(r.family, f"{r.module} ({r.node})" if r.module else r.node, "left alone", r.detail)
-        for r in refused
-    ]
+    findings += [Finding(family[f.kind], f.where, "fused", f.became) for f in fused]
+    findings += [Finding(r.family, r.where, "left alone", r.detail) for r in refused]
     findings += [Finding("note", "", "note", text) for text in notes]
     return findings
 
@@ -93,7 +98,13 @@ def explain(model: ir.Model, policy: fusion.Policy | None = None) -> list[Findin
     """
     already = already_fused(model)
     outcomes = fusion.optimize(model, policy)
-    return from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
+    findings = from_report(outcomes.fused, outcomes.refused, already, outcomes.notes)
+    return findings + [
+        Finding(
+            u.family, u.where, UNLISTED, "looks like one; no pass matched it, no report lists it"
+        )
+        for u in fusion.unlisted(model, outcomes)
+    ]
 
 
 def render(findings: list[Finding], title: str, console: Console) -> None:
@@ -101,7 +112,7 @@ def render(findings: list[Finding], title: str, console: Console) -> None:
     table = Table(title=title, title_justify="left")
     for col in ("kind", "node", "outcome", "what it is / became, or why not"):
         table.add_column(col, overflow="fold")
-    style = {"fused": "green", "already fused": "cyan", "left alone": "yellow"}
+    style = {"fused": "green", "already fused": "cyan", "left alone": "yellow", UNLISTED: "red"}
     subgraphs = [f for f in findings if f.outcome in style]
     for f in subgraphs:
         table.add_row(f.kind, f.node, f"[{style[f.outcome]}]{f.outcome}[/]", f.detail)

@@ -284,8 +284,7 @@ def _render_fusions(fusions: Fusions, norm: NormOps, console: Console) -> None:
         for col in ("family", "module (node)", "code", "detail"):
             refused.add_column(col, overflow="fold")
         for r in fusions.refused:
-            where = f"{r.module} ({r.node})" if r.module else r.node
-            refused.add_row(r.family, where, r.code, r.detail)
+            refused.add_row(r.family, r.where, r.code, r.detail)
         console.print(refused)
 
 

@@ -385,5 +385,6 @@ def refusals(undone: Sequence[Undone]) -> FusionReport:
     for u in undone:
         family = next(k.family for k in _pass_of(u.rewrite).kinds if k.name == u.rewrite.kind)
         detail = f"{u.rewrite.became}, undone: {u.rejection.message}"
-        report.refuse(family, u.rewrite.node, Code(u.rejection.code), detail)
+        rejection = Code(u.rejection.code)
+        report.refuse(family, u.rewrite.node, rejection, detail, path=u.rewrite.path)
     return report

@@ -16,6 +16,7 @@ from normexport import cli, runtime
 from normexport.report import explain
 from normexport.runtime.policy import SKIP_PROVIDERS
 from normexport.runtime.policy import fusion_policy as policy
+from tests.fusion.test_subgraphs_graphs import _if_layernorms
 from tests.support.graphs import make_model
 from tests.support.reparam_graphs import MERGED, Block
 
@@ -159,3 +160,12 @@ def test_explain_says_the_norm_has_no_eps():
     explain.render(findings, "no eps", console)
     text = console.export_text()
     assert "epsilon 0" in text and "note: a LayerNorm with no eps" in text
+
+
+def test_explain_names_a_norm_in_a_branch_by_its_path():
+    model = _if_layernorms(np.random.default_rng(0), eps_outside=True)
+    findings = explain.explain(model)
+    (left,) = [f for f in findings if f.outcome == "left alone"]
+    assert left.node.startswith("If 'cond_node' / then_branch / '"), left
+    assert [f.node for f in findings if f.outcome == "fused"][0].startswith("If 'cond_node' / else")
+    assert not [f for f in findings if f.outcome == explain.UNLISTED]
