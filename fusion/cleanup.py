@@ -31,18 +31,22 @@ _PAD_INTO_CONV = onnxscript.rewriter.RewriteRuleSet(
 _folder_log = logging.getLogger("onnxscript.optimizer._constant_folding")
 
 
-def cleanup(model: ir.Model, final: bool = False) -> None:
+def cleanup(model: ir.Model, final: bool = False, *, infer: bool = False) -> None:
     """Fold constants (a Concat of constants only it reads whatever its size,
-    :func:`_own_concat`), simplify the index arithmetic (:mod:`fusion.simplify`; ``final``: after
-    the fusion passes, also the Slices that tile an axis), fold zero Pads into the Convs that
-    read them (:data:`_PAD_INTO_CONV`), make the Constant nodes initializers,
-    merge common subexpressions, drop dead nodes, sort (in place)."""
+    :func:`_own_concat`; with ``infer``, the folder's own shape inference node by node, which
+    makes a dimension a model names but inference proves a number that number, so that the
+    ``Shape`` of it folds: docs/fusions.md#the-clean-ups), simplify the index arithmetic
+    (:mod:`fusion.simplify`; ``final``: after the fusion passes, also the Slices that tile an
+    axis), fold zero Pads into the Convs that read them (:data:`_PAD_INTO_CONV`), make the
+    Constant nodes initializers, merge common subexpressions, drop dead nodes, sort (in place)."""
     drop_absent_outputs(model)
     canonical_axes(model)
     level = _folder_log.level
     _folder_log.setLevel(logging.ERROR)
     try:
-        onnxscript.optimizer.fold_constants(model, should_fold=_own_concat)
+        onnxscript.optimizer.fold_constants(
+            model, should_fold=_own_concat, onnx_shape_inference=infer
+        )
     finally:
         _folder_log.setLevel(level)
     if opset_version(model) >= 11:  # Pad's pads an input
@@ -92,15 +96,16 @@ class Cleanup(ir.passes.InPlacePass):
 
 
 class SimplifyWithShapes(ir.passes.InPlacePass):
-    """:func:`cleanup` once the values carry the types :class:`fusion.FillShapes` gave them, then
-    :func:`fusion.simplify.with_shapes` (rewrites that read those shapes; opset 13 and above, as
-    :func:`fusion.simplify.simplify`) and :func:`cleanup` again, as long as it rewrites anything
-    (in place; it reports no change). Why, and why it ends: docs/fusions.md#the-clean-ups."""
+    """:func:`cleanup` (with the folder's shape inference, ``infer``) once the values carry the
+    types :class:`fusion.FillShapes` gave them, then :func:`fusion.simplify.with_shapes`
+    (rewrites that read those shapes; opset 13 and above, as :func:`fusion.simplify.simplify`)
+    and :func:`cleanup` again, as long as it rewrites anything (in place; it reports no change).
+    Why, and why it ends: docs/fusions.md#the-clean-ups."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        cleanup(model)
+        cleanup(model, infer=True)
         while opset_version(model) >= 13 and with_shapes(model.graph):
-            cleanup(model)
+            cleanup(model, infer=True)
         return ir.passes.PassResult(model, modified=False)
 
 

@@ -8,7 +8,8 @@ The modules: :mod:`~fusion.fold_batchnorm.algebra` (BatchNorm and constant ops a
 the layers, the per-channel checks), :mod:`~fusion.fold_batchnorm.across` (moving a map across
 Transpose / Reshape / MaxPool ...), :mod:`~fusion.fold_batchnorm.after` (fold into the layer
 before the BatchNorm: the walk down its readers), :mod:`~fusion.fold_batchnorm.before` (fold
-into the layer after it).
+into the layer after it), :mod:`~fusion.fold_batchnorm.computed` (the parameters and weights the
+model computes from constants, made tensors first).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fusion.fold_batchnorm.across import ACROSS
 from fusion.fold_batchnorm.after import chain_after, explain, fold_chain_after
 from fusion.fold_batchnorm.algebra import LINEAR, batchnorm_affine
 from fusion.fold_batchnorm.before import fold_into_next
+from fusion.fold_batchnorm.computed import fold_computed
 
 __all__ = ["FoldBatchNorm"]
 
@@ -47,9 +49,12 @@ class FoldBatchNorm(FusionPass):
     )
 
     def apply(self, model: ir.Model) -> bool:
-        """Fold in place; return whether anything was folded."""
+        """Fold in place (the constants computed from constants that a fold needs first:
+        :func:`~fusion.fold_batchnorm.computed.fold_computed`); return whether anything was
+        folded."""
         graph = model.graph
         shapes = KnownShapes(model)
+        fold_computed(model, shapes)
         # candidate (or op on the way) -> why it was not folded
         stops: dict[ir.Node, CannotFuse] = {}
         left: set[ir.Node] = set()  # the chains of the layers excluded: left as they are

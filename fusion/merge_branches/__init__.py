@@ -1,11 +1,12 @@
 """Merge re-parameterizable blocks into one convolution (structural re-parameterization, the pass
 :class:`MergeBranches`): a sum of Conv, identity and BatchNorm branches that read one tensor, and
-a widening 1x1 Conv followed by a Conv.
+a widening 1x1 Conv followed by a Conv; and a sum of linear layers of one tensor into one.
 
 The math, the conditions of exactness, the refusals with their codes and the papers: see
 docs/fusions.md#mergebranches. The modules: :mod:`~fusion.merge_branches.branches` (the sum
 read into its terms), :mod:`~fusion.merge_branches.kernel` (the merged Conv),
-:mod:`~fusion.merge_branches.pair` (the 1x1 -> kxk pair).
+:mod:`~fusion.merge_branches.pair` (the 1x1 -> kxk pair), :mod:`~fusion.merge_branches.dense`
+(the merged Gemm or MatMul).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fusion._ir import KnownShapes, const_array, label, remove_nodes, replace_ou
 from fusion.base import CannotFuse, FusionPass, Kind
 from fusion.fold_batchnorm.after import fold_chain_after
 from fusion.merge_branches.branches import Sum, collect, is_conv, read_once
+from fusion.merge_branches.dense import DensePlan, merged_dense, rewrite_dense
 from fusion.merge_branches.kernel import Plan, merged_conv
 from fusion.merge_branches.pair import is_pair, sequential_weights
 
@@ -24,9 +26,10 @@ __all__ = ["MergeBranches"]
 
 class MergeBranches(FusionPass):
     """Merge sums of convolution, identity and BatchNorm branches reading one tensor, and 1x1
-    Convs followed by a kxk Conv, into one Conv (the math and the conditions:
-    docs/fusions.md#mergebranches). Runs after :class:`~fusion.fold_batchnorm.FoldBatchNorm`,
-    whose folds leave each branch a Conv with a bias. Graph outputs keep their names.
+    Convs followed by a kxk Conv, into one Conv, and sums of Gemm / MatMul branches reading one
+    tensor into one (the math and the conditions: docs/fusions.md#mergebranches). Runs after
+    :class:`~fusion.fold_batchnorm.FoldBatchNorm`, whose folds leave each branch a Conv with a
+    bias. Graph outputs keep their names.
     """
 
     kinds = (Kind("reparam_merged", "reparam", norm=False),)
@@ -47,11 +50,14 @@ class MergeBranches(FusionPass):
                 found = collect(root)
                 if found is None:
                     continue
-                plan = merged_conv(found)
+                plan = merged_dense(found, shapes) if found.dense else merged_conv(found)
             except CannotFuse as refusal:
                 self.refused(root, refusal)
                 continue
-            self._merge(graph, found, plan, shapes)
+            if isinstance(plan, DensePlan):
+                self._merge_dense(graph, found, plan, shapes)
+            else:
+                self._merge(graph, found, plan, shapes)
             modified = True
         return modified
 
@@ -71,6 +77,16 @@ class MergeBranches(FusionPass):
         remove_nodes(graph, [first])
         self.fused(name, f"Conv (1x1 Conv '{label(first)}' merged into it)")
         return True
+
+    def _merge_dense(
+        self, graph: ir.Graph, found: Sum, plan: DensePlan, shapes: KnownShapes
+    ) -> None:
+        """Rewrite ``found`` into ``plan.main`` and fold what follows it."""
+        root_name = label(found.root)
+        self.fused(root_name, rewrite_dense(graph, found, plan))
+        folded = fold_chain_after(graph, plan.main, {}, shapes)
+        if folded is not None:
+            self.fused(folded.node, folded.became, kind=folded.kind, count=folded.count)
 
     def _merge(self, graph: ir.Graph, found: Sum, plan: Plan, shapes: KnownShapes) -> None:
         """Rewrite ``found`` into ``plan.main`` and fold what follows it."""

@@ -16,6 +16,9 @@ from fusion.base import CannotFuse, Code
 #: ignored.
 _BRANCH_DEPTH = 3
 
+#: The layers a sum of branches merges into one of: a Conv, or a Gemm / MatMul (:func:`is_dense`).
+_LAYERS = ("Conv", "Gemm", "MatMul")
+
 
 @dataclasses.dataclass
 class Branch:
@@ -52,6 +55,11 @@ class Sum:
     )
     nodes: list[ir.Node] = dataclasses.field(default_factory=list)
 
+    @property
+    def dense(self) -> bool:
+        """Whether a branch is a Gemm or MatMul (the sum merges into one, not into a Conv)."""
+        return any(b.node is not None and is_dense(b.node) for b in self.branches)
+
 
 def is_conv(node: ir.Node) -> bool:
     """A Conv with a constant weight (and bias, where it has one)."""
@@ -62,6 +70,22 @@ def is_conv(node: ir.Node) -> bool:
     return bias_of(node) is not None or len(node.inputs) < 3 or node.inputs[2] is None
 
 
+def is_dense(node: ir.Node) -> bool:
+    """A Gemm with ``transA=0`` and a constant 2-D weight and constant bias (where it has one),
+    or a MatMul with a constant 2-D weight."""
+    if node.domain or node.op_type not in ("Gemm", "MatMul") or len(node.inputs) < 2:
+        return False
+    weight = const_array(node.inputs[1])
+    if weight is None or weight.ndim != 2:
+        return False
+    if node.op_type == "MatMul":
+        return True
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    return not node.attributes.get_int("transA", 0) and (
+        bias is None or const_array(bias) is not None
+    )
+
+
 def bias_of(conv: ir.Node) -> np.ndarray | None:
     """A Conv's constant bias (None where it has none, or it is not constant)."""
     return const_array(conv.inputs[2]) if len(conv.inputs) > 2 else None
@@ -69,7 +93,8 @@ def bias_of(conv: ir.Node) -> np.ndarray | None:
 
 def collect(root: ir.Node) -> Sum | None:
     """The sum ending at ``root`` and its branches, where at least two branches read one tensor
-    and one of them is a Conv; None where there is no such sum (a residual Add of two tensors).
+    and one of them is a Conv, a Gemm or a MatMul; None where there is no such sum (a residual
+    Add of two tensors).
 
     Raises:
         CannotFuse: ``branch_not_conv``: a branch reads that tensor through another op.
@@ -82,7 +107,7 @@ def collect(root: ir.Node) -> Sum | None:
     candidates = [
         (len(bs), x)
         for x, bs in counts.items()
-        if len(bs) >= 2 and any(b.node is not None and b.node.op_type == "Conv" for b in bs)
+        if len(bs) >= 2 and any(b.node is not None and b.node.op_type in _LAYERS for b in bs)
     ]
     if not candidates:
         return None
@@ -129,7 +154,7 @@ def _visit(found: Sum, value: ir.Value, sign: float, factors: tuple, top: bool =
             data = node.inputs[0] if a is None else node.inputs[1]
             _visit(found, data, sign, (*factors, b if a is None else a))
             return
-    if inside and (is_conv(node) or node.op_type == "BatchNormalization"):
+    if inside and (is_conv(node) or is_dense(node) or node.op_type == "BatchNormalization"):
         found.branches.append(Branch(node, node.inputs[0], sign, factors))
         return
     found.branches.append(Branch(None, value, sign, factors))

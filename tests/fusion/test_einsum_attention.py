@@ -162,3 +162,106 @@ def test_an_einsum_the_rewrite_cannot_read_is_refused_naming_the_op(rng):
     (refused,) = [r for r in report.refused if r.family == "attention"]
     assert refused.code == Code.SCORES_FORM, refused
     assert "Squeeze" in refused.detail or "Reshape" in refused.detail, refused
+
+
+def _tf2onnx_attention(seq: int = 64, heads: int = 4, size: int = 32) -> ir.Model:
+    """Keras' ``MultiHeadAttention`` (batch 1, static shapes) as tf2onnx lowers its two Einsums:
+    ``Unsqueeze -> Transpose -> Reshape`` into 3-D MatMuls, the weights reaching ``@ V`` through
+    ``Unsqueeze -> Reshape -> MatMul -> Reshape -> Squeeze``, each Reshape's target computed by
+    ``Shape -> Gather -> ReduceProd / Max -> Concat``; every intermediate value carries the
+    ``unk__N`` dimensions tf2onnx writes where TensorFlow's shape functions lost the sizes."""
+    width = heads * size
+    nodes = [
+        op
+        for n in "vqk"
+        for op in (
+            ("MatMul", ["x", f"w{n}"], [f"{n}m"], {}),
+            ("Reshape", [f"{n}m", "split"], [f"{n}r"], {}),
+            ("Add", [f"{n}r", f"b{n}"], [n], {}),
+        )
+    ]
+    for n, axis, perm in (("v", "c2", [0, 3, 2, 4, 1]), ("k", "c1", [0, 3, 1, 2, 4])):
+        nodes += [
+            ("Unsqueeze", [n, axis], [f"{n}u"], {}),
+            ("Transpose", [f"{n}u"], [f"{n}t"], {"perm": perm}),
+        ]
+    nodes += [
+        ("Unsqueeze", ["q", "c3"], ["qu"], {}),
+        ("Transpose", ["qu"], ["qt"], {"perm": [0, 2, 1, 3, 4]}),
+        *_merge_batch("vt", "v3", transpose=True),
+        *_merge_batch("kt", "k3", transpose=True),
+        *_merge_batch("qt", "q3"),
+        ("MatMul", ["q3", "k3"], ["s3"], {}),
+        *_split_batch("s3", ("qt_b", "kt_b"), "qt_s", "kt_t", "s4"),
+        ("Mul", ["s4", "scale"], ["ss"], {}),
+        ("Softmax", ["ss"], ["p"], {}),
+        ("Unsqueeze", ["p", "c3"], ["pu"], {}),
+        *_merge_batch("pu", "p3"),
+        ("MatMul", ["p3", "v3"], ["o3"], {}),
+        *_split_batch("o3", ("pu_b", "vt_b"), "pu_s", "vt_t", "o4"),
+        ("Transpose", ["o4"], ["ot"], {"perm": [0, 2, 1, 3]}),
+        ("Reshape", ["ot", "merge"], ["om"], {}),
+        ("MatMul", ["om", "wo"], ["y"], {}),
+    ]
+    rng = np.random.default_rng(7)
+    ints = {"c1": [1], "c2": [2], "c3": [3], "c4": [4], "c01": [0, 1], "m1": [-1]}
+    constants = {k: np.array(v, np.int64) for k, v in ints.items()}
+    constants["split"] = np.array([-1, seq, heads, size], np.int64)
+    constants["merge"] = np.array([-1, seq, width], np.int64)
+    constants["scale"] = np.array(size**-0.5, np.float32)
+    for n in "qkvo":
+        constants[f"w{n}"] = rng.standard_normal((width, width)).astype(np.float32) / 8
+    for n in "qkv":
+        constants[f"b{n}"] = rng.standard_normal((heads, size)).astype(np.float32)
+    io = {"x": (F, [1, seq, width])}
+    model = make_model(nodes, io, {"y": (F, [1, seq, width])}, constants, opset=17)
+    inferred = ir.passes.common.ShapeInferencePass()(model.clone()).model
+    ranks = {v.name: len(v.shape) for node in inferred.graph for v in node.outputs}
+    count = iter(range(1000))
+    for value in (v for node in model.graph for v in node.outputs if v.name != "y"):
+        value.shape = ir.Shape([f"unk__{next(count)}" for _ in range(ranks[value.name])])
+    return model
+
+
+def _merge_batch(x: str, out: str, transpose: bool = False):
+    """tf2onnx's Reshape of a 5-D ``x`` to ``(prod(x.shape[:2]), -1, x.shape[4])`` (then a
+    Transpose of the last two axes): the target from Shape, Gather, ReduceProd and Concat."""
+    nodes = [
+        ("Shape", [x], [f"{x}_shape"], {}),
+        ("Gather", [f"{x}_shape", "c01"], [f"{x}_b"], {}),
+        ("ReduceProd", [f"{x}_b"], [f"{x}_bp"], {"keepdims": 1}),
+        ("Gather", [f"{x}_shape", "c4"], [f"{x}_h"], {}),
+        ("Gather", [f"{x}_shape", "c2"], [f"{x}_s"], {}),
+        ("Gather", [f"{x}_shape", "c3"], [f"{x}_t"], {}),
+        ("Concat", [f"{x}_bp", "m1", f"{x}_h"], [f"{x}_target"], {"axis": 0}),
+        ("Reshape", [x, f"{x}_target"], [f"{out}_r" if transpose else out], {}),
+    ]
+    if transpose:
+        nodes.append(("Transpose", [f"{out}_r"], [out], {"perm": [0, 2, 1]}))
+    return nodes
+
+
+def _split_batch(x: str, batches: tuple[str, str], rows: str, cols: str, out: str):
+    """tf2onnx's Reshape of the 3-D MatMul result back to ``(B, N, rows, cols, 1)`` (the batch
+    axes the Max of the operands'), then the Squeeze of the unit axis."""
+    return [
+        ("Max", list(batches), [f"{x}_b"], {}),
+        ("Concat", [f"{x}_b", rows, cols, "c1"], [f"{x}_target"], {"axis": 0}),
+        ("Reshape", [x, f"{x}_target"], [f"{x}_5"], {}),
+        ("Squeeze", [f"{x}_5", "c4"], [out], {}),
+    ]
+
+
+def test_tf2onnx_attention_with_unknown_dims_named_fuses(rng):
+    """The shapes are static (a 1x64x128 input) but every value names its dimensions
+    ``unk__N``: the folder's node-by-node shape inference proves them numbers, the Shape
+    arithmetic folds, and both Einsums read as the attention (one com.microsoft Attention);
+    the output is the graph's."""
+    model = _tf2onnx_attention()
+    feeds = {"x": rng.standard_normal((1, 64, 128)).astype(np.float32)}
+    before = run(model, feeds)
+    report = fusion.optimize(model, target="ort")
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert report.counts["attention_fused"] == 1 and not report.refused, report.to_dict()
+    assert not {"Shape", "Softmax", "Squeeze", "ReduceProd", "Max"} & set(ops), ops
+    assert_close(run(model, feeds), before, rtol=1e-5)
