@@ -46,9 +46,6 @@ TARGET_OP = {
 #: Positive cases (ORT fuses) that the passes leave unfused or fuse differently: case ->
 #: a piece of the report (a refusal reason or what a fusion became) that says why.
 ACCEPTED_UNFUSED = {
-    # The whole norm computes in float16 (eps too). ORT's LayerNormalization kernel computes in
-    # float32 and rounds once: more accurate, but not the float16 function the model computes.
-    "layer_norm_with_cast_2.onnx": "computes in float16",
     # x - mean(x) is computed in float16 and only then cast to float32; the float32 part is an
     # RMSNorm of that rounded difference. SimplifiedLayerNormalization on it is exact; a
     # LayerNormalization would center in float32, a different function (ORT's choice).
