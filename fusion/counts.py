@@ -28,8 +28,11 @@ def onnxruntime_ops(model: ir.Model) -> dict[str, int]:
 
 
 def norm_ops(model: ir.Model) -> dict[str, int]:
-    """How many nodes of each :data:`NORM_OPS` type the main graph holds (zeros left out)."""
+    """How many nodes of each :data:`NORM_OPS` type the model holds, subgraphs included (a
+    LayerNorm fused inside an If's branch), zeros left out."""
     counts = Counter(
-        node.op_type for node in model.graph if Op(node.op_type, node.domain) in NORM_OPS
+        node.op_type
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        if Op(node.op_type, node.domain) in NORM_OPS
     )
     return dict(sorted(counts.items()))

@@ -107,6 +107,7 @@ def test_a_layernorm_in_each_branch_of_an_if_is_fused_with_its_path():
     paths = sorted(f.path for f in report.fused)
     assert paths == ["If 'cond_node' / else_branch", "If 'cond_node' / then_branch"]
     assert sorted(_ops(model)) == ["If", "LayerNormalization", "LayerNormalization"]
+    assert fusion.norm_ops(model) == {"LayerNormalization": 2}  # the report's counts see them
     then_y = model.graph.node(0).attributes["then_branch"].as_graph().outputs[0]
     assert then_y.name == "then_y"  # a subgraph's output keeps its name
 
