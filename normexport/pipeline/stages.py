@@ -71,7 +71,7 @@ def run(opts: Options) -> Report:
                     staged = rewrite.half(job, ref, staged, work)
             staged, latency, judged = _latency(job, ref, staged, work, memory.latency)
             written = files.publish_model(staged.path, output)
-            verdict = _parity(job, ref, staged, judge, work)
+            verdict = _parity(job, ref, staged, judge, work, memory.deployed)
     cost = Cost(stages, weights, progress.process_age_s())
     return _report(job, staged, written, verdict, latency, judged, cost, memory)
 
@@ -139,7 +139,8 @@ def _reference(
             last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))
-        ref = raw_model.as_deployed(job, raw, ref, judge, work)
+        if memory.deployed is None:
+            ref = raw_model.as_deployed(job, raw, ref, judge, work)
     return ref, judge, job, memory
 
 
@@ -163,13 +164,22 @@ def _latency(
 
 
 def _parity(
-    job: Job, ref: RawModel, staged: rewrite.Staged, judge: Judge, work: Path
+    job: Job,
+    ref: RawModel,
+    staged: rewrite.Staged,
+    judge: Judge,
+    work: Path,
+    unjudged: str | None,
 ) -> ParityResult:
     """The parity stage of the published output, judged as deployed too (and repaired for
-    ONNX Runtime where it can be), with the hidden-state probe for half precision."""
+    ONNX Runtime where it can be) unless the memory plan says why not (``unjudged``, then in
+    the verdict's notes), with the hidden-state probe for half precision."""
     with progress.stage("parity"):
         verdict = published.parity(job, staged, judge)
-        verdict = published.as_deployed(job, ref, staged, judge, verdict, work)
+        if unjudged is None:
+            verdict = published.as_deployed(job, ref, staged, judge, verdict, work)
+        else:
+            verdict.notes = [*verdict.notes, unjudged]
         if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
             published.hidden_state_probe(job, ref, verdict, work)
     return verdict

@@ -60,6 +60,8 @@ class MemoryPlan:
         block_bytes: parity goes block by block, each block reading at most this many bytes
             of weights on file; None: the whole model at once.
         latency: why the latency is not timed (a deployed session does not fit); None: it is.
+        deployed: why the models are not judged as deployed (a deployed session does not
+            fit: docs/parity.md#judged-as-deployed); None: they are.
         line: the plan in one line, as said before the run (``memory: ...``).
     """
 
@@ -75,12 +77,14 @@ class MemoryPlan:
     float64_oracle: bool
     input_sets: int | None
     latency: str | None
+    deployed: str | None
     line: str
 
     @property
     def said(self) -> bool:
         """Whether the plan is worth a line before the run: large weights, or a change."""
         changed = not self.parity_fits or self.latency is not None or not self.float64_oracle
+        changed = changed or self.deployed is not None
         changed = changed or self.input_sets is not None
         return changed or self.weight_bytes >= QUIET_BYTES
 
@@ -137,7 +141,10 @@ def plan(
         )
     parity = _parity(run, share, weights, oracle, working, widest, sets, by_blocks)
     deployed = memory.weights_in_session(tensors, provider)
-    skipped = None
+    skipped = unjudged = None
+    if share is not None and deployed > share:
+        over = f"holds about {_gib(deployed)}, over {memory.SESSIONS_SHARE:.0%} of the {have}"
+        unjudged = f"not judged as deployed: a session with ONNX Runtime's defaults {over}"
     if (latency or autotune) and share is not None and deployed > share:
         skipped = (
             f"latency not timed: a deployed session (ORT_ENABLE_ALL, weights prepacked) holds "
@@ -148,6 +155,7 @@ def plan(
     line = f"memory: {_gib(weights)} of weights, {have or 'available memory unknown'}: "
     line += parity.line
     line += f"; {skipped}" if skipped and latency else ""
+    line += f"; {unjudged}" if unjudged else ""
     skipped = skipped if latency else None
     return MemoryPlan(
         available_bytes=available,
@@ -162,6 +170,7 @@ def plan(
         float64_oracle=parity.float64,
         input_sets=parity.sets,
         latency=skipped,
+        deployed=unjudged,
         line=line,
     )
 
