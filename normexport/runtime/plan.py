@@ -140,23 +140,12 @@ def plan(
             "run it where more memory is free"
         )
     parity = _parity(run, share, weights, oracle, working, widest, sets, by_blocks)
-    deployed = memory.weights_in_session(tensors, provider)
-    skipped = unjudged = None
-    if share is not None and deployed > share:
-        over = f"holds about {_gib(deployed)}, over {memory.SESSIONS_SHARE:.0%} of the {have}"
-        unjudged = f"not judged as deployed: a session with ONNX Runtime's defaults {over}"
-    if (latency or autotune) and share is not None and deployed > share:
-        skipped = (
-            f"latency not timed: a deployed session (ORT_ENABLE_ALL, weights prepacked) holds "
-            f"about {_gib(deployed)}, over {memory.SESSIONS_SHARE:.0%} of the {have}"
-        )
-        if autotune:
-            raise EnvironmentProblem(f"{source}: --autotune times deployed sessions: {skipped}")
-    line = f"memory: {_gib(weights)} of weights, {have or 'available memory unknown'}: "
-    line += parity.line
-    line += f"; {skipped}" if skipped and latency else ""
-    line += f"; {unjudged}" if unjudged else ""
+    skipped, unjudged = _deployed_session(tensors, provider, share, have)
+    if skipped and autotune:
+        raise EnvironmentProblem(f"{source}: --autotune times deployed sessions: {skipped}")
     skipped = skipped if latency else None
+    line = f"memory: {_gib(weights)} of weights, {have or 'available memory unknown'}: "
+    line += parity.line + "".join(f"; {why}" for why in (skipped, unjudged) if why)
     return MemoryPlan(
         available_bytes=available,
         weight_bytes=weights,
@@ -172,6 +161,23 @@ def plan(
         latency=skipped,
         deployed=unjudged,
         line=line,
+    )
+
+
+def _deployed_session(
+    tensors: list, provider: str, share: float | None, have: str
+) -> tuple[str | None, str | None]:
+    """Where a session with ONNX Runtime's defaults (weights prepacked, half precision as
+    float32 on CPU: :func:`normexport.runtime.memory.weights_in_session`) does not fit in
+    ``share``: why the latency is not timed, and why the models are not judged as deployed;
+    ``(None, None)`` where it fits (or ``share`` is unknown)."""
+    deployed = memory.weights_in_session(tensors, provider)
+    if share is None or deployed <= share:
+        return None, None
+    over = f"holds about {_gib(deployed)}, over {memory.SESSIONS_SHARE:.0%} of the {have}"
+    return (
+        f"latency not timed: a deployed session (ORT_ENABLE_ALL, weights prepacked) {over}",
+        f"not judged as deployed: a session with ONNX Runtime's defaults {over}",
     )
 
 
