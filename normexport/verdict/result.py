@@ -122,6 +122,8 @@ class ParityResult:
         max_rel_l2: the half-precision rule's bound on relative L2 error (None: float32 rule).
         strict: a noise-ratio warning (:meth:`warnings`) fails the verdict (``--strict``).
         blocks: where the verdict was taken block by block, each block's; else None.
+        oracle_float32: the nodes a float64 oracle of an ONNX graph runs in float32, by op
+            type: ``op_type``, ``domain``, ``nodes`` (their names), ``why``.
     """
 
     reference: str
@@ -134,6 +136,7 @@ class ParityResult:
     max_rel_l2: float | None = None
     strict: bool = False
     blocks: list[BlockVerdict] | None = None
+    oracle_float32: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -216,6 +219,7 @@ class ParityResult:
             "reference": self.reference,
             "oracle": self.oracle or self.reference,
             "oracle_notes": list(self.notes),
+            "oracle_float32": list(self.oracle_float32),
             "atol": self.atol,
             "rtol": self.rtol,
             "noise_factor": self.noise_factor,
