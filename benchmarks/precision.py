@@ -56,6 +56,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+import reference_kernels
 import torch
 from onnx.reference import ReferenceEvaluator
 from rich.console import Console
@@ -75,7 +76,7 @@ from normexport.io.export import export_module
 from normexport.io.inputs import id_ranges, input_sets
 from normexport.pipeline.prepare import by_feed_name, prepare
 from normexport.runtime.latency import time_interleaved
-from normexport.verdict import blocks, hidden_probe, oracle, parity, reference_kernels
+from normexport.verdict import blocks, hidden_probe, oracle, parity
 
 #: Gallery entries benchmarked (dynamo exporter, opset 18).
 GALLERY_CASES = (

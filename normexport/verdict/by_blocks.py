@@ -60,6 +60,7 @@ class Chains:
         self.raw_local: Store = {}
         self._kept: list[Mapping] = []  # every feeds mapping seen: no other takes its identity
         self.fallbacks: list[str] = []  # per block whose oracle is the block as written, why
+        self.float32: list = []  # the oracle's float32 islands, every block's
         self.oracle_note = ""
 
     def record(self, sets: Sequence[Mapping], oracle_sets: Sequence[Mapping]) -> None:
@@ -114,6 +115,8 @@ class Chains:
         for feeds in oracle_new:
             _keep(block, oracle(_fed(block, feeds, self.oracle)), self.oracle[id(feeds)])
         oracle.close()
+        self.float32 += found.float32
+        self.fallbacks += [f"{what}: {n}" for n in found.notes if n.startswith("on an input set")]
 
     def final(self, store: Store) -> Run:
         """The final outputs of a chain recorded in ``store``, by the feeds' identity."""

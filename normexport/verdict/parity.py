@@ -235,6 +235,7 @@ def check_parity(
     round_inputs: Callable[[Mapping[str, np.ndarray]], Mapping[str, np.ndarray]] | None = None,
     judge_export: str | None = None,
     strict: bool = False,
+    oracle_float32: Sequence = (),
 ) -> ParityResult:
     """Run the models on every input set and compare each output with the oracle.
 
@@ -253,6 +254,8 @@ def check_parity(
             :func:`ulp_perturbed` by default where there is a raw model.
         judge_export: judge the export too, by this float32 run (:data:`EXPORT_JUDGED`).
         strict: a noise-ratio warning fails the verdict.
+        oracle_float32: the nodes the float64 oracle runs in float32, by op type
+            (:class:`normexport.verdict.float64.Float32Nodes`).
 
     Raises:
         ValueError: the models return different numbers of outputs or shapes.
@@ -275,6 +278,7 @@ def check_parity(
         notes=list(notes),
         max_rel_l2=max_rel_l2,
         strict=strict,
+        oracle_float32=[entry.to_dict() for entry in oracle_float32],
     )
 
 

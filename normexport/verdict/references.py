@@ -149,6 +149,7 @@ class Judge:
             "oracle_kind": "onnx_float64",
             "notes": [],
             "round_inputs": Recorded(ulp_perturbed),
+            "oracle_float32": chains.float32,
         }
 
     def rounding(self, precision: str) -> dict:
@@ -249,6 +250,7 @@ def references(judge: Judge) -> dict:
             "oracle_kind": found.kind,
             "notes": found.notes,
             "round_inputs": Recorded(ulp_perturbed),
+            "oracle_float32": found.float32,
         }
     eager = Eager(judge.loaded.module)
     pytorch = Recorded(lambda feeds: eager([feeds[n] for n in judge.feed_names]))
@@ -263,6 +265,7 @@ def references(judge: Judge) -> dict:
         # the oracle from the raw export judges PyTorch float32, any other the raw export
         "judge_export": "pytorch" if found.kind.startswith("onnx") else "raw",
         "round_inputs": Recorded(ulp_perturbed),
+        "oracle_float32": found.float32,
     }
 
 
@@ -276,8 +279,8 @@ def _pytorch_oracle(judge: Judge, raw: Run) -> Oracle:
     if found.run is not None:
         return found
     export = onnx_float64(judge.raw_path, raw, example, judge.work, "the raw export")
-    notes = [*found.notes, *export.notes]
+    export.notes[:0] = found.notes  # the same list: what the runs add later is said too
     if export.run is None:
-        notes.append("the reference is PyTorch float32")
-        return Oracle(None, "pytorch_float32", notes)
-    return Oracle(export.run, export.kind, notes, export.close)
+        export.notes.append("the reference is PyTorch float32")
+        return Oracle(None, "pytorch_float32", export.notes)
+    return export

@@ -153,6 +153,8 @@ class ParityResult:
         blocks: where the verdict was taken block by block, each block's; else None.
         deployed: the published model judged as deployed (:class:`Deployed`); None where
             that was not checked.
+        oracle_float32: the nodes a float64 oracle of an ONNX graph runs in float32, by op
+            type: ``op_type``, ``domain``, ``nodes`` (their names), ``why``.
     """
 
     reference: str
@@ -166,6 +168,7 @@ class ParityResult:
     strict: bool = False
     blocks: list[BlockVerdict] | None = None
     deployed: Deployed | None = None
+    oracle_float32: list[dict] = dataclasses.field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -249,6 +252,7 @@ class ParityResult:
             "reference": self.reference,
             "oracle": self.oracle or self.reference,
             "oracle_notes": list(self.notes),
+            "oracle_float32": list(self.oracle_float32),
             "atol": self.atol,
             "rtol": self.rtol,
             "noise_factor": self.noise_factor,

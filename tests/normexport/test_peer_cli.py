@@ -38,15 +38,6 @@ UNRUNNABLE = {
     "fuse-matmul-bn-only-transpose.onnx": "Invalid input scale",
 }
 
-#: Files with no float64 oracle (parity compares with the file as written), and the words of
-#: the note that says why: the first has BatchNormalization in training mode, the second an
-#: opset-11 Unsqueeze with negative axes that onnx.reference (1.23) does not broadcast; ONNX
-#: Runtime's CPU provider has no float64 Conv for either.
-NO_FLOAT64 = {
-    "fuse-conv-bn-no-bias.bn_stat_outputs.onnx": "BatchNormalization in training mode",
-    "fuse-conv-bn-mul-add-unsqueeze.negative_axes.onnx": "could not be run on onnx.reference",
-}
-
 #: Inputs whose dimensions are all symbolic: the user gives their shapes.
 SHAPES = {"layer_norm.onnx": ["--input-shape", "X=4x8", "--input-shape", "Scale=8"] + [
     "--input-shape", "B=8"
@@ -71,13 +62,11 @@ def test_peer_file_through_the_cli(path, tmp_path, out_dir, monkeypatch, capsys)
     result = json.loads(report.read_text())
     parity = result["parity"]
     assert parity["passed"] and parity["reference"] == "onnx"
-    if path.name in NO_FLOAT64:
-        assert parity["oracle"] == "onnx" and NO_FLOAT64[path.name] in " ".join(
-            parity["oracle_notes"]
-        )
-    else:
-        assert parity["oracle"] == "onnx_float64", parity["oracle_notes"]
-        assert all(e["raw_max_abs_err"] is not None for e in parity["outputs"].values())
+    # every file's oracle is float64 on ONNX Runtime, its Convs by their float64 form (the
+    # BatchNorm in training mode and the negative Unsqueeze axes onnx.reference refused too)
+    assert parity["oracle"] == "onnx_float64", parity["oracle_notes"]
+    assert parity["oracle_float32"] == [], parity["oracle_float32"]
+    assert all(e["raw_max_abs_err"] is not None for e in parity["outputs"].values())
     assert result["checker"]["output"] != "none" or result["checker"]["input"] == "none"
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     assert session.get_outputs()  # the written model loads, with ORT's optimizations on too

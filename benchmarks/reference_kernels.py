@@ -1,6 +1,6 @@
-"""Kernels for ``onnx.reference`` (the ONNX spec's numpy evaluator), the float64 oracle's
-engine where ONNX Runtime has no float64 kernel (:func:`normexport.verdict.oracle.onnx_float64`),
-in place of its own where onnx 1.23's are wrong or missing."""
+"""Kernels for ``onnx.reference`` (the ONNX spec's numpy evaluator), on which
+``benchmarks/precision.py`` runs each converter's float16 model as written (the CPU-independent
+evidence), in place of its own where onnx 1.23's are wrong or missing."""
 
 from __future__ import annotations
 
