@@ -14,7 +14,12 @@ Builds, in a temporary folder (deleted afterwards; ``--keep DIR`` keeps them the
   quantized by ``onnxruntime.quantization.quantize_dynamic`` (int8 weights:
   ``DynamicQuantizeLinear``, ``MatMulInteger``, ``DequantizeLinear``);
 - ``vad``: a voice-activity-like graph built with ``onnx.helper``: ``If`` on the sample rate
-  choosing a spectrum, then an LSTM with state inputs inside another ``If``.
+  choosing a spectrum, then an LSTM with state inputs inside another ``If``;
+- ``densenet``: a DenseNet-style CNN at 224x224 (concatenated features, BatchNorm before each
+  Conv, max and average pooling; TorchScript exporter, opset 13, BatchNorm kept);
+- ``bert``: a transformers ``BertModel`` whose ``token_type_ids`` index a 2-row table, batch and
+  sequence symbolic, run with no ``--dim`` and no ``--inputs`` (normexport picks the sizes and
+  draws the ids within each table).
 
 Measured for each: the whole CLI from another folder (``python -m normexport FILE -o OUT
 --no-benchmark --report R``) in a fresh process: exit code, wall time, the report's peak RSS
@@ -25,7 +30,7 @@ largest error against the form.
 
     python benchmarks/oracle.py [--only eeg,yolox] [--keep DIR] [--out benchmarks/results]
 
-Writes ``oracle_cpu.json``.
+Writes ``oracle_cpu.json`` and ``oracle_cpu.png`` (each file's stages and peak memory).
 """
 
 from __future__ import annotations
@@ -155,13 +160,58 @@ class Yolox(nn.Module):
         return torch.cat(outs, 2).permute(0, 2, 1)
 
 
+class _Dense(nn.Module):
+    def __init__(self, blocks=(4, 6, 8), growth=16):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 32, 7, 2, 3, bias=False),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.MaxPool2d(3, 2, 1),
+        )
+        c, stages = 32, []
+        for n in blocks:
+            layers = []
+            for _ in range(n):
+                layers.append(
+                    nn.Sequential(
+                        nn.BatchNorm2d(c),
+                        nn.ReLU(),
+                        nn.Conv2d(c, 4 * growth, 1, bias=False),
+                        nn.BatchNorm2d(4 * growth),
+                        nn.ReLU(),
+                        nn.Conv2d(4 * growth, growth, 3, 1, 1, bias=False),
+                    )
+                )
+                c += growth
+            stages.append(nn.ModuleList(layers))
+            stages.append(
+                nn.Sequential(nn.BatchNorm2d(c), nn.Conv2d(c, c // 2, 1), nn.AvgPool2d(2))
+            )
+            c //= 2
+        self.stages = nn.ModuleList(stages)
+        self.head = nn.Linear(c, 10)
+
+    def forward(self, x):
+        x = self.stem(x)
+        for stage in self.stages:
+            if isinstance(stage, nn.ModuleList):
+                for layer in stage:
+                    x = torch.cat([x, layer(x)], 1)
+            else:
+                x = stage(x)
+        return self.head(x.mean((2, 3)))
+
+
 def _randomized(model: nn.Module) -> nn.Module:
     torch.manual_seed(0)
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._BatchNorm):
             m.running_mean.uniform_(-0.3, 0.3)
             m.running_var.uniform_(0.5, 2)
+        if isinstance(m, nn.modules.batchnorm._BatchNorm | nn.LayerNorm):
             m.weight.data.uniform_(0.5, 1.5)
+            m.bias.data.normal_(0, 0.1)
     return model.eval()
 
 
@@ -295,7 +345,68 @@ def _lstm(rate: str, hidden: int) -> onnx.GraphProto:
     return helper.make_graph(nodes, f"lstm{rate}", [], out)
 
 
-BUILD = {"eeg": build_eeg, "yolox": build_yolox, "t5q": build_t5q, "vad": build_vad}
+def build_densenet(folder: Path) -> Path:
+    path = folder / "densenet.onnx"
+    x = torch.randn(1, 3, 224, 224)
+    torch.onnx.export(
+        _randomized(_Dense()),
+        (x,),
+        path,
+        opset_version=13,
+        dynamo=False,
+        training=torch.onnx.TrainingMode.PRESERVE,  # BatchNormalization kept as written
+    )
+    return path
+
+
+def build_bert(folder: Path) -> Path:
+    """A transformers BertModel (random weights, randomized LayerNorms) whose token_type_ids
+    index a 2-row table, batch and sequence symbolic: run with no --dim and no --inputs."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        type_vocab_size=2,
+    )
+    bert = _randomized(BertModel(config))
+
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = bert
+
+        def forward(self, ids, mask, types):
+            out = self.bert(input_ids=ids, attention_mask=mask, token_type_ids=types)
+            return out.last_hidden_state, out.pooler_output
+
+    ids = torch.randint(0, 100, (1, 16))
+    path = folder / "bert.onnx"
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    torch.onnx.export(
+        Hidden().eval(),
+        (ids, torch.ones_like(ids), torch.zeros_like(ids)),
+        path,
+        dynamo=False,
+        opset_version=17,
+        input_names=names,
+        output_names=["last_hidden_state", "pooler_output"],
+        dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names},
+    )
+    return path
+
+
+BUILD = {
+    "eeg": build_eeg,
+    "yolox": build_yolox,
+    "densenet": build_densenet,
+    "t5q": build_t5q,
+    "vad": build_vad,
+    "bert": build_bert,
+}
 
 
 def cli_run(path: Path, folder: Path) -> dict:
@@ -373,6 +484,33 @@ def _timed(call) -> float:
     return round(float(np.median(times)), 4)
 
 
+def chart(results: dict, path: Path) -> None:
+    """Each file's whole run: its stages' seconds stacked, and its peak memory, side by side."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {name: found["cli"] for name, found in results.items()}
+    names = list(runs)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    stages = list(dict.fromkeys(s for run in runs.values() for s in run.get("stages_s", {})))
+    bottom = np.zeros(len(names))
+    for stage in stages:
+        values = np.array([runs[n].get("stages_s", {}).get(stage, 0.0) for n in names])
+        left.barh(names, values, left=bottom, label=stage)
+        bottom += values
+    left.set_xlabel("seconds (the report's stages)")
+    left.legend(fontsize=7)
+    right.barh(names, [runs[n].get("peak_rss_bytes", 0) / 2**30 for n in names])
+    right.set_xlabel("peak resident set (GiB)")
+    for ax in (left, right):
+        ax.invert_yaxis()
+    fig.suptitle("normexport FILE --no-benchmark on files like issue 60's (2-core CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(BUILD))
@@ -395,7 +533,8 @@ def main() -> None:
     machine = {"cpus": os.cpu_count(), "onnxruntime": onnxruntime.__version__}
     out = args.out / "oracle_cpu.json"
     out.write_text(json.dumps({"machine": machine, "models": results}, indent=1) + "\n")
-    print(f"wrote {out}")
+    chart(results, out.with_suffix(".png"))
+    print(f"wrote {out} and its chart")
 
 
 if __name__ == "__main__":
