@@ -94,8 +94,15 @@ def test_the_api_warns(monkeypatch, tmp_path):
 
     _installed(monkeypatch, {"onnxruntime-gpu": "1.31.1", "onnxruntime": "1.32.0"})
     _model(tmp_path / "m.onnx")
-    with pytest.warns(RuntimeWarning, match="overwrite each other's files"):
-        normexport.optimize(tmp_path / "m.onnx", output=tmp_path / "o.onnx", benchmark=False)
+    with pytest.warns(RuntimeWarning, match="overwrite each other's files") as warned:
+        report = normexport.optimize(
+            tmp_path / "m.onnx", output=tmp_path / "o.onnx", benchmark=False
+        )
+    said = [w for w in warned if "overwrite each other's files" in str(w.message)]
+    assert len(said) == 1 and "onnxruntime 1.32.0 and onnxruntime-gpu 1.31.1" in str(
+        said[0].message
+    )
+    assert report.passed  # a warning, not a stop: the run goes on
 
 
 def test_onnx_runtime_is_an_extra_one_package_each():
