@@ -8,19 +8,20 @@ oracle's (docs/memory.md#the-memory-plan).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from collections.abc import Mapping
 
 import numpy as np
+import onnx
 import onnx_ir as ir
-import onnx_ir.passes.common as common_passes
 
-#: Whether shape inference propagates values: not, since that computes the values of the ops
-#: it follows, a ``ConstantOfShape`` of 1e8 elements among them (14 GB, onnx 1.23); a shape
+#: Initializers with at most this many elements are given to shape inference with their
+#: values (a Reshape's target shape, a Slice's bounds); larger ones by type and shape only.
+#: Shape inference runs without data propagation: that computes the values of the ops it
+#: follows, a ``ConstantOfShape`` of 1e8 elements among them (14 GB, onnx 1.19); a shape
 #: computed at run time is then unknown, and a Reshape's output counts as its input.
-DATA_PROPAGATION = False
+VALUES_KEPT = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,57 +49,46 @@ class Activations:
 
 def estimate(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> Activations:
     """The :class:`Activations` of ``model``'s main graph run on ``feeds`` (graph input name
-    -> array; only their shapes and dtypes are read), counted on a clone (tensors shared, none
-    loaded): its inputs given the feeds' shapes, its other values' annotations dropped, then
-    onnx_ir's ``ShapeInferencePass`` (initializers over 1 KB left out of the protobuf;
-    :data:`DATA_PROPAGATION`) and its graph sorted. Subgraphs (``If``, ``Loop``) count
-    as their node's outputs.
+    -> array; only their shapes and dtypes are read). No tensor is loaded: initializers are
+    given to shape inference by their headers, small integer ones (:data:`VALUES_KEPT`) with
+    their values. Subgraphs (``If``, ``Loop``) count as their node's outputs.
 
     Raises nothing: where shape inference fails, every value counts as its producer's
     largest input (at worst the inputs' size).
     """
-    clone = model.clone()
-    graph = clone.graph
-    for value in graph.inputs:
-        if value.name in feeds:
-            value.shape = ir.Shape(feeds[value.name].shape)
-            value.dtype = ir.DataType.from_numpy(feeds[value.name].dtype)
-    for value in (v for node in graph for v in node.outputs):
-        value.shape = None  # the file's symbolic dimensions would stand over the feeds' sizes
-    try:
-        inference = common_passes.ShapeInferencePass(
-            check_type=False, strict_mode=False, data_prop=DATA_PROPAGATION
-        )
-        inference(clone)
-    except Exception:  # onnx raises its own errors on models it cannot follow: count none
-        pass
-    with contextlib.suppress(Exception):  # a cycle or an undefined input: the file's order
-        graph.sort()
+    graph = model.graph
     sizes: dict[str, tuple[int, int]] = {}  # value name -> (bytes, of which float32)
     for name, array in feeds.items():
         sizes[name] = (array.nbytes, array.nbytes if array.dtype == np.float32 else 0)
+    inferred = _inferred(model, feeds)
+    order = _topological(graph)
     users: dict[str, int] = {}
-    for step, node in enumerate(graph):
+    for step, node in enumerate(order):
         for value in node.inputs:
             if value is not None:
                 users[value.name] = step
     outputs = {v.name for v in graph.outputs}
-    unknown = 0
+    unknown, im2col = 0, 0
     alive: dict[str, tuple[int, int]] = {n: s for n, s in sizes.items() if n in users}
     live32 = sum(nbytes for nbytes, _ in alive.values())
     live64 = live32 + sum(f32 for _, f32 in alive.values())
     peak32, peak64 = live32, live64
-    for step, node in enumerate(graph):
+    for step, node in enumerate(order):
         read = [sizes.get(v.name, (0, 0)) for v in node.inputs if v is not None]
         largest = max(read, default=(0, 0))
+        made = []
         for value in node.outputs:
-            found = _bytes(value)
+            found = inferred.get(value.name)
             if found is None:
                 unknown += 1
                 found = largest
-            sizes[value.name] = alive[value.name] = found
-            live32, live64 = live32 + found[0], live64 + found[0] + found[1]
-        work = _im2col_bytes(node)
+            sizes[value.name] = found
+            made.append((value.name, found))
+        work = _im2col_bytes(node, inferred)
+        im2col = max(im2col, work)
+        for name, (nbytes, f32) in made:
+            alive[name] = (nbytes, f32)
+            live32, live64 = live32 + nbytes, live64 + nbytes + f32
         peak32, peak64 = max(peak32, live32 + work), max(peak64, live64 + 2 * work)
         for name in [n for n in alive if users.get(n, -1) <= step and n not in outputs]:
             nbytes, f32 = alive.pop(name)
@@ -107,27 +97,92 @@ def estimate(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> Activations:
     return Activations(peak32, peak64, output_bytes, unknown)
 
 
-def _bytes(value: ir.Value) -> tuple[int, int] | None:
-    """``(bytes, bytes if float32 else 0)`` of ``value`` where its type and shape are known."""
-    shape, dtype = value.shape, value.dtype
-    if shape is None or dtype is None or not shape.is_static():
-        return None
-    nbytes = int(math.prod(int(d) for d in shape) * dtype.itemsize)
-    return nbytes, nbytes if dtype == ir.DataType.FLOAT else 0
+def _inferred(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, int]]:
+    """Value name -> (bytes, bytes if float32 else 0) for every value of the main graph whose
+    type and shape ONNX's shape inference fixes on ``feeds``' shapes; empty where it fails."""
+    graph = model.graph
+    inputs = [
+        onnx.helper.make_tensor_value_info(
+            v.name,
+            onnx.helper.np_dtype_to_tensor_dtype(feeds[v.name].dtype),
+            feeds[v.name].shape,
+        )
+        for v in graph.inputs
+        if v.name in feeds
+    ]
+    initializers = []
+    for value in graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or value.name in feeds:
+            continue
+        if tensor.size <= VALUES_KEPT and tensor.dtype.is_integer():
+            initializers.append(ir.serde.serialize_tensor(tensor))
+        else:
+            shape = [int(d) for d in tensor.shape]
+            inputs.append(onnx.helper.make_tensor_value_info(value.name, tensor.dtype, shape))
+    nodes = [ir.serde.serialize_node(node) for node in graph]
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(nodes, "estimate", inputs, [], initializers),
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()],
+        ir_version=max(model.ir_version or 0, 7),
+    )
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto)  # no data_prop: it computes values
+    except Exception:  # onnx raises its own errors on models it cannot follow: count none
+        return {}
+    found = {}
+    for info in proto.graph.value_info:
+        tensor = info.type.tensor_type
+        dims = [d.dim_value if d.HasField("dim_value") else None for d in tensor.shape.dim]
+        if not tensor.HasField("shape") or None in dims or tensor.elem_type == 0:
+            continue
+        itemsize = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).itemsize
+        nbytes = math.prod(dims) * itemsize
+        found[info.name] = (nbytes, nbytes if tensor.elem_type == onnx.TensorProto.FLOAT else 0)
+    return found
 
 
-def _im2col_bytes(node: ir.Node) -> int:
+def _im2col_bytes(node: ir.Node, inferred: Mapping[str, tuple[int, int]]) -> int:
     """The unfolded input a float32 ``Conv`` works on (MLAS's im2col: one group of one image,
     ``C / group * prod(kernel) * prod(output spatial)`` float32 elements); 0 for any other node,
     a 1x1 kernel, or shapes not known."""
     if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return 0
     weight = node.inputs[1].shape if node.inputs[1] is not None else None
-    out = node.outputs[0].shape
-    if weight is None or not weight.is_static() or out is None or not out.is_static():
+    out = node.outputs[0].name
+    if weight is None or not weight.is_static() or out not in inferred:
         return 0
     kernel = math.prod(int(d) for d in weight[2:])
     if kernel == 1:
         return 0
-    spatial = math.prod(int(d) for d in out[2:])  # per image: the batch is looped over
+    cout = int(weight[0])
+    spatial = inferred[out][0] // 4 // max(cout, 1)  # per image: the batch is looped over
     return int(weight[1]) * kernel * spatial * 4
+
+
+def _topological(graph: ir.Graph) -> list[ir.Node]:
+    """The main graph's nodes in an order that computes each value before it is read (files
+    from the field are not always sorted; Kahn's algorithm), without changing the graph.
+    Nodes on a cycle or reading a value nothing makes come last, in the file's order."""
+    nodes = list(graph)
+    index = {id(n): i for i, n in enumerate(nodes)}
+    waiting = [0] * len(nodes)
+    readers: list[list[int]] = [[] for _ in nodes]
+    for i, node in enumerate(nodes):
+        producers = {index.get(id(v.producer())) for v in node.inputs if v is not None}
+        producers.discard(None)
+        waiting[i] = len(producers)
+        for p in producers:
+            readers[p].append(i)
+    ready = [i for i, count in enumerate(waiting) if count == 0]
+    order: list[int] = []
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for r in readers[i]:
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                ready.append(r)
+    placed = set(order)
+    order += [i for i in range(len(nodes)) if i not in placed]
+    return [nodes[i] for i in order]
