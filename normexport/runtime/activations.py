@@ -54,7 +54,10 @@ def estimate(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> Activations:
     their values. Subgraphs (``If``, ``Loop``) count as their node's outputs.
 
     Raises nothing: where shape inference fails, every value counts as its producer's
-    largest input (at worst the inputs' size).
+    largest input (at worst the inputs' size). The protobuf is built here rather than by
+    cloning the model for onnx_ir's ``ShapeInferencePass``: its clone refuses graphs whose
+    nodes are out of order or read values nothing makes (files from the field: ONNX Runtime's
+    test files, the fuzzer's cycles and dangling inputs).
     """
     graph = model.graph
     sizes: dict[str, tuple[int, int]] = {}  # value name -> (bytes, of which float32)
