@@ -111,9 +111,10 @@ def _main(args: argparse.Namespace, console: Console) -> int:
 
     from normexport import pipeline, progress, report
     from normexport.report import explain
+    from normexport.runtime.memory import imports_spared
 
     # the stages as they run: live on a terminal, else a line as each starts and ends
-    with progress.shown(Console(stderr=True), log=console):
+    with progress.shown(Console(stderr=True), log=console), imports_spared():
         result = pipeline.run(opts)
     report.render(result, console)
     if args.explain:
