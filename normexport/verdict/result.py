@@ -33,7 +33,8 @@ class OutputError:
         warned: the output passes, and its noise ratio is above :data:`NOISE_WARN_FACTOR`.
         ulp_sensitivity: float32 rule: the oracle's max abs change when each float input moves
             by one ulp (:func:`normexport.verdict.parity.ulp_perturbed`), part of the noise
-            ratio's floor; None where the model has no float input, or for half precision.
+            ratio's floor, measured only where it could decide the warning; None elsewhere,
+            where the model has no float input, or for half precision.
     """
 
     output: str

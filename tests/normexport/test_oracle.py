@@ -479,3 +479,25 @@ def test_the_report_lists_the_float32_islands(rng, tmp_path):
     assert set(listed) == {"DynamicQuantizeLinear", "DequantizeLinear"}
     assert listed["DequantizeLinear"]["nodes"] and listed["DequantizeLinear"]["domain"] == ""
     assert "no float64 kernel" in listed["DequantizeLinear"]["why"]
+
+
+def test_the_oracle_runs_once_per_input_set_where_the_rewrite_is_within_rounding(
+    rng, tmp_path, monkeypatch
+):
+    """Through the pipeline, a graph whose rewrite is exact: the float64 oracle runs on the
+    example (its check) and once on each input set, not again on the sets moved by one ulp
+    (that run decides nothing where the noise ratio is within the warning; ``check_parity``
+    runs it where it could: ``test_parity.py``)."""
+    model, _ = _layernorm_model(rng)
+    path = _save(model, tmp_path)
+    real, ran = oracle.Float64Run.__call__, []
+
+    def counted(self, feeds):
+        ran.append(feeds)
+        return real(self, feeds)
+
+    monkeypatch.setattr(oracle.Float64Run, "__call__", counted)
+    options = pipeline.Options(model=path, output=tmp_path / "out.onnx", benchmark=False)
+    parity = pipeline.run(options).to_dict()["parity"]
+    assert parity["oracle"] == "onnx_float64" and parity["passed"], parity["oracle_notes"]
+    assert len(ran) == 1 + len(parity["probes"]), len(ran)

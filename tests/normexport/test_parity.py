@@ -229,3 +229,33 @@ def test_noise_ratio_floor_is_the_rounding_of_the_output():
     moved = ref + 1e-5  # the oracle moved by 1e-5 when the input moved by one ulp
     e = compare("y", ref + 4e-5, ref, 1e-4, 1e-3, raw=ref.copy(), rounded=moved)
     assert e.ulp_sensitivity == pytest.approx(1e-5) and e.noise_ratio == pytest.approx(4)
+
+
+def test_the_one_ulp_move_runs_only_where_it_decides_the_warning():
+    """The oracle on inputs moved by one ulp only raises the noise ratio's floor: it runs on an
+    input set only where an output passes with a ratio above the warning without it. Here the
+    function amplifies the move (``sin(1e7 x)``: one ulp of x moves the output by about 1), so
+    where it runs the warning goes; where the candidate is within the rounding, it never runs."""
+    x = np.random.default_rng(1).uniform(0.5, 1.0, 64).astype(np.float32)
+    sets = {"example": {"x": x}, "random_0": {"x": x[::-1].copy()}}
+    calls = []
+
+    def oracle(feeds):
+        calls.append(feeds["x"])
+        return [np.sin(feeds["x"].astype(np.float64) * 1e7)]
+
+    def judged(error: float):
+        calls.clear()
+        result = check_parity(
+            lambda f: [(oracle(f)[0] + error).astype(np.float32)], oracle, sets, ["y"],
+            reference_kind="onnx", raw=lambda f: [oracle(f)[0].astype(np.float32)],
+        )  # fmt: skip
+        moved = [c for c in calls if not any(c is s["x"] for s in sets.values())]
+        return result, moved
+
+    quiet, moved = judged(1e-8)
+    assert quiet.passed and not quiet.warnings() and not moved
+    assert all(e.ulp_sensitivity is None for e in quiet.worst().values())
+    loud, moved = judged(1e-3)  # passes (atol 1e-4 + rtol 1e-3): 4000 roundoffs without the move
+    assert len(moved) == len(sets) and loud.passed and not loud.warnings()
+    assert all(e.ulp_sensitivity > 0.1 for e in loud.worst().values())
