@@ -156,6 +156,9 @@ class Float64Run:
         self.repairs, self.seconds = 0, []
         self.notes: list[str] = []
         self.fallback = False
+        #: the self-check's feeds and outputs, handed to the first run on those very feeds
+        #: (the reference stage's run on the example) instead of running them again
+        self.checked: tuple[Mapping, list[np.ndarray]] | None = None
 
     def build(self) -> None:
         """The session, built again with a float32 island for each node it names as one it
@@ -177,6 +180,9 @@ class Float64Run:
             return
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        if self.checked is not None and self.checked[0] is feeds:
+            outputs, self.checked = self.checked[1], None
+            return outputs
         while True:
             if self.session is None:
                 self.build()
@@ -317,6 +323,7 @@ def _checked(run: Float64Run, as_written: Run, example, what: str) -> Oracle:
         why = f"{what} in float64 on ONNX Runtime disagrees with the file run as written in "
         why += f"float32 on the example (output {name}: {close.describe()})"
         return Oracle(None, "", [why])
+    run.checked = (example, outputs)
     seconds = run.seconds[-1]
     note = f"the oracle is {what} in float64 on ONNX Runtime ({seconds * 1e3:.0f} ms per input set)"
     return Oracle(run, "onnx_float64", [note, *notes])
