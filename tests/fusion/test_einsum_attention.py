@@ -277,19 +277,23 @@ def test_tf2onnx_attention_with_unknown_dims_named_fuses(rng):
     assert_close(run(model, feeds), before, rtol=1e-5)
 
 
-def test_tf2onnx_attention_with_a_symbolic_batch_fuses(rng):
+@pytest.mark.parametrize(
+    ("target", "opset", "kind"), [("ort", 17, "attention_fused"), ("onnx", 23, "sdpa_fused")]
+)
+def test_tf2onnx_attention_with_a_symbolic_batch_fuses(rng, target, opset, kind):
     """The input's batch a symbol (``unk__in``, as tf2onnx names it) and every intermediate
     value's dimensions ``unk__N``: the Shape arithmetic cannot fold, and is followed
     symbolically instead. Inference proves the projections' batch the input's symbol (their
     ``unk__N`` replaced), the Reshape targets are read as products of it (``unk__in * 4``), and
-    both Einsums read as the attention (one com.microsoft Attention); the same fused model gives
-    the graph's output for batches 1, 2 and 3."""
+    both Einsums read as the attention (one com.microsoft Attention; ONNX's at opset 23); the
+    same fused model gives the graph's output for batches 1, 2 and 3."""
     model = _tf2onnx_attention(batch="unk__in")
+    model.opset_imports[""] = opset
     feeds = [{"x": rng.standard_normal((b, 64, 128)).astype(np.float32)} for b in (1, 2, 3)]
     before = [run(model, f) for f in feeds]
-    report = fusion.optimize(model, target="ort")
+    report = fusion.optimize(model, target=target)
     ops = collections.Counter(n.op_type for n in model.graph)
-    assert report.counts["attention_fused"] == 1 and not report.refused, report.to_dict()
+    assert report.counts[kind] == 1 and not report.refused, report.to_dict()
     assert not {"Shape", "Softmax", "Squeeze", "ReduceProd", "Max"} & set(ops), ops
     assert [str(d) for d in model.graph.outputs[0].shape] == ["unk__out", "64", "128"]
     for f, b in zip(feeds, before, strict=True):
