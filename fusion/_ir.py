@@ -261,15 +261,18 @@ def fully_known(shape: ir.Shape | None) -> bool:
     return shape is not None and all(isinstance(d, int) or d.value is not None for d in shape)
 
 
+def fresh(dim: int | ir.SymbolicDim) -> bool:
+    """Whether ``dim`` is named ``unk__N``, as ONNX shape inference and tf2onnx name a size they
+    do not know: a dimension of its own, unrelated to any other by its name."""
+    return not isinstance(dim, int) and dim.value is not None and dim.value.startswith("unk__")
+
+
 def _vague(shape: ir.Shape | None) -> bool:
     """Whether ONNX shape inference left ``shape`` (or a dimension of it) unknown: no shape, a
-    dimension with no name, or one it named ``unk__N`` (a dimension of its own, unrelated to any
-    other)."""
+    dimension with no name, or a :func:`fresh` one."""
     if shape is None:
         return True
-    return any(
-        not isinstance(d, int) and (d.value is None or d.value.startswith("unk__")) for d in shape
-    )
+    return any(not isinstance(d, int) and (d.value is None or fresh(d)) for d in shape)
 
 
 class KnownShapes:
@@ -325,10 +328,14 @@ class KnownShapes:
     def __call__(self, value: ir.Value) -> ir.Shape | None:
         if fully_known(value.shape):
             return value.shape
+        inferred = self.inferred(value)
+        return inferred if inferred is not None else value.shape
+
+    def inferred(self, value: ir.Value) -> ir.Shape | None:
+        """The shape inference gives ``value`` (ONNX's; where it left dimensions vague, ONNX
+        Runtime's symbolic one), whatever ``value`` carries; None where neither gives one."""
         inferred = self._inference(value)
-        return (
-            inferred.shape if inferred is not None and inferred.shape is not None else value.shape
-        )
+        return inferred.shape if inferred is not None else None
 
     def dtype(self, value: ir.Value) -> ir.DataType | None:
         """The element type of ``value``, or None when neither source knows it."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from fusion._ir import KnownShapes, fully_known
+from fusion._ir import KnownShapes, fresh, fully_known
 
 
 class FillShapes(ir.passes.InPlacePass):
@@ -19,11 +19,15 @@ class FillShapes(ir.passes.InPlacePass):
 
     A dimension or type the model already carries is never replaced (the dynamo exporter's
     symbolic dimensions say more than inference's); only its unknown dimensions are filled
-    (:func:`_filled`). Where inference fails or finds nothing the value stays as it is: the
-    passes then refuse what needs a shape, as before. The shapes are scaffolding for the passes:
-    :class:`DropShapes` (run after them) takes them off again, except where a node a pass made
-    reads or writes the value, so that the other values and the clean-up after the passes are as
-    they would be without them.
+    (:func:`_filled`), and on a value that is no graph output the dimensions named ``unk__N``
+    (tf2onnx's name for a size TensorFlow's shape functions lost: it relates the dimension to
+    none other) where inference proves them a number or a symbol of the graph's inputs (the
+    query, key and value of an attention then share the input's batch:
+    docs/fusions.md#the-clean-ups). Where inference fails or finds nothing the value stays as
+    it is: the passes then refuse what needs a shape, as before. The shapes are scaffolding for
+    the passes: :class:`DropShapes` (run after them) takes them off again, except where a node
+    a pass made reads or writes the value, so that the other values and the clean-up after the
+    passes are as they would be without them.
 
     Attributes:
         filled: ``(value, its shape, its type)`` before, for each value given something.
@@ -40,8 +44,12 @@ class FillShapes(ir.passes.InPlacePass):
         nodes = list(ir.traversal.RecursiveGraphIterator(model.graph))
         self.nodes = set(nodes)
         self.filled = []
+        symbols = {d.value for v in model.graph.inputs for d in v.shape or () if _named(d)}
         for value in (v for node in nodes for v in node.outputs):
-            shape = _filled(value.shape, shapes(value) if not fully_known(value.shape) else None)
+            own = value.shape
+            renamed = None if value.is_graph_output() else symbols
+            ask = not fully_known(own) or (renamed is not None and any(fresh(d) for d in own))
+            shape = _filled(own, shapes.inferred(value), renamed) if ask else None
             dtype = shapes.dtype(value) if value.dtype is None else None
             if shape is not None or dtype is not None:
                 self.filled.append((value, value.shape, value.type))
@@ -52,18 +60,38 @@ class FillShapes(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, modified=bool(self.filled))
 
 
-def _filled(own: ir.Shape | None, inferred: ir.Shape | None) -> ir.Shape | None:
+def _filled(
+    own: ir.Shape | None, inferred: ir.Shape | None, symbols: set[str] | None = None
+) -> ir.Shape | None:
     """The shape :class:`FillShapes` gives a value that carries ``own``: ``inferred`` where it
     carries none, ``own`` with its unknown dimensions (no number, no name) taken from
     ``inferred`` where the ranks agree (the dynamo exporter writes a Reshape to a target computed
-    at run time with no dimension known); None where that adds nothing."""
+    at run time with no dimension known), and with ``symbols`` (the names the graph's inputs
+    carry) its :func:`fusion._ir.fresh` ones where ``inferred`` has a number or one of
+    ``symbols`` there; None where that adds nothing."""
     if own is None or inferred is None:
         return inferred
     if len(own) != len(inferred):
         return None
-    pairs = zip(own, inferred, strict=True)
-    dims = [o if isinstance(o, int) or o.value is not None else i for o, i in pairs]
+    dims = [_dim(o, i, symbols) for o, i in zip(own, inferred, strict=True)]
     return ir.Shape(dims) if dims != list(own) else None
+
+
+def _dim(own, inferred, symbols: set[str] | None):
+    """One dimension of :func:`_filled`: ``inferred`` in place of an unknown ``own``, and (with
+    ``symbols``) of a fresh one where ``inferred`` is a number or one of ``symbols``; else
+    ``own``."""
+    if isinstance(own, int):
+        return own
+    if own.value is None:
+        return inferred
+    proven = isinstance(inferred, int) or inferred.value in (symbols or ())
+    return inferred if symbols is not None and fresh(own) and proven else own
+
+
+def _named(dim) -> bool:
+    """Whether ``dim`` is a named symbol (not a number, not unnamed)."""
+    return not isinstance(dim, int) and dim.value is not None
 
 
 class DropShapes(ir.passes.InPlacePass):

@@ -26,18 +26,22 @@ from fusion.simplify.views import (
 
 def _paired(a: list[Group], b: list[Group]) -> bool:
     """Whether the batch groups of the two operands line up atom by atom: equal sizes, or at
-    most one pair of unknown sizes per group (wherever the graph runs, merged sizes are equal,
-    so those are too)."""
+    most one pair of unknown sizes per group whose other atoms multiply to a number above 1
+    (the merged sizes, that number times each unknown, cannot be 1, so the MatMul does not
+    broadcast them: wherever the graph runs they are equal, and so are the unknowns)."""
     if len(a) != len(b):
         return False
     for ga, gb in zip(a, b, strict=True):
         if len(ga) != len(gb):
             return False
         unknown = [(x, y) for x, y in zip(ga, gb, strict=True) if x[2] != y[2]]
-        if len(unknown) > 1 or any(
-            not (x[2].coef == y[2].coef == 1 and len(x[2].symbols) == len(y[2].symbols) == 1)
-            for x, y in unknown
-        ):
+        if not unknown:
+            continue
+        rest = group_size(tuple(x for x, y in zip(ga, gb, strict=True) if x[2] == y[2]))
+        if len(unknown) > 1 or rest.symbols or rest.coef <= 1:
+            return False
+        ((x, y),) = unknown
+        if not (x[2].coef == y[2].coef == 1 and len(x[2].symbols) == len(y[2].symbols) == 1):
             return False
     return True
 

@@ -136,7 +136,8 @@ class Views:
         if op == "Concat" and all(r is not None for r in read):
             return first + [s for r in read for s in r]
         if op == "Max" and len(read) == 1 and read[0] is not None and len(read[0]) == len(first):
-            return [_max(a, b) for a, b in zip(first, read[0], strict=True)]
+            found = [_max(a, b) for a, b in zip(first, read[0], strict=True)]
+            return found if None not in found else None
         return None
 
 
@@ -163,10 +164,16 @@ def _shape_through(value: ir.Value, depth: int = 0) -> ir.Shape | None:
     return found if found is not None else shape
 
 
-def _max(a: Size, b: Size) -> Size:
-    """``max(a, b)`` of two sizes that a MatMul broadcasts together: equal, or one of them 1
-    (where they differ otherwise the graph fails at run time: either serves)."""
-    return b if a.one else a
+def _max(a: Size, b: Size) -> Size | None:
+    """``max(a, b)`` where the sizes prove it: two numbers, equal sizes, or a product of symbols
+    and the number 1 (the product: a symbol of 0 empties the tensor, whose Reshape to a
+    target of 1 there then fails at run time); None otherwise (two different symbols may
+    differ, as a batch of 1 broadcast against one of 3)."""
+    if not a.symbols and not b.symbols:
+        return Size(max(a.coef, b.coef))
+    if a == b or b.one:
+        return a
+    return b if a.one else None
 
 
 def _reshaped(groups: list[Group], target: list[Size], allowzero: bool) -> list[Group] | None:

@@ -164,18 +164,27 @@ def test_an_einsum_the_rewrite_cannot_read_is_refused_naming_the_op(rng):
     assert "Squeeze" in refused.detail or "Reshape" in refused.detail, refused
 
 
-def _tf2onnx_attention(seq: int = 64, heads: int = 4, size: int = 32) -> ir.Model:
-    """Keras' ``MultiHeadAttention`` (batch 1, static shapes) as tf2onnx lowers its two Einsums:
-    ``Unsqueeze -> Transpose -> Reshape`` into 3-D MatMuls, the weights reaching ``@ V`` through
-    ``Unsqueeze -> Reshape -> MatMul -> Reshape -> Squeeze``, each Reshape's target computed by
-    ``Shape -> Gather -> ReduceProd / Max -> Concat``; every intermediate value carries the
-    ``unk__N`` dimensions tf2onnx writes where TensorFlow's shape functions lost the sizes."""
+def _tf2onnx_attention(
+    seq: int = 64,
+    heads: int = 4,
+    size: int = 32,
+    batch: int | str = 1,
+    memory: str | None = None,
+) -> ir.Model:
+    """Keras' ``MultiHeadAttention`` (input ``x`` of shape ``(batch, seq, heads * size)``,
+    float32) as tf2onnx lowers its two Einsums: ``Unsqueeze -> Transpose -> Reshape`` into 3-D
+    MatMuls, the weights reaching ``@ V`` through ``Unsqueeze -> Reshape -> MatMul -> Reshape ->
+    Squeeze``, each Reshape's target computed by ``Shape -> Gather -> ReduceProd / Max ->
+    Concat``; every intermediate value carries the ``unk__N`` dimensions tf2onnx writes where
+    TensorFlow's shape functions lost the sizes (the output too where ``batch`` is a symbol).
+    ``memory``: the keys and values projected from a second input ``m``, of that symbolic batch
+    (a cross-attention)."""
     width = heads * size
     nodes = [
         op
         for n in "vqk"
         for op in (
-            ("MatMul", ["x", f"w{n}"], [f"{n}m"], {}),
+            ("MatMul", ["m" if memory and n != "q" else "x", f"w{n}"], [f"{n}m"], {}),
             ("Reshape", [f"{n}m", "split"], [f"{n}r"], {}),
             ("Add", [f"{n}r", f"b{n}"], [n], {}),
         )
@@ -213,8 +222,9 @@ def _tf2onnx_attention(seq: int = 64, heads: int = 4, size: int = 32) -> ir.Mode
         constants[f"w{n}"] = rng.standard_normal((width, width)).astype(np.float32) / 8
     for n in "qkv":
         constants[f"b{n}"] = rng.standard_normal((heads, size)).astype(np.float32)
-    io = {"x": (F, [1, seq, width])}
-    model = make_model(nodes, io, {"y": (F, [1, seq, width])}, constants, opset=17)
+    io = {"x": (F, [batch, seq, width])} | ({"m": (F, [memory, seq, width])} if memory else {})
+    out = [batch if isinstance(batch, int) else "unk__out", seq, width]
+    model = make_model(nodes, io, {"y": (F, out)}, constants, opset=17)
     inferred = ir.passes.common.ShapeInferencePass()(model.clone()).model
     ranks = {v.name: len(v.shape) for node in inferred.graph for v in node.outputs}
     count = iter(range(1000))
@@ -265,3 +275,76 @@ def test_tf2onnx_attention_with_unknown_dims_named_fuses(rng):
     assert report.counts["attention_fused"] == 1 and not report.refused, report.to_dict()
     assert not {"Shape", "Softmax", "Squeeze", "ReduceProd", "Max"} & set(ops), ops
     assert_close(run(model, feeds), before, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("target", "opset", "kind"), [("ort", 17, "attention_fused"), ("onnx", 23, "sdpa_fused")]
+)
+def test_tf2onnx_attention_with_a_symbolic_batch_fuses(rng, target, opset, kind):
+    """The input's batch a symbol (``unk__in``, as tf2onnx names it) and every intermediate
+    value's dimensions ``unk__N``: the Shape arithmetic cannot fold, and is followed
+    symbolically instead. Inference proves the projections' batch the input's symbol (their
+    ``unk__N`` replaced), the Reshape targets are read as products of it (``unk__in * 4``), and
+    both Einsums read as the attention (one com.microsoft Attention; ONNX's at opset 23); the
+    same fused model gives the graph's output for batches 1, 2 and 3."""
+    model = _tf2onnx_attention(batch="unk__in")
+    model.opset_imports[""] = opset
+    feeds = [{"x": rng.standard_normal((b, 64, 128)).astype(np.float32)} for b in (1, 2, 3)]
+    before = [run(model, f) for f in feeds]
+    report = fusion.optimize(model, target=target)
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert report.counts[kind] == 1 and not report.refused, report.to_dict()
+    assert not {"Shape", "Softmax", "Squeeze", "ReduceProd", "Max"} & set(ops), ops
+    assert [str(d) for d in model.graph.outputs[0].shape] == ["unk__out", "64", "128"]
+    for f, b in zip(feeds, before, strict=True):
+        assert_close(run(model, f), b, rtol=1e-5)
+
+
+def test_a_max_over_two_batches_that_can_differ_is_left(rng):
+    """A cross-attention of one head whose query and memory have batches of their own (``B``,
+    ``C``): the 3-D MatMuls broadcast a batch of 1 against the other (ONNX Runtime runs it for
+    1 and 3), and the ``Max`` of the two batches in the Reshape targets is neither symbol. The
+    targets cannot be read, the Einsums stay as written (the ``Max`` with them), the attention
+    is refused, and the output is the graph's."""
+    model = _tf2onnx_attention(heads=1, size=128, batch="B", memory="C")
+    shapes = [(1, 3), (2, 2), (3, 1)]
+    feeds = [
+        {
+            n: rng.standard_normal((b, 64, 128)).astype(np.float32)
+            for n, b in zip("xm", pair, strict=True)
+        }
+        for pair in shapes
+    ]
+    before = [run(model, f) for f in feeds]
+    assert [b[0].shape[0] for b in before] == [3, 2, 3]
+    report = fusion.optimize(model, target="ort")
+    ops = collections.Counter(n.op_type for n in model.graph)
+    assert report.counts["attention_fused"] == 0, report.to_dict()
+    assert [(r.family, r.code) for r in report.refused] == [("attention", Code.SCORES_FORM)]
+    assert {"Max", "Squeeze", "Softmax"} <= set(ops), ops
+    for f, b in zip(feeds, before, strict=True):
+        assert_close(run(model, f), b, rtol=1e-6)
+
+
+def test_batches_that_may_broadcast_are_not_paired(rng):
+    """One head merged into batches of their own (``B``, ``C``): the 3-D MatMul broadcasts a
+    batch of 1 against the other, so the result's batch is neither symbol where they differ,
+    and the Reshape after it (its -1) cannot be read as the query's batch: left as written."""
+    nodes = [
+        ("Reshape", ["q", "three"], ["q3"], {}),
+        ("Reshape", ["k", "three"], ["k3"], {}),
+        ("MatMul", ["q3", "k3"], ["s3"], {}),
+        ("Reshape", ["s3", "four"], ["y"], {}),
+    ]
+    constants = {"three": np.array([-1, 8, 8], np.int64), "four": np.array([-1, 1, 8, 8])}
+    io = {"q": (F, ["B", 1, 8, 8]), "k": (F, ["C", 1, 8, 8])}
+    model = make_model(nodes, io, {"y": (F, None)}, constants)
+    feeds = {
+        n: rng.standard_normal((b, 1, 8, 8)).astype(np.float32)
+        for n, b in zip("qk", (1, 3), strict=True)
+    }
+    before = run(model, feeds)
+    assert before[0].shape == (3, 1, 8, 8)
+    fusion.optimize(model, target="onnx")
+    assert [n.op_type for n in model.graph] == ["Reshape", "Reshape", "MatMul", "Reshape"]
+    assert_close(run(model, feeds), before, rtol=0)
