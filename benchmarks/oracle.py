@@ -531,6 +531,7 @@ def main() -> None:
                 results[name]["per_input_set"] = per_input_set(path, work)
             print(name, json.dumps(results[name], indent=1)[:2000], flush=True)
     machine = {"cpus": os.cpu_count(), "onnxruntime": onnxruntime.__version__}
+    args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / "oracle_cpu.json"
     out.write_text(json.dumps({"machine": machine, "models": results}, indent=1) + "\n")
     chart(results, out.with_suffix(".png"))

@@ -275,21 +275,54 @@ def _vague(shape: ir.Shape | None) -> bool:
     return any(not isinstance(d, int) and (d.value is None or fresh(d)) for d in shape)
 
 
+#: The longest 1-D tensor ONNX's data propagation is run over (elements). It keeps a 1-D
+#: tensor's values as shape dimensions, one message per element, for every op it reaches: a
+#: waveform of 10 million samples through one Add took 1.4 GB to infer, two ConstantOfShape of
+#: that length added 2 GB. A shape vector has a few elements.
+LONGEST_PROPAGATED = 1 << 16
+
+
+def propagates(model: ir.Model) -> bool:
+    """Whether ONNX's data propagation may run on ``model``: no value of its main graph or a
+    subgraph carries a 1-D shape longer than :data:`LONGEST_PROPAGATED`."""
+    values = (v for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in node.outputs)
+    values = itertools.chain(values, *(g.inputs for g in model.graphs()))
+    return not any(_long_vector(v.shape) for v in values)
+
+
+def infer_shapes(model: ir.Model) -> None:
+    """ONNX shape inference on ``model``, in place (onnx_ir's ``ShapeInferencePass``), with
+    data propagation (the values of shape arithmetic: ``Shape -> Gather -> Concat`` into a
+    Reshape) where the shapes it carries allow it (:func:`propagates`)."""
+    onnx_ir.passes.common.ShapeInferencePass(data_prop=propagates(model))(model)
+
+
+def _long_vector(shape: ir.Shape | None) -> bool:
+    """Whether ``shape`` is 1-D with a known length over :data:`LONGEST_PROPAGATED`."""
+    return (
+        shape is not None
+        and len(shape) == 1
+        and isinstance(shape[0], int)
+        and shape[0] > LONGEST_PROPAGATED
+    )
+
+
 class KnownShapes:
     """Static shapes (and element types) of a model's values, in its main graph and its
     subgraphs, for passes that need more than the model carries.
 
     A value's own shape is used when every dimension is known (a number or a named symbol), its
-    own type when it has one. Otherwise ONNX shape inference is run, once, on a clone of the
-    whole model (which shares the tensors; the model itself is not changed), the first time such
-    a value is asked about: the TorchScript exporter, for one, leaves most intermediate shapes
-    out. ONNX's inference goes into the subgraphs of ``If``, ``Loop`` and ``Scan`` with the
-    outer scope's shapes; each graph's values are matched with the clone's by name within that
-    graph. Where that inference leaves main-graph dimensions unknown, ONNX Runtime's symbolic
-    inference (:mod:`fusion._symbolic`) gives them where it can. Call the instance with a value
-    to get its shape, or None when neither source knows it; :meth:`dtype` gives its element
-    type. Values that a pass creates after that first inference are answered from what they
-    carry.
+    own type when it has one. Otherwise ONNX shape inference is run on a clone of the whole
+    model (which shares the tensors; the model itself is not changed), the first time such a
+    value is asked about: the TorchScript exporter, for one, leaves most intermediate shapes
+    out. It runs without data propagation, then, on a fresh clone, with it where no 1-D value
+    is too long for it (:func:`propagates`). ONNX's inference goes into the subgraphs of
+    ``If``, ``Loop`` and ``Scan`` with the outer scope's shapes; each graph's values are
+    matched with the clone's by name within that graph. Where that inference leaves main-graph
+    dimensions unknown, ONNX Runtime's symbolic inference (:mod:`fusion._symbolic`) gives them
+    where it can. Call the instance with a value to get its shape, or None when neither source
+    knows it; :meth:`dtype` gives its element type. Values that a pass creates after that
+    first inference are answered from what they carry.
 
     Args:
         model: the model, or a :class:`fusion._scopes.Scope` of it (its ``main`` is used).
@@ -302,9 +335,12 @@ class KnownShapes:
     def _inference(self, value: ir.Value) -> ir.Value | None:
         """The clone's copy of ``value`` after shape inference (None if it has no name there)."""
         if self._inferred is None:
+            options = {"check_type": False, "strict_mode": False}
             clone = self._model.clone()
-            inference = ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False)
-            inference(clone)
+            onnx_ir.passes.common.ShapeInferencePass(**options, data_prop=False)(clone)
+            if propagates(clone):  # once more, with the values of shape arithmetic
+                clone = self._model.clone()
+                onnx_ir.passes.common.ShapeInferencePass(**options, data_prop=True)(clone)
             self._inferred = {}
             for graph, inferred in zip(self._model.graphs(), clone.graphs(), strict=True):
                 theirs = _graph_values(inferred)

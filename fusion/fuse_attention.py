@@ -26,7 +26,16 @@ from onnxscript.rewriter.ort_fusions import (
 )
 
 from fusion import pack_attention
-from fusion._ir import add_initializer, const_array, dims, label, opset_version, producer, same_dim
+from fusion._ir import (
+    add_initializer,
+    const_array,
+    dims,
+    infer_shapes,
+    label,
+    opset_version,
+    producer,
+    same_dim,
+)
 from fusion._scopes import scopes
 from fusion.base import MS_DOMAIN, FusionPass, Kind, Op
 from fusion.fuse_sdpa import layout
@@ -102,14 +111,14 @@ class FuseAttention(FusionPass):
         level = _shape_log.level
         _shape_log.setLevel(logging.ERROR)
         try:
-            common_passes.ShapeInferencePass()(model)  # the attention rules check shapes
+            infer_shapes(model)  # the attention rules check shapes
             shape_optimization.rules.apply_to_model(model)
             excluded = frozenset(node for _, node in self.exclude)
-            for rules, infer_shapes in _RULES:
+            for rules, reinfer in _RULES:
                 traced = [_Traced(rule, excluded, self.threads) for rule in rules.rules]
                 RewriteRuleSet(traced).apply_to_model(model)
-                if infer_shapes:
-                    common_passes.ShapeInferencePass()(model)
+                if reinfer:
+                    infer_shapes(model)
         finally:
             _shape_log.setLevel(level)
         # the sdpa rule makes onnxscript functions; those no later rule consumed are inlined
