@@ -14,6 +14,7 @@ from normexport.verdict.tolerance import NOISE_WARN_FACTOR
 
 if TYPE_CHECKING:
     from normexport.precision import PrecisionReport
+    from normexport.precision.int8 import Int8Report
     from normexport.tuning.autotune import AutotuneResult
     from normexport.verdict.rollback import Outcome
 
@@ -326,13 +327,33 @@ def _render_precision(precision: PrecisionReport, console: Console) -> None:
         console.print(table)
 
 
+def _render_int8(int8: Int8Report, console: Console) -> None:
+    """The int8 stage: the quantizer, the calibration, what stayed float and why, and what
+    was published."""
+    line = f"precision [bold]{int8.precision}[/] by {int8.quantizer}"
+    if int8.calibration:
+        line += f", calibrated on {int8.calibration}"
+    console.print(line)
+    if int8.kept_float:
+        table = Table(title="Kept in float", title_justify="left")
+        for col in ("node", "op", "reason", "detail"):
+            table.add_column(col, overflow="fold")
+        for k in int8.kept_float:
+            table.add_row(k.node, k.op, k.reason, k.detail)
+        console.print(table)
+    if int8.why_float32:
+        console.print(f"[yellow]float32 published[/]: {int8.why_float32}")
+
+
 def render(report: Report, console: Console) -> None:
     """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
     _render_header(report, console)
     _render_fusions(report.fusions, report.norm_ops, console)
     if report.rollback:
         _render_rollback(report.rollback, console)
-    if report.precision:
+    if report.precision and hasattr(report.precision, "published"):
+        _render_int8(report.precision, console)
+    elif report.precision:
         _render_precision(report.precision, console)
     _render_parity(report.parity, console)
     _render_export(report, console)

@@ -34,6 +34,9 @@ class OutputError:
         ulp_sensitivity: float32 rule: the oracle's max abs change when each float input moves
             by one ulp (:func:`normexport.verdict.parity.ulp_perturbed`), part of the noise
             ratio's floor; None where the model has no float input, or for half precision.
+        top1_agreement: int8: the share of samples whose top-1 class is the oracle's, on an
+            output of class scores (:func:`normexport.verdict.tolerance.top1_agreement`);
+            None elsewhere.
     """
 
     output: str
@@ -51,6 +54,7 @@ class OutputError:
     noise_ratio: float | None = None
     warned: bool = False
     ulp_sensitivity: float | None = None
+    top1_agreement: float | None = None
 
 
 @dataclasses.dataclass
