@@ -141,11 +141,25 @@ def quantize(
     run). Returns the quantizer, in words.
     """
     import onnxruntime
-    from onnxruntime import quantization as q
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     excluded = list(kept)
-    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.ERROR)  # its advice to pre-process: the passes have (BatchNorm folded)
+    try:
+        _quantize(src, dst, precision, calibration, excluded, external_data, cache)
+    finally:
+        root.setLevel(level)
+    _float_inputs(dst, set(excluded))
+    if precision == "int8-dynamic":
+        return f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__}"
+    return f"onnxruntime.quantization.quantize_static {onnxruntime.__version__} (QDQ, MinMax)"
+
+
+def _quantize(src, dst, precision, calibration, excluded, external_data, cache) -> None:
+    """One call of ONNX Runtime's quantizer, as :func:`quantize` describes."""
+    from onnxruntime import quantization as q
+
     if precision == "int8-dynamic":
         q.quantize_dynamic(
             src,
@@ -154,21 +168,66 @@ def quantize(
             nodes_to_exclude=excluded,
             use_external_data_format=external_data,
         )
-        return f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__}"
-    q.quantize_static(
-        src,
-        dst,
-        _Reader(calibration),
-        quant_format=q.QuantFormat.QDQ,
-        activation_type=q.QuantType.QInt8,
-        weight_type=q.QuantType.QInt8,
-        per_channel=True,
-        calibrate_method=q.CalibrationMethod.MinMax,
-        nodes_to_exclude=excluded,
-        use_external_data_format=external_data,
-        calibration_cache_path=cache,
-    )
-    return f"onnxruntime.quantization.quantize_static {onnxruntime.__version__} (QDQ, MinMax)"
+    else:
+        q.quantize_static(
+            src,
+            dst,
+            _Reader(calibration),
+            quant_format=q.QuantFormat.QDQ,
+            activation_type=q.QuantType.QInt8,
+            weight_type=q.QuantType.QInt8,
+            per_channel=True,
+            calibrate_method=q.CalibrationMethod.MinMax,
+            nodes_to_exclude=excluded,
+            use_external_data_format=external_data,
+            calibration_cache_path=cache,
+        )
+
+
+def _float_inputs(path: Path, kept: set[str]) -> None:
+    """Let each node of ``kept`` read its float inputs: ONNX Runtime's QDQ quantizer leaves an
+    excluded node reading a Quantize/DequantizeLinear round trip where the tensor's producer
+    was quantized (its output quantized for the int8 kernel after it), so that the node
+    excluded still computes on int8-rounded values. Each such input is read from before the
+    round trip instead, and the round trips no node reads any more are removed."""
+    model = onnx.load(path, load_external_data=False)
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name for t in graph.initializer}
+
+    def before(name: str) -> str:
+        dq = producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return name
+        qn = producer.get(dq.input[0])
+        if qn is None or qn.op_type != "QuantizeLinear" or qn.input[0] in inits:
+            return name
+        return qn.input[0]
+
+    changed = False
+    for node in graph.node:
+        if node.name in kept:
+            inputs = [before(i) if i else i for i in node.input]
+            changed |= inputs != list(node.input)
+            node.input[:] = inputs
+    if not changed:
+        return
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in graph.node for i in n.input} | outputs
+        dead = [
+            n
+            for n in graph.node
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.output[0] not in read
+        ]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    read = {i for n in graph.node for i in n.input}
+    for tensor in [t for t in graph.initializer if t.name not in read]:
+        graph.initializer.remove(tensor)  # the removed round trips' scales and zero points
+    onnx.save(model, path)
 
 
 #: The layers :func:`layer_costs` weighs: the linear ops, where int8 does the work (and loses
@@ -213,12 +272,15 @@ def layer_costs(
     """
     import onnxruntime as ort
 
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+
     def error(model: Path) -> float:
-        session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
         got = [session.run(None, dict(f)) for f in feeds]
         return rel_l2([a for g in got for a in g], [a for r in refs for a in r])
 
-    float_session = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+    float_session = ort.InferenceSession(src, options, providers=["CPUExecutionProvider"])
     refs = [float_session.run(None, dict(f)) for f in feeds]
     del float_session
     with tempfile.TemporaryDirectory() as folder:

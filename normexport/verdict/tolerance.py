@@ -37,9 +37,13 @@ BF16_MAX_REL_L2 = 8e-2
 #: norm's statistics in int8, leave errors of order 0.3 to 1 (docs/parity.md#int8).
 INT8_MAX_REL_L2 = 1e-1
 #: The share of samples whose top-1 class an int8 model keeps, on class-score outputs (2-D,
-#: ``(samples, classes)``): MLPerf Inference's closed division asks an int8 model for 99% of
-#: the float32 model's accuracy; here the share of top-1 classes unchanged from the oracle's.
-INT8_MIN_TOP1 = 0.99
+#: ``(samples, classes)``), per input set. MLPerf Inference's closed division asks an int8
+#: model for 99% of the float32 model's accuracy; the share of top-1 classes unchanged is
+#: stricter than that (a flip between two wrong classes costs no accuracy), and on the random
+#: inputs normexport generates the oracle's top two classes are often near ties that any
+#: rounding flips (1 sample in 64 at 2% relative L2 error, tests/normexport/test_int8.py), so
+#: 95% (docs/parity.md#int8).
+INT8_MIN_TOP1 = 0.95
 #: The reduced-precision rule's bound by ``--precision`` value (float32 models: none).
 HALF_MAX_REL_L2 = {
     "fp16": FP16_MAX_REL_L2,
