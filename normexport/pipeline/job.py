@@ -152,12 +152,16 @@ def _sets(
     calibration: list[dict[str, np.ndarray]] = (),
 ) -> dict:
     """The parity input sets of ``example`` (:func:`normexport.io.inputs.input_sets`), with the
-    overflow probe for half precision; for int8 the example and random sets only (the probes
-    lie outside any calibrated range, where int8 clips by design: docs/parity.md#int8), and
-    the first :data:`CALIBRATION_SETS` calibration samples (``calibration_N``)."""
+    overflow probe for half precision; for int8 the in-distribution sets only (the probes lie
+    outside any calibrated range, where int8 clips by design: docs/parity.md#int8): the
+    example and the random sets, or with ``--calibration`` the example and the first
+    :data:`CALIBRATION_SETS` calibration samples (``calibration_N``)."""
     sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
     if opts.precision in INT8_PRECISIONS:
-        sets = {n: f for n, f in sets.items() if n.startswith(("example", "random_"))}
+        # the random sets are int8's calibration where the user gives none; where the user
+        # does, the example and the user's samples are its distribution
+        kept = ("example",) if calibration else ("example", "random_")
+        sets = {n: f for n, f in sets.items() if n.startswith(kept)}
         sets |= {f"calibration_{i}": f for i, f in enumerate(calibration[:CALIBRATION_SETS])}
     elif opts.precision != "fp32":
         sets |= precision.overflow_set(sets["example"])

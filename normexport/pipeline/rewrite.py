@@ -193,21 +193,22 @@ def half(job: Job, ref: RawModel, staged: Staged, work: Path) -> Staged:
 
 def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> Staged:
     """Quantize the staged model by ONNX Runtime's tools (:func:`normexport.precision.int8.
-    quantize`), norms and Softmax kept float, and judge it by the int8 budget; while it fails,
-    keep in float the linear layer that costs the output most (measured one at a time,
-    :func:`normexport.precision.int8.layer_costs`), at most
-    :data:`~normexport.precision.int8.MAX_KEPT_FOR_BUDGET`; out of budget even then, the float32
+    quantize`), norms and Softmax kept float, and judge it by the int8 budget; where it fails,
+    measure what each linear layer costs the output (one at a time,
+    :func:`normexport.precision.int8.layer_costs`) and keep the costliest in float, one more
+    at a time, until it passes, at most :data:`~normexport.precision.int8.MAX_KEPT_FOR_BUDGET`;
+    out of budget even then, the float32
     model stays staged and the report says why. The float32 model is kept beside it
     (:attr:`Staged.float32`) for the latency verdict.
 
     Raises:
         UsageError: the model passes protobuf's 2 GiB limit (ONNX Runtime's quantizer takes
-            one protobuf).
+            one protobuf); a model below opset 13 that ONNX's version converter cannot lift.
     """
     name, opts, folder = staged.path.name, job.opts, work / "int8"
     float32 = folder / "float32" / name
     float32.parent.mkdir(parents=True)
-    proto = load_for_conversion(staged.path, opts.precision)
+    proto = quant.per_channel_opset(load_for_conversion(staged.path, opts.precision))
     name_nodes(proto.graph)
     onnx.save(proto, float32, save_as_external_data=job.external, location=name + ".data")
     del proto
@@ -240,26 +241,26 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
         return how, judge(model, candidate, precision=opts.precision)
 
     quantizer, verdict = quantized()
-    ops = {n.name: n.op_type for n in onnx.load(float32, load_external_data=False).graph.node}
-    budget_kept = 0
-    while not verdict.passed and budget_kept < quant.MAX_KEPT_FOR_BUDGET:
-        names = [k.node for k in kept]
-        candidates = quant.linear_nodes(float32, names)
-        if not candidates:
-            break
+    candidates = quant.linear_nodes(float32, [k.node for k in kept])
+    if not verdict.passed and candidates:
         progress.step(f"the cost of each of {len(candidates)} layer(s), one at a time")
         everything, costs = quant.layer_costs(
             float32, precision=opts.precision, calibration=calibration,
-            feeds=list(job.sets.values()), kept=names, candidates=candidates, cache=cache,
+            feeds=list(job.sets.values()), kept=[k.node for k in kept], candidates=candidates,
+            cache=cache,
         )  # fmt: skip
-        worst = max(costs, key=costs.get)
-        detail = (
-            f"out of the int8 budget: quantized, it cost the outputs {costs[worst]:.3g} of the "
-            f"{everything:.3g} relative L2 error to float32 (each linear layer measured alone)"
-        )
-        kept.append(quant.KeptFloat(worst, ops[worst], "budget", detail))
-        budget_kept += 1
-        quantizer, verdict = quantized()
+        ops = {n.name: n.op_type for n in onnx.load(float32, load_external_data=False).graph.node}
+        worst_first = sorted(costs, key=costs.get, reverse=True)[: quant.MAX_KEPT_FOR_BUDGET]
+        for worst in worst_first:
+            detail = (
+                f"out of the int8 budget: quantized, it cost the outputs {costs[worst]:.3g} of "
+                f"the {everything:.3g} relative L2 error to float32 (each linear layer measured "
+                "alone)"
+            )
+            kept.append(quant.KeptFloat(worst, ops[worst], "budget", detail))
+            quantizer, verdict = quantized()
+            if verdict.passed:
+                break
     report = quant.Int8Report(opts.precision, quantizer, source, kept)
     if verdict.passed:
         move_onto(model, staged.path)

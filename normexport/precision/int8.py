@@ -34,8 +34,8 @@ KEPT_OP_REASONS = {
     "GroupNorm": "norm",
     "Softmax": "softmax",
 }
-#: The most layers kept in float for the budget (:func:`layer_costs`, each round measuring every
-#: quantized layer once); beyond it the float32 model is published.
+#: The most layers kept in float for the budget (the costliest by :func:`layer_costs`, one
+#: more at a time, each a quantization and a verdict); beyond it the float32 model is published.
 MAX_KEPT_FOR_BUDGET = 8
 #: Calibration samples used at most (the ``--calibration`` folder's first, or the .npz's).
 MAX_CALIBRATION = 64
@@ -109,6 +109,34 @@ def kept_ops(path: Path) -> list[KeptFloat]:
         )
         kept.append(KeptFloat(node.name, node.op_type, reason, detail))
     return kept
+
+
+#: The first ai.onnx opset whose DequantizeLinear takes an axis (per-channel weights).
+PER_CHANNEL_OPSET = 13
+
+
+def per_channel_opset(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` at ai.onnx opset :data:`PER_CHANNEL_OPSET` at least (``onnx.version_converter``
+    where it is below): ONNX Runtime's quantizer writes per-channel DequantizeLinear nodes
+    with an ``axis`` that older opsets refuse (the model then does not load), and per-channel
+    weights are what keeps a depthwise conv with a BatchNorm folded in accurate.
+
+    Raises:
+        UsageError: the version converter cannot lift the model.
+    """
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+    if opset >= PER_CHANNEL_OPSET:
+        return proto
+    from onnx import version_converter
+
+    try:
+        return version_converter.convert_version(proto, PER_CHANNEL_OPSET)
+    except Exception as err:  # the converter raises bare RuntimeErrors and more
+        raise UsageError(
+            f"--precision int8: the model is at opset {opset}, and ONNX Runtime's per-channel "
+            f"int8 weights need opset {PER_CHANNEL_OPSET}, which onnx's version converter "
+            f"cannot lift it to ({type(err).__name__}: {err}): export with --opset 13 or later"
+        ) from None
 
 
 class _Reader:
