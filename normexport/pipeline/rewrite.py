@@ -206,25 +206,9 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
             one protobuf); a model below opset 13 that ONNX's version converter cannot lift.
     """
     name, opts, folder = staged.path.name, job.opts, work / "int8"
-    float32 = folder / "float32" / name
-    float32.parent.mkdir(parents=True)
-    proto = quant.per_channel_opset(load_for_conversion(staged.path, opts.precision))
-    name_nodes(proto.graph)
-    onnx.save(proto, float32, save_as_external_data=job.external, location=name + ".data")
-    del proto
+    float32 = _float32_copy(job, staged.path, folder / "float32" / name)
     kept = quant.kept_ops(float32)
-    static = opts.precision == "int8"
-    calibration = job.calibration if static else []
-    source = None
-    if static:
-        given = opts.calibration is not None
-        source = f"{opts.calibration}" if given else "the generated input sets"
-        source += f", {len(calibration)} sample(s)"
-        if not given:
-            progress.say(
-                "int8 calibrated on the generated inputs: its accuracy depends on real data, "
-                "give samples with --calibration"
-            )
+    calibration = job.calibration if opts.precision == "int8" else []
     cache = folder / "calibration.json"
     candidate = opened(runtime.check_session, job.provider)
     model = folder / "model" / name
@@ -241,27 +225,18 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
         return how, judge(model, candidate, precision=opts.precision)
 
     quantizer, verdict = quantized()
-    candidates = quant.linear_nodes(float32, [k.node for k in kept])
-    if not verdict.passed and candidates:
-        progress.step(f"the cost of each of {len(candidates)} layer(s), one at a time")
-        everything, costs = quant.layer_costs(
+    if not verdict.passed:
+        costs = quant.layer_costs(
             float32, precision=opts.precision, calibration=calibration,
-            feeds=list(job.sets.values()), kept=[k.node for k in kept], candidates=candidates,
-            cache=cache,
+            feeds=list(job.sets.values()), kept=[k.node for k in kept],
+            candidates=quant.linear_nodes(float32, [k.node for k in kept]), cache=cache,
         )  # fmt: skip
-        ops = {n.name: n.op_type for n in onnx.load(float32, load_external_data=False).graph.node}
-        worst_first = sorted(costs, key=costs.get, reverse=True)[: quant.MAX_KEPT_FOR_BUDGET]
-        for worst in worst_first:
-            detail = (
-                f"out of the int8 budget: quantized, it cost the outputs {costs[worst]:.3g} of "
-                f"the {everything:.3g} relative L2 error to float32 (each linear layer measured "
-                "alone)"
-            )
-            kept.append(quant.KeptFloat(worst, ops[worst], "budget", detail))
+        for worst in quant.costliest(float32, *costs):
+            kept.append(worst)
             quantizer, verdict = quantized()
             if verdict.passed:
                 break
-    report = quant.Int8Report(opts.precision, quantizer, source, kept)
+    report = quant.Int8Report(opts.precision, quantizer, _calibration_source(job), kept)
     if verdict.passed:
         move_onto(model, staged.path)
         checker = check_output(staged.path, *ref.checker)
@@ -275,6 +250,32 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
         "float32 published"
     )
     return dataclasses.replace(staged, precision=report)
+
+
+def _float32_copy(job: Job, staged: Path, path: Path) -> Path:
+    """The staged float32 model written to ``path`` with every node named (ONNX Runtime's
+    quantizer excludes nodes by name) at opset 13 at least
+    (:func:`normexport.precision.int8.per_channel_opset`)."""
+    path.parent.mkdir(parents=True)
+    proto = quant.per_channel_opset(load_for_conversion(staged, job.opts.precision))
+    name_nodes(proto.graph)
+    onnx.save(proto, path, save_as_external_data=job.external, location=path.name + ".data")
+    return path
+
+
+def _calibration_source(job: Job) -> str | None:
+    """Where int8's calibration samples came from, in words (None for ``int8-dynamic``); said
+    on the progress display where they are the generated inputs."""
+    if job.opts.precision != "int8":
+        return None
+    count = f", {len(job.calibration)} sample(s)"
+    if job.opts.calibration is not None:
+        return f"{job.opts.calibration}{count}"
+    progress.say(
+        "int8 calibrated on the generated inputs: its accuracy depends on real data, give "
+        "samples with --calibration"
+    )
+    return "the generated input sets" + count
 
 
 def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:

@@ -155,8 +155,9 @@ def _latency(
     work: Path,
     skipped: str | None,
 ) -> tuple[rewrite.Staged, Latency | None, Speed]:
-    """The latency stage with its verdict, before the output is published
-    (:func:`normexport.pipeline.timing.judged`: the staged model, kept or with the rewrites
+    """The latency stage with its verdict, before the output is published (an int8 model
+    against the float32 one, :func:`normexport.pipeline.timing.int8_or_float32`; else
+    :func:`normexport.pipeline.timing.judged`: the staged model, kept or with the rewrites
     found slower left out), where asked for; ``skipped``: why the latency cannot be timed (the
     memory plan's), or None."""
     if not job.opts.benchmark:
@@ -164,6 +165,8 @@ def _latency(
     if skipped is not None:
         return staged, Latency({}, 0, 0, skipped), Speed(unchecked=skipped)
     with progress.stage("latency"):
+        if staged.float32 is not None:
+            return timing.int8_or_float32(job, ref, staged)
         return timing.judged(job, ref, staged, work)
 
 

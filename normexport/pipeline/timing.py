@@ -57,14 +57,12 @@ def judged(
     (:func:`~verdict.undecided`), the staged model is kept as the stages made it and the speed
     is unchecked. A half-precision model or autotune's form is judged, not rebuilt (the search
     builds the passes' float32 form); an int8 model is timed against the float32 optimized
-    model instead (:func:`_int8_or_float32`).
+    model instead (:func:`int8_or_float32`).
 
     Returns:
         The staged model (a new :class:`Staged` where rewrites were undone), the latency of
         the model kept (its last timing, PyTorch's from the first), and the verdict.
     """
-    if staged.float32 is not None:
-        return _int8_or_float32(job, ref, staged)
     budget = _Budget(job.opts.budget_s)
     timed: dict[Path, tuple[Latency, verdict.Comparison | None]] = {}
     first: list[verdict.Comparison] = []  # the model as optimized against the raw model
@@ -128,23 +126,16 @@ def judged(
 
 
 #: What an int8 model is timed against.
-FLOAT32 = "the float32 optimized model's time"
+FLOAT32 = verdict.FLOAT32_OPTIMIZED
 
 
-def faster(comparison: verdict.Comparison) -> bool:
-    """Whether ``comparison`` calls the model faster: the ratio's upper bound below
-    ``1 - margin`` (the A/A controls' spread), the mirror of
-    :attr:`normexport.verdict.speed.Comparison.slower`."""
-    return comparison.ratio.ci_high < 1.0 - comparison.margin
-
-
-def _int8_or_float32(
+def int8_or_float32(
     job: Job, ref: RawModel, staged: Staged
 ) -> tuple[Staged, Latency, verdict.Speed]:
     """The int8 model timed against the float32 optimized model (``--budget`` seconds,
     :data:`~verdict.MIN_RUNS` rounds at least, with the A/A controls): published only where
-    :func:`faster`; else the float32 model is put in its place, its parity to be judged, and
-    the int8 report says why (docs/precision.md#int8)."""
+    :attr:`~verdict.Comparison.faster`; else the float32 model is put in its place, its
+    parity to be judged, and the int8 report says why (docs/precision.md#int8)."""
     latency, comparison = timed_against_raw(
         job,
         ref,
@@ -153,8 +144,11 @@ def _int8_or_float32(
         min_runs=verdict.MIN_RUNS,
         base=(staged.float32, FLOAT32),
     )
-    if comparison is not None and faster(comparison):
-        return staged, latency, verdict.Speed(None, comparison, [], comparison, [], None, 1)
+    speed = verdict.Speed(None, comparison, [], comparison, [], None, 1)
+    if comparison is None:
+        speed = verdict.Speed(APART, models_timed=1)
+    elif comparison.faster:
+        return staged, latency, speed
     why = APART if comparison is None else f"int8 is not faster: {comparison.message()}"
     rewrite.move_onto(staged.float32, staged.path)
     report = dataclasses.replace(staged.precision, published="fp32", why_float32=why)
@@ -162,7 +156,7 @@ def _int8_or_float32(
     staged = dataclasses.replace(
         staged, checker=checker, verified=None, precision=report, float32=None
     )
-    return staged, latency, verdict.Speed(None, comparison, [], comparison, [], None, 1)
+    return staged, latency, speed
 
 
 #: What the model as optimized is timed against where the search undid rewrites.

@@ -318,6 +318,12 @@ def layer_costs(
     """
     import onnxruntime as ort
 
+    from normexport import progress
+
+    if not candidates:
+        return 0.0, {}
+    progress.step(f"the cost of each of {len(candidates)} layer(s), one at a time")
+
     options = ort.SessionOptions()
     options.log_severity_level = 3
 
@@ -346,6 +352,24 @@ def layer_costs(
             costs[name] = everything - error(one)
             one.unlink()
     return everything, costs
+
+
+def costliest(src: Path, everything: float, costs: Mapping[str, float]) -> list[KeptFloat]:
+    """The :data:`MAX_KEPT_FOR_BUDGET` costliest layers of :func:`layer_costs`' ``costs``
+    (``everything``: the error with all quantized), costliest first, as kept in float for the
+    budget (the model at ``src`` gives their op types)."""
+    ops = {n.name: n.op_type for n in onnx.load(src, load_external_data=False).graph.node}
+    worst_first = sorted(costs, key=costs.get, reverse=True)[:MAX_KEPT_FOR_BUDGET]
+    return [
+        KeptFloat(
+            name,
+            ops[name],
+            "budget",
+            f"out of the int8 budget: quantized, it cost the outputs {costs[name]:.3g} of the "
+            f"{everything:.3g} relative L2 error to float32 (each linear layer measured alone)",
+        )
+        for name in worst_first
+    ]
 
 
 def load_calibration(path: Path, feed_names: Sequence[str], example: Mapping[str, np.ndarray]):

@@ -10,7 +10,7 @@ from rich.table import Table
 from normexport.report.schema import Checker, Cost, Fusions, NormOps, Report
 from normexport.report.timed import render_latency, render_speed
 from normexport.verdict.result import Deployed, OutputError, ParityResult
-from normexport.verdict.tolerance import NOISE_WARN_FACTOR
+from normexport.verdict.tolerance import INT8_MAX_REL_L2, INT8_MIN_TOP1, NOISE_WARN_FACTOR
 
 if TYPE_CHECKING:
     from normexport.precision import PrecisionReport
@@ -58,7 +58,12 @@ def _parity_table(parity: ParityResult) -> Table:
     raw = "input file" if parity.reference == "onnx" else "raw export"
     half = parity.max_rel_l2 is not None
     rule = f"atol {parity.atol:g}, rtol {parity.rtol:g}"
-    if half:
+    if half and parity.max_rel_l2 == INT8_MAX_REL_L2:
+        rule = (
+            f"int8: rel L2 <= {parity.max_rel_l2:g} + {raw}'s, or max abs err <= atol "
+            f"{parity.atol:g}; class scores: top-1 kept on >= {INT8_MIN_TOP1:.0%} of samples"
+        )
+    elif half:
         rule = (
             f"rel L2 <= {parity.max_rel_l2:g} + {raw}'s + {_err(parity.noise_factor)} x input "
             f"rounding's, or max abs err <= atol {parity.atol:g}"

@@ -127,7 +127,7 @@ def _timing(ratio: float, runs: int = 40) -> tuple:
 
 
 @pytest.mark.parametrize("precision", ["int8", "int8-dynamic"])
-def test_int8_slower_here_publishes_float32(tmp_path, out_dir, rng, precision):
+def test_int8_slower_here_publishes_float32(tmp_path, out_dir, rng, precision, capsys):
     """The latency verdict calls int8 1.5x slower than the float32 optimized model (its timing
     replaced): the float32 model is published, the report says why, and parity judges it by
     the float32 rule."""
@@ -145,6 +145,8 @@ def test_int8_slower_here_publishes_float32(tmp_path, out_dir, rng, precision):
         report = _run(model, out, tmp_path / "r.json", "--precision", precision, "--budget", "0.3")
     int8 = report["precision"]
     assert int8["published"] == "fp32" and "not faster" in int8["why_float32"], int8
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1.5x the float32 optimized model's time" in text and "float32 published" in text
     assert bases and bases[0][1] == timing.FLOAT32
     ops = {n.op_type for n in onnx.load(out).graph.node}
     assert not ops & {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}, ops
