@@ -25,7 +25,7 @@ from normexport.pipeline import timing
 from normexport.precision.int8 import load_calibration
 from normexport.runtime.latency import Timing
 from normexport.verdict.parity import INT8_MAX_REL_L2
-from normexport.verdict.speed import compare
+from normexport.verdict.speed import Comparison, compare
 from tests.support.graphs import make_model
 
 ROWS, D, CLASSES = 64, 64, 10
@@ -115,15 +115,15 @@ def test_budget_kept_layer_is_the_one_that_costs(tmp_path, out_dir, rng):
     assert [k for k in report["precision"]["kept_float"] if k["reason"] == "budget"] == []
 
 
-def _timing(ratio: float, runs: int = 40) -> tuple:
-    """Made-up timings: the model ``ratio`` times its base's time, A/A controls within 1%."""
+def _timing(ratio: float, runs: int = 40) -> Comparison:
+    """Made-up timings: the model ``ratio`` times the float32 model's, A/A controls within 1%."""
     rng = np.random.default_rng(0)
     base = 1.0 + 0.2 * rng.random(runs)
 
     def calls(scale):
         return Timing.from_samples(scale * base * (1 + 0.005 * rng.uniform(-1, 1, runs)))
 
-    return compare([calls(1.0), calls(1.0)], [calls(ratio), calls(ratio)], "the base")[2]
+    return compare([calls(1.0), calls(1.0)], [calls(ratio), calls(ratio)], timing.FLOAT32)[2]
 
 
 @pytest.mark.parametrize("precision", ["int8", "int8-dynamic"])
@@ -146,7 +146,7 @@ def test_int8_slower_here_publishes_float32(tmp_path, out_dir, rng, precision, c
     int8 = report["precision"]
     assert int8["published"] == "fp32" and "not faster" in int8["why_float32"], int8
     text = " ".join(capsys.readouterr().out.split())
-    assert "1.5x the float32 optimized model's time" in text and "float32 published" in text
+    assert "int8 at 1.5x the float32 optimized model's time" in text and "float32 published" in text
     assert bases and bases[0][1] == timing.FLOAT32
     ops = {n.op_type for n in onnx.load(out).graph.node}
     assert not ops & {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}, ops
