@@ -198,3 +198,16 @@ def test_calibration_without_int8_is_refused(tmp_path, capsys):
     argv = [str(tmp_path / "m.onnx"), "--calibration", str(tmp_path), "--precision", "fp16"]
     assert cli.main(argv) == 2
     assert "add --precision int8" in capsys.readouterr().err
+
+
+def test_calibration_samples_calibrate_and_judge(tmp_path, out_dir, rng):
+    """``--calibration`` (one .npz, a leading sample axis): int8 is calibrated on them and
+    judged on the example and the first four of them, not on the random sets."""
+    model = _ln_mlp_softmax(tmp_path / "in" / "m.onnx", rng, outlier=1.0)
+    calibration = tmp_path / "calib.npz"
+    np.savez(calibration, x=rng.standard_normal((6, ROWS, D)).astype(np.float32))
+    flags = ("--precision", "int8", "--no-benchmark", "--calibration", str(calibration))
+    report = _run(model, out_dir / "m.onnx", tmp_path / "r.json", *flags)
+    assert report["precision"]["calibration"] == f"{calibration}, 6 sample(s)"
+    assert report["parity"]["probes"] == ["example"] + [f"calibration_{i}" for i in range(4)]
+    assert report["parity"]["passed"]
