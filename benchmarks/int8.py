@@ -253,40 +253,35 @@ def run_case(name: str, zoo_name: str, precision: str, budget: float, threads: i
 
 
 def _chart(entries: list[dict], path: Path) -> None:
+    """Time over float32 (median, 95% interval) and error, one group of bars per model."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4))
-    labels = [e["model"] for e in entries]
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = [
+        e["model"] + ("\n(float32 published)" if e["published"] != "int8" else "") for e in entries
+    ]
     x = np.arange(len(entries))
     keys = ("float32 (A/A)", "normexport int8", *PIPELINES)
+    colors = dict(zip(keys, ("tab:gray", "tab:blue", "tab:orange", "tab:green"), strict=True))
+    nan = {"median": np.nan, "ci_low": np.nan, "ci_high": np.nan}
     w = 0.8 / len(keys)
     for i, key in enumerate(keys):
-        nan = {"median": np.nan, "ci_low": np.nan, "ci_high": np.nan}
         r = [e["ratio_to_float32"].get(key, nan) for e in entries]
         med = np.array([v["median"] for v in r])
-        err = np.array(
-            [
-                [m - v["ci_low"] for m, v in zip(med, r, strict=True)],
-                [v["ci_high"] - m for m, v in zip(med, r, strict=True)],
-            ]
-        )
-        ax.bar(x + (i - 1.5) * w, med, w, yerr=err, label=key)
+        err = np.array([med - [v["ci_low"] for v in r], [v["ci_high"] for v in r] - med])
+        ax.bar(x + (i - 1.5) * w, med, w, yerr=err, label=key, color=colors[key])
         if key != "float32 (A/A)":
-            bx.bar(
-                x + (i - 2) * 0.27,
-                [e["errors"].get(key, {}).get("rel_l2_vs_float32", np.nan) for e in entries],
-                0.27,
-                label=key,
-            )
+            errors = [e["errors"].get(key, {}).get("rel_l2_vs_float32", np.nan) for e in entries]
+            bx.bar(x + (i - 2) * 0.27, errors, 0.27, label=key, color=colors[key])
     ax.axhline(1.0, color="k", lw=0.5)
     ax.set_ylabel("time / float32 optimized (median, 95% CI)")
     bx.set_ylabel("rel L2 error vs float32 (held-out)")
     bx.set_yscale("log")
     for a in (ax, bx):
-        a.set_xticks(x, labels, rotation=15, fontsize=8)
+        a.set_xticks(x, labels, fontsize=8, rotation=12)
         a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
