@@ -259,7 +259,8 @@ def _float32_copy(job: Job, staged: Path, path: Path) -> Path:
     path.parent.mkdir(parents=True)
     proto = quant.per_channel_opset(load_for_conversion(staged, job.opts.precision))
     name_nodes(proto.graph)
-    onnx.save(proto, path, save_as_external_data=job.external, location=path.name + ".data")
+    location = files.data_path(path).name
+    onnx.save(proto, path, save_as_external_data=job.external, location=location)
     return path
 
 
