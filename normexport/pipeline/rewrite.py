@@ -207,7 +207,7 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
     """
     name, opts, folder = staged.path.name, job.opts, work / "int8"
     float32 = _float32_copy(job, staged.path, folder / "float32" / name)
-    kept = quant.kept_ops(float32)
+    kept = quant.kept_ops(float32, staged.fusions.refused)
     calibration = job.calibration if opts.precision == "int8" else []
     cache = folder / "calibration.json"
     candidate = opened(runtime.check_session, job.provider)

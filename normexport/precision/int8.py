@@ -22,6 +22,7 @@ import onnx
 
 from fusion.registry import FUSED_NORM_OPS
 from normexport.errors import UsageError
+from normexport.precision.kept import decomposed_norms
 
 #: The int8 values of ``--precision``: static (activations calibrated, QDQ) and dynamic
 #: (weights int8, activations quantized at run time).
@@ -49,8 +50,9 @@ class KeptFloat:
     Attributes:
         node: its name in the optimized model.
         op: its op type.
-        reason: ``norm`` or ``softmax`` (kept by op type, :data:`KEPT_OP_REASONS`), or
-            ``budget`` (the quantized layer that cost the output most, :func:`layer_costs`).
+        reason: ``norm`` or ``softmax`` (kept by op type, :data:`KEPT_OP_REASONS`),
+            ``decomposed_norm`` (part of a norm a fusion refused), or ``budget`` (a quantized
+            layer that cost the output most, :func:`layer_costs`).
         detail: one sentence for people.
     """
 
@@ -87,8 +89,10 @@ class Int8Report:
         return dataclasses.asdict(self)
 
 
-def kept_ops(path: Path) -> list[KeptFloat]:
-    """The nodes of the model at ``path`` kept in float by op type (:data:`KEPT_OP_REASONS`).
+def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat]:
+    """The nodes of the model at ``path`` kept in float by op type (:data:`KEPT_OP_REASONS`),
+    and the nodes of every norm the fusions refused (``refused``: :class:`fusion.Refused`;
+    :func:`normexport.precision.kept.decomposed_norms`), reason ``decomposed_norm``.
 
     Raises:
         ValueError: a node has no name (ONNX Runtime's exclusion list goes by name; the
@@ -109,6 +113,8 @@ def kept_ops(path: Path) -> list[KeptFloat]:
             "large relative errors"
         )
         kept.append(KeptFloat(node.name, node.op_type, reason, detail))
+    for norm in decomposed_norms(graph, refused, "int8"):
+        kept.append(KeptFloat(norm.node, norm.op, norm.reason, norm.detail))
     return kept
 
 

@@ -211,3 +211,47 @@ def test_calibration_samples_calibrate_and_judge(tmp_path, out_dir, rng):
     assert report["precision"]["calibration"] == f"{calibration}, 6 sample(s)"
     assert report["parity"]["probes"] == ["example"] + [f"calibration_{i}" for i in range(4)]
     assert report["parity"]["passed"]
+
+
+def test_a_norm_left_decomposed_stays_float(tmp_path, out_dir, rng):
+    """A LayerNorm look-alike the fusion refuses (eps outside the root) before a MatMul: its
+    nodes are kept float (``decomposed_norm``), read no dequantized value, and the MatMul is
+    int8."""
+    weights = {
+        "axes": np.array([-1], np.int64),
+        "eps": np.array(1e-5, np.float32),
+        "g": rng.uniform(0.5, 1.5, D).astype(np.float32),
+        "w": (rng.standard_normal((D, CLASSES)) / np.sqrt(D)).astype(np.float32),
+    }
+    nodes = [
+        ("ReduceMean", ["x", "axes"], ["m"], {"name": "mean"}),
+        ("Sub", ["x", "m"], ["d"], {"name": "centre"}),
+        ("Mul", ["d", "d"], ["d2"], {"name": "square"}),
+        ("ReduceMean", ["d2", "axes"], ["v"], {"name": "var"}),
+        ("Sqrt", ["v"], ["sd"], {"name": "root"}),
+        ("Add", ["sd", "eps"], ["den"], {"name": "plus_eps"}),
+        ("Div", ["d", "den"], ["n"], {"name": "divide"}),
+        ("Mul", ["n", "g"], ["ng"], {"name": "times_g"}),
+        ("MatMul", ["ng", "w"], ["y"], {"name": "project"}),
+    ]
+    float32 = TensorProto.FLOAT
+    model = make_model(
+        nodes, {"x": (float32, [ROWS, D])}, {"y": (float32, [ROWS, CLASSES])}, weights
+    )
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir()
+    ir.save(model, path)
+    out = out_dir / "m.onnx"
+    report = _run(path, out, tmp_path / "r.json", "--precision", "int8", "--no-benchmark")
+    assert [r["code"] for r in report["fusions"]["refused"]] == ["eps_outside_sqrt"]
+    norm = {"mean", "centre", "square", "var", "root", "plus_eps", "divide"}
+    kept = {k["node"]: k["reason"] for k in report["precision"]["kept_float"]}
+    assert {n for n, r in kept.items() if r == "decomposed_norm"} == norm, kept
+    graph = onnx.load(out).graph
+    producer = {o: n.op_type for n in graph.node for o in n.output}
+    for node in graph.node:
+        if node.name in norm:
+            assert all(producer.get(i) != "DequantizeLinear" for i in node.input), node.name
+    project = next(n for n in graph.node if n.name == "project")
+    assert producer[project.input[0]] == "DequantizeLinear"
+    assert report["parity"]["passed"]
