@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import platform
 import tempfile
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
@@ -196,8 +197,10 @@ def quantize(
     excluded = list(kept)
     root, level = logging.getLogger(), logging.getLogger().level
     root.setLevel(logging.ERROR)  # its advice to pre-process: the passes have (BatchNorm folded)
-    try:
-        _quantize(src, dst, precision, calibration, excluded, external_data, cache)
+    try:  # and numpy's warnings of its zero points where a tensor's range is empty
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            _quantize(src, dst, precision, calibration, excluded, external_data, cache)
     finally:
         root.setLevel(level)
     _float_inputs(dst, set(excluded))
