@@ -9,7 +9,8 @@ same calibration samples and settings, QDQ, per-channel int8 weights, MinMax, or
 optimized model's on held-out samples (and the top-1 share unchanged for class scores). Time:
 ONNX Runtime's CPU provider, every model in one interleaved loop (``time_interleaved``: median
 and its 95% bootstrap interval; the ratio of each to float32 with its paired bootstrap
-interval), threads fixed, and an A/A control (a second session of the float32 model).
+interval), threads fixed, two sessions of each model opened in ABBA order and called in
+turn, and an A/A control (the float32 model again, as a model of its own).
 
     python benchmarks/int8.py [--budget 6] [--threads 2] [--only resnet-small,minilm]
 
@@ -42,7 +43,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import models  # noqa: E402
 import normexport  # noqa: E402
 from normexport.precision.int8 import rel_l2  # noqa: E402
-from normexport.runtime.latency import paired_ratio, time_interleaved  # noqa: E402
+from normexport.runtime.latency import (  # noqa: E402
+    counterbalanced,
+    paired_ratio,
+    rotating,
+    time_interleaved,
+)
 from normexport.verdict.tolerance import top1_agreement  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -216,18 +222,22 @@ def run_case(name: str, zoo_name: str, precision: str, budget: float, threads: i
         "float32 (A/A)": fp32.output,
         "normexport int8": ours.output,
     }
-    sessions = {k: _session(p, threads) for k, p in paths.items()}
     for key, settings in PIPELINES.items():
         try:
-            theirs = _ort_pipeline(
+            paths[key] = _ort_pipeline(
                 raw, folder / f"{settings}.onnx", precision, calibration, settings == "ours"
             )
-            sessions[key] = _session(theirs, threads)
+            _session(paths[key], threads)
         except Exception as err:
+            paths.pop(key, None)
             NOTES.append(f"{name}: {key} gave no model that loads: {err}"[:400])
+    # two sessions of each, opened in ABBA order and called in turn: a session's place in
+    # the opening order moves CPU timings by a percent or more (benchmarks/session_order.py)
+    opened = counterbalanced({k: lambda p=p: _session(p, threads) for k, p in paths.items()}, 2)
+    sessions = {k: s[0] for k, s in opened.items()}
     feeds = held[0]
     timings = time_interleaved(
-        {k: (lambda s=s: s.run(None, feeds)) for k, s in sessions.items()},
+        {k: rotating([lambda s=s: s.run(None, feeds) for s in ss]) for k, ss in opened.items()},
         budget_s=budget,
         min_runs=30,
     )
