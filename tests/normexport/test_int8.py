@@ -104,7 +104,7 @@ def test_budget_failing_layer_is_kept_float_and_norms_stay_float(tmp_path, out_d
     assert max(e["rel_l2_err"] for e in errors) <= INT8_MAX_REL_L2
 
 
-def test_budget_kept_layer_is_the_one_that_costs(tmp_path, out_dir, rng):
+def test_within_budget_no_layer_is_kept_float_for_it(tmp_path, out_dir, rng):
     """The same graph without the outlier channel: within the budget as quantized, no layer is
     kept float for it (the search runs only where the budget fails)."""
     model = _ln_mlp_softmax(tmp_path / "in" / "m.onnx", rng, outlier=1.0)
