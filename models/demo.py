@@ -8,7 +8,8 @@ summary table, ``summary.json``, and a check of what each model must show (:data
     python -m models.demo --out demo-out [--only minilm,llama-tiny] [--budget 5] [-- OPTIONS]
 
 OPTIONS after ``--`` go to every run of the CLI, e.g. ``-- --precision fp16`` (the float16
-model's parity on each demo model).
+model's parity on each demo model). Without OPTIONS, one more run shows ``--precision int8``
+(:data:`INT8_DEMO`, on the model where int8 pays on a CPU: docs/precision.md#int8).
 """
 
 from __future__ import annotations
@@ -71,6 +72,17 @@ EXPECTED: dict[str, list[tuple[str, Callable[[dict], bool]]]] = {
         ("6 BatchNorm left, each with a reason", lambda r: _crepe_refusals(r) == 6),
     ],
 }
+
+
+#: The model ``make demo`` also runs with ``--precision int8``, and what that run must show.
+INT8_DEMO = "resnet-small"
+INT8_EXPECTED: list[tuple[str, Callable[[dict], bool]]] = [
+    ("quantized by ONNX Runtime", lambda r: "quantize_static" in r["precision"]["quantizer"]),
+    (
+        "int8 published, or float32 with the reason",
+        lambda r: r["precision"]["published"] == "int8" or bool(r["precision"]["why_float32"]),
+    ),
+]
 
 
 def _crepe_refusals(report: dict) -> int:
@@ -226,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name}: exit {code}" + (f", unmet: {'; '.join(unmet)}" if unmet else "")
             )
         rows.append({"model": name, "exit_code": code, "unmet": unmet, "report": report})
+    if not args.cli and INT8_DEMO in names:
+        code, report = run_one(INT8_DEMO, args.out / "int8", args.budget, ["--precision", "int8"])
+        unmet = [d for d, ok in INT8_EXPECTED if report is None or not ok(report)]
+        if code != 0 or unmet:
+            failed.append(f"{INT8_DEMO} (int8): exit {code}, unmet: {'; '.join(unmet)}")
+        rows.append(
+            {"model": f"{INT8_DEMO} (int8)", "exit_code": code, "unmet": unmet, "report": report}
+        )
     (args.out / "summary.json").write_text(json.dumps(rows, indent=2))
     print_summary(rows)
     for line in failed:

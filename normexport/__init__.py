@@ -56,6 +56,7 @@ def optimize(
     model_kwargs: str | Mapping[str, Any] | None = None,
     exporter: str = "auto",
     precision: str = "fp32",
+    calibration: str | os.PathLike | None = None,
     keep_io_types: bool = False,
     last_token_logits: bool = False,
 ) -> Report:

@@ -92,7 +92,16 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
         choices=PRECISIONS,
         default=_default("precision"),
         help="write the model in this precision (fp16, bf16: norms keep float32 statistics; "
-        "bf16 needs bfloat16 kernels on the provider, refused on CPU; see docs/precision.md)",
+        "bf16 needs bfloat16 kernels on the provider, refused on CPU; int8, int8-dynamic: "
+        "ONNX Runtime's quantizer, norms kept float, published where faster; see "
+        "docs/precision.md)",
+    )
+    p.add_argument(
+        "--calibration",
+        type=Path,
+        default=_default("calibration"),
+        help="with --precision int8: calibration samples, a folder of .npz (one sample each) "
+        "or one .npz with a leading sample axis (default: the generated inputs, with a warning)",
     )
     p.add_argument(
         "--keep-io-types",

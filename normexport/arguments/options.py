@@ -26,7 +26,7 @@ TARGETS = ("ort", "onnx")
 
 #: The values of ``--precision`` (:mod:`normexport.precision`; whether ``bf16`` can be delivered
 #: is asked of ONNX Runtime when converting).
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
 
 
 @dataclasses.dataclass
@@ -74,6 +74,12 @@ class Options:
             float16 or bfloat16 after optimizing, norms kept safe: see
             :mod:`normexport.precision`; bf16 is refused where the provider has no bfloat16
             kernel for the model's linear ops, as ONNX Runtime's CPU provider).
+            ``int8`` / ``int8-dynamic``: quantized by ONNX Runtime's tools after optimizing,
+            norms and Softmax kept float, published only where faster than float32
+            (:mod:`normexport.precision.int8`).
+        calibration: ``int8``'s calibration samples: a folder of ``.npz`` files or one
+            ``.npz`` with a leading sample axis (:func:`normexport.precision.int8.
+            load_calibration`), or None: the generated input sets, with a warning.
         keep_io_types: with ``fp16``, keep the model's inputs and outputs float32 (``bf16``
             always does).
         last_token_logits: write the model's first output, a decoder's ``(batch, sequence,
@@ -110,6 +116,7 @@ class Options:
     run_timeout: float = 600.0
     autotune: bool = False
     precision: str = "fp32"
+    calibration: Path | None = None
     keep_io_types: bool = False
     last_token_logits: bool = False
     module: Any = None
@@ -188,7 +195,7 @@ def make_options(**values: Any) -> Options:
         TypeError: a keyword that is no field.
     """
     given = {k: v for k, v in values.items() if v is not None}
-    for key in ("model", "output", "report", "inputs"):
+    for key in ("model", "output", "report", "inputs", "calibration"):
         if isinstance(given.get(key), str | os.PathLike):
             given[key] = Path(given[key])
     if "input_shape" in given:
@@ -252,7 +259,9 @@ def check_options(opts: Options) -> None:
     for flag, value in (("--atol", opts.atol), ("--rtol", opts.rtol)):
         if not (math.isfinite(value) and value >= 0):
             raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
-    if opts.keep_io_types and opts.precision == "fp32":
+    if opts.calibration is not None and opts.precision != "int8":
+        raise UsageError("--calibration applies to --precision int8: add --precision int8")
+    if opts.keep_io_types and opts.precision not in ("fp16", "bf16"):
         raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
     if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
         raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")

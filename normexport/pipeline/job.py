@@ -16,6 +16,7 @@ from normexport.io import files
 from normexport.io.inputs import Sizing, example_arrays, id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
+from normexport.precision.int8 import INT8_PRECISIONS, load_calibration
 from normexport.report.explain import already_fused
 from normexport.runtime.latency import latency_threads
 from normexport.runtime.policy import fusion_policy
@@ -33,7 +34,7 @@ class Job:
         loaded, example, export: as :func:`normexport.pipeline.prepare.prepare` gave them.
         feed_names: the raw graph's inputs (initializers aside), in order.
         sets: the parity input sets, name -> feeds (:func:`normexport.io.inputs.input_sets`;
-            with the overflow probe for half precision).
+            with the overflow probe for half precision; int8: in-distribution sets only).
         ops_before: the raw model's norm op counts (:func:`fusion.norm_ops`).
         already: the norms the raw model already had as one op
             (:func:`normexport.report.explain.already_fused`).
@@ -48,6 +49,8 @@ class Job:
             rollback's rebuilds and the autotuner's variants run with.
         sizing: the example's sizes try by try, where normexport made an ONNX file's example
             (:class:`normexport.io.inputs.Sizing`; :func:`larger`), else None.
+        calibration: ``--precision int8``'s calibration samples, feeds by input name
+            (``--calibration``'s, else the example and random input sets); empty otherwise.
     """
 
     opts: Options
@@ -66,6 +69,7 @@ class Job:
     threads: int
     policy: fusion.Policy
     sizing: Sizing | None = None
+    calibration: list[dict[str, np.ndarray]] = dataclasses.field(default_factory=list)
 
     @property
     def notes(self) -> list[str]:
@@ -85,7 +89,12 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
     model holds (read before any pass changes it)."""
     loaded, example, raw, export, sizing = prepared
     feed_names = [v.name for v in raw.graph.inputs if not v.is_initializer()]
-    sets = _sets(opts, example, feed_names, raw)
+    calibration = []
+    if opts.calibration is not None:
+        calibration = load_calibration(
+            opts.calibration, feed_names, by_feed_name(example, feed_names)
+        )
+    sets = _sets(opts, example, feed_names, raw, calibration)
     threads = opts.threads or latency_threads()
     return Job(
         opts=opts,
@@ -104,7 +113,20 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         threads=threads,
         policy=run_policy(opts, raw, provider[0]),
         sizing=sizing,
+        calibration=calibration or _calibration(opts, sets),
     )
+
+
+#: How many of ``--calibration``'s samples int8's parity runs on, besides the example.
+CALIBRATION_SETS = 4
+
+
+def _calibration(opts: Options, sets: dict) -> list[dict[str, np.ndarray]]:
+    """int8's calibration without ``--calibration``: the example and random input sets (the
+    in-distribution ones); none for other precisions."""
+    if opts.precision not in INT8_PRECISIONS:
+        return []
+    return [feeds for name, feeds in sets.items() if name.startswith(("example", "random_"))]
 
 
 #: Which input sets stay where fewer run (:func:`fewer_sets`), most telling first: the
@@ -122,11 +144,26 @@ def fewer_sets(job: Job, count: int | None) -> Job:
     return dataclasses.replace(job, sets={n: job.sets[n] for n in names[:count]})
 
 
-def _sets(opts: Options, example: dict[str, np.ndarray], feed_names: list[str], raw) -> dict:
+def _sets(
+    opts: Options,
+    example: dict[str, np.ndarray],
+    feed_names: list[str],
+    raw,
+    calibration: list[dict[str, np.ndarray]] = (),
+) -> dict:
     """The parity input sets of ``example`` (:func:`normexport.io.inputs.input_sets`), with the
-    overflow probe for half precision."""
+    overflow probe for half precision; for int8 the in-distribution sets only (the probes lie
+    outside any calibrated range, where int8 clips by design: docs/parity.md#int8): the
+    example and the random sets, or with ``--calibration`` the example and the first
+    :data:`CALIBRATION_SETS` calibration samples (``calibration_N``)."""
     sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
-    if opts.precision != "fp32":
+    if opts.precision in INT8_PRECISIONS:
+        # the random sets are int8's calibration where the user gives none; where the user
+        # does, the example and the user's samples are its distribution
+        kept = ("example",) if calibration else ("example", "random_")
+        sets = {n: f for n, f in sets.items() if n.startswith(kept)}
+        sets |= {f"calibration_{i}": f for i, f in enumerate(calibration[:CALIBRATION_SETS])}
+    elif opts.precision != "fp32":
         sets |= precision.overflow_set(sets["example"])
     return sets
 
@@ -140,8 +177,12 @@ def larger(job: Job, raw) -> Job | None:
     if sizing is None:
         return None
     example = example_arrays(sizing.specs, id_ranges(raw))
-    sets = _sets(job.opts, example, job.feed_names, raw)
-    return dataclasses.replace(job, example=example, sets=sets, sizing=sizing)
+    given = job.calibration if job.opts.calibration is not None else []
+    sets = _sets(job.opts, example, job.feed_names, raw, given)
+    calibration = given or _calibration(job.opts, sets)
+    return dataclasses.replace(
+        job, example=example, sets=sets, sizing=sizing, calibration=calibration
+    )
 
 
 def run_policy(opts: Options, raw, provider: str) -> fusion.Policy:

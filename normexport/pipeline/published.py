@@ -40,7 +40,15 @@ def parity(job: Job, staged: Staged, judge: Judge, path: Path | None = None) -> 
 
     # opened once the references have run and been freed
     candidate = opened(runtime.check_session, job.provider, disabled_optimizers=staged.disabled)
-    return judge(path or job.output, candidate, precision=job.output_rule)
+    return judge(path or job.output, candidate, precision=rule(job, staged))
+
+
+def rule(job: Job, staged: Staged) -> str:
+    """The precision whose parity rule judges the published output: ``job.output_rule``, but
+    the raw model's own where ``--precision int8`` published the float32 model."""
+    if getattr(staged.precision, "published", None) == "fp32":
+        return job.computes_in
+    return job.output_rule
 
 
 def as_deployed(
@@ -57,7 +65,7 @@ def as_deployed(
     (docs/parity.md#judged-as-deployed).
     """
     progress.step(f"as deployed ({deployed.LEVEL})")
-    judged = (job.provider, judge, job.output_rule, staged.disabled)
+    judged = (job.provider, judge, rule(job, staged), staged.disabled)
     found = deployed.judged(job.output, *judged)
     sets = list(job.sets)
     raw = (ref.found, ref.repairs, "raw") if ref.repairs else ()

@@ -1,6 +1,7 @@
 """The stages that change the output, each returning a new :class:`Staged` that names the file
 it stands for in the run's scratch folder: optimize (the passes; the rewrites that ONNX Runtime
-rejects or that change the function undone), autotune, and the conversion to half precision.
+rejects or that change the function undone), autotune, and the conversion to half precision or
+int8.
 """
 
 from __future__ import annotations
@@ -10,19 +11,23 @@ import itertools
 import os
 from pathlib import Path
 
+import onnx
 import onnx_ir as ir
 
 import fusion
-from normexport import precision, progress
+from normexport import precision, progress, runtime
 from normexport.errors import InputFileError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job
 from normexport.pipeline.raw_model import RawModel
+from normexport.precision import int8 as quant
+from normexport.precision.convert import load_for_conversion, name_nodes
 from normexport.tuning import autotune
 from normexport.verdict import rollback
 from normexport.verdict.checker_levels import Checker, check_output
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
+from normexport.verdict.rollback import opened
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +42,10 @@ class Staged:
         rollback: what the rollback undid, where it undid anything or could not explain a
             failure (:class:`normexport.verdict.rollback.Outcome`), else None.
         tuned: autotune's result, where it ran.
-        precision: the half-precision conversion's report, where it ran.
+        precision: the half-precision conversion's or the int8 stage's report, where it ran.
+        float32: with int8, the float32 optimized model (its nodes named as the int8 model's
+            exclusions name them), which the latency verdict times int8 against and publishes
+            where int8 is slower; else None.
     """
 
     path: Path
@@ -46,7 +54,8 @@ class Staged:
     verified: ParityResult | None = None
     rollback: rollback.Outcome | None = None
     tuned: autotune.AutotuneResult | None = None
-    precision: precision.PrecisionReport | None = None
+    precision: precision.PrecisionReport | quant.Int8Report | None = None
+    float32: Path | None = None
 
     @property
     def disabled(self) -> tuple[str, ...]:
@@ -180,6 +189,94 @@ def half(job: Job, ref: RawModel, staged: Staged, work: Path) -> Staged:
     move_onto(path, staged.path)
     checker = check_output(staged.path, *ref.checker)
     return dataclasses.replace(staged, checker=checker, verified=None, precision=report)
+
+
+def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> Staged:
+    """Quantize the staged model by ONNX Runtime's tools (:func:`normexport.precision.int8.
+    quantize`), norms and Softmax kept float, and judge it by the int8 budget; where it fails,
+    measure what each linear layer costs the output (one at a time,
+    :func:`normexport.precision.int8.layer_costs`) and keep the costliest in float, one more
+    at a time, until it passes, at most :data:`~normexport.precision.int8.MAX_KEPT_FOR_BUDGET`;
+    out of budget even then, the float32
+    model stays staged and the report says why. The float32 model is kept beside it
+    (:attr:`Staged.float32`) for the latency verdict.
+
+    Raises:
+        UsageError: the model passes protobuf's 2 GiB limit (ONNX Runtime's quantizer takes
+            one protobuf); a model below opset 13 that ONNX's version converter cannot lift.
+    """
+    name, opts, folder = staged.path.name, job.opts, work / "int8"
+    float32 = _float32_copy(job, staged.path, folder / "float32" / name)
+    kept = quant.kept_ops(float32, staged.fusions.refused)
+    calibration = job.calibration if opts.precision == "int8" else []
+    cache = folder / "calibration.json"
+    candidate = opened(runtime.check_session, job.provider)
+    model = folder / "model" / name
+
+    def quantized() -> tuple[str, ParityResult]:
+        progress.step(f"quantizing ({len(kept)} node(s) kept float)")
+        for path in (model, files.data_path(model)):
+            path.unlink(missing_ok=True)
+        names = [k.node for k in kept]
+        how = quant.quantize(
+            float32, model, precision=opts.precision, calibration=calibration, kept=names,
+            external_data=job.external, cache=cache,
+        )  # fmt: skip
+        return how, judge(model, candidate, precision=opts.precision)
+
+    quantizer, verdict = quantized()
+    if not verdict.passed:
+        costs = quant.layer_costs(
+            float32, precision=opts.precision, calibration=calibration,
+            feeds=list(job.sets.values()), kept=[k.node for k in kept],
+            candidates=quant.linear_nodes(float32, [k.node for k in kept]), cache=cache,
+        )  # fmt: skip
+        for worst in quant.costliest(float32, *costs):
+            kept.append(worst)
+            quantizer, verdict = quantized()
+            if verdict.passed:
+                break
+    report = quant.Int8Report(opts.precision, quantizer, _calibration_source(job), kept)
+    if verdict.passed:
+        move_onto(model, staged.path)
+        checker = check_output(staged.path, *ref.checker)
+        return dataclasses.replace(
+            staged, checker=checker, verified=verdict, precision=report, float32=float32
+        )
+    report.published = "fp32"
+    report.why_float32 = (
+        f"int8 stayed out of its budget with {len(kept)} node(s) kept float "
+        f"(worst output rel L2 {max(e.rel_l2_err for e in verdict.worst().values()):.3g}): "
+        "float32 published"
+    )
+    return dataclasses.replace(staged, precision=report)
+
+
+def _float32_copy(job: Job, staged: Path, path: Path) -> Path:
+    """The staged float32 model written to ``path`` with every node named (ONNX Runtime's
+    quantizer excludes nodes by name) at opset 13 at least
+    (:func:`normexport.precision.int8.per_channel_opset`)."""
+    path.parent.mkdir(parents=True)
+    proto = quant.per_channel_opset(load_for_conversion(staged, job.opts.precision))
+    name_nodes(proto.graph)
+    location = files.data_path(path).name
+    onnx.save(proto, path, save_as_external_data=job.external, location=location)
+    return path
+
+
+def _calibration_source(job: Job) -> str | None:
+    """Where int8's calibration samples came from, in words (None for ``int8-dynamic``); said
+    on the progress display where they are the generated inputs."""
+    if job.opts.precision != "int8":
+        return None
+    count = f", {len(job.calibration)} sample(s)"
+    if job.opts.calibration is not None:
+        return f"{job.opts.calibration}{count}"
+    progress.say(
+        "int8 calibrated on the generated inputs: its accuracy depends on real data, give "
+        "samples with --calibration"
+    )
+    return "the generated input sets" + count
 
 
 def _replace_staged(staged: Path, chosen: ir.Model, external: bool) -> None:

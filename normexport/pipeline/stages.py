@@ -19,6 +19,7 @@ from normexport.pipeline import published, raw_model, rewrite, timing
 from normexport.pipeline.job import Job, fewer_sets, start
 from normexport.pipeline.prepare import prepare
 from normexport.pipeline.raw_model import RawModel
+from normexport.precision.int8 import INT8_PRECISIONS
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
 from normexport.runtime import cuda_kernels, plan
 from normexport.verdict.parity import ParityResult
@@ -66,7 +67,10 @@ def run(opts: Options) -> Report:
             if opts.autotune:
                 with progress.stage("autotune"):
                     staged = rewrite.tune(job, ref, staged)
-            if opts.precision != "fp32":
+            if opts.precision in INT8_PRECISIONS:
+                with progress.stage(opts.precision):
+                    staged = rewrite.int8(job, ref, staged, judge, work)
+            elif opts.precision != "fp32":
                 with progress.stage(opts.precision):
                     staged = rewrite.half(job, ref, staged, work)
             staged, latency, judged = _latency(job, ref, staged, work, memory.latency)
@@ -151,8 +155,9 @@ def _latency(
     work: Path,
     skipped: str | None,
 ) -> tuple[rewrite.Staged, Latency | None, Speed]:
-    """The latency stage with its verdict, before the output is published
-    (:func:`normexport.pipeline.timing.judged`: the staged model, kept or with the rewrites
+    """The latency stage with its verdict, before the output is published (an int8 model
+    against the float32 one, :func:`normexport.pipeline.timing.int8_or_float32`; else
+    :func:`normexport.pipeline.timing.judged`: the staged model, kept or with the rewrites
     found slower left out), where asked for; ``skipped``: why the latency cannot be timed (the
     memory plan's), or None."""
     if not job.opts.benchmark:
@@ -160,6 +165,8 @@ def _latency(
     if skipped is not None:
         return staged, Latency({}, 0, 0, skipped), Speed(unchecked=skipped)
     with progress.stage("latency"):
+        if staged.float32 is not None:
+            return timing.int8_or_float32(job, ref, staged)
         return timing.judged(job, ref, staged, work)
 
 
@@ -180,7 +187,8 @@ def _parity(
             verdict = published.as_deployed(job, ref, staged, judge, verdict, work)
         else:
             verdict.notes = [*verdict.notes, unjudged]
-        if job.opts.precision != "fp32" and precision.OVERFLOW_PROBE not in job.sets:
+        half = job.opts.precision in ("fp16", "bf16")
+        if half and precision.OVERFLOW_PROBE not in job.sets:
             published.hidden_state_probe(job, ref, verdict, work)
     return verdict
 

@@ -56,7 +56,8 @@ def judged(
     anew. Where a timing is too busy to tell or the timings disagree
     (:func:`~verdict.undecided`), the staged model is kept as the stages made it and the speed
     is unchecked. A half-precision model or autotune's form is judged, not rebuilt (the search
-    builds the passes' float32 form).
+    builds the passes' float32 form); an int8 model is timed against the float32 optimized
+    model instead (:func:`int8_or_float32`).
 
     Returns:
         The staged model (a new :class:`Staged` where rewrites were undone), the latency of
@@ -122,6 +123,40 @@ def judged(
         None, first[0], first[1:], published, outcome.undone, head_to_head, budget.timings, kept
     )
     return _keep(ref, staged, outcome), latency, speed
+
+
+#: What an int8 model is timed against.
+FLOAT32 = verdict.FLOAT32_OPTIMIZED
+
+
+def int8_or_float32(
+    job: Job, ref: RawModel, staged: Staged
+) -> tuple[Staged, Latency, verdict.Speed]:
+    """The int8 model timed against the float32 optimized model (``--budget`` seconds,
+    :data:`~verdict.MIN_RUNS` rounds at least, with the A/A controls): published only where
+    :attr:`~verdict.Comparison.faster`; else the float32 model is put in its place, its
+    parity to be judged, and the int8 report says why (docs/precision.md#int8)."""
+    latency, comparison = timed_against_raw(
+        job,
+        ref,
+        staged.path,
+        job.opts.budget_s,
+        min_runs=verdict.MIN_RUNS,
+        base=(staged.float32, FLOAT32),
+    )
+    speed = verdict.Speed(None, comparison, [], comparison, [], None, 1)
+    if comparison is None:
+        speed = verdict.Speed(APART, models_timed=1)
+    elif comparison.faster:
+        return staged, latency, speed
+    why = APART if comparison is None else f"int8 is not faster: {comparison.message()}"
+    rewrite.move_onto(staged.float32, staged.path)
+    report = dataclasses.replace(staged.precision, published="fp32", why_float32=why)
+    checker = check_output(staged.path, *ref.checker)
+    staged = dataclasses.replace(
+        staged, checker=checker, verified=None, precision=report, float32=None
+    )
+    return staged, latency, speed
 
 
 #: What the model as optimized is timed against where the search undid rewrites.
@@ -211,7 +246,7 @@ def _keep(ref: RawModel, staged: Staged, outcome: rollback.Outcome) -> Staged:
 def _not_rebuilt(staged: Staged) -> str | None:
     """Why the search cannot rebuild the staged model (it builds the passes' float32 form), or
     None."""
-    if staged.precision is not None:
+    if staged.precision is not None and getattr(staged.precision, "published", None) != "fp32":
         return f"--precision {staged.precision.precision} converted it (what was asked for)"
     if staged.tuned is not None and staged.tuned.best != staged.tuned.default:
         return f"--autotune kept the form {staged.tuned.best!r}, which the search does not build"

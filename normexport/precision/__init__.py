@@ -1,6 +1,8 @@
-"""Half precision (``--precision fp16|bf16``): convert the optimized model to float16 or
-bfloat16 with the norms kept safe, on ONNX Runtime's converter
-(``onnxruntime.transformers.float16``). What is kept float32 and why, the 2 GiB refusal
+"""Reduced precision. Half precision (``--precision fp16|bf16``): convert the optimized model to
+float16 or bfloat16 with the norms kept safe, on ONNX Runtime's converter
+(``onnxruntime.transformers.float16``). Int8 (``--precision int8|int8-dynamic``): ONNX
+Runtime's quantizer with the norms and Softmax kept float, :mod:`~normexport.precision.int8`
+(docs/precision.md#int8). What is kept float32 and why, the 2 GiB refusal
 (:class:`normexport.errors.UsageError`) and bfloat16's retyping and refusal:
 docs/precision.md#float16 and docs/precision.md#bfloat16.
 

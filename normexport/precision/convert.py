@@ -104,7 +104,8 @@ def load_for_conversion(path: Path, precision: str = "fp16") -> onnx.ModelProto:
     if size >= PROTO_LIMIT:
         raise UsageError(
             f"--precision {precision}: the optimized model holds {size / 2**30:.1f} GiB; ONNX "
-            "Runtime's float16 converter needs it as one protobuf, which is limited to 2 GiB: "
+            "Runtime's float16 converter and its quantizer need it as one protobuf, limited "
+            "to 2 GiB: "
             "convert the written model with a tool that streams external data"
         )
     proto = onnx.load(path, load_external_data=True)
@@ -119,7 +120,7 @@ def load_for_conversion(path: Path, precision: str = "fp16") -> onnx.ModelProto:
     return proto
 
 
-def _name_nodes(graph: onnx.GraphProto) -> None:
+def name_nodes(graph: onnx.GraphProto) -> None:
     """Give every unnamed node, in ``graph`` and its subgraphs, a unique name (the converter's
     block list goes by name, and :func:`subgraphs.input_casts` matches subgraph nodes by it)."""
     graphs = [graph, *subgraphs.subgraphs(graph)]
@@ -301,7 +302,7 @@ def to_half(
     from onnxruntime import __version__ as ort_version
 
     proto = load_for_conversion(src, precision)
-    _name_nodes(proto.graph)
+    name_nodes(proto.graph)
     original = ir.serde.deserialize_model(proto)
     keep_io_types = keep_io_types or precision == "bf16"
     kept = kept_float32(proto.graph, refused, precision)

@@ -189,6 +189,7 @@ _DECOMPOSED_RISK = {
     "fp16": "in float16 it would square its input, which overflows above |x| = 256",
     "bf16": "in bfloat16 it would sum its input with 8 significant bits, and its mean and "
     "variance would keep few correct ones",
+    "int8": "in int8 its mean and variance would be computed from rounded values",
 }
 
 

@@ -21,6 +21,7 @@ from normexport.verdict.result import ParityResult
 
 if TYPE_CHECKING:
     from normexport.precision import PrecisionReport
+    from normexport.precision.int8 import Int8Report
     from normexport.tuning.autotune import AutotuneResult
     from normexport.verdict.rollback import Outcome
     from normexport.verdict.speed import Speed
@@ -208,7 +209,8 @@ class Report:
         autotune: what ``--autotune`` measured and kept, or None.
         versions: library versions.
         precision: what ``--precision fp16|bf16`` did
-            (:class:`normexport.precision.PrecisionReport`), or None for a float32 model.
+            (:class:`normexport.precision.PrecisionReport`) or ``int8|int8-dynamic``
+            (:class:`normexport.precision.int8.Int8Report`), or None for a float32 model.
         rollback: the rewrites undone because ONNX Runtime or the checker rejected them or
             they changed the function (:class:`normexport.verdict.rollback.Outcome`), or None where
             the optimized model passed its check as the passes made it.
@@ -244,7 +246,7 @@ class Report:
     latency: Latency | None
     autotune: AutotuneResult | None
     versions: Versions
-    precision: PrecisionReport | None = None
+    precision: PrecisionReport | Int8Report | None = None
     rollback: Outcome | None = None
     speed: Speed | None = None
     cost: Cost | None = None

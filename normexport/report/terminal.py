@@ -10,10 +10,11 @@ from rich.table import Table
 from normexport.report.schema import Checker, Cost, Fusions, NormOps, Report
 from normexport.report.timed import render_latency, render_speed
 from normexport.verdict.result import Deployed, OutputError, ParityResult
-from normexport.verdict.tolerance import NOISE_WARN_FACTOR
+from normexport.verdict.tolerance import INT8_MAX_REL_L2, INT8_MIN_TOP1, NOISE_WARN_FACTOR
 
 if TYPE_CHECKING:
     from normexport.precision import PrecisionReport
+    from normexport.precision.int8 import Int8Report
     from normexport.tuning.autotune import AutotuneResult
     from normexport.verdict.rollback import Outcome
 
@@ -57,7 +58,12 @@ def _parity_table(parity: ParityResult) -> Table:
     raw = "input file" if parity.reference == "onnx" else "raw export"
     half = parity.max_rel_l2 is not None
     rule = f"atol {parity.atol:g}, rtol {parity.rtol:g}"
-    if half:
+    if half and parity.max_rel_l2 == INT8_MAX_REL_L2:
+        rule = (
+            f"int8: rel L2 <= {parity.max_rel_l2:g} + {raw}'s, or max abs err <= atol "
+            f"{parity.atol:g}; class scores: top-1 kept on >= {INT8_MIN_TOP1:.0%} of samples"
+        )
+    elif half:
         rule = (
             f"rel L2 <= {parity.max_rel_l2:g} + {raw}'s + {_err(parity.noise_factor)} x input "
             f"rounding's, or max abs err <= atol {parity.atol:g}"
@@ -326,13 +332,33 @@ def _render_precision(precision: PrecisionReport, console: Console) -> None:
         console.print(table)
 
 
+def _render_int8(int8: Int8Report, console: Console) -> None:
+    """The int8 stage: the quantizer, the calibration, what stayed float and why, and what
+    was published."""
+    line = f"precision [bold]{int8.precision}[/] by {int8.quantizer}"
+    if int8.calibration:
+        line += f", calibrated on {int8.calibration}"
+    console.print(line)
+    if int8.kept_float:
+        table = Table(title="Kept in float", title_justify="left")
+        for col in ("node", "op", "reason", "detail"):
+            table.add_column(col, overflow="fold")
+        for k in int8.kept_float:
+            table.add_row(k.node, k.op, k.reason, k.detail)
+        console.print(table)
+    if int8.why_float32:
+        console.print(f"[yellow]float32 published[/]: {int8.why_float32}")
+
+
 def render(report: Report, console: Console) -> None:
     """Print ``report`` (from :func:`normexport.pipeline.run`) as tables."""
     _render_header(report, console)
     _render_fusions(report.fusions, report.norm_ops, console)
     if report.rollback:
         _render_rollback(report.rollback, console)
-    if report.precision:
+    if report.precision and hasattr(report.precision, "published"):
+        _render_int8(report.precision, console)
+    elif report.precision:
         _render_precision(report.precision, console)
     _render_parity(report.parity, console)
     _render_export(report, console)

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from normexport.report.schema import Latency
 from normexport.runtime.latency import BUSY_SPREAD
+from normexport.verdict.speed import FLOAT32_OPTIMIZED
 
 if TYPE_CHECKING:
     from normexport.verdict.speed import Speed
@@ -59,6 +60,10 @@ def render_speed(speed: Speed, console: Console) -> None:
         console.print(f"[yellow]speed unchecked[/]: {speed.unchecked}{kept}")
         return
     first, published = speed.as_optimized, speed.published
+    if first.against == FLOAT32_OPTIMIZED:  # int8, timed against float32
+        kept = "int8 published" if first.faster else "float32 published"
+        console.print(f"speed: int8 at {first.message()}: {kept}")
+        return
     timed = f"{speed.models_timed} model(s) timed"
     if not speed.undone and not published.slower:
         console.print(f"speed: not slower than the raw model, kept as optimized: {first.message()}")

@@ -22,12 +22,15 @@ from normexport.verdict.tolerance import (
     DEFAULT_RTOL,
     FP16_MAX_REL_L2,
     HALF_MAX_REL_L2,
+    INT8_MAX_REL_L2,
+    INT8_MIN_TOP1,
     NOISE_FACTOR,
     NOISE_FLOOR_ROUNDOFFS,
     NOISE_WARN_FACTOR,
     Closeness,
     closeness,
     error_metrics,
+    top1_agreement,
 )
 
 __all__ = [
@@ -37,6 +40,8 @@ __all__ = [
     "EXPORT_JUDGED",
     "FP16_MAX_REL_L2",
     "HALF_MAX_REL_L2",
+    "INT8_MAX_REL_L2",
+    "INT8_MIN_TOP1",
     "NOISE_FACTOR",
     "NOISE_FLOOR_ROUNDOFFS",
     "NOISE_WARN_FACTOR",
@@ -70,13 +75,16 @@ def compare(
     max_rel_l2: float | None = None,
     rounded: np.ndarray | None = None,
     judge_export: str | None = None,
+    min_top1: float | None = None,
 ) -> OutputError:
     """Compare one output ``got`` with the oracle ``ref`` (same shape; any float dtype) and
     judge it (docs/parity.md#the-rule); ``raw`` and ``pytorch`` are the raw model's and
     PyTorch float32's outputs, where there are. With ``max_rel_l2`` the half-precision rule
     judges instead, ``rounded`` being the oracle's output on the inputs rounded to the half
     type (None: no rounding allowance). ``judge_export`` (:data:`EXPORT_JUDGED`) also judges
-    the export by that float32 run.
+    the export by that float32 run. With ``min_top1`` (int8), an output of class scores
+    (:func:`~normexport.verdict.tolerance.top1_agreement`) passes only where at least that
+    share of its samples keep the oracle's top-1 class.
 
     Raises:
         ValueError: the shapes differ, or ``judge_export`` names a run that is not given.
@@ -88,7 +96,7 @@ def compare(
         moved = error_metrics(rounded, ref) if rounded is not None else None
     except ValueError as err:
         raise ValueError(f"output {name!r}: {err}") from None
-    half = max_rel_l2 is not None
+    half, top1 = max_rel_l2 is not None, None
     rounding = moved[1] if moved is not None and half else None
     sensitivity = moved[0] if moved is not None and not half else None
     tolerance = atol + rtol * max_ref
@@ -99,6 +107,8 @@ def compare(
         allowed += noise_factor * (rounding or 0.0)
         passed = mismatch == 0 and (rel_l2 <= allowed or max_abs <= atol)
         weak = weak or allowed >= 1.0
+        top1 = top1_agreement(got, ref) if min_top1 is not None else None
+        passed = passed and (top1 is None or top1 >= min_top1)
     else:
         passed = _float32_rule(max_abs, mismatch, raw_max, tolerance, noise_factor)
         floor = max(_roundoff(got) * NOISE_FLOOR_ROUNDOFFS * max_ref, sensitivity or 0.0)
@@ -109,7 +119,7 @@ def compare(
     warned = passed and ratio is not None and ratio > NOISE_WARN_FACTOR
     raw_l2 = raw_err[1] if raw_err else None
     found = (max_abs, rel_l2, max_ref, mismatch, passed, raw_max, raw_l2, torch_err, weak)
-    return OutputError(name, *found, rounding, export, ratio, warned, sensitivity)
+    return OutputError(name, *found, rounding, export, ratio, warned, sensitivity, top1)
 
 
 def _float32_rule(
@@ -236,6 +246,7 @@ def check_parity(
     judge_export: str | None = None,
     strict: bool = False,
     oracle_float32: Sequence = (),
+    min_top1: float | None = None,
 ) -> ParityResult:
     """Run the models on every input set and compare each output with the oracle.
 
@@ -256,11 +267,14 @@ def check_parity(
         strict: a noise-ratio warning fails the verdict.
         oracle_float32: the nodes the float64 oracle runs in float32, by op type
             (:class:`normexport.verdict.float64.Float32Nodes`).
+        min_top1: int8's share of samples that keep their top-1 class on class-score outputs
+            (:data:`INT8_MIN_TOP1`; None: not judged).
 
     Raises:
         ValueError: the models return different numbers of outputs or shapes.
     """
     rule = {"noise_factor": noise_factor, "max_rel_l2": max_rel_l2, "judge_export": judge_export}
+    rule |= {"min_top1": min_top1}
     rule |= {"atol": atol, "rtol": rtol}
     if round_inputs is None and max_rel_l2 is None and raw is not None:  # the noise floor's
         round_inputs = ulp_perturbed

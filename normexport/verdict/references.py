@@ -19,11 +19,13 @@ from normexport import progress
 from normexport.io.eager import Eager
 from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
+from normexport.precision.int8 import INT8_PRECISIONS
 from normexport.runtime.memory import give_back
 from normexport.verdict import by_blocks
 from normexport.verdict.oracle import Oracle, onnx_float64, pytorch_float64
 from normexport.verdict.parity import (
     HALF_MAX_REL_L2,
+    INT8_MIN_TOP1,
     ParityResult,
     Recorded,
     check_parity,
@@ -158,10 +160,13 @@ class Judge:
     def rounding(self, precision: str) -> dict:
         """The half-precision rule's input rounding for ``precision`` as
         :func:`check_parity`'s ``round_inputs`` (fp32: none; the references' own, the float32
-        rule's one-ulp move, stands), one function per precision (the oracle's outputs on
-        the rounded sets are recorded by their identity)."""
+        rule's one-ulp move, stands; int8: none, and the top-1 share
+        :data:`~normexport.verdict.tolerance.INT8_MIN_TOP1`), one function per precision (the
+        oracle's outputs on the rounded sets are recorded by their identity)."""
         if precision == "fp32":
             return {}
+        if precision in INT8_PRECISIONS:  # int8 is judged by its budget, no input rounding
+            return {"round_inputs": None, "min_top1": INT8_MIN_TOP1}
         if precision not in self._rounding:
             rounded = functools.partial(rounded_feeds, precision=precision)
             self._rounding[precision] = {"round_inputs": Recorded(rounded)}
@@ -171,7 +176,8 @@ class Judge:
         self, path: Path, candidate: Candidate, precision: str | None = None
     ) -> ParityResult:
         """The verdict on the model at ``path``, opened by ``candidate``, by the rule for
-        ``precision`` (``"fp32"``, ``"fp16"``, ``"bf16"``; None: :attr:`rule`); the candidate
+        ``precision`` (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int8-dynamic"``;
+        None: :attr:`rule`); the candidate
         is opened once the references have run and been freed (block by block, where they
         ran so).
 

@@ -35,6 +35,9 @@ class OutputError:
             by one ulp (:func:`normexport.verdict.parity.ulp_perturbed`), part of the noise
             ratio's floor, measured only where it could decide the warning; None elsewhere,
             where the model has no float input, or for half precision.
+        top1_agreement: int8: the share of samples whose top-1 class is the oracle's, on an
+            output of class scores (:func:`normexport.verdict.tolerance.top1_agreement`);
+            None elsewhere.
     """
 
     output: str
@@ -52,6 +55,7 @@ class OutputError:
     noise_ratio: float | None = None
     warned: bool = False
     ulp_sensitivity: float | None = None
+    top1_agreement: float | None = None
 
 
 @dataclasses.dataclass

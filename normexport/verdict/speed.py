@@ -38,6 +38,11 @@ MAX_MARGIN = 0.25
 AGREEING = 2
 
 
+#: Whose time an int8 model's is over: it is timed against the float32 optimized model
+#: (docs/precision.md#int8).
+FLOAT32_OPTIMIZED = "the float32 optimized model's time"
+
+
 @dataclasses.dataclass(frozen=True)
 class Comparison:
     """One model timed against the raw model, with the A/A controls
@@ -68,6 +73,12 @@ class Comparison:
     def slower(self) -> bool:
         """The rule: the ratio's lower bound above ``1 + margin``."""
         return self.ratio.ci_low > 1.0 + self.margin
+
+    @property
+    def faster(self) -> bool:
+        """The mirror of :attr:`slower`: the ratio's upper bound below ``1 - margin`` (an int8
+        model is published only where it is faster than float32: docs/precision.md#int8)."""
+        return self.ratio.ci_high < 1.0 - self.margin
 
     @property
     def busy(self) -> str | None:

@@ -29,8 +29,28 @@ FP16_MAX_REL_L2 = 1e-2
 #: 3.9e-3, eight times float16's); the float16 bound scaled alike (about twenty unit roundoffs).
 #: A lost eps still leaves errors of order 1.
 BF16_MAX_REL_L2 = 8e-2
-#: The half-precision rule's bound by ``--precision`` value (float32 models: none).
-HALF_MAX_REL_L2 = {"fp16": FP16_MAX_REL_L2, "bf16": BF16_MAX_REL_L2}
+#: Relative L2 error per output allowed to an int8 model (``--precision int8`` and
+#: ``int8-dynamic``): a signal-to-quantization-noise ratio of 20 dB. One tensor rounded to 8
+#: bits over its calibrated range keeps some 30 to 40 dB on activations whose range is a few
+#: standard deviations wide (6.02 dB a bit, less the crest factor); errors of dozens of
+#: layers add up to 20 to 30 dB at the output, while a layer whose range an outlier sets, or a
+#: norm's statistics in int8, leave errors of order 0.3 to 1 (docs/parity.md#int8).
+INT8_MAX_REL_L2 = 1e-1
+#: The share of samples whose top-1 class an int8 model keeps, on class-score outputs (2-D,
+#: ``(samples, classes)``), per input set. MLPerf Inference's closed division asks an int8
+#: model for 99% of the float32 model's accuracy; the share of top-1 classes unchanged is
+#: stricter than that (a flip between two wrong classes costs no accuracy), and on the random
+#: inputs normexport generates the oracle's top two classes are often near ties that any
+#: rounding flips (1 sample in 64 at 2% relative L2 error, tests/normexport/test_int8.py), so
+#: 95% (docs/parity.md#int8).
+INT8_MIN_TOP1 = 0.95
+#: The reduced-precision rule's bound by ``--precision`` value (float32 models: none).
+HALF_MAX_REL_L2 = {
+    "fp16": FP16_MAX_REL_L2,
+    "bf16": BF16_MAX_REL_L2,
+    "int8": INT8_MAX_REL_L2,
+    "int8-dynamic": INT8_MAX_REL_L2,
+}
 #: The raw model's error, as the noise ratio's denominator, is at least this many unit
 #: roundoffs of the output's type (float32: 2**-24) times ``max|oracle|``: rounding the
 #: output's last ops alone moves it that far.
@@ -134,3 +154,19 @@ def error_metrics(got, ref) -> tuple[float, float, float, int, float]:
     )
     rel_l2 = err_norm / ref_norm if ref_norm > 0 else (0.0 if err_norm == 0 else float("inf"))
     return max_abs, rel_l2, close.max_abs_ref, close.nonfinite_mismatch, spread
+
+
+def top1_agreement(got, ref) -> float | None:
+    """The share of rows of ``(samples, classes)`` class scores whose largest score is at the
+    same class in ``got`` as in ``ref``; None where ``ref`` is not 2-D with at least two
+    classes (not class scores).
+
+    Raises:
+        ValueError: the shapes differ.
+    """
+    got, ref = np.asarray(got), np.asarray(ref)
+    if got.shape != ref.shape:
+        raise ValueError(f"shape {got.shape} vs reference {ref.shape}")
+    if ref.ndim != 2 or ref.shape[1] < 2 or ref.shape[0] == 0:
+        return None
+    return float(np.mean(np.argmax(got, axis=1) == np.argmax(ref, axis=1)))

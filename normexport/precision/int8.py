@@ -1,0 +1,449 @@
+"""Int8 (``--precision int8`` / ``int8-dynamic``): the optimized float32 model quantized by ONNX
+Runtime's own tools (``onnxruntime.quantization``: :func:`quantize_static` to QDQ with MinMax
+calibration, :func:`quantize_dynamic`), after normexport's passes (BatchNorm folded, branches
+merged), with the fused norms and Softmax kept in float (:func:`kept_ops`); where the int8
+budget fails, the layers that cost most (:func:`layer_costs`, one at a time) are kept in float
+too. Which and why: docs/precision.md#int8.
+
+normexport writes no quantizer of its own: each model here is one call of ONNX Runtime's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from fusion.registry import FUSED_NORM_OPS
+from normexport.errors import UsageError
+from normexport.precision.kept import decomposed_norms
+
+#: The int8 values of ``--precision``: static (activations calibrated, QDQ) and dynamic
+#: (weights int8, activations quantized at run time).
+INT8_PRECISIONS = ("int8", "int8-dynamic")
+#: Ops kept in float, and why (docs/precision.md#int8): a norm's statistics and Softmax's
+#: exponent are where int8 loses most (a norm divides by a standard deviation that an 8-bit
+#: input, zero point rounded, moves; Softmax's input range is set by its largest logit), and
+#: they are cheap next to the MatMuls and Convs that int8 speeds up.
+KEPT_OP_REASONS = {
+    **{op.op_type: "norm" for op in FUSED_NORM_OPS},
+    "GroupNorm": "norm",
+    "Softmax": "softmax",
+}
+#: The most layers kept in float for the budget (the costliest by :func:`layer_costs`, one
+#: more at a time, each a quantization and a verdict); beyond it the float32 model is published.
+MAX_KEPT_FOR_BUDGET = 8
+#: Calibration samples used at most (the ``--calibration`` folder's first, or the .npz's).
+MAX_CALIBRATION = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptFloat:
+    """A node int8 leaves in float, and why.
+
+    Attributes:
+        node: its name in the optimized model.
+        op: its op type.
+        reason: ``norm`` or ``softmax`` (kept by op type, :data:`KEPT_OP_REASONS`),
+            ``decomposed_norm`` (part of a norm a fusion refused), or ``budget`` (a quantized
+            layer that cost the output most, :func:`layer_costs`).
+        detail: one sentence for people.
+    """
+
+    node: str
+    op: str
+    reason: str
+    detail: str
+
+
+@dataclasses.dataclass
+class Int8Report:
+    """What the int8 stage did.
+
+    Attributes:
+        precision: ``int8`` or ``int8-dynamic``.
+        quantizer: ONNX Runtime's function and version that quantized.
+        calibration: where the calibration samples came from (``--calibration``'s path, or the
+            generated input sets), and how many; None for ``int8-dynamic``.
+        kept_float: the nodes left in float (:class:`KeptFloat`).
+        published: ``int8``, or ``fp32`` where the float32 optimized model was published.
+        why_float32: why float32 was published (int8 slower on this provider, or out of its
+            budget with :data:`MAX_KEPT_FOR_BUDGET` layers kept in float), else None.
+    """
+
+    precision: str
+    quantizer: str
+    calibration: str | None
+    kept_float: list[KeptFloat]
+    published: str = "int8"
+    why_float32: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON form (``docs/report.md``, ``precision``)."""
+        return dataclasses.asdict(self)
+
+
+def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat]:
+    """The nodes of the model at ``path`` kept in float by op type (:data:`KEPT_OP_REASONS`),
+    and the nodes of every norm the fusions refused (``refused``: :class:`fusion.Refused`;
+    :func:`normexport.precision.kept.decomposed_norms`), reason ``decomposed_norm``.
+
+    Raises:
+        ValueError: a node has no name (ONNX Runtime's exclusion list goes by name; the
+            optimized model names every node).
+    """
+    graph = onnx.load(path, load_external_data=False).graph
+    kept = []
+    for node in graph.node:
+        reason = KEPT_OP_REASONS.get(node.op_type)
+        if reason is None:
+            continue
+        if not node.name:
+            raise ValueError(f"a {node.op_type} node has no name")
+        detail = (
+            "a norm's statistics stay float: int8 input moves the mean and deviation it divides by"
+            if reason == "norm"
+            else "Softmax stays float: its exponent turns int8 steps of its largest logits into "
+            "large relative errors"
+        )
+        kept.append(KeptFloat(node.name, node.op_type, reason, detail))
+    for norm in decomposed_norms(graph, refused, "int8"):
+        kept.append(KeptFloat(norm.node, norm.op, norm.reason, norm.detail))
+    return kept
+
+
+#: The first ai.onnx opset whose DequantizeLinear takes an axis (per-channel weights).
+PER_CHANNEL_OPSET = 13
+
+
+def per_channel_opset(proto: onnx.ModelProto) -> onnx.ModelProto:
+    """``proto`` at ai.onnx opset :data:`PER_CHANNEL_OPSET` at least (``onnx.version_converter``
+    where it is below): ONNX Runtime's quantizer writes per-channel DequantizeLinear nodes
+    with an ``axis`` that older opsets refuse (the model then does not load), and per-channel
+    weights are what keeps a depthwise conv with a BatchNorm folded in accurate.
+
+    Raises:
+        UsageError: the version converter cannot lift the model.
+    """
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), 1)
+    if opset >= PER_CHANNEL_OPSET:
+        return proto
+    from onnx import version_converter
+
+    try:
+        return version_converter.convert_version(proto, PER_CHANNEL_OPSET)
+    except Exception as err:  # the converter raises bare RuntimeErrors and more
+        raise UsageError(
+            f"--precision int8: the model is at opset {opset}, and ONNX Runtime's per-channel "
+            f"int8 weights need opset {PER_CHANNEL_OPSET}, which onnx's version converter "
+            f"cannot lift it to ({type(err).__name__}: {err}): export with --opset 13 or later"
+        ) from None
+
+
+def reduce_range() -> bool:
+    """Whether to quantize weights to 7 bits: on an x86 CPU without VNNI (no ``avx512_vnni`` or
+    ``avx_vnni`` in ``/proc/cpuinfo``), where ONNX Runtime's U8S8 kernels multiply-add pairs
+    into int16 (``VPMADDUBSW``) and saturate on full 8-bit weights (ONNX Runtime's
+    quantization docs, "reduce_range")."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_vnni" not in flags and "avx_vnni" not in flags
+
+
+class _Reader:
+    """ONNX Runtime's ``CalibrationDataReader``: the calibration feeds, one sample at a time."""
+
+    def __init__(self, feeds: Sequence[Mapping[str, np.ndarray]]):
+        self._feeds = iter(feeds)
+
+    def get_next(self) -> dict | None:
+        """The next sample's feeds, or None at the end."""
+        return dict(next(self._feeds, None) or {}) or None
+
+
+def quantize(
+    src: Path,
+    dst: Path,
+    *,
+    precision: str,
+    calibration: Sequence[Mapping[str, np.ndarray]],
+    kept: Iterable[str],
+    external_data: bool,
+    cache: Path | None = None,
+) -> str:
+    """Write the int8 model of the float32 model at ``src`` to ``dst`` by ONNX Runtime's tools,
+    the nodes named in ``kept`` left in float: ``int8``, :func:`quantize_static` (QDQ, uint8
+    activations and per-channel int8 weights, "U8S8", the form ONNX Runtime's x86 kernels are
+    fast for, MinMax calibration on ``calibration``: docs/precision.md#int8); ``int8-dynamic``,
+    :func:`quantize_dynamic` (int8 weights, per tensor); both with 7-bit weights
+    (``reduce_range``) on an x86 CPU without VNNI (:func:`reduce_range`). ``cache``: a JSON
+    file of the calibrated ranges, written on the first call and read on the next (one
+    calibration per run). Returns the quantizer, in words.
+    """
+    import onnxruntime
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    excluded = list(kept)
+    root, level = logging.getLogger(), logging.getLogger().level
+    root.setLevel(logging.ERROR)  # its advice to pre-process: the passes have (BatchNorm folded)
+    try:  # and numpy's warnings of its zero points where a tensor's range is empty
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            _quantize(src, dst, precision, calibration, excluded, external_data, cache)
+    finally:
+        root.setLevel(level)
+    _float_inputs(dst, set(excluded))
+    if precision == "int8-dynamic":
+        return f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__}"
+    return f"onnxruntime.quantization.quantize_static {onnxruntime.__version__} (QDQ U8S8, MinMax)"
+
+
+def _quantize(src, dst, precision, calibration, excluded, external_data, cache) -> None:
+    """One call of ONNX Runtime's quantizer, as :func:`quantize` describes."""
+    from onnxruntime import quantization as q
+
+    if precision == "int8-dynamic":
+        q.quantize_dynamic(
+            src,
+            dst,
+            weight_type=q.QuantType.QInt8,
+            reduce_range=reduce_range(),
+            nodes_to_exclude=excluded,
+            use_external_data_format=external_data,
+        )
+    else:
+        q.quantize_static(
+            src,
+            dst,
+            _Reader(calibration),
+            quant_format=q.QuantFormat.QDQ,
+            activation_type=q.QuantType.QUInt8,
+            weight_type=q.QuantType.QInt8,
+            per_channel=True,
+            reduce_range=reduce_range(),
+            calibrate_method=q.CalibrationMethod.MinMax,
+            nodes_to_exclude=excluded,
+            use_external_data_format=external_data,
+            calibration_cache_path=cache,
+        )
+
+
+def _float_inputs(path: Path, kept: set[str]) -> None:
+    """Let each node of ``kept`` read its float inputs: ONNX Runtime's QDQ quantizer leaves an
+    excluded node reading a Quantize/DequantizeLinear round trip where the tensor's producer
+    was quantized (its output quantized for the int8 kernel after it), so that the node
+    excluded still computes on int8-rounded values. Each such input is read from before the
+    round trip instead, and the round trips no node reads any more are removed."""
+    model = onnx.load(path, load_external_data=False)
+    graph = model.graph
+    producer = {o: n for n in graph.node for o in n.output}
+    inits = {t.name for t in graph.initializer}
+
+    def before(name: str) -> str:
+        dq = producer.get(name)
+        if dq is None or dq.op_type != "DequantizeLinear":
+            return name
+        qn = producer.get(dq.input[0])
+        if qn is None or qn.op_type != "QuantizeLinear" or qn.input[0] in inits:
+            return name
+        return qn.input[0]
+
+    changed = False
+    for node in graph.node:
+        if node.name in kept:
+            inputs = [before(i) if i else i for i in node.input]
+            changed |= inputs != list(node.input)
+            node.input[:] = inputs
+    if not changed:
+        return
+    outputs = {o.name for o in graph.output}
+    while True:
+        read = {i for n in graph.node for i in n.input} | outputs
+        dead = [
+            n
+            for n in graph.node
+            if n.op_type in ("QuantizeLinear", "DequantizeLinear") and n.output[0] not in read
+        ]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
+    read = {i for n in graph.node for i in n.input}
+    for tensor in [t for t in graph.initializer if t.name not in read]:
+        graph.initializer.remove(tensor)  # the removed round trips' scales and zero points
+    onnx.save(model, path)
+
+
+#: The layers :func:`layer_costs` weighs: the linear ops, where int8 does the work (and loses
+#: the accuracy); what else ONNX Runtime quantizes (Add, Mul, pooling, Concat) moves values
+#: through int8 and loses only a rounding.
+LINEAR_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm", "Attention", "FusedConv", "FusedMatMul")
+
+
+def linear_nodes(path: Path, kept: Iterable[str]) -> list[str]:
+    """The names of the :data:`LINEAR_OPS` nodes of the model at ``path`` not in ``kept``."""
+    skip = set(kept)
+    graph = onnx.load(path, load_external_data=False).graph
+    return [n.name for n in graph.node if n.op_type in LINEAR_OPS and n.name and n.name not in skip]
+
+
+def rel_l2(got: Sequence[np.ndarray], ref: Sequence[np.ndarray]) -> float:
+    """``||got - ref||_2 / ||ref||_2`` over every output, in float64 (0 where both are 0)."""
+    pairs = zip(got, ref, strict=True)
+    diff = np.sqrt(sum(np.sum((np.float64(g) - np.float64(r)) ** 2) for g, r in pairs))
+    norm = np.sqrt(sum(np.sum(np.float64(r) ** 2) for r in ref))
+    return float(diff / norm) if norm > 0 else (0.0 if diff == 0 else float("inf"))
+
+
+def layer_costs(
+    src: Path,
+    *,
+    precision: str,
+    calibration: Sequence[Mapping[str, np.ndarray]],
+    feeds: Sequence[Mapping[str, np.ndarray]],
+    kept: Sequence[str],
+    candidates: Sequence[str],
+    cache: Path | None,
+) -> tuple[float, dict[str, float]]:
+    """What quantizing each of ``candidates`` costs, measured one at a time as ONNX Runtime's QDQ
+    debugging measures a layer (``onnxruntime.quantization.qdq_loss_debug``: the quantized model
+    against the float one on the same inputs): the int8 model with ``kept`` in float is run on
+    ``feeds`` and so is each with one candidate more in float; a candidate's cost is how much
+    the output's relative L2 error to the float32 model at ``src`` falls with it in float.
+
+    Returns:
+        The error with every candidate quantized, and candidate -> cost (larger: worse).
+    """
+    import onnxruntime as ort
+
+    from normexport import progress
+
+    if not candidates:
+        return 0.0, {}
+    progress.step(f"the cost of each of {len(candidates)} layer(s), one at a time")
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+
+    def error(model: Path) -> float:
+        session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+        got = [session.run(None, dict(f)) for f in feeds]
+        return rel_l2([a for g in got for a in g], [a for r in refs for a in r])
+
+    float_session = ort.InferenceSession(src, options, providers=["CPUExecutionProvider"])
+    refs = [float_session.run(None, dict(f)) for f in feeds]
+    del float_session
+    with tempfile.TemporaryDirectory() as folder:
+        base = Path(folder) / "all.onnx"
+        quantize(
+            src, base, precision=precision, calibration=calibration, kept=kept,
+            external_data=False, cache=cache,
+        )  # fmt: skip
+        everything = error(base)
+        costs = {}
+        for i, name in enumerate(candidates):
+            one = Path(folder) / f"{i}.onnx"
+            quantize(
+                src, one, precision=precision, calibration=calibration, kept=[*kept, name],
+                external_data=False, cache=cache,
+            )  # fmt: skip
+            costs[name] = everything - error(one)
+            one.unlink()
+    return everything, costs
+
+
+def costliest(src: Path, everything: float, costs: Mapping[str, float]) -> list[KeptFloat]:
+    """The :data:`MAX_KEPT_FOR_BUDGET` costliest layers of :func:`layer_costs`' ``costs``
+    (``everything``: the error with all quantized), costliest first, as kept in float for the
+    budget (the model at ``src`` gives their op types)."""
+    ops = {n.name: n.op_type for n in onnx.load(src, load_external_data=False).graph.node}
+    worst_first = sorted(costs, key=costs.get, reverse=True)[:MAX_KEPT_FOR_BUDGET]
+    return [
+        KeptFloat(
+            name,
+            ops[name],
+            "budget",
+            f"out of the int8 budget: quantized, it cost the outputs {costs[name]:.3g} of the "
+            f"{everything:.3g} relative L2 error to float32 (each linear layer measured alone)",
+        )
+        for name in worst_first
+    ]
+
+
+def load_calibration(path: Path, feed_names: Sequence[str], example: Mapping[str, np.ndarray]):
+    """The calibration samples of ``--calibration``: a folder of ``.npz`` files (one sample
+    each, arrays by input name, sorted by file name) or one ``.npz`` whose arrays carry a
+    leading sample axis; at most :data:`MAX_CALIBRATION` samples, each cast to the example's
+    dtypes and checked against its shapes.
+
+    Returns:
+        A list of feeds, input name -> array.
+
+    Raises:
+        UsageError: the path is missing or unreadable, an input is missing, or a sample's shape
+            differs from the example's (the model's inputs).
+    """
+    if path.is_dir():
+        paths = sorted(path.glob("*.npz"))[:MAX_CALIBRATION]
+        if not paths:
+            raise UsageError(f"--calibration {path}: the folder holds no .npz file")
+        samples = [_read(p) for p in paths]
+    elif path.is_file():
+        whole = _read(path)
+        counts = {len(a) for a in whole.values() if a.ndim}
+        if len(counts) != 1:
+            raise UsageError(
+                f"--calibration {path}: one .npz holds samples on a leading axis of one length "
+                f"for every input; its arrays have leading sizes {sorted(counts)}"
+            )
+        n = min(counts.pop(), MAX_CALIBRATION)
+        samples = [{k: a[i] for k, a in whole.items()} for i in range(n)]
+    else:
+        raise UsageError(f"--calibration {path}: no such file or folder")
+    feeds = []
+    for sample in samples:
+        missing = [n for n in feed_names if n not in sample]
+        if missing:
+            raise UsageError(
+                f"--calibration {path}: a sample has no array for input(s) {missing}; "
+                f"its arrays: {sorted(sample)}"
+            )
+        feed = {}
+        for name in feed_names:
+            array = np.asarray(sample[name])
+            want = example[name]
+            if array.shape != want.shape and array.shape == want.shape[1:]:
+                array = array[None]  # one sample without its batch axis
+            if array.shape != want.shape:
+                raise UsageError(
+                    f"--calibration {path}: input {name!r} has shape {array.shape}, and the "
+                    f"model runs on {want.shape} (give samples of that shape, or the "
+                    "--input-shape they have)"
+                )
+            feed[name] = array.astype(want.dtype, copy=False)
+        feeds.append(feed)
+    return feeds
+
+
+def _read(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file.
+
+    Raises:
+        UsageError: it cannot be read as one.
+    """
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {k: data[k] for k in data.files}
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--calibration {path}: cannot read it as .npz ({err})") from None
