@@ -58,7 +58,8 @@ OPTION_CHECKS = (
 FUSE_BAR = '''"""FuseBar: fuses nothing, refuses every Relu (tests/test_recipes.py); see
 docs/fusions.md#fusebar."""
 
-from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion import Code
+from fusion.base import CannotFuse, Kind, NodeFusionPass, Op
 
 
 class FuseBar(NodeFusionPass):
