@@ -24,7 +24,6 @@ from fusion.audit import Lookalike, lookalikes, unlisted
 from fusion.base import (
     TARGETS,
     CannotFuse,
-    Code,
     Fused,
     FusionPass,
     FusionReport,
@@ -38,10 +37,11 @@ from fusion.checker import check
 from fusion.cleanup import cleanup
 from fusion.counts import norm_ops, onnxruntime_ops
 from fusion.driver import optimize
-from fusion.registry import FUSION_KINDS, KINDS, NORM_OPS, PASSES, ort_registered
+from fusion.registry import CODES, FUSION_KINDS, KINDS, NORM_OPS, PASSES, Code, ort_registered
 from fusion.shapes import DropShapes, FillShapes
 
 __all__ = [
+    "CODES",
     "FUSION_KINDS",
     "KINDS",
     "NORM_OPS",

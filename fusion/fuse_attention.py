@@ -95,7 +95,14 @@ class FuseAttention(FusionPass):
             "attention",
             (Op("Attention", MS_DOMAIN), Op("MultiHeadAttention", MS_DOMAIN)),
             norm=False,
+            meaning=(
+                "attention made com.microsoft `Attention` / `MultiHeadAttention` (`--target ort`)"
+            ),
         ),
+    )
+    summary = (
+        "an encoder's attention into ONNX Runtime's contrib Attention with onnxscript's rules, ORT "
+        "only"
     )
     targets = ("ort",)
     option = "attention"

@@ -9,6 +9,7 @@ see docs/fusions.md#fusegelu.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import numpy as np
@@ -24,6 +25,16 @@ from fusion._ir import (
     replace_output,
 )
 from fusion.base import MS_DOMAIN, CannotFuse, Code, Kind, NodeFusionPass, Op
+
+
+class GeluCode(enum.StrEnum):
+    """Why FuseGelu left a candidate alone, besides the codes every pass shares
+    (:class:`fusion.base.Code`)."""
+
+    #: A constant of a GELU-shaped subgraph is not the formula's (``x / 2`` inside the erf,
+    #: ``0.0447`` for the cubic coefficient): a different function.
+    GELU_CONSTANT = "gelu_constant"
+
 
 #: The GELU ops of one input a bias before them joins (``target="ort"``).
 _ONE_INPUT = (Op("Gelu"), Op("Gelu", MS_DOMAIN), Op("FastGelu", MS_DOMAIN))
@@ -100,7 +111,7 @@ def _check(checks: list[Check]) -> None:
     for value, expected, what in checks:
         if not _is(value, expected):
             raise CannotFuse(
-                Code.GELU_CONSTANT,
+                GeluCode.GELU_CONSTANT,
                 f"{what} is {_scalar(value):.8g}, not {expected:.8g}: a different function "
                 "from GELU",
             )
@@ -200,8 +211,14 @@ class FuseGelu(NodeFusionPass):
                 Op("Gelu"),
             ),
             norm=False,
+            meaning=(
+                "GELU made com.microsoft `Gelu` / `FastGelu` / `BiasGelu` (`--target ort`) or "
+                "ONNX's `Gelu` (`--target onnx`, opset 20)"
+            ),
         ),
     )
+    summary = "GELU however written into one Gelu / FastGelu / BiasGelu op"
+    codes = GeluCode
     needs_opset = {"onnx": 20}
 
     def match(self, model: ir.Model, node: ir.Node) -> GeluMatch | None:

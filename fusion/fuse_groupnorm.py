@@ -91,7 +91,18 @@ class FuseGroupNorm(NodeFusionPass):
             "groupnorm_fused",
             "groupnorm",
             (Op("InstanceNormalization"), Op("GroupNormalization")),
+            meaning=(
+                "GroupNorms made `nn.GroupNorm`'s exported form, `Reshape -> InstanceNormalization "
+                "-> Reshape` then the per-channel `Mul` / `Add`: hand-written ones (mean and "
+                "variance within groups of channels after a reshape), and with `--target ort` "
+                "`GroupNormalization` (opset 21 and up), which ONNX Runtime expands into its "
+                "function body; a GroupNorm already in that form is kept and listed under `refused`"
+                " with code `no_ort_kernel`"
+            ),
         ),
+    )
+    summary = (
+        "GroupNorms into nn.GroupNorm's exported form (Reshape -> InstanceNormalization -> Reshape)"
     )
 
     def __init__(self, target: str = "ort", exclude: Collection[str] = ()):

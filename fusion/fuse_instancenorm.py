@@ -70,7 +70,20 @@ class FuseInstanceNorm(NodeFusionPass):
     exactly an InstanceNorm is FuseLayerNorm's to fuse or to refuse with the reason.
     """
 
-    kinds = (Kind("instancenorm_fused", "instancenorm", (Op("InstanceNormalization"),)),)
+    kinds = (
+        Kind(
+            "instancenorm_fused",
+            "instancenorm",
+            (Op("InstanceNormalization"),),
+            meaning=(
+                'hand-written per-channel "CNN LayerNorms" (statistics over the spatial axes, '
+                "weight and bias per channel) made one `InstanceNormalization`"
+            ),
+        ),
+    )
+    summary = (
+        'the per-channel "CNN LayerNorm" into InstanceNormalization, with FuseLayerNorm\'s matcher'
+    )
 
     def __init__(self, target: str = "ort", exclude: Collection[str] = ()):
         super().__init__(target, exclude)

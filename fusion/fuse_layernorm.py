@@ -53,7 +53,15 @@ class FuseLayerNorm(NormFusionPass):
     refusal with its reason (docs/fusions.md#fuselayernorm).
     """
 
-    kinds = (Kind("layernorm_fused", "layernorm", (Op("LayerNormalization"),)),)
+    kinds = (
+        Kind(
+            "layernorm_fused",
+            "layernorm",
+            (Op("LayerNormalization"),),
+            meaning="hand-written LayerNorms made one `LayerNormalization`",
+        ),
+    )
+    summary = "hand-written LayerNorms into LayerNormalization, matched with norm_match"
     needs_opset = {"onnx": 17}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:

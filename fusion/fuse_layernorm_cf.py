@@ -7,6 +7,7 @@ docs/fusions.md#fusechannelsfirstlayernorm.
 
 from __future__ import annotations
 
+import enum
 import math
 
 import onnx_ir as ir
@@ -20,7 +21,7 @@ from fusion._ir import (
     reduce_axes,
     shape_text,
 )
-from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
+from fusion.base import CannotFuse, Kind, NodeFusionPass, Op
 from fusion.fuse_instancenorm import absorb_per_channel
 from fusion.norm_match import (
     FLOAT,
@@ -30,6 +31,16 @@ from fusion.norm_match import (
     match_mean_square,
     param_value,
 )
+
+
+class LayerNormCFCode(enum.StrEnum):
+    """Why FuseChannelsFirstLayerNorm left a candidate alone, besides the codes every pass shares
+    (:class:`fusion.base.Code`)."""
+
+    #: The exact rewrite was measured slower than the form the graph has on the provider
+    #: (``benchmarks/forms.py --set conv``): that form is kept.
+    SLOWER_MEASURED = "slower_measured"
+
 
 SLOWER = (
     "channels-first LayerNorm over axis 1 of a {shape} input: Transpose -> LayerNormalization "
@@ -82,7 +93,25 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
     :class:`~fusion.fuse_layernorm.FuseLayerNorm`.
     """
 
-    kinds = (Kind("layernorm_cf_fused", "layernorm_cf", (Op("LayerNormalization"),)),)
+    kinds = (
+        Kind(
+            "layernorm_cf_fused",
+            "layernorm_cf",
+            (Op("LayerNormalization"),),
+            meaning=(
+                "hand-written channels-first LayerNorms (statistics over axis 1 of (N, C, ...), "
+                "ConvNeXt's original) made `Transpose -> LayerNormalization -> Transpose`, "
+                "Transposes cancelled against neighbouring inverse ones; where that was measured "
+                "slower (a batch other than 1, no Transpose cancelled) kept and listed under "
+                "`refused` with code `slower_measured`"
+            ),
+        ),
+    )
+    summary = (
+        "channels-first LayerNorms into Transpose -> LayerNormalization -> Transpose, where "
+        "measured faster"
+    )
+    codes = LayerNormCFCode
     needs_opset = {"onnx": 17}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
@@ -104,7 +133,9 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
         to_last, to_first = _perms(rank)
         cancels = _transpose(match.x, to_first) or _reader_transpose(match.output, to_last)
         if cancels is None and match.x.shape[0] != 1:
-            raise CannotFuse(Code.SLOWER_MEASURED, SLOWER.format(shape=shape_text(match.x.shape)))
+            raise CannotFuse(
+                LayerNormCFCode.SLOWER_MEASURED, SLOWER.format(shape=shape_text(match.x.shape))
+            )
         return match
 
     def _normalization(self, node: ir.Node) -> NormMatch | None:

@@ -7,6 +7,8 @@ see docs/fusions.md#fusermsnorm. The matching helpers are in :mod:`fusion.norm_m
 
 from __future__ import annotations
 
+import enum
+
 import onnx_ir as ir
 
 from fusion._ir import label, opset_version, producer, rank_of
@@ -26,6 +28,15 @@ from fusion.norm_match import (
     variance,
     weight_first,
 )
+
+
+class RMSNormCode(enum.StrEnum):
+    """Why FuseRMSNorm left a candidate alone, besides the codes every pass shares
+    (:class:`fusion.base.Code`)."""
+
+    #: ``F.normalize(x) * sqrt(d)``: the L2 norm clamped at eps, not eps added to the mean square.
+    F_NORMALIZE = "f_normalize"
+
 
 EPS_OUTSIDE = (
     "eps outside the square root: not an RMSNorm; differs by orders of magnitude for small inputs"
@@ -63,8 +74,16 @@ class FuseRMSNorm(NormFusionPass):
             "rmsnorm_fused",
             "rmsnorm",
             (Op("RMSNormalization"), Op("SimplifiedLayerNormalization")),
+            meaning=(
+                "hand-written RMSNorms made one `RMSNormalization` / `SimplifiedLayerNormalization`"
+            ),
         ),
     )
+    summary = (
+        "hand-written RMSNorms into RMSNormalization / SimplifiedLayerNormalization, matched with "
+        "norm_match"
+    )
+    codes = RMSNormCode
     needs_opset = {"onnx": 23}
 
     def match(self, model: ir.Model, node: ir.Node) -> NormMatch | None:
@@ -88,7 +107,7 @@ class FuseRMSNorm(NormFusionPass):
             if outside is not None and centered(outside) is None:
                 raise CannotFuse(Code.EPS_OUTSIDE_SQRT, EPS_OUTSIDE)
             if _clamped_l2_norm(found.root):
-                raise CannotFuse(Code.F_NORMALIZE, F_NORMALIZE)
+                raise CannotFuse(RMSNormCode.F_NORMALIZE, F_NORMALIZE)
         core = variance(found.root, found.rsqrt, moments=False)
         if core is None or centered(core.value) is not None:
             return None  # not a norm, or a LayerNorm (FuseLayerNorm's business)

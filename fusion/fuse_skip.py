@@ -19,7 +19,7 @@ from fusion._ir import (
     shape_text,
     sole_consumer,
 )
-from fusion._skip_norm import check_norm
+from fusion._skip_norm import SkipCode, check_norm
 from fusion.base import MS_DOMAIN, CannotFuse, Code, FusionPass, Kind, Op
 
 #: Norm op (default domain) -> the com.microsoft op that adds the residual first.
@@ -103,7 +103,7 @@ def _residual_before(norm: ir.Node, shapes: KnownShapes) -> tuple[ir.Node | None
         return before, node
     name = source.name if source is not None else "a type not recorded"
     raise CannotFuse(
-        Code.CAST_BETWEEN,
+        SkipCode.CAST_BETWEEN,
         f"a Cast from {name} to {to.name} lies between the residual Add and the norm: the Add "
         f"rounds its sum to {name} before the Cast, and the Skip op would add in the norm's type "
         "without that rounding (moving the Cast changes how the sum rounds)",
@@ -167,8 +167,11 @@ class FuseSkip(FusionPass):
                 Op("SkipLayerNormalization", MS_DOMAIN),
                 Op("SkipSimplifiedLayerNormalization", MS_DOMAIN),
             ),
+            meaning="residual Add + norm made com.microsoft `Skip(Simplified)LayerNormalization`",
         ),
     )
+    summary = "a residual Add and the norm after it into Skip(Simplified)LayerNormalization"
+    codes = SkipCode
     targets = ("ort",)
     option = "skip"
     settings = ("skip",)
@@ -198,7 +201,7 @@ class FuseSkip(FusionPass):
                 data, skip = _order(*add.inputs, shapes)
                 if version != 1:
                     raise CannotFuse(
-                        Code.MS_OPSET_VERSION,
+                        SkipCode.MS_OPSET_VERSION,
                         f"the model imports com.microsoft version {version}; the Skip ops are "
                         "version 1",
                     )

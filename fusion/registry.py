@@ -3,14 +3,18 @@
 Whoever needs one of these lists (a caller's report, its half-precision conversion, its
 oracle) reads it here instead of keeping a list of its own. Which passes a run enables is the
 :class:`fusion.Policy` the caller gives :func:`fusion.optimize`. A new fusion
-is one line in :data:`PASSES`; the lists of ops and families below are derived from what the
-passes declare (:attr:`fusion.base.FusionPass.kinds`, :attr:`fusion.base.FusionPass.targets`).
+is one line in :data:`PASSES`; the lists of kinds, codes, ops and families below are derived
+from what the passes declare (:attr:`fusion.base.FusionPass.kinds`,
+:attr:`fusion.base.FusionPass.codes`, :attr:`fusion.base.FusionPass.targets`), and checked
+here when ``fusion`` is imported (:func:`declarations`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Iterable, Mapping
 
+from fusion.base import Code as SharedCode
 from fusion.base import FusionPass, Kind, Op
 from fusion.fold_batchnorm import FoldBatchNorm, algebra
 from fusion.fuse_attention import FuseAttention
@@ -50,8 +54,45 @@ PASSES = (
     FuseSkip,
 )
 
-#: Every kind of rewrite, in report order.
-KINDS: tuple[Kind, ...] = tuple(kind for p in PASSES for kind in p.kinds)
+
+def declarations(
+    passes: Iterable[type[FusionPass]],
+) -> tuple[tuple[Kind, ...], tuple[enum.StrEnum, ...]]:
+    """What ``passes`` declare: their kinds of rewrite in pass order, and every refusal code,
+    the shared :class:`fusion.base.Code` first, then each pass's own
+    (:attr:`~fusion.base.FusionPass.codes`).
+
+    Raises:
+        TypeError: a pass without its :attr:`~fusion.base.FusionPass.summary`, or a kind
+            without its :attr:`~fusion.base.Kind.meaning` (the generated docs need both).
+        ValueError: two kinds of one name, or two codes of one value or one name.
+    """
+    passes = tuple(passes)
+    kinds = tuple(kind for p in passes for kind in p.kinds)
+    codes = (*SharedCode, *(code for p in passes if p.codes is not None for code in p.codes))
+    if missing := [p.__name__ for p in passes if not p.summary]:
+        raise TypeError(f"passes without a summary: {missing}")
+    if missing := [kind.name for kind in kinds if not kind.meaning]:
+        raise TypeError(f"kinds without a meaning: {missing}")
+    for what, names in (
+        ("kind", [kind.name for kind in kinds]),
+        ("code", [str(code) for code in codes]),
+        ("code name", [code.name for code in codes]),
+    ):
+        if twice := sorted({name for name in names if names.count(name) > 1}):
+            raise ValueError(f"{what}s declared twice: {twice}")
+    return kinds, codes
+
+
+#: Every kind of rewrite, in report order; every refusal code (the report's
+#: ``refused[].code``), each value once.
+KINDS, CODES = declarations(PASSES)
+
+#: Every refusal code by name, the shared ones and each pass's own (``fusion.Code``):
+#: ``Code.FEW_HEADS == "few_heads"``.
+Code = enum.StrEnum("Code", [(code.name, str(code)) for code in CODES])
+Code.__doc__ = """Every stable refusal code (the report's ``refused[].code``), by name: the
+shared :class:`fusion.base.Code` and each pass's own, collected from :data:`PASSES`."""
 
 #: The report's count keys (every report carries each, zero or not).
 FUSION_KINDS: tuple[str, ...] = tuple(kind.name for kind in KINDS)

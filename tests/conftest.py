@@ -4,7 +4,10 @@ builders, exports) is the package ``tests.support``."""
 from __future__ import annotations
 
 import gc
+import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,3 +55,36 @@ def out_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "out"
     folder.mkdir()
     return folder
+
+
+class ExportCache:
+    """Files a session makes once (PyTorch exports: seconds each) and tests copy: each test
+    gets its own copy, which it may change, move or delete.
+
+    Args:
+        root: a folder of the session's own, under which each key's files are made.
+    """
+
+    def __init__(self, root: Path):
+        self._root = root
+        self._made: dict[str, Any] = {}
+
+    def copy(self, key: str, make: Callable[[Path], Any], to: Path) -> tuple[Path, Any]:
+        """``to``, a new folder with the files ``make(folder)`` writes, and what that call
+        returned; ``make`` runs the first time ``key`` is asked for, in a folder of its own.
+
+        Raises:
+            FileExistsError: ``to`` exists.
+        """
+        folder = self._root / key
+        if key not in self._made:
+            folder.mkdir()
+            self._made[key] = make(folder)
+        shutil.copytree(folder, to)
+        return to, self._made[key]
+
+
+@pytest.fixture(scope="session")
+def export_cache(tmp_path_factory: pytest.TempPathFactory) -> ExportCache:
+    """The session's :class:`ExportCache` (one per pytest-xdist worker)."""
+    return ExportCache(tmp_path_factory.mktemp("exported"))

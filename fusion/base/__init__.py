@@ -9,8 +9,9 @@ run's :class:`Policy` that turns it on (:attr:`FusionPass.option`), the fields i
 :class:`Fused`, a candidate left alone a :class:`Refused` with a stable :class:`Code`.
 
 To add a fusion: one pass module that subclasses :class:`NodeFusionPass` (or
-:class:`FusionPass`) and declares its :class:`Kind`, one test module, and one line in
-:data:`fusion.registry.PASSES`.
+:class:`FusionPass`) and declares its :class:`Kind`, its summary and its own codes, one line in
+:data:`fusion.registry.PASSES`, its section of docs/fusions.md and one test module
+(docs/architecture.md#recipes).
 
 The parts, imported from here: :mod:`fusion.base.policy` (the targets and :class:`Policy`),
 :mod:`fusion.base.passes` (:class:`Op`, :class:`Kind` and the pass classes),

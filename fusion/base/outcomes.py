@@ -11,8 +11,6 @@ from typing import Any
 
 import onnx_ir as ir
 
-from fusion.base.codes import Code
-
 
 @dataclasses.dataclass(frozen=True)
 class Fused:
@@ -51,7 +49,7 @@ class Refused:
     Attributes:
         family: the :attr:`~fusion.base.Kind.family` of the candidate, e.g. ``"batchnorm"``.
         node: name of the anchor node, as it appears in the ONNX graph.
-        code: the stable reason (a :class:`Code` value).
+        code: the stable reason (a value of ``fusion.Code``).
         detail: one sentence that says why the rewrite would not be exact.
         module: the path of the ``nn.Module`` the anchor came from (``layer1.0.bn1``), where
             the exporter recorded it (:func:`fusion._ir.module_path`), else None.
@@ -114,17 +112,18 @@ class FusionReport:
         self,
         family: str,
         node: str,
-        code: Code,
+        code: str,
         detail: str,
         module: str | None = None,
         path: str | None = None,
     ) -> None:
         """Record that the candidate of ``family`` anchored at ``node`` (from the user's
-        ``module``, where known; in the subgraph ``path``) was left alone, and why."""
+        ``module``, where known; in the subgraph ``path``) was left alone, and why: ``code``, a
+        member of a code enum (:class:`~fusion.base.Code`, a pass's own) or its value."""
         key = (family, node, code, path)
         if any((r.family, r.node, r.code, r.path) == key for r in self.refused):
             return
-        self.refused.append(Refused(family, node, str(Code(code)), detail, module, path))
+        self.refused.append(Refused(family, node, str(code), detail, module, path))
 
     def note(self, text: str) -> None:
         """Record a change to the model that is not a fusion (kept once)."""
@@ -135,7 +134,7 @@ class FusionReport:
         """Append ``other``'s rewrites, refusals and notes (refusals and notes kept once)."""
         self.fused.extend(other.fused)
         for r in other.refused:
-            self.refuse(r.family, r.node, Code(r.code), r.detail, r.module, r.path)
+            self.refuse(r.family, r.node, r.code, r.detail, r.module, r.path)
         for text in other.notes:
             self.note(text)
 

@@ -6,6 +6,7 @@ and :class:`NodeFusionPass`, which matches and rewrites node by node.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Collection, Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -39,18 +40,22 @@ class Kind:
             graph, and for BatchNorm the op that the fold removes.
         norm: whether the family is a normalization (counted by :func:`fusion.norm_ops`);
             attention, GELU and scalar affine folds are not.
+        meaning: what the count counts, for people: its row of the report's table of kinds
+            (docs/report.md#fusions, generated from it by ``tools/docs.py``).
     """
 
     name: str
     family: str
     ops: tuple[Op, ...] = ()
     norm: bool = True
+    meaning: str = dataclasses.field(default="", kw_only=True)
 
 
 class FusionPass(ir.passes.InPlacePass):
     """Base class of the fusion passes: declarations, the opset gate, and the outcomes.
 
-    Subclasses set :attr:`kinds` and implement :meth:`apply`; they record into
+    Subclasses set :attr:`kinds` (each with its meaning), :attr:`summary` and, where they raise
+    codes of their own, :attr:`codes`, and implement :meth:`apply`; they record into
     :attr:`outcomes` with :meth:`fused` and :meth:`refused`. :meth:`call` runs :meth:`apply` on
     the main graph, then on each subgraph (``If`` branches, ``Loop`` and ``Scan`` bodies), given
     as a :class:`fusion._scopes.Scope` whose ``graph`` is the subgraph
@@ -74,6 +79,12 @@ class FusionPass(ir.passes.InPlacePass):
 
     #: The kinds of rewrite this pass makes; the first is the one its refusals belong to.
     kinds: ClassVar[tuple[Kind, ...]]
+    #: One line: what the pass rewrites into what (docs/architecture.md's Layout, generated from
+    #: it by ``tools/docs.py``).
+    summary: ClassVar[str] = ""
+    #: The refusal codes the pass raises besides the shared :class:`~fusion.base.Code`: an enum
+    #: declared in its module, or None where it has none of its own.
+    codes: ClassVar[type[enum.StrEnum] | None] = None
     #: The targets the pass may run for.
     targets: ClassVar[tuple[str, ...]] = TARGETS
     #: The field of :class:`fusion.base.policy.Policy` (a keyword of ``optimize()``) that turns the

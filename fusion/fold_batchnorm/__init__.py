@@ -17,11 +17,12 @@ from __future__ import annotations
 import onnx_ir as ir
 
 from fusion._ir import KnownShapes, label
-from fusion.base import CannotFuse, Code, FusionPass, Kind, Op
+from fusion.base import CannotFuse, FusionPass, Kind, Op
 from fusion.fold_batchnorm.across import ACROSS
 from fusion.fold_batchnorm.after import chain_after, explain, fold_chain_after
 from fusion.fold_batchnorm.algebra import LINEAR, batchnorm_affine
 from fusion.fold_batchnorm.before import fold_into_next
+from fusion.fold_batchnorm.codes import BatchNormCode
 from fusion.fold_batchnorm.computed import fold_computed
 
 __all__ = ["FoldBatchNorm"]
@@ -44,9 +45,32 @@ class FoldBatchNorm(FusionPass):
     """
 
     kinds = (
-        Kind("batchnorm_folded", "batchnorm", (Op("BatchNormalization"),)),
-        Kind("affine_folded", "affine", norm=False),
+        Kind(
+            "batchnorm_folded",
+            "batchnorm",
+            (Op("BatchNormalization"),),
+            meaning=(
+                "BatchNorms folded into a neighbouring Conv / ConvTranspose / Gemm / MatMul (also "
+                "into the classifiers after a global mean pooling): BatchNormalization nodes, and "
+                "BatchNorms written by hand (a per-channel scale with the mean subtracted or a "
+                "shift added after it)"
+            ),
+        ),
+        Kind(
+            "affine_folded",
+            "affine",
+            norm=False,
+            meaning=(
+                "constant scalings that are no BatchNorm folded into a linear layer: scalars (e.g. "
+                "attention's 1/sqrt(d)) and per-channel layer scales (e.g. ConvNeXt's `gamma * x`)"
+            ),
+        ),
     )
+    summary = (
+        "eval-mode BatchNorms and constant per-channel affine maps folded into the neighbouring "
+        "Conv / ConvTranspose / Gemm / MatMul"
+    )
+    codes = BatchNormCode
 
     def apply(self, model: ir.Model) -> bool:
         """Fold in place (the constants computed from constants that a fold needs first:
@@ -106,7 +130,7 @@ def _both(before: CannotFuse, after: CannotFuse) -> CannotFuse:
     # The code is the more informative of the two: the reason from the layer before, unless
     # there is none before (no_linear_layer) and there is one after that refused (any code but
     # no_linear_layer): then that layer's reason, e.g. padded_conv or maxpool_negative_scale.
-    no_layer = Code.NO_LINEAR_LAYER
+    no_layer = BatchNormCode.NO_LINEAR_LAYER
     code = after.code if before.code == no_layer and after.code != no_layer else before.code
     detail = f"{before.detail}; and it cannot fold into the layer after it: {after.detail}"
     return CannotFuse(code, detail)

@@ -12,6 +12,7 @@ import onnx_ir as ir
 
 from fusion._ir import KnownShapes, label, num_consumers, reduce_axes, same_dim, shape_text
 from fusion.base import CannotFuse, Code
+from fusion.fold_batchnorm.codes import BatchNormCode
 
 RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 #: Ops that take the max over a window or over axes: a map moves across them only with a
@@ -117,7 +118,7 @@ def move(node: ir.Node, coeff: np.ndarray, shapes: KnownShapes, forward: bool) -
         ) from None
     if moved is None:
         raise CannotFuse(
-            Code.CHANNELS_REGROUPED,
+            BatchNormCode.CHANNELS_REGROUPED,
             f"{op} '{label(node)}' from {shape_text(src)} to {shape_text(dst)} regroups the "
             "channels across dimensions whose sizes are unknown",
         )
@@ -176,7 +177,7 @@ def _move_across_reduction(
         return coeff if keepdims else np.expand_dims(coeff, axes)
     if varying:
         raise CannotFuse(
-            Code.POOLS_OVER_CHANNELS,
+            BatchNormCode.POOLS_OVER_CHANNELS,
             f"{node.op_type} '{label(node)}' reduces axis {varying[0]}, along which the map "
             "varies (its channels): the reduction of s * x + t is no map of the reduction of x",
         )
@@ -215,13 +216,14 @@ def rank_after(node: ir.Node, rank: int, shapes: KnownShapes) -> int:
     op = node.op_type
     if op == "MaxPool" and any(out is not None and num_consumers(out) for out in node.outputs[1:]):
         raise CannotFuse(
-            Code.MAXPOOL_INDICES_USED, f"MaxPool '{label(node)}' has its Indices output in use"
+            BatchNormCode.MAXPOOL_INDICES_USED,
+            f"MaxPool '{label(node)}' has its Indices output in use",
         )
     if op == "Transpose":
         perm = node.attributes.get_ints("perm", ())
         if perm and len(perm) != rank:
             raise CannotFuse(
-                Code.PERM_MISMATCH,
+                BatchNormCode.PERM_MISMATCH,
                 f"Transpose '{label(node)}' has perm {perm} for a rank-{rank} input",
             )
     if op in RESHAPES:

@@ -39,6 +39,7 @@ from fusion.fold_batchnorm.algebra import (
     per_channel,
     step,
 )
+from fusion.fold_batchnorm.codes import BatchNormCode
 
 
 class Folded(NamedTuple):
@@ -173,7 +174,7 @@ def _check_pools(pools: list[list], a: np.ndarray) -> None:
         if np.any(pool[1] <= 0):
             k = int(np.argmin(pool[1]))
             raise CannotFuse(
-                Code.MAXPOOL_NEGATIVE_SCALE,
+                BatchNormCode.MAXPOOL_NEGATIVE_SCALE,
                 f"it comes after {pool[0].op_type} '{label(pool[0])}', and a max commutes with a "
                 "per-channel scale only when it is positive: folding it would scale channel "
                 f"{k} by {pool[1][k]:.4g}",
@@ -249,7 +250,7 @@ def on_layer_output(
     varying = [i for i, n in enumerate(moved[0].shape) if n != 1 and i != layer.axis]
     if len(varying) == 1:
         raise CannotFuse(
-            Code.WRONG_CHANNEL_AXIS,
+            BatchNormCode.WRONG_CHANNEL_AXIS,
             f"BatchNormalization normalizes axis 1 of its input, which is axis "
             f"{varying[0]} of the {layer.node.op_type} output (rank {layer.rank}), but "
             f"that output has its channels on axis {layer.axis}",
@@ -343,7 +344,7 @@ def explain(value: ir.Value, stops: dict[ir.Node, CannotFuse], shapes: KnownShap
     producer = value.producer()
     if producer is None:
         return CannotFuse(
-            Code.NO_LINEAR_LAYER,
+            BatchNormCode.NO_LINEAR_LAYER,
             f"input '{value.name}' is a graph input, not the output of {LINEAR_NAMES}: "
             "no linear layer to fold into",
         )
@@ -356,7 +357,7 @@ def explain(value: ir.Value, stops: dict[ir.Node, CannotFuse], shapes: KnownShap
             return refusal
     elif op not in (*AFFINE, *ACROSS) or len(data) != 1:
         return CannotFuse(
-            Code.NO_LINEAR_LAYER,
+            BatchNormCode.NO_LINEAR_LAYER,
             f"input comes from {op}, not from {LINEAR_NAMES}: no linear layer to fold into",
         )
     shared = _shared(op, value)
@@ -364,7 +365,8 @@ def explain(value: ir.Value, stops: dict[ir.Node, CannotFuse], shapes: KnownShap
         return shared
     if op in LINEAR:  # a foldable layer with one reader: the walk from it stopped at `stops`
         return CannotFuse(
-            Code.CHAIN_NOT_FOLDED, f"the chain after {op} '{label(producer)}' could not be folded"
+            BatchNormCode.CHAIN_NOT_FOLDED,
+            f"the chain after {op} '{label(producer)}' could not be folded",
         )
     why = stops.get(producer) or explain(data[0], stops, shapes)
     if op in ACROSS:

@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from fusion._ir import KnownShapes, const_array, num_consumers, other_input, shape_text
 from fusion.base import CannotFuse, Code
+from fusion.fold_batchnorm.codes import BatchNormCode
 
 #: The layers a map folds into.
 LINEAR = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -79,20 +80,20 @@ def as_layer(node: ir.Node, shapes: KnownShapes) -> Layer:
         if op == "Gemm":
             if weight.ndim != 2:
                 detail = f"Gemm weight has shape {weight.shape}, not 2-D"
-                raise CannotFuse(Code.WEIGHT_SHAPE, detail)
+                raise CannotFuse(BatchNormCode.WEIGHT_SHAPE, detail)
             transposed = node.attributes.get_int("transB", 0)
             layer = Layer(node, weight, weight.shape[0 if transposed else 1], 2, 1)
         else:
             if weight.ndim < 3:
                 detail = f"{op} weight has shape {weight.shape}: expected (C, C', k...)"
-                raise CannotFuse(Code.WEIGHT_SHAPE, detail)
+                raise CannotFuse(BatchNormCode.WEIGHT_SHAPE, detail)
             group = node.attributes.get_int("group", 1)
             channels = weight.shape[0] if op == "Conv" else weight.shape[1] * group
             layer = Layer(node, weight, channels, weight.ndim, 1)
         bias = constant(node, 2, "bias")
         if bias is not None and not _bias_fits(bias, op, layer.channels):
             raise CannotFuse(
-                Code.BIAS_SHAPE,
+                BatchNormCode.BIAS_SHAPE,
                 f"{op} bias has shape {bias.shape}, which does not fit {layer.channels} output "
                 "channels (ONNX Runtime rejects such a model)",
             )
@@ -110,7 +111,9 @@ def _matmul_layer(node: ir.Node, shapes: KnownShapes) -> Layer:
     if weight is None:
         raise CannotFuse(Code.NOT_CONSTANT, "MatMul has no constant weight as its second input")
     if weight.ndim != 2:
-        raise CannotFuse(Code.WEIGHT_SHAPE, f"MatMul weight has shape {weight.shape}, not 2-D")
+        raise CannotFuse(
+            BatchNormCode.WEIGHT_SHAPE, f"MatMul weight has shape {weight.shape}, not 2-D"
+        )
     shape = node.outputs[0].shape or node.inputs[0].shape or shapes(node.inputs[0])
     if shape is None:
         raise CannotFuse(
@@ -161,24 +164,27 @@ def batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
     training = _training_mode(node)
     if training is not None:
         raise CannotFuse(
-            Code.TRAINING_MODE, f"{training}: statistics come from the batch, not from constants"
+            BatchNormCode.TRAINING_MODE,
+            f"{training}: statistics come from the batch, not from constants",
         )
     if node.attributes.get_int("spatial", 1) == 0:
         raise CannotFuse(
-            Code.SPATIAL_ZERO, "spatial=0: statistics are per element, not per channel"
+            BatchNormCode.SPATIAL_ZERO, "spatial=0: statistics are per element, not per channel"
         )
     names = ("scale", "B", "input_mean", "input_var")
     scale, bias, mean, var = (constant(node, i + 1, what) for i, what in enumerate(names))
     shapes = {a.shape for a in (scale, bias, mean, var)}
     if len(shapes) != 1 or len(next(iter(shapes))) != 1:
         raise CannotFuse(
-            Code.PARAMETER_SHAPE, f"parameters have shapes {sorted(shapes)}, not one (C,) shape"
+            BatchNormCode.PARAMETER_SHAPE,
+            f"parameters have shapes {sorted(shapes)}, not one (C,) shape",
         )
     epsilon = node.attributes.get_float("epsilon", 1e-5)
     denominator = var.astype(np.float64) + epsilon
     if np.any(denominator <= 0):
         raise CannotFuse(
-            Code.NONPOSITIVE_VARIANCE, "input_var + epsilon is not positive for every channel"
+            BatchNormCode.NONPOSITIVE_VARIANCE,
+            "input_var + epsilon is not positive for every channel",
         )
     s = scale.astype(np.float64) / np.sqrt(denominator)
     return s, bias.astype(np.float64) - mean.astype(np.float64) * s
@@ -245,7 +251,7 @@ def step(node: ir.Node, value: ir.Value, rank: int) -> tuple[np.ndarray, np.ndar
         s, t = batchnorm_affine(node)
         if rank < 2:
             raise CannotFuse(
-                Code.NO_CHANNEL_AXIS,
+                BatchNormCode.NO_CHANNEL_AXIS,
                 f"BatchNormalization on a rank-{rank} input has no channel axis",
             )
         shape = (1, s.size) + (1,) * (rank - 2)
@@ -283,11 +289,12 @@ def _elementwise_step(
         return (ones, -c) if value_first else (-ones, c)
     if not value_first:
         raise CannotFuse(
-            Code.NOT_AFFINE, "divides a constant by the layer output: not an affine map"
+            BatchNormCode.NOT_AFFINE, "divides a constant by the layer output: not an affine map"
         )
     if np.any(c == 0):
         raise CannotFuse(
-            Code.ZERO_DIVISOR, "divides by a constant with a zero element: no exact reciprocal"
+            BatchNormCode.ZERO_DIVISOR,
+            "divides by a constant with a zero element: no exact reciprocal",
         )
     return 1.0 / c, zeros
 

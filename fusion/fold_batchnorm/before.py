@@ -20,6 +20,7 @@ from fusion.base import CannotFuse, Code
 from fusion.fold_batchnorm.across import ACROSS, MAXES, move, rank_after
 from fusion.fold_batchnorm.after import add_to_matmul_bias
 from fusion.fold_batchnorm.algebra import as_layer, batchnorm_affine, check_channels, constant
+from fusion.fold_batchnorm.codes import BatchNormCode
 
 
 def fold_into_next(graph: ir.Graph, bn: ir.Node, shapes: KnownShapes) -> str:
@@ -95,10 +96,10 @@ def _follow(value: ir.Value, across: list[ir.Node], paths: list) -> None:
     where = "its output" if not across else f"the output of {across[-1].op_type} after it"
     readers = [u for u in value.uses() if u.node.op_type not in ("Shape", "Size")]
     if value.is_graph_output():
-        code = Code.SHARED_OUTPUT if readers else Code.NO_LINEAR_LAYER
+        code = Code.SHARED_OUTPUT if readers else BatchNormCode.NO_LINEAR_LAYER
         raise CannotFuse(code, f"{where} is {'also ' if readers else ''}a graph output")
     if not readers:
-        raise CannotFuse(Code.NO_LINEAR_LAYER, f"{where} is read by no layer")
+        raise CannotFuse(BatchNormCode.NO_LINEAR_LAYER, f"{where} is read by no layer")
     for node, index in readers:
         try:
             _follow_reader(node, index, value, across, paths)
@@ -122,12 +123,12 @@ def _follow_reader(
     through = f" (through {', '.join(n.op_type for n in across)})" if across else ""
     if node.op_type not in ("Conv", "Gemm", "MatMul") or node.domain != "":
         raise CannotFuse(
-            Code.NO_LINEAR_LAYER,
+            BatchNormCode.NO_LINEAR_LAYER,
             f"its output goes to {node.op_type}{through}, not to an unpadded Conv, Gemm or MatMul",
         )
     if index != 0:
         raise CannotFuse(
-            Code.NO_LINEAR_LAYER,
+            BatchNormCode.NO_LINEAR_LAYER,
             f"its output{through} is not the data input of {node.op_type} '{label(node)}'",
         )
     paths.append((across, node))
@@ -152,7 +153,7 @@ def _carry_to_layer(
     if pool is not None and np.any(s <= 0):
         k = int(np.argmin(s))
         raise CannotFuse(
-            Code.MAXPOOL_NEGATIVE_SCALE,
+            BatchNormCode.MAXPOOL_NEGATIVE_SCALE,
             f"{pool.op_type} '{label(pool)}' lies between it and the {node.op_type}, and a max "
             "commutes with BatchNorm only when every scale gamma / sqrt(var + eps) is positive: "
             f"channel {k} has scale {s[k]:.4g}",
@@ -167,7 +168,7 @@ def _carry_to_layer(
         other = next((i for i, n in enumerate(c.shape) if n != 1 and i != axis), None)
         if other is not None:
             raise CannotFuse(
-                Code.WRONG_CHANNEL_AXIS,
+                BatchNormCode.WRONG_CHANNEL_AXIS,
                 f"its channels reach the {node.op_type} input along axis {other}, not along "
                 f"the axis of its input channels ({axis})",
             )
@@ -192,7 +193,9 @@ def _input_rank(bn: ir.Node, across: list[ir.Node], node: ir.Node, shapes: Known
             "the rank of its input is unknown: cannot tell where its channels go",
         )
     if rank < 2:
-        raise CannotFuse(Code.NO_CHANNEL_AXIS, f"its input has rank {rank}: no channel axis")
+        raise CannotFuse(
+            BatchNormCode.NO_CHANNEL_AXIS, f"its input has rank {rank}: no channel axis"
+        )
     return rank
 
 
@@ -207,13 +210,14 @@ def _check_reads_map(node: ir.Node) -> None:
         pads = node.attributes.get_ints("pads", ())
         if any(pads) or node.attributes.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
             raise CannotFuse(
-                Code.PADDED_CONV,
+                BatchNormCode.PADDED_CONV,
                 "the Conv after it pads its input: zero padding is applied after BatchNorm in "
                 "the original, and a padded zero is not s * 0 + t",
             )
     elif node.op_type == "Gemm" and node.attributes.get_int("transA", 0):
         raise CannotFuse(
-            Code.GEMM_TRANS_A, "the Gemm after it has transA=1: BatchNorm axis 1 is not its K axis"
+            BatchNormCode.GEMM_TRANS_A,
+            "the Gemm after it has transA=1: BatchNorm axis 1 is not its K axis",
         )
 
 

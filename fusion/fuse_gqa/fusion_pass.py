@@ -105,7 +105,18 @@ class FuseGroupQueryAttention(NodeFusionPass):
             "gqa",
             (Op("GroupQueryAttention", MS_DOMAIN), Op("Attention"), Op("RotaryEmbedding")),
             norm=False,
+            meaning=(
+                "decoder attention (grouped or not, with its rotary embedding) made com.microsoft "
+                "`GroupQueryAttention` (`--target ort`, CPU provider; `fusion.fuse_gqa`), or, with "
+                "a KV cache or a mask computed at run time, ONNX's `Attention` and "
+                "`RotaryEmbedding` (opset 23, `fusion.fuse_gqa.standard`; GroupQueryAttention "
+                "behind an `If` on the inputs its kernel takes where the model cannot be raised to "
+                "opset 23, `fusion.fuse_gqa.guard`)"
+            ),
         ),
+    )
+    summary = (
+        "a decoder's attention into GroupQueryAttention or ONNX's Attention with RotaryEmbedding"
     )
     targets = ("ort",)
     option = "gqa"

@@ -24,6 +24,7 @@ from fusion._ir import (
 from fusion.base import CannotFuse, Code
 from fusion.fuse_gqa import core as gqa_core
 from fusion.fuse_sdpa import scales
+from fusion.fuse_sdpa.codes import SDPACode
 
 #: The ops between ``Q @ K^T`` and the Softmax that the scores are parsed through.
 _CHAIN = ("Add", "Mul", "Div", "Where", "Reshape")
@@ -286,7 +287,7 @@ def scores(value: ir.Value) -> Scores:
 
 
 def _form(detail: str) -> CannotFuse:
-    return CannotFuse(Code.SCORES_FORM, detail)
+    return CannotFuse(SDPACode.SCORES_FORM, detail)
 
 
 def _factor(node: ir.Node, found: Scores) -> ir.Value:

@@ -14,6 +14,7 @@ from fusion._ir import dims, escaping_value, opset_version
 from fusion.base import CannotFuse, Code, Kind, NodeFusionPass, Op
 from fusion.fuse_gqa import standard
 from fusion.fuse_sdpa import build, core, masks, scales
+from fusion.fuse_sdpa.codes import SDPACode
 
 
 @dataclasses.dataclass
@@ -60,7 +61,23 @@ class FuseSDPA(NodeFusionPass):
     (docs/fusions.md#fusesdpa); counted as ``sdpa_fused``, refusals under ``attention``. The
     model's opset is raised to 23 before the first rewrite."""
 
-    kinds = (Kind("sdpa_fused", "attention", (Op("Attention"),), norm=False),)
+    kinds = (
+        Kind(
+            "sdpa_fused",
+            "attention",
+            (Op("Attention"),),
+            norm=False,
+            meaning=(
+                "scaled dot-product attention however it was decomposed (torch's "
+                "`scaled_dot_product_attention`, `nn.MultiheadAttention`, diffusers, open_clip, "
+                "whisper, segment-anything, YOLO's C2PSA) made ONNX's `Attention` (opset 23, the "
+                "model's raised from 18 and above: said in `notes`; `fusion.fuse_sdpa`), both "
+                "targets; with `--target ort` only the attention `attention_fused` leaves"
+            ),
+        ),
+    )
+    summary = "attention however decomposed into ONNX's Attention"
+    codes = SDPACode
     needs_opset = {"ort": standard.OPSET, "onnx": standard.OPSET}
     option = "sdpa"
     on_by_default = ("ort", "onnx")
@@ -86,7 +103,9 @@ class FuseSDPA(NodeFusionPass):
             raise CannotFuse(Code.UNKNOWN_SHAPE, "the rank of the scores is not known")
         axis = node.attributes.get_int("axis", -1 if opset >= 13 else 1)
         if axis not in (-1, len(shape) - 1):
-            raise CannotFuse(Code.SOFTMAX_AXIS, f"the Softmax is over axis {axis}, not the keys")
+            raise CannotFuse(
+                SDPACode.SOFTMAX_AXIS, f"the Softmax is over axis {axis}, not the keys"
+            )
         reached = core.weights(node)
         pv, transposed, perm = reached.product, reached.transposed, reached.perm
         found = core.scores(node.inputs[0])
@@ -100,7 +119,7 @@ class FuseSDPA(NodeFusionPass):
         self._provider_gate(query, transposed)
         scale = found.factor * q_factor * k_factor
         if not (math.isfinite(scale) and scale > 0):
-            raise CannotFuse(Code.SCALE_NOT_POSITIVE, f"the scale {scale} is not positive")
+            raise CannotFuse(SDPACode.SCALE_NOT_POSITIVE, f"the scale {scale} is not positive")
         product = dims(found.matmul.outputs[0])  # the scores before a mask broadcasts them
         if product is None:
             raise CannotFuse(Code.UNKNOWN_SHAPE, "the shape of Q @ K^T is not known")
@@ -131,13 +150,13 @@ class FuseSDPA(NodeFusionPass):
         slices = core.slices(query)
         if slices < self.threads:
             raise CannotFuse(
-                Code.FEW_HEADS,
+                SDPACode.FEW_HEADS,
                 f"batch x heads is {slices}, fewer than the {self.threads} intra-op threads: "
                 "ONNX Runtime's CPU Attention runs one thread per batch and head",
             )
         if transposed and not self.sdpa_transposed:
             raise CannotFuse(
-                Code.TRANSPOSED_FORM,
+                SDPACode.TRANSPOSED_FORM,
                 "the attention is transposed (V @ P^T): Attention needs Q, K, V and its output "
                 "transposed, copies the MatMuls do not make on this provider",
             )

@@ -19,6 +19,7 @@ from fusion._ir import const_array, dims, producer, same_dim, scalar_const
 from fusion.base import CannotFuse, Code
 from fusion.fuse_gqa import masks as gqa_masks
 from fusion.fuse_gqa import standard
+from fusion.fuse_sdpa.codes import SDPACode
 
 #: The highest fill of a boolean mask taken as masking (see docs/fusions.md#fusesdpa).
 LARGE_NEGATIVE = -1e4
@@ -74,7 +75,7 @@ class Mask:
 
 
 def _refuse(detail: str) -> CannotFuse:
-    return CannotFuse(Code.MASK_NOT_EXACT, detail)
+    return CannotFuse(SDPACode.MASK_NOT_EXACT, detail)
 
 
 def _evaluated(value: ir.Value, opset: int) -> list[np.ndarray] | None:
@@ -263,7 +264,7 @@ def of_scores(scores, guard: bool, opset: int, shape: list) -> Mask | None:
     """
     if scores.where is not None:
         if scores.terms or scores.view is not None:
-            raise CannotFuse(Code.SCORES_FORM, "a boolean mask beside another mask or bias")
+            raise CannotFuse(SDPACode.SCORES_FORM, "a boolean mask beside another mask or bias")
         mask = boolean(scores.where, guard, opset)
     elif scores.terms or scores.view is not None:
         mask = Mask()

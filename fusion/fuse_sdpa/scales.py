@@ -9,8 +9,9 @@ import numpy as np
 import onnx_ir as ir
 
 from fusion._ir import producer, scalar_const
-from fusion.base import CannotFuse, Code
+from fusion.base import CannotFuse
 from fusion.fuse_gqa import parts
+from fusion.fuse_sdpa.codes import SDPACode
 
 
 def unscaled(value: ir.Value) -> tuple[ir.Value, float, list[ir.Node]]:
@@ -54,10 +55,12 @@ def per_head(node: ir.Node, scale: np.ndarray, scores: list | None) -> np.ndarra
     shape, rank = scale.shape, len(scores or ())
     if not (3 <= len(shape) <= rank and shape[-3] == scale.size and shape[-3] == scores[-3]):
         raise CannotFuse(
-            Code.SCALE_NOT_SCALAR,
+            SDPACode.SCALE_NOT_SCALAR,
             f"{node.name!r} scales the scores by a constant of shape {list(shape)}, not one "
             "number per head: Attention's scale is one number",
         )
     if not np.isfinite(scale).all():
-        raise CannotFuse(Code.SCALE_NOT_POSITIVE, f"{node.name!r}: a head's scale is not finite")
+        raise CannotFuse(
+            SDPACode.SCALE_NOT_POSITIVE, f"{node.name!r}: a head's scale is not finite"
+        )
     return scale

@@ -17,6 +17,7 @@ from fusion._ir import KnownShapes, const_array, label, remove_nodes, replace_ou
 from fusion.base import CannotFuse, FusionPass, Kind
 from fusion.fold_batchnorm.after import fold_chain_after
 from fusion.merge_branches.branches import Sum, collect, is_conv, read_once
+from fusion.merge_branches.codes import ReparamCode
 from fusion.merge_branches.dense import DensePlan, merged_dense, rewrite_dense
 from fusion.merge_branches.kernel import Plan, merged_conv
 from fusion.merge_branches.pair import is_pair, sequential_weights
@@ -32,7 +33,24 @@ class MergeBranches(FusionPass):
     bias. Graph outputs keep their names.
     """
 
-    kinds = (Kind("reparam_merged", "reparam", norm=False),)
+    kinds = (
+        Kind(
+            "reparam_merged",
+            "reparam",
+            norm=False,
+            meaning=(
+                "re-parameterizable blocks merged into one Conv (`fusion.merge_branches`): a sum of"
+                " Conv, identity and BatchNorm branches reading one tensor (RepVGG, MobileOne, "
+                "RepViT, FastViT), or a 1x1 Conv followed by a Conv; the BatchNorms a merge absorbs"
+                " count in `batchnorm_folded`"
+            ),
+        ),
+    )
+    summary = (
+        "re-parameterizable blocks (branches of Conv, identity and BatchNorm; 1x1 -> kxk pairs; "
+        "sums of linear layers) merged into one layer"
+    )
+    codes = ReparamCode
 
     def apply(self, model: ir.Model) -> bool:
         """Merge in place: 1x1 -> kxk pairs first (a pair may be a branch of a sum), then the

@@ -9,7 +9,8 @@ import numpy as np
 import onnx_ir as ir
 
 from fusion._ir import const_array, label
-from fusion.base import CannotFuse, Code
+from fusion.base import CannotFuse
+from fusion.merge_branches.codes import ReparamCode
 
 #: How many nodes up a branch that is no Conv, identity or BatchNorm is followed to find that it
 #: reads the block's input through another op (a ReLU in a branch): then it is refused, not
@@ -118,7 +119,7 @@ def collect(root: ir.Node) -> Sum | None:
             if through is None:
                 return None  # a tensor from elsewhere: no block of branches of x
             raise CannotFuse(
-                Code.BRANCH_NOT_CONV,
+                ReparamCode.BRANCH_NOT_CONV,
                 f"a branch reads '{x.name}' through {through.op_type} '{label(through)}': "
                 "only Convs, the identity and BatchNorms of it merge into one Conv",
             )

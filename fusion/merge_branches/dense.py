@@ -13,6 +13,7 @@ from fusion._ir import KnownShapes, const_array, label, remove_nodes, replace_ou
 from fusion.base import CannotFuse, Code
 from fusion.fold_batchnorm.after import add_to_matmul_bias
 from fusion.merge_branches.branches import Sum, is_dense
+from fusion.merge_branches.codes import ReparamCode
 
 
 @dataclasses.dataclass
@@ -37,7 +38,7 @@ def merged_dense(found: Sum, shapes: KnownShapes) -> DensePlan:
     """
     if any(b.node is None or not is_dense(b.node) for b in found.branches):
         raise CannotFuse(
-            Code.BRANCH_NOT_CONV,
+            ReparamCode.BRANCH_NOT_CONV,
             "an identity or BatchNorm branch beside Gemm / MatMul branches: only the linear "
             "layers of one input merge into one",
         )
@@ -47,7 +48,7 @@ def merged_dense(found: Sum, shapes: KnownShapes) -> DensePlan:
     shapes = {w.shape for w in weights}
     if len(shapes) != 1:
         raise CannotFuse(
-            Code.GROUP_MISMATCH,
+            ReparamCode.GROUP_MISMATCH,
             f"the Gemm / MatMul branches have weights of shapes {sorted(shapes)}: no one layer "
             "computes their sum",
         )

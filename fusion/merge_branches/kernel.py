@@ -14,6 +14,7 @@ from fusion._ir import const_array, label
 from fusion.base import CannotFuse, Code
 from fusion.fold_batchnorm.algebra import batchnorm_affine
 from fusion.merge_branches.branches import Branch, Sum, bias_of
+from fusion.merge_branches.codes import ReparamCode
 
 
 @dataclasses.dataclass
@@ -68,7 +69,7 @@ def merged_conv(found: Sum) -> Plan:
     ranks = {w.ndim for w in weights}
     if len(groups) != 1 or len(shapes) != 1 or len(ranks) != 1:
         raise CannotFuse(
-            Code.GROUP_MISMATCH,
+            ReparamCode.GROUP_MISMATCH,
             f"the Conv branches differ in group ({sorted(groups)}) or channels "
             f"({sorted(shapes)}): no one Conv computes their sum",
         )
@@ -81,7 +82,7 @@ def merged_conv(found: Sum) -> Plan:
     others = [b for b in found.branches if b.node is None or b.node.op_type != "Conv"]
     if others and c_in != c_out:
         raise CannotFuse(
-            Code.GROUP_MISMATCH,
+            ReparamCode.GROUP_MISMATCH,
             f"an identity or BatchNorm branch beside Convs of {c_in} input and {c_out} output "
             "channels: the identity maps a channel to itself",
         )
@@ -92,7 +93,7 @@ def merged_conv(found: Sum) -> Plan:
     taps = sum(g.taps for g in geometries.values())
     if target.taps > taps:
         raise CannotFuse(
-            Code.MORE_WORK,
+            ReparamCode.MORE_WORK,
             f"the merged kernel {'x'.join(map(str, target.kernel))} has {target.taps} taps, the "
             f"branches {taps} together: one Conv would do more multiply-adds than they do",
         )
@@ -125,7 +126,7 @@ def _geometry(conv: ir.Node, kernel: tuple[int, ...]) -> Geometry:
     auto_pad = conv.attributes.get_string("auto_pad", "NOTSET")
     if auto_pad not in ("NOTSET", "VALID"):
         raise CannotFuse(
-            Code.PADS_NOT_ALIGNED,
+            ReparamCode.PADS_NOT_ALIGNED,
             f"Conv '{label(conv)}' has auto_pad {auto_pad}: its pads depend on the input size",
         )
     pads = list(conv.attributes.get_ints("pads", [0] * 2 * axes))
@@ -150,12 +151,13 @@ def _stride(convs: list[Branch], geometries: dict, identity: bool, axes: int) ->
     strides = {geometries[id(b)].stride for b in convs}
     if len(strides) != 1:
         raise CannotFuse(
-            Code.STRIDE_MISMATCH, f"the Conv branches have different strides {sorted(strides)}"
+            ReparamCode.STRIDE_MISMATCH,
+            f"the Conv branches have different strides {sorted(strides)}",
         )
     (stride,) = strides
     if identity and any(s != 1 for s in stride):
         raise CannotFuse(
-            Code.STRIDE_MISMATCH,
+            ReparamCode.STRIDE_MISMATCH,
             f"an identity or BatchNorm branch beside Convs of stride {list(stride)}: the "
             "identity does not subsample",
         )
@@ -172,7 +174,7 @@ def _target(geometries: list[Geometry], stride: tuple) -> Geometry:
     extents = {g.extent for g in geometries}
     if len(extents) != 1:
         raise CannotFuse(
-            Code.PADS_NOT_ALIGNED,
+            ReparamCode.PADS_NOT_ALIGNED,
             "the branches' pads and kernels do not line up: pad_begin + pad_end - dilation * "
             f"(kernel - 1) per axis is {sorted(extents)}, not one",
         )
@@ -188,7 +190,8 @@ def _target(geometries: list[Geometry], stride: tuple) -> Geometry:
         pad_end = extent[axis] - (-low) + grid * (size - 1)
         if pad_end < 0:
             raise CannotFuse(
-                Code.PADS_NOT_ALIGNED, f"the merged Conv would need a negative pad on axis {axis}"
+                ReparamCode.PADS_NOT_ALIGNED,
+                f"the merged Conv would need a negative pad on axis {axis}",
             )
         kernel.append(size)
         dilation.append(grid)

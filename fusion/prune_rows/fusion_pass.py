@@ -4,13 +4,24 @@ row by row, so that they compute the selected rows only (docs/fusions.md#prunero
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 import onnx_ir as ir
 
 from fusion._ir import add_initializer, label, reduce_axes, replace_output
-from fusion.base import CannotFuse, Code, FusionPass, Kind
+from fusion.base import CannotFuse, FusionPass, Kind
 from fusion.prune_rows import rules, shapes
 from fusion.prune_rows.rows import Selection, keep_last, read, select
+
+
+class RowsCode(enum.StrEnum):
+    """Why PruneRows left a candidate alone, besides the codes every pass shares
+    (:class:`fusion.base.Code`)."""
+
+    #: A mean or sum over the rows of a tail that computes row by row: every row is read,
+    #: nothing to prune.
+    EVERY_ROW_READ = "every_row_read"
 
 
 class PruneRows(FusionPass):
@@ -25,7 +36,21 @@ class PruneRows(FusionPass):
     selection moves and where it stops: docs/fusions.md#prunerows.
     """
 
-    kinds = (Kind("rows_pruned", "rows", norm=False),)
+    kinds = (
+        Kind(
+            "rows_pruned",
+            "rows",
+            norm=False,
+            meaning=(
+                "selections of rows (a `Gather` of a constant index, a `Slice` of a constant range:"
+                " a class token, a pooler's first token) moved up through the ops that compute row "
+                "by row, which then compute the selected rows only (`fusion.prune_rows`, "
+                "[fusions.md](fusions.md#prunerows)); one per selection that moved; both targets"
+            ),
+        ),
+    )
+    summary = "a constant selection of rows moved up through the ops that compute row by row"
+    codes = RowsCode
     settings = ("last_rows",)
     #: The policy's ``last_rows``: graph outputs kept at their last position only (a Slice
     #: written at each, :func:`fusion.prune_rows.rows.keep_last`, then moved like any).
@@ -61,7 +86,7 @@ class PruneRows(FusionPass):
         for node in graph:
             if (axis := _pooled_rows(node)) is not None:
                 detail = f"a {node.op_type} over axis {axis} reads every row: nothing to prune"
-                self.refused(node, CannotFuse(Code.EVERY_ROW_READ, detail))
+                self.refused(node, CannotFuse(RowsCode.EVERY_ROW_READ, detail))
         return any(moved.values()) or bool(self.last_rows)
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from tests.support import exported
 from tests.support.graphs import assert_close, ops, run
 

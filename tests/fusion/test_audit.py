@@ -1,5 +1,5 @@
-"""fusion.unlisted (docs/fusions.md#nothing-left-unlisted): on every committed model file (and
-ONNX Runtime's own test models in ../shared/peer/ort, when present) optimized for each target,
+"""fusion.unlisted (docs/fusions.md#nothing-left-unlisted): on every committed model file
+(ONNX Runtime's own test models in tests/data/ort among them) optimized for each target,
 what still looks like a norm, a BatchNorm or an attention is either fused or left alone with a
 code; and on a model no pass ran on, the same check finds each of them unlisted."""
 
@@ -16,8 +16,7 @@ from tests.fusion.test_subgraphs_graphs import _if_layernorms, _loop_attention
 from tests.support.graphs import make_model
 
 ROOT = Path(__file__).parents[2]
-PEER = ROOT.parent / "shared/peer/ort"
-FILES = sorted((ROOT / "tests/data").rglob("*.onnx")) + sorted(PEER.rglob("*.onnx"))
+FILES = sorted((ROOT / "tests/data").rglob("*.onnx"))
 
 
 @pytest.mark.parametrize("target", fusion.TARGETS)

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from fusion.simplify.batched import bias_before_split, unmerge_batched_matmuls
 from tests.support.graphs import assert_close, make_model, run
 

@@ -16,7 +16,7 @@ import onnx_ir as ir
 import pytest
 import torch
 
-from fusion.base import Code
+from fusion import Code
 from tests.support import exported
 from tests.support.folding import assert_close_folded, assert_second_run_is_noop, fold
 from tests.support.graphs import cpu_session

@@ -18,7 +18,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fusion.base import Code, FusionReport
+from fusion import Code
+from fusion.base import FusionReport
 from tests.support.folding import assert_close_folded, assert_second_run_is_noop, fold
 from tests.support.graphs import assert_close, cpu_session, make_model, ops, run
 from tests.support.norm_graphs import Graph

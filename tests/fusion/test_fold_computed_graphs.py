@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from fusion.fold_batchnorm import computed
 from tests.support.graphs import assert_close, make_model, run
 

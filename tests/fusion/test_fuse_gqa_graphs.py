@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_gqa import FuseGroupQueryAttention
 from tests.support.graphs import assert_close, make_model, ops, run
 

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_groupnorm import FuseGroupNorm
 from tests.support.graphs import assert_close, ops, run
 from tests.support.norm_graphs import Graph, assert_refused, fuse_and_compare, layernorm

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import fusion
-from fusion.base import Code, FusionReport
+from fusion import Code
+from fusion.base import FusionReport
 from fusion.fuse_layernorm import FuseLayerNorm
 from tests.support.norm_testing import (
     SHAPE,

@@ -10,7 +10,7 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_layernorm_cf import FuseChannelsFirstLayerNorm
 from tests.support.graphs import assert_close, ops, run
 from tests.support.norm_graphs import Graph, assert_refused, fuse_and_compare, layernorm

@@ -13,7 +13,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_layernorm import FuseLayerNorm
 from tests.support.graphs import ops, run
 from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, layernorm

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import fusion
-from fusion.base import Code, FusionReport
+from fusion import Code
+from fusion.base import FusionReport
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from models.norms import InBFloat16
 from tests.support.norm_testing import (

@@ -13,7 +13,7 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from tests.support.graphs import ops
 from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare, rmsnorm

@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_gqa.standard import ABOVE_LOWEST, LOWEST
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_sdpa import FuseSDPA

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from tests.support.graphs import assert_close, make_model, ops, run
 
 F = TensorProto.FLOAT

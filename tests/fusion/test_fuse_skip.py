@@ -19,7 +19,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 import fusion
-from fusion.base import Code, FusionReport
+from fusion import Code
+from fusion.base import FusionReport
 from fusion.fuse_skip import SKIP_OPS, FuseSkip
 from tests.support import exported
 from tests.support.graphs import cpu_session

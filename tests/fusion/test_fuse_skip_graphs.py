@@ -13,7 +13,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
-from fusion.base import MS_DOMAIN, Code
+from fusion import Code
+from fusion.base import MS_DOMAIN
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.fuse_skip import FuseSkip

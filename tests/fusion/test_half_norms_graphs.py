@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from fusion.norm_match import ORT_CPU_TYPES

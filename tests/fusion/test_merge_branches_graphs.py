@@ -14,7 +14,8 @@ import onnx_ir as ir
 import pytest
 
 import fusion
-from fusion.base import Code, FusionReport
+from fusion import Code
+from fusion.base import FusionReport
 from fusion.merge_branches import MergeBranches
 from tests.support.graphs import assert_close, make_model, ops, run
 from tests.support.reparam_graphs import MERGED, Block, C, F, repvgg

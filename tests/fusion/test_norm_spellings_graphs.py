@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from fusion.base import Code
+from fusion import Code
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
 from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare

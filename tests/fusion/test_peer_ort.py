@@ -1,7 +1,8 @@
-"""fusion.optimize on ONNX Runtime's own graph-transformer test models (shared/peer/ort/).
+"""fusion.optimize on ONNX Runtime's own graph-transformer test models (``tests/data/ort/``,
+:mod:`tests.support.peer`).
 
 The models and what ONNX Runtime's C++ tests expect of each are in
-``../shared/peer/ort/expectations.json`` (read in place, never copied into the repository).
+``tests/data/ort/expectations.json``.
 For every model: optimize (``target="ort"``; ``skip=True`` for the SkipLayerNormFusion group),
 run the full checker (:func:`fusion.check`), compare the targeted op counts with ORT's
 expectation, and run the original file and the optimized model on ONNX Runtime's CPU provider
@@ -30,8 +31,9 @@ import fusion
 from fusion.cleanup import cleanup
 from fusion.graph import const_array
 from tests.support.graphs import cpu_session
+from tests.support.peer import ORT as PEER
+from tests.support.peer import UNRUNNABLE
 
-PEER = Path(__file__).parents[2].parent / "shared/peer/ort"
 EXPECTATIONS = PEER / "expectations.json"
 
 #: The op whose count tells fused from unfused, per expectations.json group.
@@ -108,22 +110,6 @@ INVALID_FILES = {
     "fuse-conv-bn-mul-add-unsqueeze.negative_axes.onnx": "Flatten",
     "fuse-matmul-bn-directly-dont-fuse.onnx": "BatchNormalization",  # declared (1, 5), is 3-D
 }
-
-#: Cases whose original ORT cannot run (checked: it must raise); no parity for them.
-ORT_CANNOT_RUN = {
-    # BatchNormalization-7 with 2 outputs, the second one '' (the in-memory edit of ORT's test)
-    "fuse-conv-bn-no-bias.onnx#bn_empty_opt_output": "output size 2 not in allowed output sizes",
-    "fuse-matmul-bn-with-reshape.onnx#bn_empty_opt_output": "output size 2 not in allowed",
-    "fuse-matmul-bn-only-reshape.onnx": "Invalid input scale",
-    "fuse-matmul-bn-only-transpose.onnx": "Invalid input scale",
-    "fuse-matmul-bn-directly-dont-fuse.onnx": "Invalid input scale",
-}
-
-if not EXPECTATIONS.exists():
-    pytest.skip(
-        f"peer test data not found at {PEER} (ONNX Runtime's transformer test models)",
-        allow_module_level=True,
-    )
 
 CASES = {case["model"]: case for case in json.loads(EXPECTATIONS.read_text())["models"]}
 SYMBOLIC_DIM = 4  # every symbolic dimension (layer_norm.onnx: X (?, ?), Scale (?), B (?))
@@ -225,10 +211,11 @@ def test_fusion_matches_expectation(name):
 def test_parity_on_onnxruntime(name):
     original = model_path(name).read_bytes()
     inputs = feeds(onnx.load_from_string(original))
-    if name in ORT_CANNOT_RUN:
-        with pytest.raises(Exception, match=ORT_CANNOT_RUN[name]):
+    if model_path(name).name in UNRUNNABLE:
+        _, theirs = UNRUNNABLE[model_path(name).name]
+        with pytest.raises(Exception, match=theirs):
             run_ort(original, inputs)
-        pytest.skip(f"ONNX Runtime cannot run the original: {ORT_CANNOT_RUN[name]}")
+        return  # ONNX Runtime cannot run the original: no parity to check
     expected = run_ort(original, inputs)
     model, _ = optimized(name)
     got = run_ort(model, inputs)

@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from fusion.prune_rows import PruneRows
 from tests.support.graphs import assert_close, run
 from tests.support.norm_graphs import Graph, fuse_and_compare, inputs

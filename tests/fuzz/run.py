@@ -6,8 +6,8 @@ left where the run failed.
 
     python -m tests.fuzz.run [--n 40] [--first 0] [--out DIR]     # make fuzz N=300
 
-Seeds: ONNX Runtime's fusion test models in ``../shared/peer/ort/`` where they are beside the
-checkout, and two small models built here (a hand-written LayerNorm after a MatMul, one with its
+Seeds: ONNX Runtime's fusion test models (``tests/data/ort/``, :mod:`tests.support.peer`), and
+two small models built here (a hand-written LayerNorm after a MatMul, one with its
 weight in external data). Prints one line per case and the counts; exit 1 on any violation.
 """
 
@@ -29,9 +29,9 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.fuzz.mutate import mutate
+from tests.support.peer import FILES, ORT
 
 ROOT = Path(__file__).resolve().parents[2]
-PEER = ROOT.parent / "shared" / "peer" / "ort"
 #: A case's wall-clock limit (s): a run past it is a hang. The CLI's own --run-timeout is less.
 HANG_S = 240
 #: The seeds from the peer folder: the small ones (kB), for speed.
@@ -89,7 +89,7 @@ def _built_seeds(folder: Path) -> list[Path]:
 
 def seeds(folder: Path) -> list[Path]:
     """The seed files: the peer models (sorted, the small ones) and :func:`_built_seeds`."""
-    peer = sorted(p for p in PEER.glob("*.onnx") if p.stat().st_size < SEED_BYTES)
+    peer = [p for p in FILES if p.parent == ORT and p.stat().st_size < SEED_BYTES]
     return [*peer, *_built_seeds(folder)]
 
 

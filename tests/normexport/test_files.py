@@ -51,19 +51,24 @@ class Net(nn.Module):
         return self.head(self.norm(self.fc(x)))
 
 
-@pytest.fixture
-def exported_with_external_data(tmp_path):
-    """``models/m.onnx`` + ``models/m.onnx.data``, by torch.onnx.export's defaults."""
+def _export(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """``m.onnx`` + ``m.onnx.data`` in ``folder``, by torch.onnx.export's defaults; the input
+    and the network's output on it."""
     torch.manual_seed(0)
     net = Net().eval()
     x = torch.randn(4, 32)
-    folder = tmp_path / "models"
-    folder.mkdir()
     torch.onnx.export(net, (x,), str(folder / "m.onnx"))
     assert (folder / "m.onnx.data").exists()  # torch 2.13 writes external data by default
     with torch.no_grad():
-        expected = net(x).numpy()
-    return folder / "m.onnx", x.numpy(), expected
+        return x.numpy(), net(x).numpy()
+
+
+@pytest.fixture
+def exported_with_external_data(tmp_path, export_cache):
+    """``models/m.onnx`` + ``models/m.onnx.data``, by torch.onnx.export's defaults (exported
+    once per session, copied for each test), the input and the expected output."""
+    folder, (x, expected) = export_cache.copy("files-net", _export, tmp_path / "models")
+    return folder / "m.onnx", x, expected
 
 
 def _run(path: Path, feeds: dict) -> np.ndarray:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import fusion
-from fusion.base import Code
+from fusion import Code
 from normexport.runtime.latency import latency_threads
 from normexport.runtime.policy import fusion_policy
 from tests.support.attention_graphs import YOLO, random_feeds, yolo_attention

@@ -13,7 +13,8 @@ import numpy as np
 import onnx_ir as ir
 
 import fusion
-from fusion.base import Code, FusionPass, FusionReport
+from fusion import Code
+from fusion.base import FusionPass, FusionReport
 from tests.support.graphs import NodeSpec, assert_close, make_model, run
 
 #: (batch, rows, hidden): the input of every norm here.
