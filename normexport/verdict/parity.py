@@ -314,8 +314,8 @@ def _compared(
     raises the noise ratio's floor, so the oracle runs on the moved inputs only where the ratio
     without it is above :data:`NOISE_WARN_FACTOR` on an output that passes
     (:func:`_floor_decides`): elsewhere the ratio is within the warning either way, and the
-    outputs keep ``ulp_sensitivity`` None (docs/parity.md#a-sharper-check-beside-the-verdict-
-    the-noise-ratio-and---strict)."""
+    outputs keep ``ulp_sensitivity`` None:
+    docs/parity.md#a-sharper-check-beside-the-verdict-the-noise-ratio-and---strict."""
     progress.step(f"input set {set_name}")
     got, ref, *others = _outputs(feeds, *models)
 
