@@ -150,6 +150,9 @@ def measure(
     the Python ``base``) and run everything in it."""
     name = f"torch-{torch}" + (f"-transformers-{transformers}" if transformers else "")
     name += f"-{onnxruntime}" if onnxruntime else ""
+    if base != sys.executable:  # one venv (and log) per Python: make would reuse another's
+        probe = [base, "-c", "import platform; print(platform.python_version())"]
+        name += "-python-" + subprocess.run(probe, capture_output=True, text=True).stdout.strip()
     venv = root / name
     python = venv / "bin" / "python"
     logs = root / "logs"
