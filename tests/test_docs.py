@@ -75,6 +75,30 @@ def test_the_declared_torch_range_is_the_measured_one():
     assert floor == oldest, (spec, oldest)
 
 
+def test_the_declared_pythons_are_the_measured_ones():
+    """pyproject.toml's requires-python is the oldest Python a run in
+    ``benchmarks/results/compat.json`` passed on, with no upper bound, and its Python
+    classifiers name every Python (major.minor) a run passed on, and no other."""
+    import json
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    runs = json.loads((ROOT / "benchmarks" / "results" / "compat.json").read_text())["runs"]
+    passed = {
+        ".".join((r["installed"].get("python") or r["machine"]["python"]).split(".")[:2])
+        for r in runs.values()
+        if r["passed"]
+    }
+    declared = {
+        c.rsplit(" :: ", 1)[1]
+        for c in project["classifiers"]
+        if re.fullmatch(r"Programming Language :: Python :: \d+\.\d+", c)
+    }
+    assert declared == passed, (declared, passed)
+    oldest = min(passed, key=lambda v: tuple(map(int, v.split("."))))
+    assert project["requires-python"] == f">={oldest}", (project["requires-python"], oldest)
+
+
 def _layout_parts() -> dict[Path, str]:
     """docs/architecture.md's Layout block, part by part: the package folder of each part of
     fusion/ and normexport/ (a subpackage's part indented under its package's) -> its text."""
