@@ -216,10 +216,13 @@ def _small_integer_constant(node: ir.Node) -> ir.Tensor | None:
     """The value of a ``Constant`` node of an integer type with at most :data:`VALUES_KEPT`
     elements, named as its output (exporters write a Reshape's target shape or a reduction's
     axes so when their optimizer is off: shape inference reads an initializer's value, not a
-    node's), else None."""
+    node's), else None (a malformed ``Constant`` too: the checker's to say)."""
     if node.op_type != "Constant" or node.domain not in ("", "ai.onnx") or not node.outputs:
         return None
-    tensor = ir.convenience.get_const_tensor(node.outputs[0])
+    try:
+        tensor = ir.convenience.get_const_tensor(node.outputs[0])
+    except ValueError:  # onnx-ir on an attribute a Constant does not have
+        return None
     if tensor is None or tensor.size > VALUES_KEPT or not tensor.dtype.is_integer():
         return None
     return ir.tensor(tensor.numpy(), dtype=tensor.dtype, name=node.outputs[0].name)
