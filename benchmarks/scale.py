@@ -37,9 +37,9 @@ and ``2.7b-fp16-optimizer-off``: the same model exported with the exporter's opt
 nodes kept), as users export it too.
 
 ``--limited-only`` measures the large models under the memory limit alone (the build, then the
-CLI in the limited group, warm and cold): the other measures of a large model each take up to
-3 times its weights unlimited (the CLI on ``2.7b-fp16-optimizer-off`` before the memory plan
-counted its transposed weights: 15.9 GiB), too much beside others on a shared machine.
+CLI in the limited group, warm and cold): the other measures of a large model run it with no
+limit (the CLI, ONNX Runtime's offline optimizer, the session options: several times its
+weights each, ``scale.json``), too much beside other work on a shared machine.
 
     python benchmarks/scale.py [--layers 2,8,32,128] [--big 1b,3b-fp16,2.7b-fp16]
         [--limit 4294967296] [--limited-only] [--out benchmarks/results]
