@@ -31,10 +31,18 @@ Families: ``layers`` (hidden 64, 2 to 128 layers: does time per node stay flat?)
 (hidden 2048, 22 layers, intermediate 5632, 32 heads sharing 4 key/value heads, vocabulary
 32000: TinyLlama's shape, 1.03 B parameters, 4.1 GB of float32 weights) and ``3b-fp16`` (hidden
 3072, 30 layers, intermediate 8192, 24 heads sharing 8, vocabulary 32000: 3.1 B parameters,
-6.2 GB of float16 weights), ``2.7b-fp16`` (the same with 26 layers: 2.7 B parameters, 5.4 GB).
+6.2 GB of float16 weights), ``2.7b-fp16`` (the same with 26 layers: 2.7 B parameters, 5.4 GB),
+and ``2.7b-fp16-optimizer-off``: the same model exported with the exporter's optimizer off
+(``optimize=False``: a ``Transpose`` of every linear weight at run time, the ``Constant``
+nodes kept), as users export it too.
+
+``--limited-only`` measures the large models under the memory limit alone (the build, then the
+CLI in the limited group, warm and cold): the other measures of a large model run it with no
+limit (the CLI, ONNX Runtime's offline optimizer, the session options: several times its
+weights each, ``scale.json``), too much beside other work on a shared machine.
 
     python benchmarks/scale.py [--layers 2,8,32,128] [--big 1b,3b-fp16,2.7b-fp16]
-        [--limit 4294967296] [--out benchmarks/results]
+        [--limit 4294967296] [--limited-only] [--out benchmarks/results]
 
 Writes ``scale.json`` and ``scale.png``. Needs about 20 GB of memory, and 25 GB of disk for
 the 3 B model (its file, the optimized copy, the run's scratch folder).
@@ -74,11 +82,12 @@ LLAMA_3B = {
     "num_key_value_heads": 8,
     "vocab_size": 32000,
 }
-#: The large models: name -> (config, layers, weight dtype).
+#: The large models: name -> (config, layers, weight dtype, the exporter's optimizer on).
 BIG = {
-    "1b": (LLAMA_1B, 22, "float32"),
-    "3b-fp16": (LLAMA_3B, 30, "float16"),
-    "2.7b-fp16": (LLAMA_3B, 26, "float16"),
+    "1b": (LLAMA_1B, 22, "float32", True),
+    "3b-fp16": (LLAMA_3B, 30, "float16", True),
+    "2.7b-fp16": (LLAMA_3B, 26, "float16", True),
+    "2.7b-fp16-optimizer-off": (LLAMA_3B, 26, "float16", False),
 }
 #: The memory limit (bytes) of the CLI run in a memory cgroup, below the large models' weights.
 LIMIT = 4 * 2**30
@@ -321,11 +330,12 @@ def _cli_limited(model_path: Path, folder: Path, limit: int) -> dict:
 
 
 def build_and_export(
-    config: dict, layers: int, folder: Path, dtype: str = "float32"
+    config: dict, layers: int, folder: Path, dtype: str = "float32", optimize: bool = True
 ) -> tuple[Path, int, int]:
     """Export a random-weight LlamaModel of ``layers`` layers with ``dtype`` weights
     (``"float32"`` or ``"float16"``, built in that type: no float32 copy is ever held) to
-    ``folder/model.onnx`` (+ its external data) with torch.onnx.export's defaults.
+    ``folder/model.onnx`` (+ its external data) with torch.onnx.export's defaults, its own
+    graph optimizer off where ``optimize`` is False.
 
     Returns:
         ``(path, parameters, weight bytes of the ONNX file)``.
@@ -359,30 +369,46 @@ def build_and_export(
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
     with torch.no_grad():
-        torch.onnx.export(Hidden(model).eval(), (ids,), str(path), input_names=["input_ids"])
+        torch.onnx.export(
+            Hidden(model).eval(), (ids,), str(path), input_names=["input_ids"], optimize=optimize
+        )
     data = path.with_name(path.name + ".data")
     return path, params, data.stat().st_size if data.exists() else path.stat().st_size
 
 
 def measure(
-    name: str, config: dict, layers: int, dtype: str = "float32", big: int | None = None
+    name: str,
+    config: dict,
+    layers: int,
+    dtype: str = "float32",
+    big: int | None = None,
+    *,
+    optimize: bool = True,
+    limited_only: bool = False,
 ) -> dict:
-    """Build, export and measure one model; its folder is deleted afterwards. ``big`` (a
-    memory limit, bytes): the session options and the whole CLI too, and the CLI under that
-    memory limit."""
+    """Build, export (the exporter's optimizer on or off: ``optimize``) and measure one model;
+    its folder is deleted afterwards. ``big`` (a memory limit, bytes): the session options and
+    the whole CLI too, and the CLI under that memory limit; ``limited_only``: that last
+    alone."""
     with tempfile.TemporaryDirectory(prefix=f"scale-{name}-") as tmp:
         folder = Path(tmp)
         start = time.perf_counter()
-        path, params, weight_bytes = build_and_export(config, layers, folder / "model", dtype)
+        path, params, weight_bytes = build_and_export(
+            config, layers, folder / "model", dtype, optimize
+        )
         entry = {
             "name": name,
             "layers": layers,
             "dtype": dtype,
+            "exporter_optimize": optimize,
             "parameters": params,
             "weight_bytes": weight_bytes,
             "export_s": time.perf_counter() - start,
         }
         print(f"{name}: {params / 1e6:.1f} M parameters, exported", file=sys.stderr)
+        if big and limited_only:
+            entry["cli_limited"] = _cli_limited(path, folder, big)
+            return entry
         for kind in ("stages", "ort_offline"):
             out = folder / kind
             out.mkdir()
@@ -417,13 +443,13 @@ def write_chart(result: dict, path: Path) -> None:
     from normexport.io.files import save_figure
 
     models = result["models"]
-    big = [m for m in models if "cli" in m]
+    big = [m for m in models if "cli" in m or "cli_limited" in m]
     fig = Figure(figsize=(5 * (len(big) + 2), 4.5))
     axes = fig.subplots(1, len(big) + 2)
     for ax, model in zip(axes, big, strict=False):
         weights = model["weight_bytes"] / 2**30
         limited = model.get("cli_limited", {})
-        runs = [*model["cli"], *(run for run in limited.values() if "cost" in run)]
+        runs = [*model.get("cli", []), *(run for run in limited.values() if "cost" in run)]
         width = 0.8 / len(runs)
         for k, run in enumerate(runs):
             stages = run.get("cost", {}).get("stages", [])
@@ -442,7 +468,7 @@ def write_chart(result: dict, path: Path) -> None:
         ax.set_title(f"normexport CLI, {model['name']} ({model['parameters'] / 1e9:.2f} B)")
         ax.legend(fontsize=7)
     ax = axes[len(big)]
-    for i, model in enumerate(big):
+    for i, model in enumerate(m for m in big if "sessions" in m):
         names = list(model["sessions"])
         peaks = [model["sessions"][n].get("peak_rss_bytes", 0) for n in names]
         peaks = [peak / model["weight_bytes"] for peak in peaks]
@@ -472,6 +498,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     p.add_argument(
         "--limit", type=int, default=LIMIT, help="memory cgroup limit (bytes) of the last CLI run"
+    )
+    p.add_argument(
+        "--limited-only",
+        action="store_true",
+        help="large models: only the CLI under the memory limit (see the module docstring)",
     )
     p.add_argument("--_stages", nargs=2, type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_ort_offline", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -513,15 +544,22 @@ def main(argv: list[str] | None = None) -> int:
         models.append(measure(f"layers{layers}", LLAMA_SMALL, layers))
         save()
     for name in (n for n in args.big.split(",") if n):
-        config, layers, dtype = BIG[name]
-        models.append(measure(f"llama-{name}", config, layers, dtype, big=args.limit))
+        config, layers, dtype, optimize = BIG[name]
+        models.append(
+            measure(
+                f"llama-{name}", config, layers, dtype, big=args.limit, optimize=optimize,
+                limited_only=args.limited_only,
+            )
+        )  # fmt: skip
         save()
     write_chart(result, args.out / "scale.png")
     for m in models:
-        line = f"{m['name']:>14}: {m['parameters'] / 1e6:8.1f} M params, {m['stages']['nodes']} "
-        line += f"nodes; optimize {m['optimize_us_per_node']:.0f} us/node; ORT offline "
-        offline = m["ort_offline_rss_over_weights"]
-        line += f"{offline:.2f}x the weights" if offline else m["ort_offline"]["error"][:60]
+        line = f"{m['name']:>14}: {m['parameters'] / 1e6:8.1f} M params"
+        if "stages" in m:
+            line += f", {m['stages']['nodes']} nodes; optimize "
+            line += f"{m['optimize_us_per_node']:.0f} us/node; ORT offline "
+            offline = m["ort_offline_rss_over_weights"]
+            line += f"{offline:.2f}x the weights" if offline else m["ort_offline"]["error"][:60]
         for run in m.get("cli", []):
             what = "with latency" if run["latency"] else "parity only"
             line += f"; CLI {what}: exit {run['exit_code']}, {run['wall_s']:.1f} s at "

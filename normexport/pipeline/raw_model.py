@@ -18,7 +18,7 @@ from normexport import progress, runtime
 from normexport.errors import InputFileError, RunTimedOut, UsageError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job, larger
-from normexport.verdict import deployed
+from normexport.verdict import by_blocks, deployed
 from normexport.verdict.checker_levels import checker_level
 from normexport.verdict.parity import Recorded
 from normexport.verdict.references import Judge
@@ -48,11 +48,15 @@ class RawModel:
     repairs: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
-def raw_model(job: Job, raw: ir.Model, work: Path) -> tuple[RawModel, Job]:
+def raw_model(
+    job: Job, raw: ir.Model, work: Path, block_bytes: int | None = None
+) -> tuple[RawModel, Job]:
     """The raw model on file (:class:`RawModel`): for ONNX input the input itself (loaded
     as written, run once on the example, checked; its session freed), else the raw export
     saved into ``work``; and the job, with larger example inputs where the model refused the
-    sizes normexport picked (:func:`_runs`).
+    sizes normexport picked (:func:`_runs`). ``block_bytes``: the memory plan's, where its
+    whole run does not fit: the input runs block by block
+    (:func:`normexport.verdict.by_blocks.chained`), its whole session only opened.
 
     Raises:
         InputFileError: ONNX Runtime cannot load the input file.
@@ -66,6 +70,10 @@ def raw_model(job: Job, raw: ir.Model, work: Path) -> tuple[RawModel, Job]:
     session = runtime.OnDemand(path, job.provider)
     _opens(session, path)
     recorded = _recorded(session)
+    chain = by_blocks.chained(path, block_bytes, job.provider) if block_bytes else None
+    if chain is not None:
+        session.close()
+        recorded = Recorded(chain)
     try:
         job = _runs(job, recorded, path, raw)
     finally:

@@ -117,7 +117,7 @@ def _reference(
         EnvironmentProblem: the larger inputs do not fit (:func:`_planned`).
     """
     with progress.stage("reference"):
-        ref, runs = raw_model.raw_model(job, raw, work)
+        ref, runs = raw_model.raw_model(job, raw, work, memory.block_bytes)
         if runs is not job:  # the sizes first picked were refused: the plan on those that run
             memory, job = _planned(runs, raw)
         if job.policy.last_rows and memory.block_bytes is not None:

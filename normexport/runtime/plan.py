@@ -53,12 +53,18 @@ class MemoryPlan:
             a float64 oracle).
         kept_bytes: the references' outputs kept for one input set (:data:`KEPT_COPIES`
             times the outputs' float32 bytes).
-        parity_bytes: what whole-model parity keeps resident: the oracle's weights, its
-            run's activations, the kept outputs of every input set and the working memory.
+        weight_values_bytes: the values a run computes from the weights alone, held at once
+            with them (:class:`~normexport.runtime.activations.Activations`: a ``Transpose``
+            of every weight of a file exported with the exporter's optimizer off), in the
+            oracle's types where the oracle is a float64 run.
+        parity_bytes: what whole-model parity keeps resident: the oracle's weights and the
+            values its run computes from them, its run's activations, the kept outputs of
+            every input set and the working memory.
         parity_fits: whether that fits in :data:`~normexport.runtime.memory.SESSIONS_SHARE`
             of what is available (True where the system does not say).
         block_bytes: parity goes block by block, each block reading at most this many bytes
-            of weights on file; None: the whole model at once.
+            of weights on file and computing from them at most as many again, together
+            (:func:`normexport.verdict.blocks.boundaries`); None: the whole model at once.
         latency: why the latency is not timed (a deployed session does not fit); None: it is.
         deployed: why the models are not judged as deployed (a deployed session does not
             fit: docs/parity.md#judged-as-deployed); None: they are.
@@ -71,6 +77,7 @@ class MemoryPlan:
     activation_bytes: int
     oracle_activation_bytes: int
     kept_bytes: int
+    weight_values_bytes: int
     parity_bytes: int
     parity_fits: bool
     block_bytes: int | None
@@ -131,7 +138,7 @@ def plan(
     have = f"{_gib(available)} available{_where(available)}" if available is not None else ""
     if share is not None:
         _refuse_what_cannot_run(source, share, have, (made, maker), widest, working)
-    run = estimate(model, feeds) if feeds else Activations(0, 0, 0, 0)
+    run = estimate(model, feeds or {})
     if share is not None and run.peak_bytes + working > share:
         raise EnvironmentProblem(
             f"{source}: not enough memory to run this model on these input shapes: a run "
@@ -153,6 +160,7 @@ def plan(
         activation_bytes=run.peak_bytes,
         oracle_activation_bytes=parity.activation_bytes,
         kept_bytes=parity.kept_bytes,
+        weight_values_bytes=parity.weight_values_bytes,
         parity_bytes=parity.needed,
         parity_fits=parity.fits,
         block_bytes=parity.blocks,
@@ -217,6 +225,7 @@ class _Parity(NamedTuple):
     float64: bool
     activation_bytes: int
     kept_bytes: int
+    weight_values_bytes: int
     sets: int | None
     needed: int
     fits: bool
@@ -236,19 +245,23 @@ def _parity(
 ) -> _Parity:
     """How parity runs beside ``share`` bytes (None: unknown), degraded in :func:`plan`'s
     order: a float32 oracle, fewer input sets, then block by block. ``oracle`` is the float64
-    oracle's weights, ``widest`` the largest tensor in float32 (the smallest block)."""
+    oracle's weights, ``widest`` the largest tensor in float32 (the smallest block). A block's
+    budget counts its weights on file and the values computed from them alone
+    (:func:`normexport.verdict.blocks.boundaries`), scaled to the oracle's."""
     float64 = share is None or run.float64_peak_bytes + working <= share
     oracle = oracle if float64 else weights
     acts = run.float64_peak_bytes if float64 else run.peak_bytes
+    computed = run.float64_weight_values_bytes if float64 else run.weight_values_bytes
     kept, count = KEPT_COPIES * run.output_bytes, None
     rest = share - working - acts if share is not None else None
     if rest is not None and kept * sets > KEPT_SHARE * rest:
         count = min(sets, max(MIN_SETS, int(KEPT_SHARE * rest // max(kept, 1))))
-    needed = oracle + acts + working + kept * (count or sets)
+    needed = oracle + computed + acts + working + kept * (count or sets)
     blocks, fits = None, share is None or needed <= share
     if not fits and by_blocks and float64:  # each block's oracle is a float64 run
         room = share - working - acts - kept * (count or sets)
-        blocks = max(int(room * weights / max(oracle, 1)), widest)
+        on_file = weights + run.weight_values_bytes
+        blocks = max(int(room * on_file / max(oracle + computed, 1)), widest)
     line = _parity_line(fits, blocks, needed, pytorch=not by_blocks)
     if not float64:
         line += (
@@ -260,7 +273,7 @@ def _parity(
             f"; the references' outputs take {_gib(kept)} per input set: parity runs "
             f"{count} of the {sets} input sets"
         )
-    return _Parity(float64, acts, kept, count, needed, fits, blocks, line)
+    return _Parity(float64, acts, kept, computed, count, needed, fits, blocks, line)
 
 
 def made_tensor(model: ir.Model) -> tuple[int, str]:
@@ -328,7 +341,7 @@ def _parity_line(fits: bool, blocks: int | None, needed: int, *, pytorch: bool) 
         )
     return (
         f"whole-model parity needs about {_gib(needed)}, so parity runs block by block, each "
-        f"reading at most {_gib(blocks)} of weights"
+        f"holding at most {_gib(blocks)} of weights and of values computed from them"
     )
 
 

@@ -15,6 +15,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 from onnx_ir import traversal
 
+from normexport.runtime.activations import computed_from_weights
+
 
 @dataclasses.dataclass(frozen=True)
 class Block:
@@ -28,6 +30,9 @@ class Block:
         weight_bytes: the bytes of the initializers its nodes read (bytes on file).
         spans: how many of the reference's blocks it covers (more than 1 where a rewrite
             spans a boundary of the reference's).
+        computed_bytes: the bytes of the values its nodes compute from the weights alone,
+            which its session holds with them
+            (:func:`normexport.runtime.activations.computed_from_weights`).
     """
 
     index: int
@@ -36,6 +41,7 @@ class Block:
     nodes: int
     weight_bytes: int
     spans: int = 1
+    computed_bytes: int = 0
 
 
 #: A boundary after node ``k`` (in topological order): the names of the values computed by the
@@ -44,13 +50,21 @@ Boundary = tuple[str, ...]
 
 
 def boundaries(model: ir.Model, max_bytes: int) -> list[Boundary]:
-    """The boundaries that cut ``model`` into blocks of at most ``max_bytes`` of weights each
-    (a block of one node may read more: a node is never split), in order; each boundary is
-    chosen, among the places in the last half of its block's weights, where the fewest values
-    cross (ties: the latest). ``model`` is sorted topologically in place."""
+    """The boundaries that cut ``model`` into blocks that hold at most ``max_bytes`` each (a
+    block of one node may hold more: a node is never split), in order: the bytes of the
+    weights its nodes read and of the values they compute from the weights alone
+    (:func:`normexport.runtime.activations.computed_from_weights`: a session holds those at
+    once, a ``Transpose`` of every weight where the exporter's optimizer was off, so the block
+    that reads 1 GiB of such weights holds 2). Each boundary is chosen, among the places in the
+    last half of its block's bytes, where the fewest values cross (ties: the latest).
+    ``model`` is sorted topologically in place."""
     model.graph.sort()
     nodes = list(model.graph)
-    weights = _first_read_bytes(nodes)
+    computed = computed_from_weights(model)
+    weights = [
+        read + sum(computed.get(v.name, 0) for v in node.outputs)
+        for node, read in zip(nodes, _first_read_bytes(nodes), strict=True)
+    ]
     live = _live_counts(model.graph, nodes)
     prefix = [0]
     for w in weights:
@@ -70,15 +84,20 @@ def boundaries(model: ir.Model, max_bytes: int) -> list[Boundary]:
 
 def blocks(model: ir.Model, cuts: Sequence[Boundary]) -> list[Block]:
     """``model`` cut at ``cuts`` (:func:`boundaries`, found on the reference model): one
-    :class:`Block` per stretch between two boundaries, the last ending at the graph outputs. A
-    boundary that does not cut ``model`` (a value it names is not in the model, or a node of
-    the model reads across it a value it does not name) is dropped, and the blocks on either
-    side of it run as one."""
-    kept: list[Boundary] = [c for c in cuts if _names_exist(model.graph, c)]
+    :class:`Block` per stretch between two boundaries, the last ending at the graph outputs.
+    A boundary's values that no node of ``model`` computes are left out of it (the passes
+    folded a rotary table the reference computes from its weights into an initializer: each
+    block reads it as a weight); a boundary that then does not cut ``model`` (none of its
+    values is left, or a node of the model reads across it a value it does not name) is
+    dropped, and the blocks on either side of it run as one."""
+    computed = {o.name for node in model.graph for o in node.outputs}
+    left = [tuple(n for n in c if n in computed) for c in cuts]
+    kept = [i for i, c in enumerate(left) if c]
+    held = computed_from_weights(model)
     while True:
-        found = _walk(model.graph, kept)
+        found = _walk(model.graph, [left[i] for i in kept], held)
         if isinstance(found, list):
-            spans = _spans(cuts, kept)
+            spans = _spans(len(cuts), kept)
             return [dataclasses.replace(b, spans=s) for b, s in zip(found, spans, strict=True)]
         del kept[found]  # the boundary before block ``found + 1`` does not cut this model
 
@@ -196,16 +215,12 @@ def _crossing(graph: ir.Graph, nodes: list[ir.Node], k: int) -> Boundary:
     return tuple(o.name for n in nodes[:k] for o in n.outputs if last.get(id(o), -1) >= k)
 
 
-def _names_exist(graph: ir.Graph, names: Boundary) -> bool:
-    """Whether every value of ``names`` is computed by a node of ``graph``."""
-    computed = {o.name for node in graph for o in node.outputs}
-    return all(n in computed for n in names)
-
-
-def _walk(graph: ir.Graph, cuts: list[Boundary]) -> list[Block] | int:
+def _walk(graph: ir.Graph, cuts: list[Boundary], held: Mapping[str, int]) -> list[Block] | int:
     """The blocks of ``graph`` between ``cuts``, each the nodes its outputs need back to the
-    previous boundary; where a block needs a node an earlier block has, the index of the
-    boundary before it (which does not cut ``graph``)."""
+    previous boundary (``held``: the values computed from the weights alone, by name ->
+    bytes); where a block needs a node an earlier block has, the index of the boundary
+    before it (which does not cut ``graph``), and where a block would hand on nothing new,
+    the index of the boundary after it."""
     given = {v.name for v in graph.inputs} | set(graph.initializers)
     ends = [*cuts, tuple(v.name for v in graph.outputs)]
     claimed: set[int] = set()
@@ -213,9 +228,11 @@ def _walk(graph: ir.Graph, cuts: list[Boundary]) -> list[Block] | int:
     for index, boundary in enumerate(ends):
         frontier = given | set(before)
         outputs = tuple(n for n in boundary if n not in before and n not in given)
+        if not outputs:  # the values left of this boundary were all handed on before it
+            return index
         values = [v for v in graph.outputs if v.name in outputs]
         values += [o for node in graph for o in node.outputs if o.name in outputs]
-        mine, inputs, weights, seen = set(), set(), 0, set()
+        mine, inputs, weights, computed, seen = set(), set(), 0, 0, set()
         while values:
             value = values.pop()
             if id(value) in seen:
@@ -230,24 +247,19 @@ def _walk(graph: ir.Graph, cuts: list[Boundary]) -> list[Block] | int:
             node = value.producer()
             if id(node) in claimed and id(node) not in mine:
                 return index - 1
+            if id(node) not in mine:
+                computed += sum(held.get(o.name, 0) for o in node.outputs)
             mine.add(id(node))
             values.extend(reads(node))
         claimed |= mine
-        found.append(Block(index, tuple(sorted(inputs)), outputs, len(mine), weights))
+        described = (index, tuple(sorted(inputs)), outputs, len(mine), weights)
+        found.append(Block(*described, computed_bytes=computed))
         before = boundary
     return found
 
 
-def _spans(cuts: Sequence[Boundary], kept: list[Boundary]) -> list[int]:
-    """Per block between ``kept`` (a subsequence of ``cuts``), how many of the blocks between
-    ``cuts`` it covers."""
-    spans, run = [], 0
-    it = iter(kept)
-    nxt = next(it, None)
-    for c in cuts:
-        run += 1
-        if c == nxt:
-            spans.append(run)
-            run, nxt = 0, next(it, None)
-    spans.append(run + 1)
-    return spans
+def _spans(cuts: int, kept: list[int]) -> list[int]:
+    """Per block between the boundaries ``kept`` (indices, in order, into ``cuts``
+    boundaries), how many of the blocks between all ``cuts`` boundaries it covers."""
+    ends = [*kept, cuts]
+    return [end - start for start, end in zip([-1, *kept], ends, strict=True)]

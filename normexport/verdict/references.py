@@ -64,9 +64,10 @@ class Judge:
         rule: the precision whose rule judges a candidate unless another is asked for: the
             raw model's own (``"fp16"`` for a float16 model, whose float64 oracle keeps its
             float16 arithmetic: any rewrite moves its rounding by float16's noise).
-        block_bytes: take the verdict block by block, each block reading at most this many
-            bytes of weights (:mod:`normexport.verdict.by_blocks`; ONNX input only: a PyTorch
-            model is in memory whole anyway); None: the whole model at once.
+        block_bytes: take the verdict block by block, each block holding at most this many
+            bytes of weights and of values computed from them alone
+            (:mod:`normexport.verdict.by_blocks`; ONNX input only: a PyTorch model is in
+            memory whole anyway); None: the whole model at once.
         last_position: the outputs (by index) the candidate computes at the last position of
             axis 1 only (``--last-token-logits``): the references' are compared there too.
         float64: whether a float64 oracle may be built (False: the memory plan has no room
