@@ -59,11 +59,11 @@ def fusions_index(passes: Sequence[type[FusionPass]]) -> str:
     linked to its doc, its module, its report counts and its summary."""
     rows = []
     for fusion_pass in passes:
-        name = fusion_pass.__module__.split(".")[1]
-        link = doc_of(fusion_pass).relative_to(FUSIONS.parent).as_posix()
+        doc = doc_of(fusion_pass)
+        link = doc.relative_to(FUSIONS.parent).as_posix()
         counts = ", ".join(f"`{kind.name}`" for kind in fusion_pass.kinds)
         rows.append(
-            f"| [`{fusion_pass.__name__}`]({link}) | `fusion.{name}` | {counts} "
+            f"| [`{fusion_pass.__name__}`]({link}) | `fusion.{doc.stem}` | {counts} "
             f"| {fusion_pass.summary} |\n"
         )
     return "| pass | module | report count | what it does |\n| --- | --- | --- | --- |\n" + "".join(
