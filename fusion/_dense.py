@@ -1,7 +1,7 @@
 """A dense layer with constant weights as the exporters write ``nn.Linear``: ``x @ W`` or
 ``x @ W + b`` (the MatMul, then an Add of the bias on either side), ``W`` ``(D, width)``, ``b``
 ``(width,)`` (:func:`dense`); and the layer made of some of its columns (:func:`columns`). Used
-by docs/fusions.md#fuseattention and docs/fusions.md#fusesdpa.
+by docs/fusions/fuse_attention.md and docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations

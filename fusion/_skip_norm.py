@@ -1,6 +1,6 @@
 """The conditions on the norm that :class:`fusion.fuse_skip.FuseSkip` fuses with the residual
 ``Add`` before it: what ONNX Runtime's Skip*LayerNormalization kernels take (the list and its
-sources: docs/fusions.md#fuseskip).
+sources: docs/fusions/fuse_skip.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ initializers, common-subexpression elimination and dead-node removal (:func:`cle
 clean-up with inferred shapes (:class:`SimplifyWithShapes`), and the mending of old or malformed
 inputs (:func:`normalize_ir_version`, :func:`drop_malformed_zero_conv_bias`).
 
-What each step does and why it is exact: see docs/fusions.md#the-clean-ups.
+What each step does and why it is exact: see docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from fusion.shapes import DropShapes, FillShapes
 from fusion.simplify import simplify, with_shapes
 
 #: onnxscript's rules that fold a constant-mode Pad of zeros on the spatial axes into the Conv
-#: (or ConvInteger) that reads it, as its ``pads`` (docs/fusions.md#the-clean-ups).
+#: (or ConvInteger) that reads it, as its ``pads`` (docs/fusions/cleanup.md).
 _PAD_INTO_CONV = onnxscript.rewriter.RewriteRuleSet(
     [rules.fuse_pad_into_conv_rule, rules.fuse_pad_into_conv_integer_rule]
 )
@@ -35,7 +35,7 @@ def cleanup(model: ir.Model, final: bool = False, *, infer: bool = False) -> Non
     """Fold constants (a Concat of constants only it reads whatever its size,
     :func:`_own_concat`; with ``infer``, the folder's own shape inference node by node, which
     makes a dimension a model names but inference proves a number that number, so that the
-    ``Shape`` of it folds: docs/fusions.md#the-clean-ups), simplify the index arithmetic
+    ``Shape`` of it folds: docs/fusions/cleanup.md), simplify the index arithmetic
     (:mod:`fusion.simplify`; ``final``: after the fusion passes, also the Slices that tile an
     axis), fold zero Pads into the Convs that read them (:data:`_PAD_INTO_CONV`), make the
     Constant nodes initializers, merge common subexpressions, drop dead nodes, sort (in place)."""
@@ -61,7 +61,7 @@ def cleanup(model: ir.Model, final: bool = False, *, infer: bool = False) -> Non
 
 def _own_concat(node: ir.Node) -> bool | None:
     """True (fold, whatever the sizes) for a Concat of constants that only it reads
-    (docs/fusions.md#the-clean-ups); else None, the folder's own rules."""
+    (docs/fusions/cleanup.md); else None, the folder's own rules."""
     if node.op_type != "Concat" or node.domain != "":
         return None
     inputs = [v for v in node.inputs if v is not None]
@@ -100,7 +100,7 @@ class SimplifyWithShapes(ir.passes.InPlacePass):
     types :class:`fusion.FillShapes` gave them, then :func:`fusion.simplify.with_shapes`
     (rewrites that read those shapes; opset 13 and above, as :func:`fusion.simplify.simplify`)
     and :func:`cleanup` again, as long as it rewrites anything (in place; it reports no change).
-    Why, and why it ends: docs/fusions.md#the-clean-ups."""
+    Why, and why it ends: docs/fusions/cleanup.md."""
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         cleanup(model, infer=True)
@@ -112,7 +112,7 @@ class SimplifyWithShapes(ir.passes.InPlacePass):
 def drop_absent_outputs(model: ir.Model) -> int:
     """Drop the trailing outputs named '' (absent optional outputs) of each main-graph node;
     return how many nodes changed. The same node by the spec; it must run before the folder
-    (docs/fusions.md#the-clean-ups).
+    (docs/fusions/cleanup.md).
     """
     changed = 0
     for node in model.graph:
@@ -142,7 +142,7 @@ def canonical_axes(model: ir.Model) -> int:
     """Write the ``axes`` attribute of each main-graph Unsqueeze / Squeeze (opset < 13) as
     sorted non-negative axes where the input rank is known; return how many nodes changed.
 
-    The same node by the spec; the attribute form only (docs/fusions.md#the-clean-ups).
+    The same node by the spec; the attribute form only (docs/fusions/cleanup.md).
     """
     if opset_version(model) >= 13:
         return 0
@@ -168,7 +168,7 @@ def canonical_axes(model: ir.Model) -> int:
 def normalize_ir_version(model: ir.Model) -> str | None:
     """Raise an IR-version-3 model to version 4 with the same meaning, in place: the
     initializers listed among the graph inputs are dropped from them and ``ir_version`` set to 4
-    (why that is the same model: docs/fusions.md#the-clean-ups). Models of version 4 and up are
+    (why that is the same model: docs/fusions/cleanup.md). Models of version 4 and up are
     left alone.
 
     Returns:
@@ -193,7 +193,7 @@ def drop_malformed_zero_conv_bias(model: ir.Model) -> None:
     """Work around a torch 2.13 dynamo-exporter bug (``optimize=False`` path), in place: drop
     each Conv's constant bias that is not 1-D and all zeros (a Conv3d's ``Expand(0, [C_out,
     2])``, which ONNX Runtime rejects); correct biases (1-D, or any non-zero one) are left alone
-    (docs/fusions.md#the-clean-ups).
+    (docs/fusions/cleanup.md).
     """
     for node in model.graph:
         if node.op_type == "Conv" and len(node.inputs) == 3:

@@ -4,7 +4,7 @@ take, pack the projections (:mod:`fusion.pack_attention`) and pass a key and val
 heads as they are (:class:`FuseAttention`; ``target="ort"`` only).
 
 Which rules are applied and which left out, what is left to FuseSDPA, and the measurements: see
-docs/fusions.md#fuseattention.
+docs/fusions/fuse_attention.md.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class FuseAttention(FusionPass):
     Runs for ``target="ort"``, by default or when ``optimize(attention=True)``. With the
     policy's ``threads`` above 1 (the CPU provider), an attention whose batch times heads is
     fewer is not made one of these ops; FuseSDPA then leaves it too, with the code
-    ``few_heads`` (docs/fusions.md#fuseattention). onnxscript's rule sets rewrite the subgraphs
+    ``few_heads`` (docs/fusions/fuse_attention.md). onnxscript's rule sets rewrite the subgraphs
     of the graph they are given too: the pass runs once, on the main graph
     (:attr:`~fusion.base.FusionPass.reaches_subgraphs`), and records each op it added with the
     path of the subgraph it is in; an anchor excluded in any graph is excluded in all.
@@ -202,7 +202,7 @@ def _few_heads(node: ir.Node, threads: int) -> bool:
 def _packed(node: ir.Node) -> bool:
     """Whether ``node`` is onnxscript's scaled dot-product attention on a query that is a part
     of a packed projection (timm's ``qkv``, :mod:`fusion.fuse_sdpa.layout`): left to FuseSDPA
-    (why: docs/fusions.md#fuseattention)."""
+    (why: docs/fusions/fuse_attention.md)."""
     if node.domain != _FUSION_DOMAIN or node.op_type != "SDPA" or not node.inputs:
         return False
     view = layout.of(node.inputs[0]) if node.inputs[0] is not None else None
@@ -228,7 +228,7 @@ def _bias_for_kernel(model: ir.Model, node: ir.Node) -> None:
     or the key's ``L`` (a padding mask of one column, ``(B, 1, S, 1)``): onnxscript's rules pass
     the model's bias as it is, ONNX Runtime's kernels refuse one whose last two axes are not
     ``(S, L)``. Exact: the op adds the bias broadcast to the scores, the Expand only repeats it
-    (docs/fusions.md#fuseattention). Left as it is with a past key (the total length is then
+    (docs/fusions/fuse_attention.md). Left as it is with a past key (the total length is then
     the past's too), or a query or key of unknown shape or other than a 3-D query and a 3-D or
     4-D key."""
     inputs = list(node.inputs) + [None] * (8 - len(node.inputs))
@@ -266,7 +266,7 @@ def _pass_kv_in_heads(mha: ir.Node) -> None:
     Rewrites only when both key and value are ``Reshape(Transpose(x, perm=[0, 2, 1, 3]),
     [0, 0, -1 or N*H])`` of a rank-4 ``x`` whose axis 1 is the op's ``num_heads`` and whose
     head size is known, the op has no bias, past key or past value, and key and value have one
-    shape (why that is exact, and the sources: docs/fusions.md#fuseattention).
+    shape (why that is exact, and the sources: docs/fusions/fuse_attention.md).
     """
     inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
     if any(inputs[i] is not None for i in (3, 6, 7)):  # bias, past_key, past_value

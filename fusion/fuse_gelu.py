@@ -3,7 +3,7 @@
 (:class:`FuseGelu`).
 
 The formulas, the spellings matched, the refusals and the measurements behind the choice of op:
-see docs/fusions.md#fusegelu.
+see docs/fusions/fuse_gelu.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class GeluMatch:
 
 def _biased(x: ir.Value, nodes: list[ir.Node]) -> tuple[ir.Value, ir.Value, ir.Node] | None:
     """``(v, bias, add)`` where ``x = Add(v, bias)`` (either order) with ``bias`` of rank 1
-    (docs/fusions.md#fusegelu), read by ``nodes`` only; None otherwise."""
+    (docs/fusions/fuse_gelu.md), read by ``nodes`` only; None otherwise."""
     add = producer(x, "Add")
     if add is None or x.is_graph_output() or any(u.node not in nodes for u in x.uses()):
         return None
@@ -196,7 +196,7 @@ def _halved_product(
 
 
 class FuseGelu(NodeFusionPass):
-    """Replace each GELU subgraph in the main graph by one op (see docs/fusions.md#fusegelu):
+    """Replace each GELU subgraph in the main graph by one op (see docs/fusions/fuse_gelu.md):
     ``"gelu_fused"`` in the report; a look-alike with another constant is refused
     (``gelu_constant``)."""
 

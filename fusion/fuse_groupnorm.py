@@ -3,7 +3,7 @@ form (no ONNX Runtime CPU kernel for ``GroupNormalization``), make a hand-writte
 and for ``target="ort"`` expand a ``GroupNormalization``-21 into it.
 
 The math, the measurement behind the choice and the shapes it needs: see
-docs/fusions.md#fusegroupnorm.
+docs/fusions/fuse_groupnorm.md.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def grouping(view: ir.Value, normalized: ir.Value) -> tuple[int, int] | None:
 
 class FuseGroupNorm(NodeFusionPass):
     """Recognize every GroupNorm: keep the exported form (refusal ``no_ort_kernel``), make a
-    hand-written one that form (``groupnorm_fused``); see docs/fusions.md#fusegroupnorm. Runs
+    hand-written one that form (``groupnorm_fused``); see docs/fusions/fuse_groupnorm.md. Runs
     before
     :class:`FuseLayerNorm`, whose matcher it uses for the hand-written normalization.
     """
@@ -180,7 +180,7 @@ class FuseGroupNorm(NodeFusionPass):
 
 def _expand(graph: ir.Graph, node: ir.Node) -> str:
     """Replace GroupNormalization-21 ``node`` by Reshape -> InstanceNormalization -> Reshape ->
-    Mul -> Add (docs/fusions.md#fusegroupnorm)."""
+    Mul -> Add (docs/fusions/fuse_groupnorm.md)."""
     x, hint = node.inputs[0], label(node)
     groups, rank = node.attributes.get_int("num_groups"), len(x.shape)
     per_channel = (x.shape[1],) + (1,) * (rank - 2)

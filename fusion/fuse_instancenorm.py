@@ -1,6 +1,6 @@
 """Fuse the per-channel "CNN LayerNorm" (a norm over the spatial axes of (N, C, *spatial), then a
 per-channel weight and bias) into one ``InstanceNormalization`` node, with FuseLayerNorm's
-matcher. The math and what is left to FuseLayerNorm: see docs/fusions.md#fuseinstancenorm.
+matcher. The math and what is left to FuseLayerNorm: see docs/fusions/fuse_instancenorm.md.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def spatial_layernorm(layernorm: FuseLayerNorm, model: ir.Model, node: ir.Node) 
 
 class FuseInstanceNorm(NodeFusionPass):
     """Replace each hand-written per-channel "CNN LayerNorm" by one ``InstanceNormalization``
-    (the math: docs/fusions.md#fuseinstancenorm). Runs before :class:`FuseLayerNorm`.
+    (the math: docs/fusions/fuse_instancenorm.md). Runs before :class:`FuseLayerNorm`.
 
     Counted as ``instancenorm_fused``. It refuses nothing itself: a candidate that is not
     exactly an InstanceNorm is FuseLayerNorm's to fuse or to refuse with the reason.

@@ -2,7 +2,7 @@
 ONNX Runtime at any opset).
 
 The math (a scaled or unbiased variance included), the spellings accepted, epsilon 0, mixed
-precision and each refusal with its code: see docs/fusions.md#fuselayernorm. The matching
+precision and each refusal with its code: see docs/fusions/fuse_layernorm.md. The matching
 helpers are in :mod:`fusion.norm_match`, shared with :mod:`fusion.fuse_rmsnorm`.
 """
 
@@ -50,7 +50,7 @@ class FuseLayerNorm(NormFusionPass):
 
     Every rewrite is recorded as ``"layernorm_fused"`` in the report; every candidate that looks
     like a LayerNorm but cannot be fused exactly is left intact and recorded as a ``"layernorm"``
-    refusal with its reason (docs/fusions.md#fuselayernorm).
+    refusal with its reason (docs/fusions/fuse_layernorm.md).
     """
 
     kinds = (

@@ -2,7 +2,7 @@
 Transpose -> LayerNormalization -> Transpose, where that was measured faster.
 
 The math, when a Transpose cancels, and the measurement that decides: see
-docs/fusions.md#fusechannelsfirstlayernorm.
+docs/fusions/fuse_layernorm_cf.md.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
     """Replace a hand-written LayerNorm over axis 1 of a (N, C, ...) input by Transpose ->
     LayerNormalization -> Transpose where measured faster; counted as ``layernorm_cf_fused``,
     kept as a ``layernorm_cf`` refusal (``slower_measured``) elsewhere
-    (docs/fusions.md#fusechannelsfirstlayernorm). Runs before
+    (docs/fusions/fuse_layernorm_cf.md). Runs before
     :class:`~fusion.fuse_layernorm.FuseLayerNorm`.
     """
 
@@ -120,7 +120,7 @@ class FuseChannelsFirstLayerNorm(NodeFusionPass):
 
         Raises:
             CannotFuse: ``slower_measured``: the rewrite would not be faster
-                (docs/fusions.md#fusechannelsfirstlayernorm).
+                (docs/fusions/fuse_layernorm_cf.md).
         """
         match = self._normalization(node)
         if match is None:

@@ -2,7 +2,7 @@
 ``SimplifiedLayerNormalization`` (below 23, ``target="ort"``).
 
 The math, the two ops, the spellings accepted, mixed precision and each refusal with its code:
-see docs/fusions.md#fusermsnorm. The matching helpers are in :mod:`fusion.norm_match`.
+see docs/fusions/fuse_rmsnorm.md. The matching helpers are in :mod:`fusion.norm_match`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class FuseRMSNorm(NormFusionPass):
     ``SimplifiedLayerNormalization`` for ``target="ort"``; nothing for ``target="onnx"`` (each
     candidate refused with the reason).
     Fusions are counted as ``"rmsnorm_fused"``; look-alikes and candidates that cannot be fused
-    exactly are left intact and recorded as ``"rmsnorm"`` refusals (docs/fusions.md#fusermsnorm).
+    exactly are left intact and recorded as ``"rmsnorm"`` refusals (docs/fusions/fuse_rmsnorm.md).
     """
 
     kinds = (

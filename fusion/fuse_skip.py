@@ -2,7 +2,7 @@
 ONNX Runtime's ``com.microsoft`` SkipLayerNormalization or SkipSimplifiedLayerNormalization.
 
 The math, the kernels' conditions (:mod:`fusion._skip_norm` checks the norm's), the numerics
-and the measurements behind where it runs: see docs/fusions.md#fuseskip.
+and the measurements behind where it runs: see docs/fusions/fuse_skip.md.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _residual_before(norm: ir.Node, shapes: KnownShapes) -> tuple[ir.Node | None
     Raises:
         CannotFuse: ``cast_between``: a Cast that changes the type lies between a residual Add
             (:func:`_is_residual`) and the norm; moving it is not exact
-            (docs/fusions.md#fuseskip).
+            (docs/fusions/fuse_skip.md).
     """
     value = norm.inputs[0]
     node = value.producer() if value is not None else None
@@ -148,7 +148,7 @@ def _order(a: ir.Value, b: ir.Value, shapes: KnownShapes) -> tuple[ir.Value, ir.
 
 class FuseSkip(FusionPass):
     """Fuse ``norm(Add(a, b))`` into ``com.microsoft`` SkipLayerNormalization or
-    SkipSimplifiedLayerNormalization (the math and the conditions: docs/fusions.md#fuseskip).
+    SkipSimplifiedLayerNormalization (the math and the conditions: docs/fusions/fuse_skip.md).
 
     Only the main graph is rewritten. The model's ``com.microsoft`` opset import (version 1) is
     added when a fusion needs it. Running the pass twice changes nothing the second time.

@@ -1,6 +1,6 @@
 """Self-attention's three projections packed into ONNX Runtime's ``Attention`` (com.microsoft),
 as :mod:`fusion.fuse_attention`'s last step (:func:`pack`). When it is exact, what is left as
-it is, and the measurements: see docs/fusions.md#fuseattention.
+it is, and the measurements: see docs/fusions/fuse_attention.md.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ def _projection(value: ir.Value | None, heads: int | None) -> Dense | None:
 
 def pack(graph: ir.Graph, mha: ir.Node) -> bool:
     """Replace the MultiHeadAttention ``mha`` by ``Attention`` where its query, key and value
-    are projections of one input (see docs/fusions.md#fuseattention); return whether it did. The new
-    node takes over ``mha``'s ``meta``; the projections left unread go with the clean-up."""
+    are projections of one input (see docs/fusions/fuse_attention.md); return whether it did.
+    The new node takes over ``mha``'s ``meta``; the projections left unread go with the
+    clean-up."""
     inputs = list(mha.inputs) + [None] * (8 - len(mha.inputs))
     if any(inputs[i] is not None for i in (4, 6, 7)) or any(
         o.uses() or o.is_graph_output() for o in mha.outputs[1:]

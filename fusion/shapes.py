@@ -23,7 +23,7 @@ class FillShapes(ir.passes.InPlacePass):
     (tf2onnx's name for a size TensorFlow's shape functions lost: it relates the dimension to
     none other) where inference proves them a number or a symbol of the graph's inputs (the
     query, key and value of an attention then share the input's batch:
-    docs/fusions.md#the-clean-ups). Where inference fails or finds nothing the value stays as
+    docs/fusions/cleanup.md). Where inference fails or finds nothing the value stays as
     it is: the passes then refuse what needs a shape, as before. The shapes are scaffolding for
     the passes: :class:`DropShapes` (run after them) takes them off again, except where a node
     a pass made reads or writes the value, so that the other values and the clean-up after the

@@ -1,9 +1,9 @@
 """The README and docs/ say what the code does: the API's keywords, the scripts ``make bench``
 runs, the modules docs/architecture.md's layout names, the parts ``tools/docs.py`` writes from
 the passes' declarations (the report's kinds, the layout's passes); and docs/ is the one home of
-the design's facts: every section a docstring or a document names is there, each pass has its
-section in docs/fusions.md, and no module docstring restates them. Read from the files; nothing
-imported but the names they describe."""
+the design's facts: every document and section a docstring or a document names is there, each
+pass has its doc docs/fusions/<module>.md, and no module docstring restates them. Read from the
+files; nothing imported but the names they describe."""
 
 from __future__ import annotations
 
@@ -204,10 +204,15 @@ def _broken_sections(text: str, documents: dict[str, set[str]]) -> list[str]:
     ]
 
 
+def _documents() -> list[Path]:
+    """The README and every Markdown file of docs/ (docs/fusions/ included)."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
 def test_every_section_named_exists():
-    """A docstring or a document that points to a section (``docs/fusions.md#fusesdpa``,
+    """A docstring or a document that points to a section (``docs/fusions.md#subgraphs``,
     ``[report.md](report.md#fusions)``) points to a heading that is there."""
-    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    files = _documents()
     documents = {path.name: _anchors(path) for path in files}
     for folder in ("fusion", "normexport", "models", "benchmarks", "tests", "tools"):
         files += (ROOT / folder).rglob("*.py")
@@ -223,32 +228,63 @@ def test_every_section_named_exists():
 def test_the_section_check_finds_a_missing_heading():
     documents = {"fusions.md": _anchors(ROOT / "docs" / "fusions.md")}
     assert _slug("Why wasn't my LayerNorm fused?") == "why-wasnt-my-layernorm-fused"
-    assert _broken_sections("see docs/fusions.md#fusesdpa and (#x)", documents) == []
+    assert _broken_sections("see docs/fusions.md#subgraphs and (#x)", documents) == []
     assert _broken_sections("docs/fusions.md#fuse-sdpa", documents) == ["fusions.md#fuse-sdpa"]
     assert _broken_sections("[a](fusions.md#x), Operators.md#Gelu", documents) == ["fusions.md#x"]
 
 
-#: The most lines a pass's module docstring holds: what the module is and where its section
-#: is; the facts live in the section.
+#: A document of ours a docstring or a document names: ``docs/fusions/fuse_gelu.md`` from the
+#: repository's root (ONNX Runtime's ``docs/OperatorKernels.md`` is another project's), or a
+#: Markdown link's relative target, ``](fusions/fuse_gelu.md#...)``.
+_FROM_ROOT = re.compile(r"(?<![\w./-])(docs/[a-z][\w/-]*\.md)\b")
+_LINKED = re.compile(r"\]\(([\w./-]+\.md)(?:#[\w-]+)?\)")
+#: The doc of the recipe's example pass (docs/architecture.md, "A new pass"): no pass has it.
+_EXAMPLE = "docs/fusions/fuse_bar.md"
+
+
+def test_every_document_named_exists():
+    """Each ``docs/...md`` a docstring, a test or a document names, and each Markdown file a
+    document links to (relative to the document), is there: a renamed or moved doc leaves no
+    link behind."""
+    files = [*_documents()]
+    for folder in ("fusion", "normexport", "models", "benchmarks", "tests", "tools"):
+        files += (ROOT / folder).rglob("*.py")
+    missing = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in files
+        for name in _FROM_ROOT.findall(path.read_text())
+        if name != _EXAMPLE and not (ROOT / name).is_file()
+    ]
+    missing += [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in _documents()
+        for name in _LINKED.findall(path.read_text())
+        if not (path.parent / name).is_file()
+    ]
+    assert not missing, "documents that are not there:\n" + "\n".join(missing)
+
+
+#: The most lines a pass's module docstring holds: what the module is and where its doc is;
+#: the facts live in the doc.
 PASS_DOCSTRING_LINES = 12
 
 
-def test_each_pass_has_a_section_that_its_module_points_to():
-    """docs/fusions.md is the one home of a pass's math, refusals and sources: each pass of
-    ``fusion.registry.PASSES`` has its section under "Each pass", and its module's docstring
-    (a package's ``__init__.py``) points there and stays short."""
-    fusions = ROOT / "docs" / "fusions.md"
-    each = fusions.read_text().split("\n## Each pass\n", 1)[1].split("\n## ", 1)[0]
-    sections = {_slug(h) for h in re.findall(r"^### (.+)$", each, re.MULTILINE)}
+def test_each_pass_has_a_doc_that_its_module_points_to():
+    """docs/fusions/<module>.md is the one home of a pass's math, refusals and sources, beside
+    its module by name (``fusion/fold_batchnorm`` -> ``docs/fusions/fold_batchnorm.md``): each
+    pass of ``fusion.registry.PASSES`` has its doc, titled with the pass's name, and its
+    module's docstring (a package's ``__init__.py``) names it and stays short."""
     wrong = []
     for fusion_pass in PASSES:
-        anchor = fusion_pass.__name__.lower()
+        path = docs.doc_of(fusion_pass)
         face = importlib.import_module(".".join(fusion_pass.__module__.split(".")[:2]))
         doc = face.__doc__ or ""
-        if anchor not in sections:
-            wrong.append(f"{fusion_pass.__name__}: no section ### {fusion_pass.__name__}")
-        if f"docs/fusions.md#{anchor}" not in doc:
-            wrong.append(f"{face.__name__}'s docstring does not name docs/fusions.md#{anchor}")
+        if not (ROOT / path).is_file():
+            wrong.append(f"{fusion_pass.__name__}: no {path}")
+        elif not (ROOT / path).read_text().startswith(f"# {fusion_pass.__name__}\n"):
+            wrong.append(f"{path}: its title is not # {fusion_pass.__name__}")
+        if path.as_posix() not in doc:
+            wrong.append(f"{face.__name__}'s docstring does not name {path.as_posix()}")
         if len(doc.splitlines()) > PASS_DOCSTRING_LINES:
             wrong.append(f"{face.__name__}'s docstring: {len(doc.splitlines())} lines")
     assert not wrong, "\n".join(wrong)

@@ -1,7 +1,7 @@
 """The recipe "A new pass" of docs/architecture.md checked directly: a pass ``FuseBar``, declared
 here as its module would declare it (its kind and the kind's meaning, its summary, its own
 refusal code), is all the registry, the driver and ``tools/docs.py`` need; the registry refuses
-a pass that declares too little or a code twice; and the recipe names the four files it takes.
+a pass that declares too little or a code twice; and the recipe names the files it takes.
 """
 
 from __future__ import annotations
@@ -91,22 +91,27 @@ def test_the_registry_refuses_too_little_or_twice():
 
 
 def test_the_docs_are_written_from_a_new_pass():
-    """``tools/docs.py`` writes the new pass's row of the report's kinds and its lines of the
-    Layout: the committed docs differ until it is run."""
+    """``tools/docs.py`` writes the new pass's row of the report's kinds, its lines of the
+    Layout and its row of docs/fusions.md's index: the committed docs differ until it is run."""
     written = docs.generated(ROOT, (*PASSES, FuseBar))
     assert "| `bar_fused` | integer | bars |\n" in written[docs.REPORT]
     assert "`fuse_bar`: every Relu refused;" in written[docs.ARCHITECTURE]
+    row = "| [`FuseBar`](fusions/fuse_bar.md) | `fusion.fuse_bar` | `bar_fused` | every Relu"
+    assert row in written[docs.FUSIONS]
     assert all(text != (ROOT / path).read_text() for path, text in written.items())
 
 
-def test_the_recipe_names_four_files():
-    """The recipe "A new pass" names the module, the registry, the pass's section and its test:
-    the files a maintainer edits (``tools/docs.py`` writes the rest)."""
+def test_the_recipe_names_its_files():
+    """The recipe "A new pass" names the module, the registry, the pass's doc beside its module
+    by name, its test and the builders of the spellings its doc lists: the files a maintainer
+    edits (``tools/docs.py`` writes the rest)."""
     text = (ROOT / "docs" / "architecture.md").read_text()
     recipe = text.split("**A new pass**", 1)[1].split("\n## ", 1)[0]
     assert set(NAMED_FILE.findall(recipe)) == {
         "fusion/fuse_bar.py",
         "fusion/registry.py",
-        "docs/fusions.md",
+        "docs/fusions/fuse_bar.md",
         "tests/fusion/test_fuse_bar_graphs.py",
+        "tests/support/spellings.py",
     }
+    assert docs.doc_of(FuseBar).as_posix() == "docs/fusions/fuse_bar.md"

@@ -1,8 +1,9 @@
 """Write the docs' text that the code declares, from :data:`fusion.registry.PASSES`: the table of
-kinds of docs/report.md (each :class:`fusion.Kind`'s name and meaning) and the passes of
+kinds of docs/report.md (each :class:`fusion.Kind`'s name and meaning), the passes of
 docs/architecture.md's Layout (each pass's module, its modules where it is a package, and its
-summary). One source per fact: a new pass declares them in its module and this script writes
-them here; ``tests/test_docs.py`` fails until it has.
+summary) and the index of docs/fusions.md (each pass, its doc ``docs/fusions/<module>.md``, its
+report counts and its summary). One source per fact: a new pass declares them in its module and
+this script writes them here; ``tests/test_docs.py`` fails until it has.
 
     python -m tools.docs            # rewrite the generated parts
     python -m tools.docs --check    # exit 1, naming the files, where they differ
@@ -22,10 +23,14 @@ from fusion.registry import PASSES, declarations
 ROOT = Path(__file__).resolve().parents[1]
 REPORT = Path("docs/report.md")
 ARCHITECTURE = Path("docs/architecture.md")
+FUSIONS = Path("docs/fusions.md")
 
 #: The lines around the report's table of kinds (Markdown comments: not rendered).
 KINDS_BEGIN = "<!-- The kinds: written by `python -m tools.docs` from fusion.registry. -->\n"
 KINDS_END = "<!-- End of the kinds. -->\n"
+#: The lines around docs/fusions.md's index of the passes.
+INDEX_BEGIN = "<!-- The passes: written by `python -m tools.docs` from fusion.registry. -->\n"
+INDEX_END = "<!-- End of the passes. -->\n"
 #: The Layout's line before the passes, and the first line after them.
 PASSES_BEGIN = (
     "                  the passes, in the order they run (written by `python -m tools.docs`\n"
@@ -41,6 +46,29 @@ def kinds_table(passes: Sequence[type[FusionPass]]) -> str:
     kinds, _ = declarations(passes)
     rows = [f"| `{kind.name}` | integer | {kind.meaning} |\n" for kind in kinds]
     return "| key | type | meaning |\n| --- | --- | --- |\n" + "".join(rows)
+
+
+def doc_of(fusion_pass: type[FusionPass]) -> Path:
+    """The doc of ``fusion_pass``: ``docs/fusions/<module>.md``, named as its module or package
+    under ``fusion/`` is (``fusion/fold_batchnorm`` -> ``docs/fusions/fold_batchnorm.md``)."""
+    return Path("docs/fusions") / f"{fusion_pass.__module__.split('.')[1]}.md"
+
+
+def fusions_index(passes: Sequence[type[FusionPass]]) -> str:
+    """docs/fusions.md's index: a row per pass of ``passes``, in the order they run: the pass
+    linked to its doc, its module, its report counts and its summary."""
+    rows = []
+    for fusion_pass in passes:
+        doc = doc_of(fusion_pass)
+        link = doc.relative_to(FUSIONS.parent).as_posix()
+        counts = ", ".join(f"`{kind.name}`" for kind in fusion_pass.kinds)
+        rows.append(
+            f"| [`{fusion_pass.__name__}`]({link}) | `fusion.{doc.stem}` | {counts} "
+            f"| {fusion_pass.summary} |\n"
+        )
+    return "| pass | module | report count | what it does |\n| --- | --- | --- | --- |\n" + "".join(
+        rows
+    )
 
 
 def _modules(fusion_pass: type[FusionPass], root: Path) -> tuple[str, list[str]]:
@@ -85,15 +113,17 @@ def _between(text: str, begin: str, end: str, new: str, where: Path) -> str:
 
 
 def generated(root: Path = ROOT, passes: Sequence[type[FusionPass]] = PASSES) -> dict[Path, str]:
-    """The texts of docs/report.md and docs/architecture.md under ``root`` with their generated
-    parts written from ``passes``, by path relative to ``root``."""
+    """The texts of docs/report.md, docs/architecture.md and docs/fusions.md under ``root`` with
+    their generated parts written from ``passes``, by path relative to ``root``."""
     report = (root / REPORT).read_text()
     layout = (root / ARCHITECTURE).read_text()
+    index = (root / FUSIONS).read_text()
     return {
         REPORT: _between(report, KINDS_BEGIN, KINDS_END, kinds_table(passes), REPORT),
         ARCHITECTURE: _between(
             layout, PASSES_BEGIN, PASSES_END, layout_passes(passes, root), ARCHITECTURE
         ),
+        FUSIONS: _between(index, INDEX_BEGIN, INDEX_END, fusions_index(passes), FUSIONS),
     }
 
 

@@ -10,7 +10,7 @@ run's :class:`Policy` that turns it on (:attr:`FusionPass.option`), the fields i
 
 To add a fusion: one pass module that subclasses :class:`NodeFusionPass` (or
 :class:`FusionPass`) and declares its :class:`Kind`, its summary and its own codes, one line in
-:data:`fusion.registry.PASSES`, its section of docs/fusions.md and one test module
+:data:`fusion.registry.PASSES`, its doc docs/fusions/<module>.md and one test module
 (docs/architecture.md#recipes).
 
 The parts, imported from here: :mod:`fusion.base.policy` (the targets and :class:`Policy`),

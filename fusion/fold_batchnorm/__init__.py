@@ -2,7 +2,7 @@
 Conv / ConvTranspose / Gemm / MatMul (the pass :class:`FoldBatchNorm`).
 
 The math, the ops a map moves across, what counts as a BatchNorm, and each refusal with its
-code: see docs/fusions.md#foldbatchnorm.
+code: see docs/fusions/fold_batchnorm.md.
 
 The modules: :mod:`~fusion.fold_batchnorm.algebra` (BatchNorm and constant ops as ``(s, t)``,
 the layers, the per-channel checks), :mod:`~fusion.fold_batchnorm.across` (moving a map across
@@ -31,7 +31,7 @@ __all__ = ["FoldBatchNorm"]
 class FoldBatchNorm(FusionPass):
     """Fold inference-mode BatchNormalization and per-channel affine chains into linear layers.
 
-    The math, the cases and what is counted as a BatchNorm: docs/fusions.md#foldbatchnorm.
+    The math, the cases and what is counted as a BatchNorm: docs/fusions/fold_batchnorm.md.
     Weights may be float16, float32 or float64; folding is computed in float64 and cast back.
     Graph outputs keep their names.
 

@@ -1,6 +1,6 @@
 """Moving a per-element affine map ``s * x + t`` across the ops that commute with it (the views,
 means and maxes of :data:`ACROSS`); the positive scale a max needs is checked by the callers,
-who know the scale. Which ops, and why: docs/fusions.md#foldbatchnorm.
+who know the scale. Which ops, and why: docs/fusions/fold_batchnorm.md.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ def _move_across_reduction(
 
     Forward, the map must be constant along the reduced axes, which are then dropped unless
     kept; back, they come back as size 1, and a map on the output must not vary along a kept
-    one (docs/fusions.md#foldbatchnorm).
+    one (docs/fusions/fold_batchnorm.md).
 
     Raises:
         CannotFuse: ``pools_over_channels``, the map varies along a reduced axis (forward);

@@ -1,6 +1,6 @@
 """Fold the BatchNorms and constant affine ops after a linear layer into that layer: the walk down
 the layer's readers, across the ops of :data:`~fusion.fold_batchnorm.across.ACROSS`, composing
-one ``(s, t)`` over its output channels. The math: docs/fusions.md#foldbatchnorm.
+one ``(s, t)`` over its output channels. The math: docs/fusions/fold_batchnorm.md.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def _kind(chain: list[ir.Node]) -> tuple[str, int] | None:
     A chain with BatchNormalization nodes is a ``batchnorm_folded`` that counts them; a chain
     without, a ``batchnorm_folded`` of 1 when it is a BatchNorm written by hand
     (:func:`_hand_written_batchnorm`), else an ``affine_folded`` of 1; shifts alone (bias Adds)
-    are nothing (:func:`_scales`). The rule: docs/fusions.md#foldbatchnorm.
+    are nothing (:func:`_scales`). The rule: docs/fusions/fold_batchnorm.md.
     """
     if not _scales(chain):
         return None
@@ -208,7 +208,7 @@ def _hand_written_batchnorm(chain: list[ir.Node]) -> bool:
 
     It is when it scales per channel and subtracts a per-channel constant anywhere in the chain,
     or adds or subtracts one after the scale; a per-channel scale alone is a layer scale (the
-    rule: docs/fusions.md#foldbatchnorm).
+    rule: docs/fusions/fold_batchnorm.md).
     """
     scaled = shifted = False
     for node in chain:

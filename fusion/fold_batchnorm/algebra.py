@@ -2,7 +2,7 @@
 the linear layers that absorb such a map, and the checks that a map is per channel.
 
 Every map is computed in float64. Each check raises :class:`~fusion.base.CannotFuse` with a
-stable code. The math: docs/fusions.md#foldbatchnorm.
+stable code. The math: docs/fusions/fold_batchnorm.md.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def _bias_fits(bias: np.ndarray, op: str, channels: int) -> bool:
 def _training_mode(node: ir.Node) -> str | None:
     """Why the BatchNormalization ``node`` runs in training mode, or None (inference mode):
     ``training_mode=1``, a statistics output that is read, or below opset 14 statistics outputs
-    present (the rule and why: docs/fusions.md#foldbatchnorm)."""
+    present (the rule and why: docs/fusions/fold_batchnorm.md)."""
     graph = node.graph
     opset = graph.opset_imports.get(node.domain, 0) if graph is not None else 0
     if node.attributes.get_int("training_mode", 0):
@@ -154,7 +154,7 @@ def _training_mode(node: ir.Node) -> str | None:
 def batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
     """``(s, t)``, each ``(C,)`` float64, of an inference-mode BatchNormalization:
     ``s = scale / sqrt(input_var + epsilon)``, ``t = B - input_mean * s``
-    (docs/fusions.md#foldbatchnorm).
+    (docs/fusions/fold_batchnorm.md).
 
     Raises:
         CannotFuse: ``training_mode`` (also statistics outputs in use), ``spatial_zero``
@@ -192,7 +192,7 @@ def batchnorm_affine(node: ir.Node) -> tuple[np.ndarray, np.ndarray]:
 
 def check_channels(bn: ir.Node, channels: int, shapes: KnownShapes) -> None:
     """Refuse a BatchNormalization whose input does not have ``channels`` on axis 1: no valid
-    BatchNormalization (docs/fusions.md#foldbatchnorm).
+    BatchNormalization (docs/fusions/fold_batchnorm.md).
 
     Raises:
         CannotFuse: ``channel_mismatch``, axis 1 of the input has a known size other than

@@ -1,6 +1,6 @@
 """Fold a BatchNorm into the linear layers after it (a Conv with no padding, a Gemm with
 ``transA = 0``, a MatMul), across the ops of :data:`~fusion.fold_batchnorm.across.ACROSS`.
-The math and the conditions: docs/fusions.md#foldbatchnorm.
+The math and the conditions: docs/fusions/fold_batchnorm.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The constants a fold needs that the model computes from constants (a ``ConstantOfShape``,
 PyTorch's ``weight_norm`` ``g * v / ||v||``) made tensors first, by onnxscript's folder, where
 they are small enough: a BatchNorm's parameters, then the weight and bias of the layer beside a
-BatchNorm that can fold. Why, and the bound: docs/fusions.md#foldbatchnorm.
+BatchNorm that can fold. Why, and the bound: docs/fusions/fold_batchnorm.md.
 """
 
 from __future__ import annotations

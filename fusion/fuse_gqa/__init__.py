@@ -3,7 +3,7 @@
 into ONNX's ``Attention`` and ``RotaryEmbedding`` (opset 23): :class:`FuseGroupQueryAttention`.
 
 The math, what is matched, the exactness conditions (rotary tables, masks, the ``If`` guard)
-and the refusals with their codes: see docs/fusions.md#fusegroupqueryattention.
+and the refusals with their codes: see docs/fusions/fuse_gqa.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The inputs GroupQueryAttention takes that the model has in other forms: the projections
 before their split into heads, the sequence lengths and the rotary caches
-(:mod:`fusion.fuse_gqa`; docs/fusions.md#fusegroupqueryattention).
+(:mod:`fusion.fuse_gqa`; docs/fusions/fuse_gqa.md).
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def positions(
     ``(S, half)`` row per position of the call, so the ``(B, S)`` ``position_ids`` are
     ``0 .. S-1`` in every row, and the caches get ``T`` (``read.total``) rows of zeros below,
     never read (the CPU kernel wants at least ``T`` rows:
-    docs/fusions.md#fusegroupqueryattention). Nodes appended to ``inserted``; kept in
+    docs/fusions/fuse_gqa.md). Nodes appended to ``inserted``; kept in
     ``shared`` per caches and sizes."""
     key = ("positions", *map(id, caches), id(read))
     if key in shared:

@@ -1,7 +1,7 @@
 """The core of a decoder's attention around its Softmax, as the exporters write it: the scores
 ``scale * Q @ K^T [+ mask]`` before it, the weights' ``@ V`` after it, the merge of the heads,
 and the nodes that only feed these (:mod:`fusion.fuse_gqa`;
-docs/fusions.md#fusegroupqueryattention).
+docs/fusions/fuse_gqa.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def _product(value: ir.Value) -> tuple[ir.Node, float, float, list[ir.Node]] | N
     """``(Q @ K^T MatMul, factor, softcap, nodes)`` where ``value`` is ``factor * (Q @ K^T)``
     (softcap 0), or ``a * tanh(b * (Q @ K^T))`` with ``a > 0``: the logit soft-capping of
     Gemma 2 (``softcap * tanh(scores / softcap)``), the ops' ``softcap=a`` with
-    ``scale = a * b`` (docs/fusions.md#fusegroupqueryattention); None otherwise."""
+    ``scale = a * b`` (docs/fusions/fuse_gqa.md); None otherwise."""
     outer, cap, nodes = parts.scaled(value)
     tanh = producer(outer, "Tanh")
     if tanh is None:

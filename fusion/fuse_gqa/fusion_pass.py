@@ -1,5 +1,5 @@
 """The pass of :mod:`fusion.fuse_gqa` (:class:`FuseGroupQueryAttention`) and what it matches
-(:class:`GQAMatch`); the math is in docs/fusions.md#fusegroupqueryattention.
+(:class:`GQAMatch`); the math is in docs/fusions/fuse_gqa.md.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fusion.fuse_gqa import build, core, guard, masks, parts, standard, trace
 
 @dataclasses.dataclass
 class GQAMatch:
-    """One attention to fuse (see docs/fusions.md#fusegroupqueryattention).
+    """One attention to fuse (see docs/fusions/fuse_gqa.md).
 
     Attributes:
         query, key, value: the heads, traced back to their split (:class:`parts.Heads`).
@@ -92,7 +92,7 @@ def _check_standard_only(model: ir.Model, match: GQAMatch) -> None:
 
 class FuseGroupQueryAttention(NodeFusionPass):
     """Replace each decoder attention of the main graph by one ``GroupQueryAttention``, or by
-    ``Attention`` and ``RotaryEmbedding`` (see docs/fusions.md#fusegroupqueryattention); counted as
+    ``Attention`` and ``RotaryEmbedding`` (see docs/fusions/fuse_gqa.md); counted as
     ``"gqa_fused"``, refusals under ``"gqa"``. The model's opset is raised to 23 before the
     first rewrite that needs it.
 
@@ -126,7 +126,7 @@ class FuseGroupQueryAttention(NodeFusionPass):
         """The attention whose Softmax is ``node``, or None.
 
         Raises:
-            CannotFuse: see docs/fusions.md#fusegroupqueryattention.
+            CannotFuse: see docs/fusions/fuse_gqa.md.
         """
         if node.op_type != "Softmax" or node.domain != "":
             return None

@@ -2,7 +2,7 @@
 models ONNX's ``Attention`` cannot take instead (:mod:`.standard`): the condition under which
 the op's CPU kernel computes the model's attention (:func:`condition`) and the branch
 (:func:`branch`). The kernel's limits it guards against: see
-docs/fusions.md#fusegroupqueryattention.
+docs/fusions/fuse_gqa.md.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def condition(
     shared: dict,
 ) -> ir.Value:
     """The boolean scalar under which the op computes the model's attention
-    (docs/fusions.md#fusegroupqueryattention) for the ``(B, S, .)`` ``query``, the
+    (docs/fusions/fuse_gqa.md) for the ``(B, S, .)`` ``query``, the
     ``(B, K, P, H)`` ``past`` key (or None) and the run-time ``(B | 1, N | 1, S, T)`` ``bias``
     (or None); nodes appended to ``inserted``, kept in ``shared`` for the layers of the same
     key."""

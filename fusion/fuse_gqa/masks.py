@@ -1,7 +1,7 @@
 """A decoder's additive attention mask, evaluated where it is computed from constants and the
 shapes of the model's inputs alone (:func:`evaluate`, at the sizes :data:`SIZES`), and what
 GroupQueryAttention makes of it (:func:`classify`, :func:`masking`) (:mod:`fusion.fuse_gqa`).
-What is checked, and at which sizes: see docs/fusions.md#fusegroupqueryattention.
+What is checked, and at which sizes: see docs/fusions/fuse_gqa.md.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _shape_feeds(shapes: set[ir.Node], sizes: tuple[int, ...]) -> dict[str, np.n
 def _beyond_sizes(constants: dict[str, np.ndarray]) -> int | None:
     """An integer constant larger than every size of :data:`SIZES` (the ``2**63 - 1`` of "to
     the end" aside) among ``constants``, or None: with one, a mask checked at those sizes may
-    still differ at larger ones (docs/fusions.md#fusegroupqueryattention)."""
+    still differ at larger ones (docs/fusions/fuse_gqa.md)."""
     limit = max(max(sizes) for sizes in SIZES)
     for array in constants.values():
         if array.dtype.kind in "iu" and array.size <= 64:
@@ -86,7 +86,7 @@ def _beyond_sizes(constants: dict[str, np.ndarray]) -> int | None:
 
 def evaluate(value: ir.Value, opset: int, max_nodes: int = 256) -> list[np.ndarray] | None:
     """``value`` at each assignment of :data:`SIZES` (one array when it reads no shape), where
-    it is computed from constants and shapes alone (docs/fusions.md#fusegroupqueryattention);
+    it is computed from constants and shapes alone (docs/fusions/fuse_gqa.md);
     else None.
 
     Raises:

@@ -5,7 +5,7 @@ and returns what it is made of, or None when it is not that piece: :func:`heads`
 tables (:func:`tables`). Shapes are named as transformers' attention names them: ``B`` batch,
 ``S`` query length, ``T`` key length, ``N`` query heads, ``K`` key/value heads, ``H`` head size.
 
-Each piece's form and its math: see docs/fusions.md#fusegroupqueryattention.
+Each piece's form and its math: see docs/fusions/fuse_gqa.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def heads(value: ir.Value) -> Heads | None:
 @dataclasses.dataclass
 class Rotary:
     """A rotary embedding ``x * cos + rotate_half(x) * sin``
-    (docs/fusions.md#fusegroupqueryattention).
+    (docs/fusions/fuse_gqa.md).
 
     Attributes:
         x: the heads rotated, ``(B, n, L, H)``.
@@ -133,7 +133,7 @@ def rotary(value: ir.Value, head_size: int) -> Rotary | None:
 
 def repeat_kv(value: ir.Value) -> tuple[ir.Value, int, list[ir.Node]] | None:
     """``(x, r, nodes)`` when ``value`` is ``x`` of shape ``(B, K, T, H)`` with each head
-    repeated ``r`` times (see docs/fusions.md#fusegroupqueryattention): ``(B, K * r, T, H)``, or the
+    repeated ``r`` times (see docs/fusions/fuse_gqa.md): ``(B, K * r, T, H)``, or the
     ``(B, K, r, T, H)`` Expand before its Reshape (which the dynamo exporter merges into the
     Reshape of :func:`transposed_key`); else None."""
     reshape = producer(value, "Reshape")
@@ -258,7 +258,7 @@ def rotary_tables(cos: np.ndarray, sin: np.ndarray, head_size: int) -> tuple | N
     embedding that compute ``x * cos + rotate_half(x) * sin`` for the constant tables ``cos``,
     ``sin`` (broadcast ``(..., L, H)``, row ``i`` for position ``i``), or None where they
     cannot: a table that differs between batches or heads, or whose two halves differ
-    (docs/fusions.md#fusegroupqueryattention)."""
+    (docs/fusions/fuse_gqa.md)."""
     tables = []
     for table in (cos, sin):
         if table.ndim < 2 or table.shape[-1] != head_size:

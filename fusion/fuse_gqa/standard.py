@@ -3,7 +3,7 @@
 ``GroupQueryAttention`` behind an ``If`` (:mod:`.guard`): the opset raise (:func:`upgrade`), the
 mask as the op takes it (:func:`bias`, :func:`attention_mask`) and the rewrite
 (:func:`rewrite`). Why it is exact (rows masked everywhere, float32's lowest): see
-docs/fusions.md#fusegroupqueryattention.
+docs/fusions/fuse_gqa.md.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def bias(mask: ir.Value | None, nan_guard: bool) -> str | None:
     """How ``Attention`` takes the model's run-time additive ``mask``: ``"as is"`` (also where
     there is none), ``"raised"`` where its masked value float32's lowest becomes the next
     float32 above, or None where it cannot (the ``If`` stays); why:
-    docs/fusions.md#fusegroupqueryattention. ``nan_guard``: the model maps NaN attention
+    docs/fusions/fuse_gqa.md. ``nan_guard``: the model maps NaN attention
     weights to 0."""
     if mask is None:
         return "as is"
@@ -93,7 +93,7 @@ def attention_mask(graph: ir.Graph, mask: ir.Value, how: str, shared: dict) -> i
 
 def rewrite(graph: ir.Graph, match, anchor: ir.Node, how: str, shared: dict) -> str:
     """Replace ``match`` (a :class:`fusion.fuse_gqa.GQAMatch`) by ``RotaryEmbedding`` of the
-    query and the key and one ``Attention`` (docs/fusions.md#fusegroupqueryattention) before
+    query and the key and one ``Attention`` (docs/fusions/fuse_gqa.md) before
     ``anchor``, the last matched node; ``how`` from :func:`bias`. Layers of the same sizes and
     tables share the positions and caches, kept in ``shared``."""
     name = anchor.name or "attention"

@@ -1,6 +1,6 @@
 """The query, key and value of a decoder's attention traced back from its two MatMuls to their
 splits into heads, through the rotary embedding, ``repeat_kv`` and the KV cache's Concat
-(:mod:`fusion.fuse_gqa`; the pieces are :mod:`.parts`; docs/fusions.md#fusegroupqueryattention).
+(:mod:`fusion.fuse_gqa`; the pieces are :mod:`.parts`; docs/fusions/fuse_gqa.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 ONNX's ``Attention`` (opset 23): :class:`FuseSDPA`, for both targets.
 
 The math, the forms fused, the 3-D form, the masks, the opset raise and the refusals with
-their codes and measurements: see docs/fusions.md#fusesdpa.
+their codes and measurements: see docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The nodes the rewrite of :mod:`fusion.fuse_sdpa` inserts: ``Attention``, the Transposes of
 its key and value where they are needed, and its ``attn_mask`` (:mod:`.masks`). See
-docs/fusions.md#fusesdpa.
+docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _scaled_query(
 ) -> ir.Value:
     """``Mul(query, heads)``, appended to ``inserted``: the scale of each head on the scores
     (float64, 1 in every axis but the heads', :func:`.scales.per_head`) moved into ``Q``, in
-    float32 (docs/fusions.md#fusesdpa); the op's ``scale`` is then the rest of the scale, one
+    float32 (docs/fusions/fuse_sdpa.md); the op's ``scale`` is then the rest of the scale, one
     number. ``Q`` is then no view of the projections: the 4-D form."""
     scale = add_initializer(graph, "attn_head_scale", heads.astype(np.float32))
     mul = ir.node("Mul", [query, scale])

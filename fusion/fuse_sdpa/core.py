@@ -1,6 +1,6 @@
 """The scaled dot-product attention core around a Softmax, however it was decomposed
 (:mod:`fusion.fuse_sdpa`): the weights' product with ``V``, the scores' scale, mask and bias,
-and ``Q`` and ``K`` as ``Attention`` takes them. The forms read: see docs/fusions.md#fusesdpa.
+and ``Q`` and ``K`` as ``Attention`` takes them. The forms read: see docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def _swapped_view(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
 
 def scores(value: ir.Value) -> Scores:
     """The Softmax's input ``value`` parsed into :class:`Scores` (the forms:
-    docs/fusions.md#fusesdpa).
+    docs/fusions/fuse_sdpa.md).
 
     Raises:
         CannotFuse: ``scores_form``, ``not_constant``, ``scale_not_scalar``,

@@ -1,5 +1,5 @@
 """The pass of :mod:`fusion.fuse_sdpa` (:class:`FuseSDPA`) and what it matches
-(:class:`SDPAMatch`); the math is in docs/fusions.md#fusesdpa.
+(:class:`SDPAMatch`); the math is in docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class SDPAMatch:
 
 class FuseSDPA(NodeFusionPass):
     """Replace each scaled dot-product attention by ONNX's ``Attention``
-    (docs/fusions.md#fusesdpa); counted as ``sdpa_fused``, refusals under ``attention``. The
+    (docs/fusions/fuse_sdpa.md); counted as ``sdpa_fused``, refusals under ``attention``. The
     model's opset is raised to 23 before the first rewrite."""
 
     kinds = (
@@ -93,7 +93,7 @@ class FuseSDPA(NodeFusionPass):
         """The attention around the Softmax ``node``, or None where it is no attention's.
 
         Raises:
-            CannotFuse: see docs/fusions.md#fusesdpa.
+            CannotFuse: see docs/fusions/fuse_sdpa.md.
         """
         if not core.is_candidate(node):
             return None

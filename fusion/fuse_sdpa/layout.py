@@ -1,7 +1,7 @@
 """``Attention``'s 3-D form where the heads are a view: the tensors before the split into heads
 (:func:`of`, :func:`source`) and the Reshapes that read the output's heads merged back
 (:func:`merged_readers`). The views recognized and why the 3-D form is the same numbers with
-fewer copies: see docs/fusions.md#fusesdpa.
+fewer copies: see docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def of(value: ir.Value) -> Heads | None:
 
 
 def _sequence_first(value: ir.Value, out: list) -> Heads | None:
-    """The sequence-first view at batch 1 (see docs/fusions.md#fusesdpa), or None."""
+    """The sequence-first view at batch 1 (see docs/fusions/fuse_sdpa.md), or None."""
     back = producer(value, "Reshape")
     transpose = producer(back.inputs[0], "Transpose") if back is not None else None
     split = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
@@ -64,7 +64,7 @@ def _sequence_first(value: ir.Value, out: list) -> Heads | None:
 
 
 def _packed(value: ir.Value, out: list) -> Heads | None:
-    """Part ``i`` of a packed projection (see docs/fusions.md#fusesdpa), or None."""
+    """Part ``i`` of a packed projection (see docs/fusions/fuse_sdpa.md), or None."""
     part, nodes = _part(value)
     transpose = producer(part, "Transpose")
     split = producer(transpose.inputs[0], "Reshape") if transpose is not None else None
@@ -119,7 +119,7 @@ def _ints(value: ir.Value | None) -> list[int] | None:
 
 
 def merged_readers(value: ir.Value) -> list[ir.Node] | None:
-    """The Reshapes that read ``value``'s heads merged back (see docs/fusions.md#fusesdpa), or
+    """The Reshapes that read ``value``'s heads merged back (see docs/fusions/fuse_sdpa.md), or
     None where anything else reads it."""
     out = dims(value)
     if out is None or len(out) != 4 or value.is_graph_output():

@@ -4,7 +4,7 @@
 kernel's shape (:func:`fit`), gathered into a :class:`Mask` (:func:`of_scores`).
 
 How ONNX Runtime's kernel treats masked rows and which masks are exact: see
-docs/fusions.md#fusesdpa.
+docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fusion.fuse_gqa import masks as gqa_masks
 from fusion.fuse_gqa import standard
 from fusion.fuse_sdpa.codes import SDPACode
 
-#: The highest fill of a boolean mask taken as masking (see docs/fusions.md#fusesdpa).
+#: The highest fill of a boolean mask taken as masking (see docs/fusions/fuse_sdpa.md).
 LARGE_NEGATIVE = -1e4
 
 #: Ops that carry a mask the caller passes on to the scores unchanged in value.
@@ -117,7 +117,7 @@ def _masking(array: np.ndarray) -> bool:
 
 
 def additive_term(term: ir.Value, guard: bool, opset: int, mask: Mask) -> None:
-    """Add ``term`` (a float32 value added to the scores) to ``mask`` (docs/fusions.md#fusesdpa);
+    """Add ``term`` (a float32 value added to the scores) to ``mask`` (docs/fusions/fuse_sdpa.md);
     ``guard``: the model maps NaN weights to 0.
 
     Raises:
@@ -177,7 +177,7 @@ def check_terms(mask: Mask) -> None:
 
 def boolean(where: ir.Node, guard: bool, opset: int) -> Mask:
     """The mask of ``Where(c, scores, f)`` or ``Where(c, f, scores)`` with ``f`` a one-element
-    constant (see docs/fusions.md#fusesdpa); ``guard``: the model maps NaN weights to 0.
+    constant (see docs/fusions/fuse_sdpa.md); ``guard``: the model maps NaN weights to 0.
 
     Raises:
         CannotFuse: ``mask_not_exact``: a fill Attention cannot match, or a row that may be
@@ -260,7 +260,7 @@ def of_scores(scores, guard: bool, opset: int, shape: list) -> Mask | None:
     their ``shape``; None where nothing is added to them.
 
     Raises:
-        CannotFuse: see docs/fusions.md#fusesdpa; ``scores_form``: a boolean mask beside another.
+        CannotFuse: see docs/fusions/fuse_sdpa.md; ``scores_form``: a boolean mask beside another.
     """
     if scores.where is not None:
         if scores.terms or scores.view is not None:

@@ -1,6 +1,6 @@
 """The constants that scale the scores of :mod:`fusion.fuse_sdpa`'s attention besides the one
 number on them: a number on ``Q`` or on ``K^T`` (:func:`unscaled`), one number per head on the
-scores (:func:`per_head`). See docs/fusions.md#fusesdpa.
+scores (:func:`per_head`). See docs/fusions/fuse_sdpa.md.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def per_head(node: ir.Node, scale: np.ndarray, scores: list | None) -> np.ndarra
     """``scale``, a constant of several values that ``node`` multiplies the scores (of dims
     ``scores``) by, where it is one number per head: 1 in every axis but the heads' (the third
     from last: a 4-D attention's heads, a 3-D one's batch times heads), there as many as the
-    scores have. Such a scale moves into ``Q`` (:func:`.build.rewrite`; docs/fusions.md#fusesdpa).
+    scores have. Such a scale moves into ``Q`` (:func:`.build.rewrite`; docs/fusions/fuse_sdpa.md).
 
     Raises:
         CannotFuse: ``scale_not_scalar``: it varies along another axis, or broadcasts the

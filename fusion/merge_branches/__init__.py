@@ -3,7 +3,7 @@
 a widening 1x1 Conv followed by a Conv; and a sum of linear layers of one tensor into one.
 
 The math, the conditions of exactness, the refusals with their codes and the papers: see
-docs/fusions.md#mergebranches. The modules: :mod:`~fusion.merge_branches.branches` (the sum
+docs/fusions/merge_branches.md. The modules: :mod:`~fusion.merge_branches.branches` (the sum
 read into its terms), :mod:`~fusion.merge_branches.kernel` (the merged Conv),
 :mod:`~fusion.merge_branches.pair` (the 1x1 -> kxk pair), :mod:`~fusion.merge_branches.dense`
 (the merged Gemm or MatMul).
@@ -28,7 +28,7 @@ __all__ = ["MergeBranches"]
 class MergeBranches(FusionPass):
     """Merge sums of convolution, identity and BatchNorm branches reading one tensor, and 1x1
     Convs followed by a kxk Conv, into one Conv, and sums of Gemm / MatMul branches reading one
-    tensor into one (the math and the conditions: docs/fusions.md#mergebranches). Runs after
+    tensor into one (the math and the conditions: docs/fusions/merge_branches.md). Runs after
     :class:`~fusion.fold_batchnorm.FoldBatchNorm`, whose folds leave each branch a Conv with a
     bias. Graph outputs keep their names.
     """

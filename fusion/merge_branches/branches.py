@@ -1,5 +1,5 @@
 """The sum of branches ending at an Add or Sub, read into its terms
-(docs/fusions.md#mergebranches)."""
+(docs/fusions/merge_branches.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The merged Gemm or MatMul of a sum of linear branches on one input (timm's distillation
-heads, ``(head(x) + head_dist(x)) / 2``): its weight and bias (docs/fusions.md#mergebranches).
+heads, ``(head(x) + head_dist(x)) / 2``): its weight and bias (docs/fusions/merge_branches.md).
 """
 
 from __future__ import annotations

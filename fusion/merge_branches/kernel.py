@@ -1,5 +1,5 @@
 """The merged Conv of a sum of branches: its window on one tap grid, its weight and bias
-(docs/fusions.md#mergebranches)."""
+(docs/fusions/merge_branches.md)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ class Plan:
 
 
 def merged_conv(found: Sum) -> Plan:
-    """The merged Conv of ``found`` (the conditions: docs/fusions.md#mergebranches).
+    """The merged Conv of ``found`` (the conditions: docs/fusions/merge_branches.md).
 
     Raises:
         CannotFuse: the branches cannot be one Conv exactly, or the merge would be slower.

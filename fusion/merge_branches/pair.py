@@ -1,5 +1,5 @@
 """A 1x1 Conv followed by a Conv, as one Conv (DBB's transform II;
-docs/fusions.md#mergebranches)."""
+docs/fusions/merge_branches.md)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def sequential_weights(first: ir.Node, second: ir.Node) -> tuple[np.ndarray, np.
     (``first`` and ``second`` a pair of :func:`is_pair`); None where the merge would not be
     exact (``second`` pads the output of a 1x1 whose bias is not zero) or would be slower (the
     1x1 narrows the channels): such a pair is left alone, no refusal
-    (docs/fusions.md#mergebranches).
+    (docs/fusions/merge_branches.md).
     """
     w1 = const_array(first.inputs[1]).astype(np.float64)
     w2 = const_array(second.inputs[1])

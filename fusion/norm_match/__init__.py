@@ -4,7 +4,7 @@ This package finds the core both norms share, a denominator ``sqrt(f * mean_A(v 
 (:func:`match_mean_square`, :func:`centered`), checks what both passes require of it
 (:func:`check_core`), and holds a matched norm with what its fused node needs
 (:class:`NormMatch`). Each check that fails raises :class:`~fusion.base.CannotFuse` with a
-stable :class:`~fusion.base.Code`. The math: docs/fusions.md#fuselayernorm.
+stable :class:`~fusion.base.Code`. The math: docs/fusions/fuse_layernorm.md.
 
 The parts, whose names the passes import from here: :mod:`fusion.norm_match.core`,
 :mod:`fusion.norm_match.axes`, :mod:`fusion.norm_match.fused` and

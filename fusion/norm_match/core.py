@@ -23,7 +23,7 @@ from fusion.norm_match.axes import is_one, normalized_dims, reduced_trailing, su
 FLOAT = ir.DataType.FLOAT
 
 #: The types a norm may compute in and be fused: float32, and the half types whose fused op
-#: computes the statistics in float32 (``stash_type=1``; docs/fusions.md#fuselayernorm).
+#: computes the statistics in float32 (``stash_type=1``; docs/fusions/fuse_layernorm.md).
 NORM_TYPES = (FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 #: The reductions a mean may be written with: ``ReduceMean``, ``GlobalAveragePool`` (the mean

@@ -1,6 +1,6 @@
 """A norm whose weight is folded into the inverse standard deviation, and whose mean is subtracted
 after it, as TensorFlow writes it and tf2onnx exports it (``x * g + (beta - m * g)``, ``g`` the
-inverse root times the weight). The form and why it is the norm: docs/fusions.md#fuselayernorm.
+inverse root times the weight). The form and why it is the norm: docs/fusions/fuse_layernorm.md.
 :func:`folded_division` finds ``x * g``, :func:`subtracted_mean` the shift.
 """
 
@@ -56,7 +56,7 @@ def _inverse_root(value: ir.Value) -> tuple[ir.Value, bool, ir.Node] | None:
 
 def folded_division(node: ir.Node) -> Folded | None:
     """The product of a norm whose inverse root carries its weight or is an ``rsqrt``
-    (docs/fusions.md#fuselayernorm); None for anything else, including the plain
+    (docs/fusions/fuse_layernorm.md); None for anything else, including the plain
     ``Mul(n, Reciprocal(d))``, which :func:`fusion._ir.as_division` reads."""
     if node.op_type != "Mul" or node.domain != "" or len(node.inputs) != 2:
         return None

@@ -214,7 +214,7 @@ class NormMatch:
 
         The round trip is ``Cast(x16, float32)`` before and ``Cast(float16)`` after (or
         bfloat16 both times), with nothing else reading the float32 values: the fused op then
-        takes ``x16`` with ``stash_type=1`` (docs/fusions.md#fuselayernorm).
+        takes ``x16`` with ``stash_type=1`` (docs/fusions/fuse_layernorm.md).
         """
         cast = sole_consumer(self.output)
         if cast is None or cast.op_type != "Cast" or cast.domain != "":

@@ -1,7 +1,7 @@
 """The variance written from the moments, ``Max(E[x^2] - E[x]^2, 0)``, as Flax's ``nnx.LayerNorm``
 computes it and jax2onnx writes it, and as jax2tf then tf2onnx write it (each mean a
 ``ReduceSum`` divided by the count, the clamp ``Max(0, .)``). Why it is the variance, and why
-the clamp at 0 goes: docs/fusions.md#fuselayernorm.
+the clamp at 0 goes: docs/fusions/fuse_layernorm.md.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def _clamped(value: ir.Value) -> tuple[ir.Value, list[ir.Node], float | None]:
 
 
 def match_moments(den: ir.Value) -> MeanSquare | None:
-    """Match ``den = Sqrt(Add(Max(E[x^2] - E[x]^2, 0), eps))`` (docs/fusions.md#fuselayernorm).
+    """Match ``den = Sqrt(Add(Max(E[x^2] - E[x]^2, 0), eps))`` (docs/fusions/fuse_layernorm.md).
 
     Returns:
         A :class:`~fusion.norm_match.core.MeanSquare` whose ``value`` is ``x`` itself, whose

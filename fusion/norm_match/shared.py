@@ -1,6 +1,6 @@
 """Norms of one pass that share intermediate values (:class:`NormFusionPass`): the pass plans
 which candidates can all be fused together, so that a value shared only by norms being fused
-blocks none of them (docs/fusions.md#fuselayernorm).
+blocks none of them (docs/fusions/fuse_layernorm.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 rows up through the ops that compute row by row, so that they compute the selected rows only.
 
 Which ops it moves through (:mod:`.rules`), where it stops, and why the output is the same: see
-docs/fusions.md#prunerows.
+docs/fusions/prune_rows.md.
 """
 
 from fusion.prune_rows.fusion_pass import PruneRows

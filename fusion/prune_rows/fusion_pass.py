@@ -1,5 +1,5 @@
 """:class:`PruneRows`: each constant selection of rows moved up through the ops that compute
-row by row, so that they compute the selected rows only (docs/fusions.md#prunerows).
+row by row, so that they compute the selected rows only (docs/fusions/prune_rows.md).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class PruneRows(FusionPass):
     number of nodes now computing the selected rows only. With the policy's ``last_rows``, each
     of those outputs is first kept at its last position only (a Slice, anchored at
     ``NAME_last``). A mean pooling over the rows is refused with ``every_row_read``. When a
-    selection moves and where it stops: docs/fusions.md#prunerows.
+    selection moves and where it stops: docs/fusions/prune_rows.md.
     """
 
     kinds = (
@@ -45,7 +45,8 @@ class PruneRows(FusionPass):
                 "selections of rows (a `Gather` of a constant index, a `Slice` of a constant range:"
                 " a class token, a pooler's first token) moved up through the ops that compute row "
                 "by row, which then compute the selected rows only (`fusion.prune_rows`, "
-                "[fusions.md](fusions.md#prunerows)); one per selection that moved; both targets"
+                "[fusions/prune_rows.md](fusions/prune_rows.md)); one per selection that moved; "
+                "both targets"
             ),
         ),
     )

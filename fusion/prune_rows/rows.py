@@ -1,7 +1,7 @@
 """The selections :class:`fusion.prune_rows.PruneRows` moves: a constant choice of rows along
 one axis of a tensor (:class:`Rows`), read from the node that makes it (:func:`read`) and
 applied to another value (:func:`select`); and the last position of an output
-(:func:`keep_last`). See docs/fusions.md#prunerows.
+(:func:`keep_last`). See docs/fusions/prune_rows.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Which ops compute each row of their output from the same row of their inputs alone, and which
 rows of which inputs a selection of output rows reads (:func:`plan`): the rules
 :class:`fusion.prune_rows.PruneRows` moves a selection up by; :class:`Stop` where it cannot.
-The rules and their sources: see docs/fusions.md#prunerows.
+The rules and their sources: see docs/fusions/prune_rows.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The shapes :mod:`fusion.prune_rows` reads where inference leaves them out, filled forward in
 graph order (:func:`fill`). Why they are missing and for which ops they are filled: see
-docs/fusions.md#prunerows.
+docs/fusions/prune_rows.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`with_shapes` once the values carry the shapes inference gives
 (:class:`fusion.FillShapes`).
 
-Each rewrite, its conditions and its sources: see docs/fusions.md#the-clean-ups.
+Each rewrite, its conditions and its sources: see docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def with_shapes(graph: ir.Graph) -> int:
     :func:`.batched.bias_before_split` to ``graph`` in
     place, once its values carry the shapes inference gives (:class:`fusion.FillShapes`);
     return how many rewrites were made (exact wherever those shapes are:
-    docs/fusions.md#the-clean-ups)."""
+    docs/fusions/cleanup.md)."""
     unify_reshape_symbols(graph)  # names only: not a rewrite of the graph
     done = merge_unsqueezes(graph) + fold_known_sizes(graph) + drop_whole_slices(graph)
     done += drop_neutral_expands(graph) + drop_same_type_casts(graph)

@@ -3,7 +3,7 @@ sources (tf2onnx's Einsum, :func:`unmerge_batched_matmuls`), and a bias added af
 heads moved before it (:func:`bias_before_split`). The view chains are followed by
 :mod:`fusion.simplify.views`.
 
-Why these are exact, and what is left alone: see docs/fusions.md#the-clean-ups.
+Why these are exact, and what is left alone: see docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def _dim_of(size: Size) -> int | str | None:
 
 def _plan(views: Views, node: ir.Node) -> tuple | None:
     """What :func:`_rebuild` inserts for the MatMul ``node``, or None where the rewrite does
-    not apply (see docs/fusions.md#the-clean-ups)."""
+    not apply (see docs/fusions/cleanup.md)."""
     a, b = node.inputs
     chains = (chain_back(a), chain_back(b))
     if not any(n.op_type == "Reshape" for chain in chains for n in chain):
@@ -142,7 +142,7 @@ def _plan(views: Views, node: ir.Node) -> tuple | None:
 
 def unmerge_batched_matmuls(graph: ir.Graph) -> int:
     """Rewrite each MatMul between views that merge its batch axes as the MatMul of its
-    sources (see docs/fusions.md#the-clean-ups), in place; return how many. The old chains are left
+    sources (see docs/fusions/cleanup.md), in place; return how many. The old chains are left
     for the dead-node clean-up."""
     done = 0
     for node in list(graph):
@@ -162,7 +162,7 @@ def bias_before_split(graph: ir.Graph) -> int:
     """Move each constant bias added right after a Reshape that splits the last axis into
     two (``Add(Reshape(y, [..., N, H]), b)``, ``b`` of shape ``(N, H)``, as Keras adds its
     ``EinsumDense`` bias after the split into heads) before it: ``Reshape(Add(y, b'), [..., N,
-    H])`` with ``b'`` of shape ``(N*H,)`` (docs/fusions.md#the-clean-ups). Needs ``y``'s last
+    H])`` with ``b'`` of shape ``(N*H,)`` (docs/fusions/cleanup.md). Needs ``y``'s last
     size and ``b``'s shape known; return how many."""
     done = 0
     for add in list(graph):

@@ -1,5 +1,5 @@
 """torch's index arithmetic written with fewer nodes (:mod:`fusion.simplify`): chained
-Unsqueezes, and advanced indexing by aranges. See docs/fusions.md#the-clean-ups.
+Unsqueezes, and advanced indexing by aranges. See docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def _as_vector(graph: ir.Graph, scalar: ir.Value, nodes: list[ir.Node]) -> ir.Va
 
 def slice_index_grids(graph: ir.Graph) -> int:
     """Replace each GatherND over a grid of aranges (:func:`_grid`) by
-    ``Unsqueeze(Slice(x, 0, [n_0, ..], [0, ..]), other axes)`` (docs/fusions.md#the-clean-ups);
+    ``Unsqueeze(Slice(x, 0, [n_0, ..], [0, ..]), other axes)`` (docs/fusions/cleanup.md);
     return how many."""
     replaced = 0
     for node in list(graph):
@@ -247,7 +247,7 @@ def _flat_grid(node: ir.Node) -> tuple[ir.Value, list[int]] | None:
 def flat_index_grids(graph: ir.Graph) -> int:
     """Replace torch's TorchScript indexing of a 2-D ``x`` by whole aranges,
     ``Reshape(Gather(Flatten(x, 2), rows * x.shape[1] + cols), Shape(index))``, by ``x`` with
-    the grid's other axes inserted (docs/fusions.md#the-clean-ups). Needs the inferred shapes (the
+    the grid's other axes inserted (docs/fusions/cleanup.md). Needs the inferred shapes (the
     aranges' lengths); return how many."""
     replaced = 0
     for node in list(graph):

@@ -1,6 +1,6 @@
 """Nodes that change nothing, read through (:mod:`fusion.simplify`): neutral elements, and with
 the inferred shapes, sizes that are numbers, whole Slices, Expands that broadcast nothing new and
-Casts to a value's own type. See docs/fusions.md#the-clean-ups.
+Casts to a value's own type. See docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _no_negative_zero(value: ir.Value | None) -> bool:
 def _never_negative_zero(x: ir.Value) -> bool:
     """Whether no element of ``x`` can be ``-0``: an integer, or a Conv's or ConvTranspose's
     output with a constant bias, or an Add of a constant, none of whose elements is ``-0``
-    (why: docs/fusions.md#the-clean-ups)."""
+    (why: docs/fusions/cleanup.md)."""
     if x.dtype is not None and not x.dtype.is_floating_point():
         return True
     node = x.producer()
@@ -60,7 +60,7 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
 
 def drop_neutral_ops(graph: ir.Graph) -> int:
     """Read ``x`` for each ``And(x, True)``, ``Or(x, False)``, ``Mul(x, 1)``, ``Div(x, 1)``,
-    ``Add(x, 0)`` and ``Sub(x, 0)`` (:data:`_NEUTRAL`; docs/fusions.md#the-clean-ups) whose
+    ``Add(x, 0)`` and ``Sub(x, 0)`` (:data:`_NEUTRAL`; docs/fusions/cleanup.md) whose
     constant is one element of ``x``'s type and of rank at most ``x``'s (so it adds no axis and
     casts nothing), and whose result is no graph output; ``x + 0`` and ``x - -0`` only where
     ``x`` is never ``-0`` (:data:`_NEUTRAL`); return how many."""
@@ -89,7 +89,7 @@ def drop_neutral_ops(graph: ir.Graph) -> int:
 
 def explicit_softmax_axis(graph: ir.Graph) -> int:
     """Write ``axis=-1`` on each Softmax that leaves it to its default, the same op from opset
-    13 (docs/fusions.md#the-clean-ups); the caller runs it on opset 13 or above only. Return how
+    13 (docs/fusions/cleanup.md); the caller runs it on opset 13 or above only. Return how
     many."""
     done = 0
     for node in graph:
@@ -102,7 +102,7 @@ def explicit_softmax_axis(graph: ir.Graph) -> int:
 def fold_known_sizes(graph: ir.Graph) -> int:
     """Replace each ``Gather(Shape(x), i)`` (constant ``i``, a scalar or a vector; ``Shape``'s
     ``start``/``end`` honoured) whose dimensions of ``x`` are numbers by a constant
-    (docs/fusions.md#the-clean-ups); return how many."""
+    (docs/fusions/cleanup.md); return how many."""
     folded = 0
     for node in list(graph):
         if node.op_type != "Gather" or node.domain != "" or node.graph is not graph:
@@ -129,7 +129,7 @@ def fold_known_sizes(graph: ir.Graph) -> int:
 def drop_whole_slices(graph: ir.Graph) -> int:
     """Read ``x`` for each Slice of ``x`` with steps of 1 whose result has ``x``'s shape
     (provably, :func:`fusion._ir.same_shape`), whatever its bounds compute to
-    (docs/fusions.md#the-clean-ups); return how many."""
+    (docs/fusions/cleanup.md); return how many."""
     dropped = 0
     for node in list(graph):
         if node.op_type != "Slice" or node.domain != "" or node.graph is not graph:
@@ -151,7 +151,7 @@ def drop_whole_slices(graph: ir.Graph) -> int:
 def _broadcast_only(expand: ir.Node, matmul: ir.Node) -> bool:
     """Whether ``matmul`` computes the same with the input of ``expand`` (one of its operands)
     as with its output: the Expand keeps the last two axes and the rank, and each batch axis it
-    widens from 1 the other operand has at that width (docs/fusions.md#the-clean-ups)."""
+    widens from 1 the other operand has at that width (docs/fusions/cleanup.md)."""
     source, wide = dims(expand.inputs[0]), dims(expand.outputs[0])
     others = [v for v in matmul.inputs if v is not expand.outputs[0]]
     other = dims(others[0]) if len(others) == 1 else None
@@ -168,7 +168,7 @@ def _broadcast_only(expand: ir.Node, matmul: ir.Node) -> bool:
 def drop_neutral_expands(graph: ir.Graph) -> int:
     """Read ``x`` for each ``Expand(x, shape)`` that changes nothing: its result has ``x``'s
     shape (provably), or every reader is a MatMul that broadcasts ``x`` as the Expand would
-    (:func:`_broadcast_only`; docs/fusions.md#the-clean-ups); return how many."""
+    (:func:`_broadcast_only`; docs/fusions/cleanup.md); return how many."""
     dropped = 0
     for node in list(graph):
         if node.op_type != "Expand" or node.domain != "" or node.graph is not graph:
@@ -191,7 +191,7 @@ def drop_neutral_expands(graph: ir.Graph) -> int:
 
 def drop_same_type_casts(graph: ir.Graph) -> int:
     """Read ``x`` for each ``Cast(x, to)`` whose ``x`` already has the type ``to``, known once
-    the values carry their inferred types (docs/fusions.md#the-clean-ups); return how many."""
+    the values carry their inferred types (docs/fusions/cleanup.md); return how many."""
     dropped = 0
     for node in list(graph):
         if node.op_type != "Cast" or node.domain != "" or node.graph is not graph:

@@ -1,5 +1,5 @@
 """Slices that tile an axis as one Split (:mod:`fusion.simplify`). See
-docs/fusions.md#the-clean-ups.
+docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ each value of a chain a list of groups of its source's axes (:class:`Views`), si
 numbers or products of symbols (:class:`Size`), for :mod:`fusion.simplify.batched`; and the
 naming of the sizes Reshapes' -1 stand for (:func:`unify_reshape_symbols`).
 
-What a chain may do and still be followed: see docs/fusions.md#the-clean-ups.
+What a chain may do and still be followed: see docs/fusions/cleanup.md.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def group_size(group: Group) -> Size:
 
 class Views:
     """The groups of the values of view chains, and sizes read off shapes and computed shape
-    tensors (see docs/fusions.md#the-clean-ups)."""
+    tensors (see docs/fusions/cleanup.md)."""
 
     def __init__(self):
         self.groups: dict[ir.Value, list[Group]] = {}
@@ -287,7 +287,7 @@ def unify_reshape_symbols(graph: ir.Graph) -> int:
     """Name the size a Reshape's -1 stands for after its input's, where that is proven: a
     constant target with one -1 (and 0s copying the input's axes), an input of one unknown
     size ``s`` and numbers otherwise, the numbers of both sides multiplying to the same: the
-    -1 is ``s`` (why: docs/fusions.md#the-clean-ups). Every use of the fresh name in the
+    -1 is ``s`` (why: docs/fusions/cleanup.md). Every use of the fresh name in the
     graph's value shapes is replaced (the shapes are the passes' scaffolding:
     :class:`fusion.FillShapes`);
     return how many names were replaced."""

@@ -4,8 +4,6 @@ before it taken in for ONNX Runtime; look-alikes with other constants refused by
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 from onnx import TensorProto
@@ -13,44 +11,10 @@ from onnx import TensorProto
 from fusion import Code
 from fusion.fuse_gelu import FuseGelu
 from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare
+from tests.support.spellings import erf_part, gelu_product, tanh_part
 
 FLOAT = TensorProto.FLOAT
 H = SHAPE[-1]
-
-
-def _erf(g: Graph, x: str, divide: bool = True, constant: float | None = None) -> str:
-    """``erf(x / sqrt 2)``, as a Div (PyTorch, Paddle) or a Mul by ``1/sqrt 2`` (tf2onnx)."""
-    if divide:
-        c = g.const("sqrt2", np.float32(constant or math.sqrt(2)))
-        return g.node("Erf", [g.node("Div", [x, c], "u")], "f")
-    c = g.const("inv_sqrt2", np.float32(constant or 1 / math.sqrt(2)))
-    return g.node("Erf", [g.node("Mul", [x, c], "u")], "f")
-
-
-def _tanh(g: Graph, x: str, pow_cube: bool = True, cubic: float = 0.044715) -> str:
-    """``tanh(sqrt(2/pi) * (x + 0.044715 x^3))``, the cube as Pow or as products."""
-    if pow_cube:
-        cube = g.node("Pow", [x, g.const("three", np.float32(3))], "cube")
-    else:
-        cube = g.node("Mul", [g.node("Mul", [x, x], "sq"), x], "cube")
-    term = g.node("Mul", [g.const("cubic", np.float32(cubic)), cube], "term")
-    inner = g.node("Add", [x, term], "inner")
-    c = g.const("c", np.float32(math.sqrt(2 / math.pi)))
-    return g.node("Tanh", [g.node("Mul", [c, inner], "arg")], "f")
-
-
-def _gelu(g: Graph, x: str, f: str, association: str) -> str:
-    """``0.5 * x * (1 + f)`` in one of the associations the exporters write."""
-    t = g.node("Add", [g.const("one", np.float32(1)), f], "t")
-    half = g.const("half", np.float32(0.5))
-    if association == "x_times_half_t":  # PyTorch's dynamo export, onnxscript's patterns
-        return g.node("Mul", ["x" if x == "x" else x, g.node("Mul", [half, t], "ht")], "y")
-    if association == "half_x_times_t":  # tf2onnx
-        return g.node("Mul", [g.node("Mul", [half, x], "hx"), t], "y")
-    if association == "x_t_times_half":
-        return g.node("Mul", [g.node("Mul", [x, t], "xt"), half], "y")
-    two = g.const("two", np.float32(2))  # Paddle: (x * (1 + f)) / 2
-    return g.node("Div", [g.node("Mul", [x, t], "xt"), two], "y")
 
 
 def _model(g: Graph, y: str):
@@ -66,8 +30,8 @@ ASSOCIATIONS = ["x_times_half_t", "half_x_times_t", "x_t_times_half", "x_t_over_
 def test_every_spelling_is_one_op(rng, association, form, target):
     g = Graph(opset=20)
     kind, how = form.split("_")
-    f = _erf(g, "x", how == "div") if kind == "erf" else _tanh(g, "x", how == "pow")
-    model = _model(g, _gelu(g, "x", f, association))
+    f = erf_part(g, "x", how == "div") if kind == "erf" else tanh_part(g, "x", how == "pow")
+    model = _model(g, gelu_product(g, "x", f, association))
     report = fuse_and_compare(model, FuseGelu(target), rng)
     assert report.counts["gelu_fused"] == 1 and not report.refused
     (node,) = model.graph
@@ -87,9 +51,9 @@ def test_the_bias_before_is_taken_in_for_onnx_runtime(rng, kind):
     with the bias as its second input."""
     g = Graph(opset=20)
     x = g.node("Add", ["v", g.const("b", rng.standard_normal(H).astype(np.float32))], "x")
-    f = _erf(g, x) if kind == "erf" else _tanh(g, x)
+    f = erf_part(g, x) if kind == "erf" else tanh_part(g, x)
     model = g.model(
-        {"v": (FLOAT, SHAPE)}, {(y := _gelu(g, x, f, "half_x_times_t")): (FLOAT, SHAPE)}
+        {"v": (FLOAT, SHAPE)}, {(y := gelu_product(g, x, f, "half_x_times_t")): (FLOAT, SHAPE)}
     )
     fuse_and_compare(model, FuseGelu("ort"), rng)
     (node,) = model.graph
@@ -111,26 +75,26 @@ def test_a_gelu_op_of_the_file_takes_its_bias_in(rng):
 @pytest.mark.parametrize(
     "build",
     [
-        lambda g: _erf(g, "x", True, constant=2.0),
-        lambda g: _tanh(g, "x", cubic=0.0447),
+        lambda g: erf_part(g, "x", True, constant=2.0),
+        lambda g: tanh_part(g, "x", cubic=0.0447),
     ],
     ids=["x_over_2", "cubic_0.0447"],
 )
 def test_another_constant_is_another_function(build):
     g = Graph(opset=20)
-    model = _model(g, _gelu(g, "x", build(g), "half_x_times_t"))
+    model = _model(g, gelu_product(g, "x", build(g), "half_x_times_t"))
     assert_refused(model, FuseGelu("ort"), Code.GELU_CONSTANT)
 
 
 def test_an_intermediate_read_elsewhere_blocks_it():
     g = Graph(opset=20)
-    f = _erf(g, "x")
-    y = _gelu(g, "x", f, "half_x_times_t")
+    f = erf_part(g, "x")
+    y = gelu_product(g, "x", f, "half_x_times_t")
     model = g.model({"x": (FLOAT, SHAPE)}, {y: (FLOAT, SHAPE), f: (FLOAT, SHAPE)})
     assert_refused(model, FuseGelu("ort"), Code.SHARED_OUTPUT)
 
 
 def test_below_opset_20_the_portable_target_refuses():
     g = Graph(opset=18)
-    model = _model(g, _gelu(g, "x", _erf(g, "x"), "half_x_times_t"))
+    model = _model(g, gelu_product(g, "x", erf_part(g, "x"), "half_x_times_t"))
     assert_refused(model, FuseGelu("onnx"), Code.OPSET_TOO_LOW)
