@@ -26,16 +26,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from normexport import errors
-from normexport.arguments import (
-    add_check_arguments,
-    add_model_arguments,
-    add_output_arguments,
-    add_provider_arguments,
-    add_threads_argument,
-    add_timing_arguments,
-    options_from_args,
-    preflight,
-)
+from normexport.arguments import add_flags, add_model_arguments, options_from_args, preflight
 from normexport.io.quiet import logs_for_debug
 
 #: The subcommands, each with the line ``normexport --help`` gives it.
@@ -62,11 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(p)
-    add_output_arguments(p)
-    add_provider_arguments(p)
-    add_threads_argument(p)
-    add_timing_arguments(p)
-    add_check_arguments(p)
+    add_flags(p, "output")
+    add_flags(p, "make_dirs")
+    p.add_argument(
+        "--explain", action="store_true", help="also list every candidate and what became of it"
+    )
+    for group in ("precision", "provider", "threads", "timing", "check"):
+        add_flags(p, group)
     return p
 
 
@@ -78,8 +71,8 @@ def build_explain_parser() -> argparse.ArgumentParser:
         "each one left alone was left alone. Writes nothing.",
     )
     add_model_arguments(p)
-    add_provider_arguments(p)
-    add_threads_argument(p)
+    add_flags(p, "provider")
+    add_flags(p, "threads")
     return p
 
 
