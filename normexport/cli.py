@@ -129,13 +129,14 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         print(f"normexport: warning: {warning}", file=sys.stderr)
 
     from normexport import pipeline, runtime
-    from normexport.pipeline.job import run_policy
+    from normexport.pipeline.job import run_policy, run_threads
     from normexport.report import explain
 
     provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
     prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"
-    findings = explain.explain(prepared.raw, run_policy(opts, prepared.raw, provider))
+    policy = run_policy(opts, prepared.raw, provider, run_threads(opts))
+    findings = explain.explain(prepared.raw, policy)
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
     return errors.EXIT_OK
 

@@ -118,8 +118,8 @@ class Options:
         provider: ``auto``, ``cpu`` or ``cuda``.
         threads: the intra-op threads of the CPU provider the model is made for and timed
             with (``--threads``: the CPU fusion policy's, :attr:`fusion.Policy.threads`), or
-            None: the cores this process may run on
-            (:func:`normexport.runtime.latency.latency_threads`).
+            None: the cores this process may run on (resolved once per run, by
+            :func:`normexport.pipeline.job.run_threads`).
         benchmark: time the variants (``--no-benchmark`` clears it).
         atol, rtol: parity tolerances (see :func:`normexport.verdict.parity.closeness`); atol in the
             outputs' units, rtol times the oracle's largest magnitude.
