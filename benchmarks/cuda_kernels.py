@@ -6,7 +6,8 @@ Each model is loaded and exported as the pipeline does it (``normexport.pipeline
 the demo models as ``make demo`` saves them, the float32 gallery entries through each exporter
 they have, the ONNX files as they are), checked as exported (``before``), then optimized with
 the passes a CUDA run makes (``fusion.optimize`` under the policy
-``normexport.runtime.policy.fusion_policy("ort", "cuda")``) and checked again (``after``).
+``normexport.runtime.policy.fusion_policy("ort", "cuda", 1)``, whose threads are 1 on any
+provider but the CPU) and checked again (``after``).
 Then the demo models and the gallery entries (dynamo) are converted to float16 and to bfloat16 as
 ``--precision`` converts them for CUDA (:func:`normexport.precision.convert.to_half`), except
 that its question "which op has no kernel of this type?" is answered from the table instead of
@@ -42,7 +43,7 @@ def _check(raw: ir.Model, half: Path | None) -> dict:
     from normexport.runtime.policy import fusion_policy
 
     before = cuda_kernels.without_kernel(raw)
-    report = fusion.optimize(raw, fusion_policy("ort", "cuda"))
+    report = fusion.optimize(raw, fusion_policy("ort", "cuda", 1))
     after = cuda_kernels.without_kernel(raw)
     halves = {} if half is None else _halves(raw, report.refused, half, len(after))
     return halves | {

@@ -110,7 +110,7 @@ class FuseAttention(FusionPass):
     settings = ("threads",)
     reaches_subgraphs = True
     #: The policy's ``threads``: no Attention / MultiHeadAttention of fewer (batch, head) pairs.
-    threads: int = 1
+    threads: int
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether a contrib op was added."""

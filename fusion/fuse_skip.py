@@ -175,10 +175,11 @@ class FuseSkip(FusionPass):
     targets = ("ort",)
     option = "skip"
     settings = ("skip",)
-    #: The policy's ``skip``: True fuses every candidate; ``"kv_cache"`` fuses everything only
-    #: in a model with a KV cache (:func:`has_kv_cache`), elsewhere only the candidates that
-    #: absorb a bias, their sum read by the norm alone.
-    skip: bool | str = True
+    #: The policy's ``skip``: ``"kv_cache"`` fuses everything only in a model with a KV cache
+    #: (:func:`has_kv_cache`), elsewhere only the candidates that absorb a bias, their sum read
+    #: by the norm alone; True (or False, the policy's default, where the pass is made directly)
+    #: fuses every candidate.
+    skip: bool | str
 
     def apply(self, model: ir.Model) -> bool:
         """Fuse in place; return whether anything was fused."""

@@ -26,16 +26,7 @@ from collections.abc import Callable
 from rich.console import Console
 
 from normexport import errors
-from normexport.arguments import (
-    add_check_arguments,
-    add_model_arguments,
-    add_output_arguments,
-    add_provider_arguments,
-    add_threads_argument,
-    add_timing_arguments,
-    options_from_args,
-    preflight,
-)
+from normexport.arguments import add_flags, add_model_arguments, options_from_args, preflight
 from normexport.io.quiet import logs_for_debug
 
 #: The subcommands, each with the line ``normexport --help`` gives it.
@@ -62,11 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(p)
-    add_output_arguments(p)
-    add_provider_arguments(p)
-    add_threads_argument(p)
-    add_timing_arguments(p)
-    add_check_arguments(p)
+    add_flags(p, "output")
+    add_flags(p, "make_dirs")
+    p.add_argument(
+        "--explain", action="store_true", help="also list every candidate and what became of it"
+    )
+    for group in ("precision", "provider", "threads", "timing", "check"):
+        add_flags(p, group)
     return p
 
 
@@ -78,8 +71,8 @@ def build_explain_parser() -> argparse.ArgumentParser:
         "each one left alone was left alone. Writes nothing.",
     )
     add_model_arguments(p)
-    add_provider_arguments(p)
-    add_threads_argument(p)
+    add_flags(p, "provider")
+    add_flags(p, "threads")
     return p
 
 
@@ -136,13 +129,14 @@ def _explain(args: argparse.Namespace, console: Console) -> int:
         print(f"normexport: warning: {warning}", file=sys.stderr)
 
     from normexport import pipeline, runtime
-    from normexport.pipeline.job import run_policy
+    from normexport.pipeline.job import run_policy, run_threads
     from normexport.report import explain
 
     provider, _ = runtime.resolve_provider(opts.provider)  # as the run resolves it
     prepared = pipeline.prepare(opts)
     source = "as exported" if prepared.export.exporter != "none" else "as given"
-    findings = explain.explain(prepared.raw, run_policy(opts, prepared.raw, provider))
+    policy = run_policy(opts, prepared.raw, provider, run_threads(opts))
+    findings = explain.explain(prepared.raw, policy)
     explain.render(findings, f"Normalization in {args.model} ({source})", console)
     return errors.EXIT_OK
 

@@ -69,12 +69,14 @@ class FusionPass(ir.passes.InPlacePass):
             caller's rollback of rewrites it rejects does). Anchors are node names of the graph
             the pass runs on, so a run on the same model with the same passes before it finds
             them again; :attr:`excluded` holds those of the graph being run.
-        **settings: the policy fields of :attr:`settings`, kept as attributes of those names
-            (a field not given keeps the class's default).
+        **settings: the policy fields of :attr:`settings`, kept as attributes of those names:
+            a :class:`~fusion.base.policy.Policy` of ``target`` and ``settings`` is built
+            (checked there; a field not given is the policy's default), and the pass keeps its
+            fields, so that a pass declares no default of its own.
 
     Raises:
         ValueError: ``target`` is not one of :data:`TARGETS`, or not one of :attr:`targets`;
-            a setting the pass does not declare.
+            a setting the pass does not declare; a value the policy refuses.
     """
 
     #: The kinds of rewrite this pass makes; the first is the one its refusals belong to.
@@ -93,8 +95,8 @@ class FusionPass(ir.passes.InPlacePass):
     #: The targets for which the option defaults to on (an option the policy leaves as None).
     on_by_default: ClassVar[tuple[str, ...]] = ()
     #: The fields of :class:`fusion.base.policy.Policy` the pass reads, each given to the
-    #: constructor and kept as the attribute of the same name (declared on the class with its
-    #: default).
+    #: constructor and kept as the attribute of the same name (annotated on the class, with no
+    #: default: the policy's is the one).
     settings: ClassVar[tuple[str, ...]] = ()
     #: Whether :meth:`apply` on the main graph rewrites its subgraphs too (onnxscript's rule
     #: sets recurse into them): :meth:`call` then runs it once, on the main graph, and the pass
@@ -112,12 +114,13 @@ class FusionPass(ir.passes.InPlacePass):
         super().__init__()
         if unknown := set(settings) - set(self.settings):
             raise ValueError(f"{type(self).__name__} has no setting {sorted(unknown)}")
-        for name, value in settings.items():
-            setattr(self, name, value)
         if target not in TARGETS:
             raise ValueError(f"unknown target {target!r}: choose one of {TARGETS}")
         if target not in self.targets:
             raise ValueError(f"{type(self).__name__} emits ONNX Runtime ops: it needs target='ort'")
+        policy = Policy(target, **settings)
+        for name in self.settings:
+            setattr(self, name, getattr(policy, name))
         self.target = target
         self.exclude = frozenset(exclude)
         self.excluded = self._excluded_in(None)

@@ -84,10 +84,10 @@ class FuseSDPA(NodeFusionPass):
     settings = ("threads", "sdpa_transposed")
     #: The policy's ``threads``: an attention whose batch times heads (:func:`core.slices`) is
     #: fewer is left alone (``few_heads``).
-    threads: int = 1
+    threads: int
     #: The policy's ``sdpa_transposed``: False leaves YOLO's transposed attention (``V @ P^T``)
     #: alone (``transposed_form``).
-    sdpa_transposed: bool = True
+    sdpa_transposed: bool
 
     def match(self, model: ir.Model, node: ir.Node) -> SDPAMatch | None:
         """The attention around the Softmax ``node``, or None where it is no attention's.

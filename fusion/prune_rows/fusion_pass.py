@@ -55,7 +55,7 @@ class PruneRows(FusionPass):
     settings = ("last_rows",)
     #: The policy's ``last_rows``: graph outputs kept at their last position only (a Slice
     #: written at each, :func:`fusion.prune_rows.rows.keep_last`, then moved like any).
-    last_rows: tuple[str, ...] = ()
+    last_rows: tuple[str, ...]
 
     def apply(self, model: ir.Model) -> bool:
         graph = model.graph

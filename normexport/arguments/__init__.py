@@ -5,28 +5,22 @@ take, typed: shapes as :class:`~normexport.io.specs.InputSpec`, ``--dim`` a mapp
 ``--dynamic`` parsed (:class:`DynamicAxes`), constructor arguments a dict, paths
 :class:`~pathlib.Path`. :func:`make_options` builds it from what a user typed or passed, and is
 where every such value is parsed and refused; nothing downstream parses a user's string. Each
-flag's ``dest`` is the name of the field it fills (the API's keyword of the same name), and its
-default is that field's default (a command may give ``--budget`` its own), so
-:func:`options_from_args` is :func:`make_options` of the parsed flags. The argument groups are
-shared: the main command uses all five, ``explain`` the model and provider groups, ``bench`` the
-model, provider and timing groups and flags of its own (:mod:`normexport.bench.command`). This
-module imports no PyTorch or ONNX Runtime package.
+field declares its flag (:class:`Flag`: group, help, argparse keywords), so that the flags are
+made from the fields (:func:`add_flags`): a flag's ``dest`` is the name of the field it fills
+(the API's keyword of the same name), and its default is that field's default (a command may
+give ``--budget`` its own), so :func:`options_from_args` is :func:`make_options` of the parsed
+flags. The groups of flags are shared: the main command adds them all, ``explain`` the model,
+provider and threads groups, ``bench`` the model, provider, timing and make_dirs groups and flags
+of its own (:mod:`normexport.bench.command`). This module imports no PyTorch or ONNX Runtime
+package.
 """
 
 from __future__ import annotations
 
-from normexport.arguments.flags import (
-    add_check_arguments,
-    add_make_dirs_argument,
-    add_model_arguments,
-    add_output_arguments,
-    add_provider_arguments,
-    add_threads_argument,
-    add_timing_arguments,
-    options_from_args,
-)
+from normexport.arguments.flags import add_flags, add_model_arguments, options_from_args
 from normexport.arguments.options import (
     DynamicAxes,
+    Flag,
     Options,
     check_options,
     make_options,
@@ -36,14 +30,10 @@ from normexport.arguments.preflight import check_onnxruntime, plan_outputs, pref
 
 __all__ = [
     "DynamicAxes",
+    "Flag",
     "Options",
-    "add_check_arguments",
-    "add_make_dirs_argument",
+    "add_flags",
     "add_model_arguments",
-    "add_output_arguments",
-    "add_provider_arguments",
-    "add_threads_argument",
-    "add_timing_arguments",
     "check_options",
     "make_options",
     "options_from_args",

@@ -17,21 +17,88 @@ import numpy as np
 from normexport.errors import UsageError
 from normexport.io import dims
 from normexport.io.specs import InputSpec, parse_input_shape
-from normexport.verdict.tolerance import DEFAULT_ATOL, DEFAULT_RTOL
+from normexport.verdict.tolerance import DEFAULT_ATOL, DEFAULT_RTOL, NOISE_WARN_FACTOR
 
 #: The fusion targets, as :data:`fusion.TARGETS` names them (a test holds the two equal): the
 #: options are checked before ``fusion`` is imported (it loads onnxscript and ONNX Runtime,
 #: about a second), so that a mistake answers at once.
 TARGETS = ("ort", "onnx")
 
-#: The values of ``--precision`` (:mod:`normexport.precision`; whether ``bf16`` can be delivered
-#: is asked of ONNX Runtime when converting).
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int8-dynamic")
+#: The values of ``--precision``, each with what the run makes of the optimized model
+#: (:attr:`Options.conversion`, the one place it is decided): None keeps it float32, ``"half"``
+#: converts it (:mod:`normexport.precision`; whether ``bf16`` can be delivered is asked of ONNX
+#: Runtime when converting), ``"int8"`` quantizes it (its values are
+#: :data:`normexport.precision.int8.INT8_PRECISIONS`, a test holds the two equal).
+PRECISIONS = {"fp32": None, "fp16": "half", "bf16": "half", "int8": "int8", "int8-dynamic": "int8"}
+
+#: The values of ``--provider`` (:func:`normexport.runtime.resolve_provider` resolves ``auto``).
+PROVIDERS = ("auto", "cpu", "cuda")
+
+#: The values of ``--exporter`` (docs/model-files.md).
+EXPORTERS = ("auto", "dynamo", "torchscript")
+
+#: The groups of flags (:attr:`Flag.group`), in the order the main command's help lists them;
+#: each command adds those it takes (:func:`normexport.arguments.flags.add_flags`).
+FLAG_GROUPS = (
+    "model",
+    "output",
+    "make_dirs",
+    "precision",
+    "provider",
+    "threads",
+    "timing",
+    "check",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """The command-line flag of an :class:`Options` field, kept in the field's metadata
+    (``"flag"``; :func:`flag` declares both): :func:`normexport.arguments.flags.add_flags` adds
+    it with ``dest`` the field's name and ``default`` the field's default.
+
+    Attributes:
+        group: one of :data:`FLAG_GROUPS`; within a group the flags come in field order.
+        help: the flag's help (argparse's ``%(default)g`` names the default).
+        names: the option strings, or the positional's name; empty: ``--`` and the field's
+            name, underscores as hyphens (``--no-`` before it for a field that is True by
+            default).
+        argparse: the other keywords of :meth:`argparse.ArgumentParser.add_argument` (``type``,
+            ``metavar``, ``choices``, ``action``); a bool field's action follows its default
+            (``store_true``, or ``store_false`` where it is True).
+    """
+
+    group: str
+    help: str
+    names: tuple[str, ...] = ()
+    argparse: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def flag(
+    group: str,
+    help: str,
+    *names: str,
+    default: Any = None,
+    default_factory: Any = dataclasses.MISSING,
+    **argparse: Any,
+) -> Any:
+    """An :class:`Options` field and its command-line flag, declared together: the
+    :func:`dataclasses.field` of ``default`` (or ``default_factory``; ``dataclasses.MISSING``:
+    a field without one) whose metadata is its :class:`Flag` (the other arguments)."""
+    if default_factory is not dataclasses.MISSING:
+        default = dataclasses.MISSING
+    return dataclasses.field(
+        default=default,
+        default_factory=default_factory,
+        metadata={"flag": Flag(group, help, names, argparse)},
+    )
 
 
 @dataclasses.dataclass
 class Options:
-    """What the user asked for; the CLI flags of the same names fill it.
+    """What the user asked for; the CLI flags of the same names fill it, each declared with its
+    field (:func:`flag`: its group, help and argparse keywords; its ``dest`` the field's name,
+    its default the field's), the API's keywords of the same names too.
 
     Attributes:
         model: the model file (for an in-memory ``module``, a name used in messages and in
@@ -51,8 +118,8 @@ class Options:
         provider: ``auto``, ``cpu`` or ``cuda``.
         threads: the intra-op threads of the CPU provider the model is made for and timed
             with (``--threads``: the CPU fusion policy's, :attr:`fusion.Policy.threads`), or
-            None: the cores this process may run on
-            (:func:`normexport.runtime.latency.latency_threads`).
+            None: the cores this process may run on (resolved once per run, by
+            :func:`normexport.pipeline.job.run_threads`).
         benchmark: time the variants (``--no-benchmark`` clears it).
         atol, rtol: parity tolerances (see :func:`normexport.verdict.parity.closeness`); atol in the
             outputs' units, rtol times the oracle's largest magnitude.
@@ -92,36 +159,149 @@ class Options:
             (Python API only; :func:`normexport.io.examples.from_tensors`), or None.
     """
 
-    model: Path
-    output: Path | None = None
-    report: Path | None = None
-    make_dirs: bool = False
-    input_shape: tuple[InputSpec, ...] = ()
-    dim: dict[str, int] = dataclasses.field(default_factory=dict)
-    inputs: Path | None = None
-    dynamic: DynamicAxes | None = None
-    opset: int | None = None
-    target: str = "ort"
-    provider: str = "auto"
-    threads: int | None = None
-    benchmark: bool = True
-    atol: float = DEFAULT_ATOL
-    rtol: float = DEFAULT_RTOL
-    strict: bool = False
-    trust_pickle: bool = False
-    model_class: str | None = None
-    model_kwargs: dict[str, Any] | None = None
-    exporter: str = "auto"
-    budget_s: float = 10.0
-    run_timeout: float = 600.0
-    autotune: bool = False
-    precision: str = "fp32"
-    calibration: Path | None = None
-    keep_io_types: bool = False
-    last_token_logits: bool = False
+    model: Path = flag(
+        "model",
+        "torch.save'd nn.Module (needs --trust-pickle) or state_dict (needs --model-class), "
+        "TorchScript archive, torch.export .pt2, or .onnx",
+        "model",
+        default=dataclasses.MISSING,
+        type=Path,
+    )
+    output: Path | None = flag(
+        "output", "optimized model (default: MODEL.opt.onnx)", "-o", "--output", type=Path
+    )
+    report: Path | None = flag(
+        "output", "write the report as JSON here (+ a .png chart)", type=Path
+    )
+    make_dirs: bool = flag(
+        "make_dirs",
+        "make the folders of the output paths that do not exist (default: refuse them)",
+        default=False,
+    )
+    input_shape: tuple[InputSpec, ...] = flag(
+        "model",
+        "one per input, in forward() order: 1,3,224,224 or input_ids=2x16:int64",
+        default=(),
+        action="append",
+        metavar="SHAPE",
+    )
+    dim: dict[str, int] = flag(
+        "model",
+        "size of every input axis of that symbolic name, e.g. sequence_length=16 (ONNX)",
+        default_factory=dict,
+        action="append",
+        metavar="NAME=SIZE",
+    )
+    inputs: Path | None = flag("model", ".npz of example inputs by name (real data)", type=Path)
+    dynamic: DynamicAxes | None = flag(
+        "model", "dynamic axes: batch, batch,sequence or NAME:0,1", metavar="AXES"
+    )
+    opset: int | None = flag("model", "ai.onnx opset to export at (PyTorch models)", type=int)
+    target: str = flag(
+        "model",
+        "ort: ONNX Runtime ops allowed (default); onnx: standard ops only",
+        default="ort",
+        choices=TARGETS,
+    )
+    provider: str = flag(
+        "provider",
+        "ONNX Runtime execution provider (auto: CUDA where it loads, else CPU, said so)",
+        default="auto",
+        choices=PROVIDERS,
+    )
+    threads: int | None = flag(
+        "threads",
+        "intra-op threads the model will run on (CPU provider): what the fusions are chosen for "
+        "and the latency is timed with (default: this machine's cores)",
+        type=int,
+        metavar="N",
+    )
+    benchmark: bool = flag(
+        "check",
+        "skip the latency comparison and its verdict (the report says the speed is unchecked)",
+        default=True,
+    )
+    run_timeout: float = flag(
+        "check",
+        "cancel an ONNX Runtime run of the checks that takes longer (exit 2; default %(default)g)",
+        default=600.0,
+        type=float,
+        metavar="SECONDS",
+    )
+    autotune: bool = flag(
+        "check",
+        "time the exact alternative forms on this machine's provider and keep the fastest",
+        default=False,
+    )
+    atol: float = flag("check", "parity absolute tolerance", default=DEFAULT_ATOL, type=float)
+    rtol: float = flag(
+        "check",
+        "parity relative tolerance (times the output's max magnitude)",
+        default=DEFAULT_RTOL,
+        type=float,
+    )
+    strict: bool = flag(
+        "check",
+        "fail parity where an output is within the tolerance but more than "
+        f"{NOISE_WARN_FACTOR:g}x further from the oracle than the raw model (float32 rounding "
+        "does not explain it; by default a warning)",
+        default=False,
+    )
+    trust_pickle: bool = flag(
+        "model",
+        "allow unpickling code from the file: a pickled nn.Module, or pickled weights or "
+        "constants inside a .pt2 (this runs code from the file)",
+        default=False,
+    )
+    model_class: str | None = flag("model", "class for a state_dict", metavar="PKG.MODULE:CLASS")
+    model_kwargs: dict[str, Any] | None = flag(
+        "model", "constructor arguments, JSON object", metavar="JSON"
+    )
+    exporter: str = flag("model", "see README", default="auto", choices=EXPORTERS)
+    budget_s: float = flag(
+        "timing",
+        "seconds of timing, in all (default %(default)g)",
+        "--budget",
+        default=10.0,
+        type=float,
+        metavar="SECONDS",
+    )
+    precision: str = flag(
+        "precision",
+        "write the model in this precision (fp16, bf16: norms keep float32 statistics; bf16 "
+        "needs bfloat16 kernels on the provider, refused on CPU; int8, int8-dynamic: ONNX "
+        "Runtime's quantizer, norms kept float, published where faster; see docs/precision.md)",
+        default="fp32",
+        choices=tuple(PRECISIONS),
+    )
+    calibration: Path | None = flag(
+        "precision",
+        "with --precision int8: calibration samples, a folder of .npz (one sample each) or one "
+        ".npz with a leading sample axis (default: the generated inputs, with a warning)",
+        type=Path,
+    )
+    keep_io_types: bool = flag(
+        "precision",
+        "with --precision fp16: keep float32 model inputs and outputs (bf16 always does)",
+        default=False,
+    )
+    last_token_logits: bool = flag(
+        "precision",
+        "write the first output, a decoder's (batch, sequence, vocabulary) logits, at the last "
+        "position only, (batch, 1, vocabulary), computing only what that reads",
+        default=False,
+    )
     module: Any = None
     args: tuple | None = None
     kwargs: dict[str, Any] | None = None
+
+    @property
+    def conversion(self) -> str | None:
+        """What the run makes of the optimized model by ``--precision``
+        (:data:`PRECISIONS`): None keeps it float32, ``"half"`` converts it to float16 or
+        bfloat16 (:func:`normexport.precision.to_half`), ``"int8"`` quantizes it
+        (:mod:`normexport.precision.int8`)."""
+        return PRECISIONS[self.precision]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +441,7 @@ def check_options(opts: Options) -> None:
             raise UsageError(f"{flag} {value}: give a finite tolerance >= 0, e.g. {flag} 1e-4")
     if opts.calibration is not None and opts.precision != "int8":
         raise UsageError("--calibration applies to --precision int8: add --precision int8")
-    if opts.keep_io_types and opts.precision not in ("fp16", "bf16"):
+    if opts.keep_io_types and opts.conversion != "half":
         raise UsageError("--keep-io-types applies to --precision fp16: add --precision fp16")
     if not (math.isfinite(opts.budget_s) and opts.budget_s > 0):
         raise UsageError(f"--budget {opts.budget_s}: give a number of seconds > 0")

@@ -18,10 +18,8 @@ from rich.console import Console
 from normexport import report, runtime
 from normexport.arguments import (
     Options,
-    add_make_dirs_argument,
+    add_flags,
     add_model_arguments,
-    add_provider_arguments,
-    add_timing_arguments,
     options_from_args,
     parse_dynamic,
 )
@@ -46,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         "PyTorch eager, interleaved in one process, over a sweep of batch (and sequence) sizes.",
     )
     add_model_arguments(p)
-    add_provider_arguments(p)
-    add_timing_arguments(p, budget_s=BENCH_BUDGET_S)
+    add_flags(p, "provider")
+    add_flags(p, "timing", budget_s=BENCH_BUDGET_S)
     p.add_argument("--batch", default="1,8,64", metavar="B,B,...", help="batch sizes to sweep")
     p.add_argument(
         "--seq",
@@ -92,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, metavar="OUT.json", help="write the results as JSON")
     p.add_argument("--chart", type=Path, metavar="OUT.png", help="latency vs batch chart")
-    add_make_dirs_argument(p)
+    add_flags(p, "make_dirs")
     return p
 
 

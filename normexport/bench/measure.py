@@ -17,7 +17,14 @@ from normexport.bench.floor import norm_floor
 from normexport.bench.results import BenchResult, BenchVariant, Floor, Machine, Point, VsBest
 from normexport.errors import one_line
 from normexport.io.eager import Eager
-from normexport.runtime.latency import Ratio, Timing, paired_ratio, runner, time_interleaved
+from normexport.runtime.latency import (
+    Ratio,
+    Timing,
+    latency_threads,
+    paired_ratio,
+    runner,
+    time_interleaved,
+)
 from normexport.runtime.policy import fusion_policy
 from normexport.tuning import variants
 from normexport.verdict.parity import closeness
@@ -59,7 +66,7 @@ def bench_model(
     points = sweep_points(list(opts.batches), list(opts.seqs), opts.sweep)
     only = list(opts.only) if opts.only else None
     with tempfile.TemporaryDirectory(prefix="normexport-bench-") as folder:
-        policy = fusion_policy(opts.target, opts.provider)
+        policy = fusion_policy(opts.target, opts.provider, latency_threads())
         built = variants.build_variants(raw, opts.provider, Path(folder), policy=policy, only=only)
         built |= (cpu_baseline(built) if opts.with_cpu else {}) | (extra or {})
         return _bench_points(built, points, example, module, opts)

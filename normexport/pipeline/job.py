@@ -16,7 +16,7 @@ from normexport.io import files
 from normexport.io.inputs import Sizing, example_arrays, id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
-from normexport.precision.int8 import INT8_PRECISIONS, load_calibration
+from normexport.precision.int8 import load_calibration
 from normexport.report.explain import already_fused
 from normexport.runtime.latency import latency_threads
 from normexport.runtime.policy import fusion_policy
@@ -43,8 +43,8 @@ class Job:
             in it.
         external: the output is written with external data
             (:func:`normexport.io.files.wants_external_data`).
-        threads: the intra-op threads latency is timed with (``--threads``, else this
-            machine's cores: :func:`normexport.runtime.latency.latency_threads`).
+        threads: the intra-op threads the model is made for and timed with
+            (:func:`run_threads`).
         policy: the fusion policy of the run (:func:`run_policy`): what the passes, the
             rollback's rebuilds and the autotuner's variants run with.
         sizing: the example's sizes try by try, where normexport made an ONNX file's example
@@ -81,7 +81,7 @@ class Job:
     def output_rule(self) -> str:
         """The precision whose parity rule judges the output: ``--precision`` where it
         converts, else the raw model's own (:attr:`computes_in`)."""
-        return self.opts.precision if self.opts.precision != "fp32" else self.computes_in
+        return self.opts.precision if self.opts.conversion else self.computes_in
 
 
 def start(opts: Options, output: Path, provider: tuple[str, str | None], prepared: Prepared) -> Job:
@@ -95,7 +95,7 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
             opts.calibration, feed_names, by_feed_name(example, feed_names)
         )
     sets = _sets(opts, example, feed_names, raw, calibration)
-    threads = opts.threads or latency_threads()
+    threads = run_threads(opts)
     return Job(
         opts=opts,
         output=output,
@@ -111,7 +111,7 @@ def start(opts: Options, output: Path, provider: tuple[str, str | None], prepare
         computes_in=precision.computes_in(raw),
         external=files.wants_external_data(raw),
         threads=threads,
-        policy=run_policy(opts, raw, provider[0]),
+        policy=run_policy(opts, raw, provider[0], threads),
         sizing=sizing,
         calibration=calibration or _calibration(opts, sets),
     )
@@ -124,7 +124,7 @@ CALIBRATION_SETS = 4
 def _calibration(opts: Options, sets: dict) -> list[dict[str, np.ndarray]]:
     """int8's calibration without ``--calibration``: the example and random input sets (the
     in-distribution ones); none for other precisions."""
-    if opts.precision not in INT8_PRECISIONS:
+    if opts.conversion != "int8":
         return []
     return [feeds for name, feeds in sets.items() if name.startswith(("example", "random_"))]
 
@@ -157,13 +157,13 @@ def _sets(
     example and the random sets, or with ``--calibration`` the example and the first
     :data:`CALIBRATION_SETS` calibration samples (``calibration_N``)."""
     sets = input_sets(by_feed_name(example, feed_names), id_ranges=id_ranges(raw))
-    if opts.precision in INT8_PRECISIONS:
+    if opts.conversion == "int8":
         # the random sets are int8's calibration where the user gives none; where the user
         # does, the example and the user's samples are its distribution
         kept = ("example",) if calibration else ("example", "random_")
         sets = {n: f for n, f in sets.items() if n.startswith(kept)}
         sets |= {f"calibration_{i}": f for i, f in enumerate(calibration[:CALIBRATION_SETS])}
-    elif opts.precision != "fp32":
+    elif opts.conversion == "half":
         sets |= precision.overflow_set(sets["example"])
     return sets
 
@@ -185,17 +185,26 @@ def larger(job: Job, raw) -> Job | None:
     )
 
 
-def run_policy(opts: Options, raw, provider: str) -> fusion.Policy:
+def run_threads(opts: Options) -> int:
+    """The intra-op threads a run of ``opts`` makes the model for and times it with:
+    ``--threads``, else (None) the cores this process may run on
+    (:func:`normexport.runtime.latency.latency_threads`). The one place the default is
+    resolved; the run (:attr:`Job.threads`) and ``explain`` ask it once each."""
+    return opts.threads or latency_threads()
+
+
+def run_policy(opts: Options, raw, provider: str, threads: int) -> fusion.Policy:
     """The fusion policy of a run of ``opts`` on ``raw`` (an onnx_ir model) for ``provider``
-    (``"cpu"`` or ``"cuda"``): :func:`normexport.runtime.policy.fusion_policy` given what the
-    user chose (``--target``, ``--threads``, ``--last-token-logits``). The run and ``explain``
-    both ask this: a user's choice reaches the policy through this one call.
+    (``"cpu"`` or ``"cuda"``) and ``threads`` (:func:`run_threads`):
+    :func:`normexport.runtime.policy.fusion_policy` given what the user chose (``--target``,
+    ``--last-token-logits``). The run and ``explain`` both ask this: a user's choice reaches the
+    policy through this one call.
 
     Raises:
         UsageError: ``--last-token-logits`` and the first output is not 3-D.
     """
     last_rows = (_last_token_output(opts, raw),) if opts.last_token_logits else ()
-    return fusion_policy(opts.target, provider, opts.threads, last_rows=last_rows)
+    return fusion_policy(opts.target, provider, threads, last_rows=last_rows)
 
 
 def _last_token_output(opts: Options, raw) -> str:

@@ -19,7 +19,6 @@ from normexport.pipeline import published, raw_model, rewrite, timing
 from normexport.pipeline.job import Job, fewer_sets, start
 from normexport.pipeline.prepare import prepare
 from normexport.pipeline.raw_model import RawModel
-from normexport.precision.int8 import INT8_PRECISIONS
 from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report, Versions
 from normexport.runtime import cuda_kernels, plan
 from normexport.verdict.parity import ParityResult
@@ -67,10 +66,10 @@ def run(opts: Options) -> Report:
             if opts.autotune:
                 with progress.stage("autotune"):
                     staged = rewrite.tune(job, ref, staged)
-            if opts.precision in INT8_PRECISIONS:
+            if opts.conversion == "int8":
                 with progress.stage(opts.precision):
                     staged = rewrite.int8(job, ref, staged, judge, work)
-            elif opts.precision != "fp32":
+            elif opts.conversion == "half":
                 with progress.stage(opts.precision):
                     staged = rewrite.half(job, ref, staged, work)
             staged, latency, judged = _latency(job, ref, staged, work, memory.latency)
@@ -187,7 +186,7 @@ def _parity(
             verdict = published.as_deployed(job, ref, staged, judge, verdict, work)
         else:
             verdict.notes = [*verdict.notes, unjudged]
-        half = job.opts.precision in ("fp16", "bf16")
+        half = job.opts.conversion == "half"
         if half and precision.OVERFLOW_PROBE not in job.sets:
             published.hidden_state_probe(job, ref, verdict, work)
     return verdict

@@ -10,7 +10,6 @@ from __future__ import annotations
 import fusion
 from fusion.fuse_gqa import FuseGroupQueryAttention
 from fusion.fuse_skip import FuseSkip
-from normexport.runtime.latency import latency_threads
 
 #: The execution providers on which a run fuses residual Add + norm into ONNX Runtime's Skip
 #: ops (:func:`fusion_policy`): on CUDA SkipSimplifiedLayerNormalization is faster than Add +
@@ -50,9 +49,7 @@ THREADED_PROVIDERS = ("cpu",)
 TRANSPOSED_SDPA_PROVIDERS = ("cuda",)
 
 
-def fusion_policy(
-    target: str, provider: str, threads: int | None = None, **settings
-) -> fusion.Policy:
+def fusion_policy(target: str, provider: str, threads: int, **settings) -> fusion.Policy:
     """The fusion policy of a model made for ``target`` on ``provider`` (``"cpu"`` or
     ``"cuda"``, as :func:`normexport.runtime.resolve_provider` resolves it).
 
@@ -65,8 +62,9 @@ def fusion_policy(
     Args:
         target: one of :data:`fusion.base.TARGETS`.
         provider: ``"cpu"`` or ``"cuda"``.
-        threads: the intra-op threads the model will run on (``--threads``); None: this
-            machine's cores (:func:`normexport.runtime.latency.latency_threads`).
+        threads: the intra-op threads the model will run on, as the run resolved them
+            (:func:`normexport.pipeline.job.run_threads`: ``--threads``, else this machine's
+            cores).
         **settings: the other fields of :class:`fusion.Policy` that the caller chooses (a
             user's, such as ``last_rows``), given as they are.
 
@@ -88,7 +86,7 @@ def fusion_policy(
         target=target,
         skip=skip,
         gqa=target in FuseGroupQueryAttention.targets and provider in GQA_PROVIDERS,
-        threads=(threads or latency_threads()) if provider in THREADED_PROVIDERS else 1,
+        threads=threads if provider in THREADED_PROVIDERS else 1,
         sdpa_transposed=provider in TRANSPOSED_SDPA_PROVIDERS,
         **settings,
     )

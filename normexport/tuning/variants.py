@@ -34,6 +34,7 @@ from fusion.registry import FUSION_KINDS
 from normexport import runtime
 from normexport.io.files import save_model
 from normexport.io.quiet import quiet, swallow_prints
+from normexport.runtime.latency import latency_threads
 from normexport.runtime.policy import fusion_policy
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
@@ -222,8 +223,8 @@ def build_variants(
             optimizer's ``use_gpu``, depend on it.
         folder: where the variants' files are written (``NAME.onnx`` and its external data);
             it must outlive the variants' use.
-        policy: normexport's variant's fusion policy; None: a run's for target ``"ort"``
-            (:func:`normexport.runtime.policy.fusion_policy`).
+        policy: normexport's variant's fusion policy; None: a run's for target ``"ort"`` on
+            this machine's cores (:func:`normexport.runtime.policy.fusion_policy`).
         only: variant names to build, in that order (default: all).
 
     Returns:
@@ -236,7 +237,7 @@ def build_variants(
         path = Path(folder) / "raw.onnx"
         save_model(raw, path, external_data=True)
         raw = path
-    policy = policy or fusion_policy("ort", provider)
+    policy = policy or fusion_policy("ort", provider, latency_threads())
     out = {}
     for name in only or list(VARIANTS):
         if name not in VARIANTS and name not in OPTIONAL_VARIANTS:

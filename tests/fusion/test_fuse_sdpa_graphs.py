@@ -17,6 +17,7 @@ from fusion import Code
 from fusion.fuse_gqa.standard import ABOVE_LOWEST, LOWEST
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_sdpa import FuseSDPA
+from fusion.registry import PASSES
 from tests.support.attention_graphs import YOLO, YOLO_SCALE, random_feeds, yolo_attention
 from tests.support.graphs import assert_close, make_model, ops, run
 
@@ -603,6 +604,21 @@ def test_the_policy_turns_the_pass_off_and_its_threads_reach_it(rng):
     assert report.counts["sdpa_fused"] == 0  # the keywords replace the policy's fields
     with pytest.raises(TypeError, match="bar"):
         fusion.optimize(_heads_model(1, 1)[0], policy, bar=1)
+
+
+def test_a_pass_takes_its_settings_from_the_policy_and_declares_no_default():
+    """Each pass's settings are fields of :class:`fusion.Policy`, annotated on the pass with no
+    value: made directly, a pass takes the policy's defaults and is checked as the policy is, so
+    that no default is kept in step across passes."""
+    fields = {f.name for f in dataclasses.fields(fusion.Policy)}
+    for fusion_pass in PASSES:
+        for name in fusion_pass.settings:
+            assert name in fields, (fusion_pass.__name__, name)
+            assert all(name not in vars(c) for c in fusion_pass.__mro__), (fusion_pass, name)
+    made, policy = FuseSDPA("onnx"), fusion.Policy()
+    assert (made.threads, made.sdpa_transposed) == (policy.threads, policy.sdpa_transposed)
+    with pytest.raises(ValueError, match="threads=0"):
+        FuseSDPA("onnx", threads=0)
 
 
 E = N * H  # the width before the split into heads

@@ -6,6 +6,8 @@ anything (a second or two); the nn.Module test exports, so it is slow.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import inspect
 import json
 import re
@@ -20,9 +22,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fusion
 import normexport
-from normexport.arguments import Options, make_options, options, options_from_args
+from normexport.arguments import Options, add_flags, make_options, options, options_from_args
 from normexport.cli import build_explain_parser, build_parser
 from normexport.errors import InputFileError, OutputPathError, UsageError
+from normexport.precision.int8 import INT8_PRECISIONS
 from normexport.report.save import chart
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -170,19 +173,65 @@ def test_flags_fill_options_by_name():
     assert explain == Options(model=Path("m.pt"), opset=18)
 
 
-def test_flags_keywords_and_fields_are_one_set_of_names():
-    """Each option is one name: the flag's ``dest``, the API's keyword, the Options field
-    (the module and its example arguments are the API's only; ``--explain`` the CLI's)."""
-    fields = set(Options.__dataclass_fields__)
-    dests = {a.dest for a in build_parser()._actions} - {"help", "debug", "explain"}
-    keywords = set(inspect.signature(normexport.optimize).parameters)
-    assert dests == fields - {"module", "args", "kwargs"}
-    assert keywords == fields - {"module"}
+def test_the_flags_are_made_from_the_fields():
+    """Each option is one name, declared once: the Options field declares its flag (its
+    ``dest`` the field's name, its default the field's; the module and its example arguments
+    are the API's only, ``--explain`` and ``--debug`` the CLI's), and every group of flags is
+    the main command's."""
+    flagged = [f for f in dataclasses.fields(Options) if "flag" in f.metadata]
+    actions = {a.dest: a for a in build_parser()._actions}
+    assert {f.name for f in flagged} == set(Options.__dataclass_fields__) - {
+        "module",
+        "args",
+        "kwargs",
+    }
+    assert set(actions) - {"help", "debug", "explain"} == {f.name for f in flagged}
+    assert {f.metadata["flag"].group for f in flagged} == set(options.FLAG_GROUPS)
+    for field in flagged:
+        if field.default not in (dataclasses.MISSING, ()):  # the append flags' None: the field's
+            assert actions[field.name].default == field.default, field.name
+    bench = argparse.ArgumentParser()
+    add_flags(bench, "timing", budget_s=20.0)
+    assert bench.parse_args([]).budget_s == 20.0 and "(default 20)" in bench.format_help()
+    with pytest.raises(ValueError, match="no flag"):
+        add_flags(argparse.ArgumentParser(), "timing", threads=2)
+    with pytest.raises(ValueError, match="no group"):
+        add_flags(argparse.ArgumentParser(), "timings")
+
+
+def test_the_api_keywords_are_the_options_fields():
+    """``normexport.optimize`` keeps its explicit keywords (help() and editors show them): each
+    is a field of Options (the module is ``model``), and its default is the field's, or None
+    (which :func:`make_options` reads as the field's)."""
+    fields = {f.name: f for f in dataclasses.fields(Options)}
+    keywords = inspect.signature(normexport.optimize).parameters
+    assert set(keywords) == set(fields) - {"module"}
+    for name, keyword in keywords.items():
+        field = fields[name]
+        default = field.default
+        if field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        if name != "model":
+            assert keyword.default is None or keyword.default == default, name
 
 
 def test_the_options_name_the_targets_fusion_has():
     """The CLI checks ``--target`` before ``fusion`` is imported, from its own list."""
     assert options.TARGETS == fusion.TARGETS
+
+
+def test_the_options_name_the_int8_precisions_the_quantizer_has():
+    """``--precision``'s values that quantize are :mod:`normexport.precision.int8`'s, which
+    the verdict reads (below the options' layer); half precision is the others but fp32."""
+    by_conversion = {
+        c: [p for p, to in options.PRECISIONS.items() if to == c] for c in (None, "half", "int8")
+    }
+    assert by_conversion == {
+        None: ["fp32"],
+        "half": ["fp16", "bf16"],
+        "int8": list(INT8_PRECISIONS),
+    }
+    assert make_options(model="m.pt", precision="int8-dynamic").conversion == "int8"
 
 
 def test_the_cli_and_the_api_build_the_same_typed_options():

@@ -47,9 +47,9 @@ def _residual_layernorm() -> ir.Model:
 def test_explain_and_the_run_agree_on_each_provider(provider):
     ran = _residual_layernorm()
     already = explain.already_fused(ran)
-    outcomes = fusion.optimize(ran, policy("ort", provider))  # the run's
+    outcomes = fusion.optimize(ran, policy("ort", provider, 2))  # the run's
     explained = _residual_layernorm()
-    findings = explain.explain(explained, policy("ort", provider))
+    findings = explain.explain(explained, policy("ort", provider, 2))
     assert findings == explain.from_report(outcomes.fused, outcomes.refused, already)
     assert [n.op_type for n in explained.graph] == [n.op_type for n in ran.graph]
     # the policy decides here: one Skip op on the providers it is fused for, the Add elsewhere
@@ -59,9 +59,9 @@ def test_explain_and_the_run_agree_on_each_provider(provider):
 
 def test_the_skip_policy_differs_between_the_providers():
     """What makes the test above able to fail: a fusion that one provider's policy skips."""
-    assert policy("ort", "cuda").skip is True
-    assert policy("ort", "cpu").skip == "kv_cache"  # this model has none: not fused on the CPU
-    assert not policy("onnx", "cuda").skip  # the Skip ops are ONNX Runtime's
+    assert policy("ort", "cuda", 2).skip is True
+    assert policy("ort", "cpu", 2).skip == "kv_cache"  # this model has none: not fused on the CPU
+    assert not policy("onnx", "cuda", 2).skip  # the Skip ops are ONNX Runtime's
 
 
 def test_explain_command_resolves_the_provider_as_the_run_does(monkeypatch, capsys, tmp_path):
@@ -118,7 +118,7 @@ def test_a_norm_the_model_has_is_named_by_the_pass_that_makes_it():
     """BERT's LayerNormalization is a ``layernorm`` (the op FuseLayerNorm writes), not the
     channels-first family's, whose pass also writes the op and runs first."""
     model = _residual_layernorm()
-    findings = explain.explain(model, policy("ort", "cpu"))
+    findings = explain.explain(model, policy("ort", "cpu", 2))
     (already,) = [f for f in findings if f.outcome == "already fused"]
     assert (already.kind, already.detail) == ("layernorm", "LayerNormalization")
 

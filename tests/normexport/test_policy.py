@@ -10,6 +10,8 @@ import pytest
 
 import fusion
 from fusion import Code
+from normexport.arguments import make_options
+from normexport.pipeline.job import run_policy, run_threads
 from normexport.runtime.latency import latency_threads
 from normexport.runtime.policy import fusion_policy
 from tests.support.attention_graphs import YOLO, random_feeds, yolo_attention
@@ -40,7 +42,17 @@ def test_each_provider_gets_its_choices_for_the_targets_its_passes_run_for():
     onnx_cpu, onnx_cuda = fusion_policy("onnx", "cpu", 4), fusion_policy("onnx", "cuda", 4)
     assert (onnx_cpu.skip, onnx_cpu.gqa, onnx_cpu.threads) == (False, False, 4)
     assert (onnx_cuda.skip, onnx_cuda.gqa, onnx_cuda.threads) == (False, False, 1)
-    assert fusion_policy("ort", "cpu").threads == latency_threads()  # None: this machine's
+
+
+def test_threads_is_resolved_once_and_the_policy_gets_the_resolved_value():
+    """``--threads`` None: this machine's cores, resolved by ``run_threads`` alone; the run's
+    policy is built with what it resolved (on the CPU provider; 1 on any other)."""
+    raw = yolo_attention()
+    asked, default = make_options(model="m.onnx", threads=3), make_options(model="m.onnx")
+    assert (run_threads(asked), run_threads(default)) == (3, latency_threads())
+    assert run_policy(default, raw, "cpu", run_threads(default)).threads == latency_threads()
+    assert run_policy(asked, raw, "cpu", 3).threads == 3
+    assert run_policy(asked, raw, "cuda", 3).threads == 1
 
 
 def test_a_users_settings_reach_the_policy_and_its_own_choices_stay_its_own():
@@ -51,7 +63,7 @@ def test_a_users_settings_reach_the_policy_and_its_own_choices_stay_its_own():
     with pytest.raises(TypeError, match="no_such_field"):
         fusion_policy("ort", "cpu", 2, no_such_field=1)
     with pytest.raises(ValueError, match="unknown target"):
-        fusion_policy("tensorrt", "cpu")
+        fusion_policy("tensorrt", "cpu", 2)
 
 
 @pytest.mark.parametrize("target", ["ort", "onnx"])
