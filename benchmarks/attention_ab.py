@@ -39,7 +39,7 @@ from rich.table import Table
 
 import fusion
 from normexport.bench.render import fmt_ratio
-from normexport.runtime.policy import fusion_policy
+from normexport.runtime.fusion_policy import fusion_policy
 
 #: Per model, the choice flipped: ``"per_head"`` (the per-head scaled attention left out) or
 #: ``"transposed"`` (YOLO's transposed attention fused).

@@ -33,9 +33,9 @@ Before any timing, each form's output on the timed inputs is compared with ``dec
 form, and the A/A control ``decomposed_again`` (other sessions of the decomposed model), is
 ``--copies`` ONNX Runtime sessions (ORT_ENABLE_ALL; on the CPU provider 2 intra-op threads,
 spinning off; IO binding) opened in ABBA order and timed in turn, every round in a random order
-(:func:`normexport.runtime.latency.counterbalanced`, ``rotating``, ``time_interleaved``). The
+(:func:`normexport.latency.measure.counterbalanced`, ``rotating``, ``time_interleaved``). The
 ratios ``decomposed / form`` are per-round paired, with 95% bootstrap intervals
-(:func:`~normexport.runtime.latency.paired_ratio`; above 1: the form is faster); the control's
+(:func:`~normexport.latency.measure.paired_ratio`; above 1: the form is faster); the control's
 ratio is what two session sets of one model differ by, and a difference no larger is no
 difference. Each form also records the ops ONNX Runtime ran (after its session optimizations).
 
@@ -69,7 +69,7 @@ from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
 from normexport.errors import UsageError
 from normexport.io.files import save_figure
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     counterbalanced,
     paired_ratio,
     rotating,

@@ -2,7 +2,7 @@
 
 Every entry of :data:`models.norms.GALLERY` is exported (dynamo exporter at opsets 18 and 23,
 TorchScript exporter at opset 17, where the entry applies), and each tool optimizes the raw
-export (built by :func:`normexport.tuning.variants.build_variants`, which records a tool's exception
+export (built by :func:`normexport.bench.variants.build_variants`, which records a tool's exception
 instead of stopping); each tool's model then runs in ORT (CPU) with ORT's own optimizations
 off, so that the verdict is the tool's:
 
@@ -60,13 +60,13 @@ import fusion
 from models.norms import DECOMPOSED, FOLDED, GALLERY, Entry, torch_outputs
 from normexport import report, runtime
 from normexport.bench.results import Machine
+from normexport.bench.variants import Variant, build_variants
 from normexport.errors import one_line
 from normexport.io.export import ExportError, export_module
 from normexport.io.inputs import input_sets
-from normexport.tuning.variants import Variant, build_variants
 from normexport.verdict.parity import check_parity
 
-#: Tool column -> (the variant of :mod:`normexport.tuning.variants` that builds its model, what
+#: Tool column -> (the variant of :mod:`normexport.bench.variants` that builds its model, what
 #: it is).
 TOOLS = {
     "ort_session": (

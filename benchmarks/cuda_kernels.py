@@ -6,7 +6,7 @@ Each model is loaded and exported as the pipeline does it (``normexport.pipeline
 the demo models as ``make demo`` saves them, the float32 gallery entries through each exporter
 they have, the ONNX files as they are), checked as exported (``before``), then optimized with
 the passes a CUDA run makes (``fusion.optimize`` under the policy
-``normexport.runtime.policy.fusion_policy("ort", "cuda", 1)``, whose threads are 1 on any
+``normexport.runtime.fusion_policy.fusion_policy("ort", "cuda", 1)``, whose threads are 1 on any
 provider but the CPU) and checked again (``after``).
 Then the demo models and the gallery entries (dynamo) are converted to float16 and to bfloat16 as
 ``--precision`` converts them for CUDA (:func:`normexport.precision.convert.to_half`), except
@@ -40,7 +40,7 @@ def _check(raw: ir.Model, half: Path | None) -> dict:
     (with ``half``, a scratch folder) of its float16 and bfloat16 conversions."""
     import fusion
     from normexport.runtime import cuda_kernels
-    from normexport.runtime.policy import fusion_policy
+    from normexport.runtime.fusion_policy import fusion_policy
 
     before = cuda_kernels.without_kernel(raw)
     report = fusion.optimize(raw, fusion_policy("ort", "cuda", 1))

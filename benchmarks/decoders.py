@@ -16,7 +16,7 @@ and timed on ONNX Runtime's CPU provider (2 intra-op threads, spinning off, inte
 per-round paired ratios with 95% intervals) as:
 
 - ``ort_raw``, ``onnxscript_ort``, ``ort_transformers``, ``normexport``: the export as is and
-  after each optimizer (:func:`normexport.tuning.variants.build_variants`; normexport's is
+  after each optimizer (:func:`normexport.bench.variants.build_variants`; normexport's is
   ``fusion.optimize`` as a CPU run makes it);
 - ``genai``: onnxruntime-genai's model builder on the same weights
   (``python -m onnxruntime_genai.models.builder -i FOLDER -o OUT -p fp32 -e cpu`` on a
@@ -34,7 +34,7 @@ padding mask; batch only symbolic; every norm weight and bias random), against t
 optimizers.
 
 Each variant is ``--copies`` sessions (default 2), opened in ABBA order and timed in turn
-(:func:`normexport.runtime.latency.counterbalanced`), every round in a random order: with one
+(:func:`normexport.latency.measure.counterbalanced`), every round in a random order: with one
 session each, opened in the order above, and each round in a rotated order (every variant after
 the same other one), a second session of normexport's own file ran faster than the first at
 every decode step of an earlier run (its control), so the tools opened and timed after
@@ -79,18 +79,18 @@ from rich.table import Table
 
 import fusion
 from models.llama import WithPast
+from normexport.bench import variants
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
 from normexport.io.files import save_figure, save_model
-from normexport.runtime import make_session
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     counterbalanced,
     paired_ratio,
     rotating,
     runner,
     time_interleaved,
 )
-from normexport.tuning import variants
+from normexport.runtime import make_session
 
 COMMON = {
     "hidden_size": 256,

@@ -36,7 +36,7 @@ on ONNX Runtime (ORT_ENABLE_ALL; on the CPU provider 2 intra-op threads, spinnin
   reads them from each attention), ``use_gpu`` on CUDA only, and its default ``opt_level``
   for the type, as a user calling it gets;
 - ``onnxscript_ort``: ``onnxscript.rewriter.ort_fusions.optimize_for_ort``
-  (:func:`normexport.tuning.variants.build_variants`);
+  (:func:`normexport.bench.variants.build_variants`);
 - ``normexport``: ``normexport.optimize(raw, output=..., inputs=...)``, the main job on the
   export with its example inputs as a user runs it: its latency verdict times the model
   against the raw export for ``--normexport-budget`` seconds (the CLI's default ``--budget``,
@@ -45,7 +45,7 @@ on ONNX Runtime (ORT_ENABLE_ALL; on the CPU provider 2 intra-op threads, spinnin
 - ``normexport_again``: the A/A control, other sessions of normexport's own file.
 
 Each variant is ``--copies`` sessions opened in ABBA order and timed in turn, each round in a
-random order (:func:`normexport.runtime.latency.counterbalanced`, ``rotating``,
+random order (:func:`normexport.latency.measure.counterbalanced`, ``rotating``,
 ``time_interleaved``); the ratios other / normexport are per-round paired, with 95% bootstrap
 intervals (above 1: normexport is faster). A difference no larger than the control's is no
 difference. Each variant's outputs are compared with the raw export's (max abs difference,
@@ -92,17 +92,17 @@ import normexport
 from normexport import report, runtime
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
+from normexport.bench.variants import Variant, build_variants
 from normexport.errors import UsageError, one_line
 from normexport.io.files import save_figure
 from normexport.io.quiet import quiet, swallow_prints
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     counterbalanced,
     paired_ratio,
     rotating,
     runner,
     time_interleaved,
 )
-from normexport.tuning.variants import Variant, build_variants
 
 #: ONNX Runtime's intra-op threads on the CPU provider (and PyTorch's, for the export).
 THREADS = 2

@@ -2,7 +2,7 @@
 defaults of :mod:`normexport.tuning.autotune`.
 
 For each shape, three groups of one-op (or two-op) models over the same float32 input, timed
-interleaved in one process (:func:`normexport.runtime.latency.time_interleaved`, IO binding so that
+interleaved in one process (:func:`normexport.latency.measure.time_interleaved`, IO binding so that
 only the op is timed), each group with its elementwise floor:
 
 - ``rmsnorm``: an RMSNorm as RMSNormalization (opset 23) or ORT's SimplifiedLayerNormalization;
@@ -50,12 +50,12 @@ from rich.table import Table
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
 from normexport import report, runtime
+from normexport.bench import variants
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
 from normexport.io.export import export_module
 from normexport.io.files import save_figure
-from normexport.runtime.latency import paired_ratio, runner, time_interleaved
-from normexport.tuning import variants
+from normexport.latency.measure import paired_ratio, runner, time_interleaved
 from normexport.tuning.autotune import SKIP_FUSION
 
 SHAPES = ((4, 256, 2048), (8, 512, 768), (1, 128, 768), (32, 128, 384))

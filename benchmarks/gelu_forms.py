@@ -40,7 +40,7 @@ from normexport import report, runtime
 from normexport.bench.render import fmt_ratio
 from normexport.bench.results import Machine
 from normexport.io.files import save_figure
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     counterbalanced,
     paired_ratio,
     rotating,

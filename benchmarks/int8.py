@@ -42,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models  # noqa: E402
 import normexport  # noqa: E402
-from normexport.precision.int8 import rel_l2  # noqa: E402
-from normexport.runtime.latency import (  # noqa: E402
+from normexport.latency.measure import (  # noqa: E402
     counterbalanced,
     paired_ratio,
     rotating,
     time_interleaved,
 )
+from normexport.precision.int8 import rel_l2  # noqa: E402
 from normexport.verdict.tolerance import top1_agreement  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -46,13 +46,13 @@ from torch import nn
 
 from models.norms import ChannelsFirstLayerNorm, CnnLayerNorm, HandGroupNorm
 from normexport import report, runtime
+from normexport.bench import variants
 from normexport.bench.bench_options import BenchOptions
 from normexport.bench.measure import bench_model
 from normexport.bench.render import fmt_ratio, render
 from normexport.bench.results import BenchResult
 from normexport.io.export import export_module
 from normexport.io.files import save_figure, save_model
-from normexport.tuning import variants
 
 SHAPE = (4, 256, 2048)
 KINDS = ("layernorm", "layernorm_rsqrt", "rmsnorm")

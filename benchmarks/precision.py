@@ -26,7 +26,7 @@ float64). Measured per model and input set: NaN / Inf count of the outputs, the
 worst relative L2 error of an output against the float64 oracle (the float32 model with every
 tensor in float64, :func:`normexport.verdict.oracle.onnx_float64`), the model's size (bytes,
 external data included) and its CPU latency (median of interleaved runs,
-:func:`normexport.runtime.latency.time_interleaved`).
+:func:`normexport.latency.measure.time_interleaved`).
 
 ONNX Runtime's CPU provider has few float16 kernels: it inserts casts to float32 around the
 others itself, which can keep a generic converter's model finite on CPU where a float16 device
@@ -74,8 +74,8 @@ from normexport.errors import one_line
 from normexport.io import files
 from normexport.io.export import export_module
 from normexport.io.inputs import id_ranges, input_sets
+from normexport.latency.measure import time_interleaved
 from normexport.pipeline.prepare import by_feed_name, prepare
-from normexport.runtime.latency import time_interleaved
 from normexport.verdict import blocks, hidden_probe, oracle, parity
 
 #: Gallery entries benchmarked (dynamo exporter, opset 18).

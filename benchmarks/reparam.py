@@ -48,7 +48,7 @@ import normexport
 from normexport import runtime
 from normexport.io.files import save_figure
 from normexport.io.quiet import quiet, quiet_torch, swallow_prints
-from normexport.runtime.latency import paired_ratio, time_interleaved
+from normexport.latency.measure import paired_ratio, time_interleaved
 
 MODELS = ("repvgg_a0", "mobileone_s0", "repvit_m0_9", "fastvit_t8")
 SHAPE = (1, 3, 160, 160)

@@ -2,13 +2,13 @@
 
 An A/A test: two "variants" that are the same ONNX file, so their true time ratio is 1. For
 each model, ``--repeats`` times, with fresh sessions each time, on the CPU provider (2 intra-op
-threads, spinning off, :func:`normexport.runtime.latency.time_interleaved`, rounds in random
+threads, spinning off, :func:`normexport.latency.measure.time_interleaved`, rounds in random
 order):
 
 - ``in_order``: one session of each, ``a`` opened first, ``b`` second (how the main job opened
   the raw model and then the optimized one);
 - ``abba``: two sessions of each, opened ``a, b, b, a`` and timed in turn
-  (:func:`normexport.runtime.latency.counterbalanced`, :func:`~normexport.runtime.latency.rotating`;
+  (:func:`normexport.latency.measure.counterbalanced`, :func:`~normexport.latency.measure.rotating`;
   how the main job and the decoders benchmark open them now).
 
 Each repeat gives the paired ratio ``b / a`` with its 95% interval. A design without bias gives
@@ -41,7 +41,7 @@ from normexport import runtime
 from normexport.bench.results import Machine
 from normexport.io.files import save_figure
 from normexport.io.quiet import quiet_torch
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     counterbalanced,
     paired_ratio,
     rotating,

@@ -19,7 +19,7 @@ undone missed it. ``tests/normexport/test_verdict.py`` runs them on small models
 - ``bn_wrong_variance``: BatchNorm folded with the standard deviation where the variance
   belongs.
 
-And one that is exact but slow, what the latency verdict (:mod:`normexport.verdict.speed`) must
+And one that is exact but slow, what the latency verdict (:mod:`normexport.latency.verdict`) must
 catch: :func:`slowed`, every rewrite of one kind followed by a Loop that does nothing, slowly.
 """
 

@@ -26,6 +26,7 @@ LAYERS = (
     ("io", "runtime"),
     ("precision",),
     ("verdict",),
+    ("latency",),
     ("tuning",),
     ("report",),
     ("arguments",),

@@ -23,6 +23,7 @@ from normexport.arguments import (
     options_from_args,
     parse_dynamic,
 )
+from normexport.bench import variants
 from normexport.bench.bench_options import BENCH_BUDGET_S, BenchOptions
 from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import bench_model
@@ -32,7 +33,6 @@ from normexport.errors import EXIT_OK, UsageError
 from normexport.io import external, files
 from normexport.io.kinds import detect_kind
 from normexport.pipeline import prepare
-from normexport.tuning import variants
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,9 +12,9 @@ import onnx_ir as ir
 from fusion.base import Op
 from fusion.registry import FUSED_NORM_OPS
 from normexport import runtime
+from normexport.bench import variants
 from normexport.bench.results import Floor
-from normexport.runtime.latency import paired_ratio, runner, time_interleaved
-from normexport.tuning import variants
+from normexport.latency.measure import paired_ratio, runner, time_interleaved
 
 
 def _norm_input_shapes(model: Path, feeds, provider: str) -> tuple[ir.Model, ir.Node, dict]:

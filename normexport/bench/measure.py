@@ -12,12 +12,13 @@ import onnx_ir as ir
 
 import fusion
 from normexport import runtime
+from normexport.bench import variants
 from normexport.bench.bench_options import BenchOptions, sweep_points
 from normexport.bench.floor import norm_floor
 from normexport.bench.results import BenchResult, BenchVariant, Floor, Machine, Point, VsBest
 from normexport.errors import one_line
 from normexport.io.eager import Eager
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     Ratio,
     Timing,
     latency_threads,
@@ -25,8 +26,7 @@ from normexport.runtime.latency import (
     runner,
     time_interleaved,
 )
-from normexport.runtime.policy import fusion_policy
-from normexport.tuning import variants
+from normexport.runtime.fusion_policy import fusion_policy
 from normexport.verdict.parity import closeness
 
 #: Name of the PyTorch eager entry among the variants' timings.
@@ -55,7 +55,7 @@ def bench_model(
             :class:`~normexport.bench.bench_options.BenchOptions`).
         module: the PyTorch model for the eager entry, or None.
         extra: models of the caller's own to time beside the variants
-            (:meth:`normexport.tuning.variants.Variant.extra`); not counted as optimizers in
+            (:meth:`normexport.bench.variants.Variant.extra`); not counted as optimizers in
             ``normexport_vs_best``.
 
     Returns:

@@ -12,14 +12,14 @@ from rich.console import Console
 from rich.table import Table
 
 from normexport.bench.results import BenchResult, Point
+from normexport.bench.variants import REFERENCE_VARIANT
 from normexport.io.files import save_figure
-from normexport.runtime.latency import Ratio
-from normexport.tuning.variants import REFERENCE_VARIANT
+from normexport.latency.measure import Ratio
 
 
 def fmt_ratio(ratio: Ratio | Mapping[str, float] | None) -> str:
     """``"1.23x [1.10, 1.40]"``: a paired ratio and its 95% interval, from a
-    :class:`~normexport.runtime.latency.Ratio` or its JSON form (as the benchmarks read it
+    :class:`~normexport.latency.measure.Ratio` or its JSON form (as the benchmarks read it
     back); ``"-"`` for none."""
     if not ratio:
         return "-"

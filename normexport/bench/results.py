@@ -15,9 +15,9 @@ import torch
 
 from normexport import runtime
 from normexport.bench.bench_options import BenchOptions
+from normexport.bench.variants import Variant
+from normexport.latency.measure import Ratio, Timing
 from normexport.report import Versions
-from normexport.runtime.latency import Ratio, Timing
-from normexport.tuning.variants import Variant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +193,7 @@ class BenchVariant:
     ran_norm_ops: dict[str, int] | None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form: :meth:`normexport.tuning.variants.Variant.to_dict` and
+        """JSON form: :meth:`normexport.bench.variants.Variant.to_dict` and
         ``ort_ran_norm_ops``."""
         return self.variant.to_dict() | {"ort_ran_norm_ops": self.ran_norm_ops}
 

@@ -15,11 +15,11 @@ from normexport.errors import UsageError
 from normexport.io import files
 from normexport.io.inputs import Sizing, example_arrays, id_ranges, input_sets
 from normexport.io.load import LoadedModel
+from normexport.latency.measure import latency_threads
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
 from normexport.precision.int8 import load_calibration
 from normexport.report.explain import already_fused
-from normexport.runtime.latency import latency_threads
-from normexport.runtime.policy import fusion_policy
+from normexport.runtime.fusion_policy import fusion_policy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +188,7 @@ def larger(job: Job, raw) -> Job | None:
 def run_threads(opts: Options) -> int:
     """The intra-op threads a run of ``opts`` makes the model for and times it with:
     ``--threads``, else (None) the cores this process may run on
-    (:func:`normexport.runtime.latency.latency_threads`). The one place the default is
+    (:func:`normexport.latency.measure.latency_threads`). The one place the default is
     resolved; the run (:attr:`Job.threads`) and ``explain`` ask it once each."""
     return opts.threads or latency_threads()
 
@@ -196,7 +196,7 @@ def run_threads(opts: Options) -> int:
 def run_policy(opts: Options, raw, provider: str, threads: int) -> fusion.Policy:
     """The fusion policy of a run of ``opts`` on ``raw`` (an onnx_ir model) for ``provider``
     (``"cpu"`` or ``"cuda"``) and ``threads`` (:func:`run_threads`):
-    :func:`normexport.runtime.policy.fusion_policy` given what the user chose (``--target``,
+    :func:`normexport.runtime.fusion_policy.fusion_policy` given what the user chose (``--target``,
     ``--last-token-logits``). The run and ``explain`` both ask this: a user's choice reaches the
     policy through this one call.
 

@@ -18,7 +18,7 @@ from normexport import progress, runtime
 from normexport.errors import InputFileError, RunTimedOut, UsageError, one_line
 from normexport.io import files
 from normexport.pipeline.job import Job, larger
-from normexport.verdict import by_blocks, deployed
+from normexport.verdict import block_parity, deployed
 from normexport.verdict.checker_levels import checker_level
 from normexport.verdict.parity import Recorded
 from normexport.verdict.references import Judge
@@ -56,7 +56,7 @@ def raw_model(
     saved into ``work``; and the job, with larger example inputs where the model refused the
     sizes normexport picked (:func:`_runs`). ``block_bytes``: the memory plan's, where its
     whole run does not fit: the input runs block by block
-    (:func:`normexport.verdict.by_blocks.chained`), its whole session only opened.
+    (:func:`normexport.verdict.block_parity.chained`), its whole session only opened.
 
     Raises:
         InputFileError: ONNX Runtime cannot load the input file.
@@ -70,7 +70,7 @@ def raw_model(
     session = runtime.OnDemand(path, job.provider)
     _opens(session, path)
     recorded = _recorded(session)
-    chain = by_blocks.chained(path, block_bytes, job.provider) if block_bytes else None
+    chain = block_parity.chained(path, block_bytes, job.provider) if block_bytes else None
     if chain is not None:
         session.close()
         recorded = Recorded(chain)

@@ -15,6 +15,7 @@ from normexport import precision, progress, runtime
 from normexport.arguments import Options, plan_outputs
 from normexport.errors import UsageError
 from normexport.io import external, files
+from normexport.latency.verdict import NOT_TIMED, Speed
 from normexport.pipeline import published, raw_model, rewrite, timing
 from normexport.pipeline.job import Job, fewer_sets, start
 from normexport.pipeline.prepare import prepare
@@ -23,7 +24,6 @@ from normexport.report import Cost, Fusions, InputInfo, Latency, NormOps, Report
 from normexport.runtime import cuda_kernels, plan
 from normexport.verdict.parity import ParityResult
 from normexport.verdict.references import Judge
-from normexport.verdict.speed import NOT_TIMED, Speed
 
 
 def run(opts: Options) -> Report:

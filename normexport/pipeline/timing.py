@@ -1,6 +1,6 @@
 """The latency stage, before the output is published: the staged model timed against the raw
 model with an A/A control (:func:`timed_against_raw`) and judged by the latency
-verdict (:mod:`normexport.verdict.speed`); where it is slower, the rewrites responsible found by
+verdict (:mod:`normexport.latency.verdict`); where it is slower, the rewrites responsible found by
 the rollback's group testing and left out, and the model without them put in its place (its
 parity then judged anew, as every output's is)."""
 
@@ -17,20 +17,20 @@ import torch
 from fusion import Code
 from normexport import precision, progress, runtime
 from normexport.io.eager import Eager
+from normexport.latency import verdict
+from normexport.latency.measure import counterbalanced, runner, time_interleaved
 from normexport.pipeline import rewrite
 from normexport.pipeline.job import Job
 from normexport.pipeline.raw_model import RawModel
 from normexport.pipeline.rewrite import Staged
 from normexport.report import Latency
 from normexport.runtime import memory as runtime_memory
-from normexport.runtime.latency import counterbalanced, runner, time_interleaved
 from normexport.verdict import rollback
-from normexport.verdict import speed as verdict
 from normexport.verdict.checker_levels import check_output
 
 #: The fewest timed rounds of the main job's latency: the budget (``--budget``) decides above
 #: it, and a model whose rounds take longer is timed past the budget (each timing says which
-#: bound decided, :attr:`normexport.runtime.latency.Timing.bound`).
+#: bound decided, :attr:`normexport.latency.measure.Timing.bound`).
 MIN_ROUNDS = 5
 #: Why the speed is unchecked where the two models were timed one at a time.
 APART = (
@@ -43,7 +43,7 @@ def judged(
     job: Job, ref: RawModel, staged: Staged, work: Path
 ) -> tuple[Staged, Latency, verdict.Speed]:
     """Time the staged model against the raw one for ``--budget`` seconds (the report's
-    latency); where it is slower by the rule of :mod:`normexport.verdict.speed`, time it again
+    latency); where it is slower by the rule of :mod:`normexport.latency.verdict`, time it again
     (fresh sessions, fresh rounds: :func:`_as_optimized`) until :data:`~verdict.AGREEING`
     timings of :data:`~verdict.MIN_RUNS` rounds call it slower, and only then search for the
     rewrites responsible (:func:`normexport.verdict.rollback.roll_back`, each test a model
@@ -165,7 +165,7 @@ WITHOUT = "the time of the model without them"
 
 class _CannotTell(Exception):
     """A timing that cannot judge the model (too busy, the models timed apart, timings in
-    disagreement: :func:`normexport.verdict.speed.undecided`): the speed is unchecked and the
+    disagreement: :func:`normexport.latency.verdict.undecided`): the speed is unchecked and the
     model kept as the stages made it."""
 
 
@@ -304,9 +304,9 @@ def timed_against_raw(
 
     Each ONNX model is two sessions, called once each a round; its time in a round is their
     mean, and each model's two, compared with each other, are the latency verdict's A/A
-    controls (:func:`normexport.verdict.speed.compare`). On CPU, where two sessions of each fit
+    controls (:func:`normexport.latency.verdict.compare`). On CPU, where two sessions of each fit
     in memory, they are four, opened in ABBA order (raw, model, model, raw:
-    :func:`normexport.runtime.latency.counterbalanced`): two CPU sessions of one file, opened
+    :func:`normexport.latency.measure.counterbalanced`): two CPU sessions of one file, opened
     one after the other, can differ by a percent or more, on some models always the same way
     (``benchmarks/session_order.py``); elsewhere one session of each, called twice. Where even
     one of each would not fit together (:func:`normexport.runtime.memory.copies_that_fit`),
@@ -350,7 +350,7 @@ def timed_against_raw(
 def _twice(opened: dict, feeds: dict) -> dict:
     """``NAME#0`` and ``NAME#1`` -> a callable that runs one of ``opened[NAME]``'s sessions on
     ``feeds``: each of two sessions, or one session twice. A plain ``session.run``
-    (:func:`~normexport.runtime.latency.runner`): not :func:`normexport.runtime.run`, whose
+    (:func:`~normexport.latency.measure.runner`): not :func:`normexport.runtime.run`, whose
     ``--run-timeout`` timer thread, started per call, would be timed with each run."""
     calls = {}
     for name, sessions in opened.items():

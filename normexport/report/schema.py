@@ -11,20 +11,20 @@ from typing import TYPE_CHECKING, Any
 
 import fusion
 from fusion import FUSION_KINDS
+from normexport.latency.measure import BUSY_SPREAD, Timing
 from normexport.progress import Stage
 from normexport.report.explain import AlreadyFused
 from normexport.runtime.cuda_kernels import Fallback
-from normexport.runtime.latency import BUSY_SPREAD, Timing
 from normexport.runtime.plan import MemoryPlan
 from normexport.verdict.checker_levels import Checker
 from normexport.verdict.result import ParityResult
 
 if TYPE_CHECKING:
+    from normexport.latency.verdict import Speed
     from normexport.precision import PrecisionReport
     from normexport.precision.int8 import Int8Report
     from normexport.tuning.autotune import AutotuneResult
     from normexport.verdict.rollback import Outcome
-    from normexport.verdict.speed import Speed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Latency:
         apart: why the ONNX Runtime variants were timed one at a time, not interleaved (their
             sessions would not fit in memory together), or None.
         sessions: ONNX Runtime sessions of each model, opened in ABBA order and timed in turn
-            (:func:`normexport.runtime.latency.counterbalanced`).
+            (:func:`normexport.latency.measure.counterbalanced`).
     """
 
     timings: dict[str, Timing]
@@ -216,7 +216,7 @@ class Report:
             the optimized model passed its check as the passes made it.
         speed: the latency verdict: the published model against the raw one, the rewrites
             undone as slower here, or why the speed was not checked
-            (:class:`normexport.verdict.speed.Speed`); None only in a report made by hand.
+            (:class:`normexport.latency.verdict.Speed`); None only in a report made by hand.
         cost: the run's wall time and peak memory per stage (:class:`Cost`), or None.
         memory: the memory plan made before the first session
             (:class:`normexport.runtime.plan.MemoryPlan`), or None.

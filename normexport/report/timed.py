@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
+from normexport.latency.measure import BUSY_SPREAD
+from normexport.latency.verdict import FLOAT32_OPTIMIZED
 from normexport.report.schema import Latency
-from normexport.runtime.latency import BUSY_SPREAD
-from normexport.verdict.speed import FLOAT32_OPTIMIZED
 
 if TYPE_CHECKING:
-    from normexport.verdict.speed import Speed
+    from normexport.latency.verdict import Speed
 
 
 def render_latency(latency: Latency, console: Console) -> None:

@@ -1,2 +1,2 @@
-"""Alternatives timed against each other: other optimizers' variants (bench) and the exact
-forms autotune chooses from."""
+"""The exact forms of a fused norm timed against each other: autotune and the forms it chooses
+from."""

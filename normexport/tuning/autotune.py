@@ -1,7 +1,7 @@
 """Pick, among exact forms of one model, the one that runs fastest on the user's provider: a
 :class:`Candidate` is a model and the session settings it needs; :func:`candidates` builds them
 from :func:`normexport.tuning.forms.exact_forms`, and :func:`autotune` checks each against the
-default's outputs, times them interleaved (:func:`normexport.runtime.latency.time_interleaved`)
+default's outputs, times them interleaved (:func:`normexport.latency.measure.time_interleaved`)
 and returns an :class:`AutotuneResult`. Why, which candidates, and the rule that keeps one:
 docs/benchmarks.md#how-autotune-chooses.
 """
@@ -18,7 +18,7 @@ import onnx_ir as ir
 from fusion.base import Op
 from fusion.registry import ORT_SKIP_FUSED_NORMS
 from normexport import runtime
-from normexport.runtime.latency import Ratio, Timing, paired_ratio, runner, time_interleaved
+from normexport.latency.measure import Ratio, Timing, paired_ratio, runner, time_interleaved
 from normexport.tuning import forms
 from normexport.verdict.parity import closeness
 

@@ -21,7 +21,7 @@ from normexport.io.load import LoadedModel
 from normexport.precision import rounded_feeds
 from normexport.precision.int8 import INT8_PRECISIONS
 from normexport.runtime.memory import give_back
-from normexport.verdict import by_blocks
+from normexport.verdict import block_parity
 from normexport.verdict.oracle import Oracle, onnx_float64, pytorch_float64
 from normexport.verdict.parity import (
     HALF_MAX_REL_L2,
@@ -66,7 +66,7 @@ class Judge:
             float16 arithmetic: any rewrite moves its rounding by float16's noise).
         block_bytes: take the verdict block by block, each block holding at most this many
             bytes of weights and of values computed from them alone
-            (:mod:`normexport.verdict.by_blocks`; ONNX input only: a PyTorch model is in
+            (:mod:`normexport.verdict.block_parity`; ONNX input only: a PyTorch model is in
             memory whole anyway); None: the whole model at once.
         last_position: the outputs (by index) the candidate computes at the last position of
             axis 1 only (``--last-token-logits``): the references' are compared there too.
@@ -232,10 +232,10 @@ def _last(run: Recorded, indices: tuple[int, ...], feeds) -> list[np.ndarray]:
 
 
 def _chains(raw_path: Path, block_bytes: int, work: Path, provider: str):
-    """:class:`by_blocks.Chains` of the model, or None where it cannot be cut (its parity then
+    """:class:`block_parity.Chains` of the model, or None where it cannot be cut (its parity then
     runs whole, its sessions reading their weights from disk on every run)."""
     try:
-        return by_blocks.Chains(raw_path, block_bytes, work, provider)
+        return block_parity.Chains(raw_path, block_bytes, work, provider)
     except ValueError:
         return None
 

@@ -60,7 +60,7 @@ class OutputError:
 
 @dataclasses.dataclass
 class BlockVerdict:
-    """One block of a verdict taken block by block (:mod:`normexport.verdict.by_blocks`): the
+    """One block of a verdict taken block by block (:mod:`normexport.verdict.block_parity`): the
     optimized model's block against the oracle's, on each input set, on the float values the
     block hands on.
 

@@ -5,7 +5,7 @@ every input set, the parity rule) and says why it cannot be published (:class:`R
 :func:`roll_back` finds the rewrites responsible by group testing and builds the model again
 without them (:class:`Outcome`, :class:`Undone`), or raises :class:`RollbackFailed` where no
 rewrite is to blame and the model cannot be published. The latency verdict
-(:mod:`normexport.verdict.speed`) runs the same search with a timing as its check, within a
+(:mod:`normexport.latency.verdict`) runs the same search with a timing as its check, within a
 budget (``afford``). The check, the search, its cost and its ending:
 docs/parity.md#rollback-one-bad-rewrite-never-costs-you-the-model and
 docs/parity.md#finding-the-rewrites-responsible.
@@ -222,7 +222,7 @@ def roll_back(
     Args:
         path, report: the optimized model's file and what its passes did.
         build, check: :data:`Build` and :data:`Check` (which may measure, as the latency
-            verdict's does: :mod:`normexport.verdict.speed`).
+            verdict's does: :mod:`normexport.latency.verdict`).
         tolerated: the codes of a failure that is no bug of normexport's where no rewrite is to
             blame; one that a build with no rewrite left fails with, where the model with none
             passed, is the measurement's noise: the search ends with that build.

@@ -16,7 +16,7 @@ from torch import nn
 
 from normexport import cli, runtime
 from normexport.arguments import options_from_args
-from normexport.bench import command
+from normexport.bench import command, variants
 from normexport.bench.bench_options import BENCH_BUDGET_S, BenchOptions, sweep_points
 from normexport.bench.fixed import fixed_axes, fixed_line
 from normexport.bench.measure import EAGER, bench_model, resize_inputs
@@ -24,8 +24,7 @@ from normexport.bench.render import render, write_chart
 from normexport.bench.results import BenchResult
 from normexport.errors import EXIT_OK, EXIT_USAGE, UsageError
 from normexport.io.export import export_module
-from normexport.runtime.latency import runner
-from normexport.tuning import variants
+from normexport.latency.measure import runner
 from tests.support.graphs import make_model
 
 pytestmark = pytest.mark.slow  # exports PyTorch models

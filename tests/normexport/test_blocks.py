@@ -1,4 +1,4 @@
-"""Parity block by block (normexport.verdict.blocks, normexport.verdict.by_blocks) and the
+"""Parity block by block (normexport.verdict.blocks, normexport.verdict.block_parity) and the
 memory plan that chooses it (normexport.runtime.plan).
 
 The models are small pre-norm residual stacks built with onnx-ir (a hand-written RMSNorm and a
@@ -25,7 +25,7 @@ from normexport.errors import EXIT_USAGE
 from normexport.io import files
 from normexport.runtime import memory
 from normexport.runtime import plan as plan_mod
-from normexport.verdict import blocks, by_blocks, parity
+from normexport.verdict import block_parity, blocks, parity
 from tests.support.graphs import make_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -132,9 +132,9 @@ def test_a_boundary_a_node_reads_across_is_dropped(tmp_path, rng):
     assert sum(b.nodes for b in found) == len(list(model.graph))
 
 
-def _chains(path: Path, rng, work: Path) -> tuple[by_blocks.Chains, dict, dict]:
+def _chains(path: Path, rng, work: Path) -> tuple[block_parity.Chains, dict, dict]:
     sets = {f"s{i}": {"x": rng.standard_normal((2, 8, D)).astype(np.float32)} for i in range(2)}
-    chains = by_blocks.Chains(path, LAYER_BYTES, work, "cpu")
+    chains = block_parity.Chains(path, LAYER_BYTES, work, "cpu")
     moved = parity.Recorded(parity.ulp_perturbed)
     chains.record(list(sets.values()), [moved(f) for f in sets.values()])
     rule = {
@@ -202,13 +202,13 @@ def test_values_kept_between_blocks_own_their_memory(tmp_path, out_dir, rng, mon
     path = _stack(tmp_path / "in" / "m.onnx", rng, layers=6)
     _fake_budget(monkeypatch, path, 0.6)
     kept: list[np.ndarray] = []
-    keep = by_blocks._keep
+    keep = block_parity._keep
 
     def spy(block, outputs, into):
         keep(block, outputs, into)
         kept.extend(into[name] for name in block.outputs)
 
-    monkeypatch.setattr(by_blocks, "_keep", spy)
+    monkeypatch.setattr(block_parity, "_keep", spy)
     report = normexport.optimize(path, output=out_dir / "m.onnx", benchmark=False)
     assert report.passed and len(report.parity.blocks) >= 2 and kept
     assert all(array.flags.owndata for array in kept)

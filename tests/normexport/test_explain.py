@@ -1,7 +1,7 @@
 """``normexport explain`` against the run: on every provider, explain lists what the run's passes
 do to the same graph, with the run's policies (the Skip fusion's per provider:
-``normexport.runtime.policy.fusion_policy``). Graphs built node by node; no PyTorch export, no
-session on the model."""
+``normexport.runtime.fusion_policy.fusion_policy``). Graphs built node by node; no PyTorch
+export, no session on the model."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from rich.console import Console
 import fusion
 from normexport import cli, runtime
 from normexport.report import explain
-from normexport.runtime.policy import SKIP_PROVIDERS
-from normexport.runtime.policy import fusion_policy as policy
+from normexport.runtime.fusion_policy import SKIP_PROVIDERS
+from normexport.runtime.fusion_policy import fusion_policy as policy
 from tests.fusion.test_subgraphs_graphs import _if_layernorms
 from tests.support.graphs import make_model
 from tests.support.reparam_graphs import MERGED, Block

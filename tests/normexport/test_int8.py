@@ -21,11 +21,11 @@ from onnx import TensorProto
 
 from normexport import cli
 from normexport.errors import UsageError
+from normexport.latency.measure import Timing
+from normexport.latency.verdict import Comparison, compare
 from normexport.pipeline import timing
 from normexport.precision.int8 import load_calibration
-from normexport.runtime.latency import Timing
 from normexport.verdict.parity import INT8_MAX_REL_L2
-from normexport.verdict.speed import Comparison, compare
 from tests.support.graphs import make_model
 
 ROWS, D, CLASSES = 64, 64, 10

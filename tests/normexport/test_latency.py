@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from normexport.runtime.latency import (
+from normexport.latency.measure import (
     Timing,
     bootstrap_ci,
     counterbalanced,

@@ -21,8 +21,9 @@ from rich.console import Console
 import normexport
 from normexport import cli, progress, runtime
 from normexport.io import files
+from normexport.latency import verdict
 from normexport.runtime import memory, plan, sessions
-from normexport.verdict import parity, speed, tolerance
+from normexport.verdict import parity, tolerance
 from tests.support.graphs import make_model
 
 F = ir.DataType.FLOAT
@@ -83,7 +84,7 @@ def nothing_slower(monkeypatch):
     """The latency verdict finds nothing slower: the sessions are the first timing's only (a
     busy machine may time a model slower, and the search opens sessions of its own:
     tests/normexport/test_speed.py)."""
-    monkeypatch.setattr(speed, "rejection", lambda comparison: None)
+    monkeypatch.setattr(verdict, "rejection", lambda comparison: None)
 
 
 def test_parity_holds_one_session_at_a_time(tmp_path, out_dir, rng, alive_at_open):

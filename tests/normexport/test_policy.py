@@ -1,5 +1,6 @@
-"""The fusion policy per execution provider (:mod:`normexport.runtime.policy`): the choices each
-provider's run makes, and their effect on graphs built node by node, run on ONNX Runtime."""
+"""The fusion policy per execution provider (:mod:`normexport.runtime.fusion_policy`): the
+choices each provider's run makes, and their effect on graphs built node by node, run on ONNX
+Runtime."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 import fusion
 from fusion import Code
 from normexport.arguments import make_options
+from normexport.latency.measure import latency_threads
 from normexport.pipeline.job import run_policy, run_threads
-from normexport.runtime.latency import latency_threads
-from normexport.runtime.policy import fusion_policy
+from normexport.runtime.fusion_policy import fusion_policy
 from tests.support.attention_graphs import YOLO, random_feeds, yolo_attention
 from tests.support.graphs import assert_close, ops, run
 

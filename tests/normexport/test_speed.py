@@ -26,9 +26,8 @@ import normexport
 from fusion import Code
 from models.broken import slowed
 from normexport import cli
-from normexport.pipeline import timing
-from normexport.runtime.latency import Timing
-from normexport.verdict.speed import (
+from normexport.latency.measure import Timing
+from normexport.latency.verdict import (
     MAX_MARGIN,
     MIN_RUNS,
     NOT_TIMED,
@@ -38,6 +37,7 @@ from normexport.verdict.speed import (
     rejection,
     undecided,
 )
+from normexport.pipeline import timing
 from tests.support.graphs import make_model
 
 #: Rows, features, channels: a graph of about a tenth of a millisecond, whose sessions differ by

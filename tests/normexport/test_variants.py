@@ -11,10 +11,11 @@ import pytest
 from onnx import TensorProto
 
 from normexport import runtime
+from normexport.bench import variants
 from normexport.errors import UsageError
 from normexport.io.files import data_path
 from normexport.runtime import sessions
-from normexport.tuning import autotune, forms, variants
+from normexport.tuning import autotune, forms
 from normexport.verdict.parity import closeness
 from tests.support.graphs import make_model, ops, run
 

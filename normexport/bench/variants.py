@@ -34,8 +34,8 @@ from fusion.registry import FUSION_KINDS
 from normexport import runtime
 from normexport.io.files import save_model
 from normexport.io.quiet import quiet, swallow_prints
-from normexport.runtime.latency import latency_threads
-from normexport.runtime.policy import fusion_policy
+from normexport.latency.measure import latency_threads
+from normexport.runtime.fusion_policy import fusion_policy
 
 #: Variant name -> what it is. Every variant but ``ort_offline`` runs in an ORT_ENABLE_ALL
 #: session, what a user deploying that file gets.
@@ -224,7 +224,7 @@ def build_variants(
         folder: where the variants' files are written (``NAME.onnx`` and its external data);
             it must outlive the variants' use.
         policy: normexport's variant's fusion policy; None: a run's for target ``"ort"`` on
-            this machine's cores (:func:`normexport.runtime.policy.fusion_policy`).
+            this machine's cores (:func:`normexport.runtime.fusion_policy.fusion_policy`).
         only: variant names to build, in that order (default: all).
 
     Returns:

@@ -3,7 +3,7 @@ of an A/A control timed in the same run.
 
 :class:`Comparison` holds one model timed against the raw model with both models' A/A controls
 and applies the rule (:attr:`Comparison.slower`, :attr:`Comparison.busy`); :func:`compare` makes
-one from the timings of :func:`normexport.runtime.latency.time_interleaved`; :func:`another`
+one from the timings of :func:`normexport.latency.measure.time_interleaved`; :func:`another`
 and :func:`undecided` judge a model on several independent timings of it (at least
 :data:`AGREEING` of :data:`MIN_RUNS` rounds before anything is undone); :func:`rejection` turns
 one into the check of the rollback's search (:func:`normexport.verdict.rollback.roll_back`,
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from fusion import Code
-from normexport.runtime.latency import Ratio, Timing, paired_ratio
+from normexport.latency.measure import Ratio, Timing, paired_ratio
 from normexport.verdict.rollback import Rejection, Undone
 
 #: Each timing of the search after the first takes ``--budget`` / this many seconds.
@@ -118,7 +118,7 @@ def compare(
 
     Args:
         raw, model: the two sessions' timings of each (ms), all from one
-            :func:`~normexport.runtime.latency.time_interleaved` call.
+            :func:`~normexport.latency.measure.time_interleaved` call.
         against: whose time ``raw``'s is, in words (:attr:`Comparison.against`).
 
     Raises:
@@ -138,7 +138,7 @@ def compare(
 
 def pooled(sessions: Sequence[Timing]) -> Timing:
     """One model's timing from its sessions' (all from one
-    :func:`~normexport.runtime.latency.time_interleaved` call): each round's mean, ms.
+    :func:`~normexport.latency.measure.time_interleaved` call): each round's mean, ms.
 
     Raises:
         ValueError: the timings hold different numbers of runs (not one call).
