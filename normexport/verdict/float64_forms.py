@@ -215,14 +215,14 @@ def _window(node: ir.Node, kernel: Sequence[int], build: Builder) -> dict | None
 
 
 def _conv(node: ir.Node, build: Builder) -> list[ir.Value] | None:
-    """``Conv`` in float64: the input padded, one strided slice per kernel tap
-    (:meth:`Builder.tap`), its spatial axes flattened, contracted with that tap's weights by
-    MatMul (``[Cout, C]``, or per group ``[G, Cout / G, C / G]``; taps concatenated on the
-    channel axis up to :data:`TAP_WIDTH` channels per MatMul) or, depthwise, multiplied by
-    them, summed one Add at a time, the bias added, the spatial axes back. Every product and
-    sum in float64: no kernel expanded by its dilation, no input copied per tap beyond its
-    slice. None (no form) where the weights are not constant, or the taps cannot be taken
-    (:func:`_window`)."""
+    """``Conv`` in float64 (a 1-D one of many taps: :func:`_framed`): the input padded, one
+    strided slice per kernel tap (:meth:`Builder.tap`), its spatial axes flattened, contracted
+    with that tap's weights by MatMul (``[Cout, C]``, or per group ``[G, Cout / G, C / G]``;
+    taps concatenated on the channel axis up to :data:`TAP_WIDTH` channels per MatMul) or,
+    depthwise, multiplied by them, summed one Add at a time, the bias added, the spatial axes
+    back. Every product and sum in float64: no kernel expanded by its dilation, no input copied
+    per tap beyond its slice. None (no form) where the weights are not constant, or the taps
+    cannot be taken (:func:`_window`)."""
     x, w = node.inputs[0], node.inputs[1]
     weight = _constant(w)
     if weight is None:
@@ -233,17 +233,44 @@ def _conv(node: ir.Node, build: Builder) -> list[ir.Value] | None:
     if window is None:
         return None
     padded = build.pad(x, window["pads"])
-    taps = list(itertools.product(*(range(k) for k in kernel)))
-    sliced = [build.tap(padded, tap, window) for tap in taps]
     wide = lambda: np.asarray(weight.numpy(), np.float64)  # noqa: E731 (read as saved)
-    if groups > 1 and cg == 1:
-        terms = _depthwise(build, sliced, taps, wide, cout, groups)
+    framed = len(kernel) == 1 and groups == 1 and kernel[0] > TAP_WIDTH and build.opset >= 11
+    if framed:
+        y = _framed(build, padded, wide, window, (cout, cg))
     else:
-        terms = _contracted(build, sliced, taps, wide, (cout, cg, groups))
-    y = build.op("Reshape", build.total(terms), build.const([0, cout, -1]))
+        taps = list(itertools.product(*(range(k) for k in kernel)))
+        sliced = [build.tap(padded, tap, window) for tap in taps]
+        if groups > 1 and cg == 1:
+            terms = _depthwise(build, sliced, taps, wide, cout, groups)
+        else:
+            terms = _contracted(build, sliced, taps, wide, (cout, cg, groups))
+        y = build.op("Reshape", build.total(terms), build.const([0, cout, -1]))
     if len(node.inputs) > 2 and node.inputs[2] is not None:
         y = build.op("Add", y, build.op("Reshape", node.inputs[2], build.const([-1, 1])))
-    return [_unflattened(build, y, sliced[0], cout)]
+    return [y if framed else _unflattened(build, y, sliced[0], cout)]
+
+
+def _framed(build: Builder, padded: ir.Value, wide, window: dict, sizes) -> ir.Value:
+    """A 1-D Conv of more taps than :data:`TAP_WIDTH` (an STFT window of 400 to 8,000
+    samples) as one MatMul over its frames, ``[N, Cout, L_out]``: the padded input
+    (``[N, C, L]``) gathered at each output position's taps, ``[N, C, L_out, K]`` (the
+    positions ``Range(0, L - (K - 1) * d, s)``, computed from the input's length: any size),
+    moved to ``[N, L_out, C * K]`` and contracted with the weights ``[C * K, Cout]``. The
+    tap-by-tap form would be K slices: 8,000 nodes that ONNX Runtime took two minutes to load.
+    Needs Range (opset 11)."""
+    cout, channels = sizes
+    (k,), (d,), (s,) = window["kernel"], window["dilations"], window["strides"]
+    length = build.op("Gather", build.op("Shape", padded), build.const(np.array(2)), axis=0)
+    limit = build.op("Sub", length, build.const(np.array((k - 1) * d)))
+    positions = build.op("Range", build.const(np.array(0)), limit, build.const(np.array(s)))
+    column = build.op("Reshape", positions, build.const([-1, 1]))
+    taps = build.op("Add", column, build.const((d * np.arange(k)).reshape(1, k)))
+    frames = build.op("Gather", padded, taps, axis=2)
+    rows = build.op("Transpose", frames, perm=[0, 2, 1, 3])
+    flat = build.op("Reshape", rows, build.const([0, 0, channels * k]))
+    make = lambda: wide().reshape(cout, channels * k).T.copy()  # noqa: E731
+    y = build.op("MatMul", flat, build.lazy(make, [channels * k, cout]))
+    return build.op("Transpose", y, perm=[0, 2, 1])
 
 
 def _unflattened(build: Builder, y: ir.Value, like: ir.Value, channels: int) -> ir.Value:

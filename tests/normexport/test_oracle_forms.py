@@ -17,7 +17,7 @@ from onnx import TensorProto
 
 from normexport import runtime
 from normexport.verdict import oracle
-from tests.support.graphs import make_model
+from tests.support.graphs import make_model, stft_front_end
 
 FLOAT = TensorProto.FLOAT
 
@@ -64,6 +64,8 @@ CONVS = {
     "valid_3d": ((1, 2, 5, 6, 7), 3, [2, 3, 2], {"auto_pad": "VALID", "strides": [1, 2, 1]}),
     "wide_input": ((2, 300, 8, 8), 16, [3, 3], {"pads": [1, 1, 1, 1]}),
     "strided_gathered": ((1, 3, 11, 12), 4, [3, 3], {"strides": [2, 3], "pads": [1, 1, 0, 2]}),
+    # more taps than TAP_WIDTH: one MatMul over the gathered frames (an STFT window)
+    "framed_1d": ((2, 2, 3000), 4, [400], {"strides": [160], "dilations": [2], "pads": [7, 30]}),
 }  # fmt: skip
 
 
@@ -92,7 +94,7 @@ def test_conv_in_float64(rng, tmp_path, case, bias):
     if bias:
         weights["b"] = rng.standard_normal(cout).astype(np.float32)
     nodes = [("Conv", ["x", *weights], ["y"], attrs)]
-    opsets = {"wide_input": 11, "stem_1d": 9, "grouped_strided_asymmetric": 10}
+    opsets = {"wide_input": 11, "stem_1d": 9, "grouped_strided_asymmetric": 10, "framed_1d": 11}
     opset = {**opsets, "strided_gathered": 7}.get(case, 17)
     x, y, written, found = _oracle(tmp_path, nodes, shape, weights, opset=opset, rng=rng)
     assert "1 Conv" in found.notes[1] and not found.float32, found.notes
@@ -233,3 +235,29 @@ def test_gelu_in_float64(rng, tmp_path, op, domain, attrs, opset):
     exact = h / 2 * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
     assert np.abs(y - exact).max() < 4e-15 < np.abs(written - exact).max()
     assert f"1 {op}" in found.notes[1] and not found.float32
+
+
+def test_an_stft_window_of_8000_taps_is_one_matmul_over_its_frames(rng, tmp_path):
+    """An audio front end's Conv of 8,000 samples, stride 160 (:func:`tests.support.graphs.
+    stft_front_end`): its float64 form is a handful of nodes, not one slice per tap (8,000
+    nodes took ONNX Runtime two minutes to load), and exact against numpy's frames in float64
+    on two input lengths (the frames' positions follow the input's length)."""
+    model = stft_front_end(rng, 8000)
+    path = tmp_path / "m.onnx"
+    ir.save(model, path)
+    session = runtime.make_session(path, "cpu", optimization_level=runtime.AS_WRITTEN)
+    wave = rng.standard_normal((2, 8320)).astype(np.float32)
+    found = oracle.onnx_float64(
+        path, lambda f: runtime.run(session, f), {"wave": wave}, tmp_path, "the input graph"
+    )
+    assert found.kind == "onnx_float64" and "1 Conv" in found.notes[1], found.notes
+    assert len(list(found.run.wide.model.graph)) < 30
+    w = model.graph.initializers["w"].const_value.numpy().astype(np.float64)[:, 0]
+    b = model.graph.initializers["b"].const_value.numpy().astype(np.float64)
+    for length in (8320, 9000):
+        x = rng.standard_normal((2, length)).astype(np.float32)
+        (y,) = found.run({"wave": x})
+        starts = range(0, length - 8000 + 1, 160)
+        frames = np.stack([x[:, s : s + 8000] for s in starts], axis=1).astype(np.float64)
+        exact = (frames @ w.T + b).mean(axis=1)
+        assert np.abs(y - exact).max() < 1e-13 * np.abs(exact).max()
