@@ -324,12 +324,17 @@ def _render_precision(precision: PrecisionReport, console: Console) -> None:
             + ", ".join(precision.float32_op_types)
         )
     if precision.kept_float32:
-        table = Table(title="Kept in float32", title_justify="left")
-        for col in ("node", "op", "reason", "detail"):
-            table.add_column(col, overflow="fold")
-        for k in precision.kept_float32:
-            table.add_row(k.node, k.op, k.reason, k.detail)
-        console.print(table)
+        console.print(_kept_table("Kept in float32", precision.kept_float32))
+
+
+def _kept_table(title: str, kept) -> Table:
+    """The nodes a conversion kept in a wider type: node, op, reason, detail."""
+    table = Table(title=title, title_justify="left")
+    for col in ("node", "op", "reason", "detail"):
+        table.add_column(col, overflow="fold")
+    for k in kept:
+        table.add_row(k.node, k.op, k.reason, k.detail)
+    return table
 
 
 def _render_int8(int8: Int8Report, console: Console) -> None:
@@ -340,12 +345,7 @@ def _render_int8(int8: Int8Report, console: Console) -> None:
         line += f", calibrated on {int8.calibration}"
     console.print(line)
     if int8.kept_float:
-        table = Table(title="Kept in float", title_justify="left")
-        for col in ("node", "op", "reason", "detail"):
-            table.add_column(col, overflow="fold")
-        for k in int8.kept_float:
-            table.add_row(k.node, k.op, k.reason, k.detail)
-        console.print(table)
+        console.print(_kept_table("Kept in float", int8.kept_float))
     if int8.why_float32:
         console.print(f"[yellow]float32 published[/]: {int8.why_float32}")
 
