@@ -23,7 +23,7 @@ import onnx
 
 from fusion.registry import FUSED_NORM_OPS
 from normexport.errors import UsageError
-from normexport.precision.kept import decomposed_norms
+from normexport.precision.kept import KeptFloat32, decomposed_norms
 
 #: The int8 values of ``--precision``: static (activations calibrated, QDQ) and dynamic
 #: (weights int8, activations quantized at run time).
@@ -44,25 +44,6 @@ MAX_KEPT_FOR_BUDGET = 8
 MAX_CALIBRATION = 64
 
 
-@dataclasses.dataclass(frozen=True)
-class KeptFloat:
-    """A node int8 leaves in float, and why.
-
-    Attributes:
-        node: its name in the optimized model.
-        op: its op type.
-        reason: ``norm`` or ``softmax`` (kept by op type, :data:`KEPT_OP_REASONS`),
-            ``decomposed_norm`` (part of a norm a fusion refused), or ``budget`` (a quantized
-            layer that cost the output most, :func:`layer_costs`).
-        detail: one sentence for people.
-    """
-
-    node: str
-    op: str
-    reason: str
-    detail: str
-
-
 @dataclasses.dataclass
 class Int8Report:
     """What the int8 stage did.
@@ -72,7 +53,7 @@ class Int8Report:
         quantizer: ONNX Runtime's function and version that quantized.
         calibration: where the calibration samples came from (``--calibration``'s path, or the
             generated input sets), and how many; None for ``int8-dynamic``.
-        kept_float: the nodes left in float (:class:`KeptFloat`).
+        kept_float: the nodes left in float (:class:`~normexport.precision.kept.KeptFloat32`).
         published: ``int8``, or ``fp32`` where the float32 optimized model was published.
         why_float32: why float32 was published (int8 slower on this provider, or out of its
             budget with :data:`MAX_KEPT_FOR_BUDGET` layers kept in float), else None.
@@ -81,7 +62,7 @@ class Int8Report:
     precision: str
     quantizer: str
     calibration: str | None
-    kept_float: list[KeptFloat]
+    kept_float: list[KeptFloat32]
     published: str = "int8"
     why_float32: str | None = None
 
@@ -90,7 +71,7 @@ class Int8Report:
         return dataclasses.asdict(self)
 
 
-def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat]:
+def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat32]:
     """The nodes of the model at ``path`` kept in float by op type (:data:`KEPT_OP_REASONS`),
     and the nodes of every norm the fusions refused (``refused``: :class:`fusion.Refused`;
     :func:`normexport.precision.kept.decomposed_norms`), reason ``decomposed_norm``.
@@ -113,10 +94,8 @@ def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat]:
             else "Softmax stays float: its exponent turns int8 steps of its largest logits into "
             "large relative errors"
         )
-        kept.append(KeptFloat(node.name, node.op_type, reason, detail))
-    for norm in decomposed_norms(graph, refused, "int8"):
-        kept.append(KeptFloat(norm.node, norm.op, norm.reason, norm.detail))
-    return kept
+        kept.append(KeptFloat32(node.name, node.op_type, reason, detail))
+    return [*kept, *decomposed_norms(graph, refused, "int8")]
 
 
 #: The first ai.onnx opset whose DequantizeLinear takes an axis (per-channel weights).
@@ -363,14 +342,14 @@ def layer_costs(
     return everything, costs
 
 
-def costliest(src: Path, everything: float, costs: Mapping[str, float]) -> list[KeptFloat]:
+def costliest(src: Path, everything: float, costs: Mapping[str, float]) -> list[KeptFloat32]:
     """The :data:`MAX_KEPT_FOR_BUDGET` costliest layers of :func:`layer_costs`' ``costs``
     (``everything``: the error with all quantized), costliest first, as kept in float for the
     budget (the model at ``src`` gives their op types)."""
     ops = {n.name: n.op_type for n in onnx.load(src, load_external_data=False).graph.node}
     worst_first = sorted(costs, key=costs.get, reverse=True)[:MAX_KEPT_FOR_BUDGET]
     return [
-        KeptFloat(
+        KeptFloat32(
             name,
             ops[name],
             "budget",

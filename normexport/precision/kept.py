@@ -41,15 +41,18 @@ FP32_FILL = 1e9
 
 @dataclasses.dataclass(frozen=True)
 class KeptFloat32:
-    """A node left in float32 in the half-precision model, and why.
+    """A node a conversion leaves in float32 (half precision, int8), and why.
 
     Attributes:
         node: its name in the written model.
         op: its op type.
         reason: ``decomposed_norm`` (a norm the fusions refused: float16 would square its
-            input, bfloat16 would sum it with 8 significant bits), ``fp16_overflow`` /
-            ``fp16_underflow`` (it reads an initializer or a Constant's value float16 cannot
-            hold, or it is that Constant).
+            input, bfloat16 would sum it with 8 significant bits, int8 would move the mean and
+            deviation it divides by), ``fp16_overflow`` / ``fp16_underflow`` (it reads an
+            initializer or a Constant's value float16 cannot hold, or it is that Constant);
+            int8's ``norm`` or ``softmax`` (kept by op type,
+            :data:`normexport.precision.int8.KEPT_OP_REASONS`) and ``budget`` (a quantized
+            layer that cost the output most, :func:`normexport.precision.int8.layer_costs`).
         detail: one sentence for people.
     """
 
