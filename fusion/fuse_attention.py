@@ -26,11 +26,11 @@ from onnxscript.rewriter.ort_fusions import (
 )
 
 from fusion import pack_attention
+from fusion._inference import infer_shapes
 from fusion._ir import (
     add_initializer,
     const_array,
     dims,
-    infer_shapes,
     label,
     opset_version,
     producer,
