@@ -17,7 +17,7 @@ from normexport.io.inputs import Sizing, example_arrays, id_ranges, input_sets
 from normexport.io.load import LoadedModel
 from normexport.latency.measure import latency_threads
 from normexport.pipeline.prepare import ExportInfo, Prepared, by_feed_name
-from normexport.precision.int8 import load_calibration
+from normexport.precision.calibration import load_calibration
 from normexport.report.explain import already_fused
 from normexport.runtime.fusion_policy import fusion_policy
 

@@ -24,7 +24,7 @@ from normexport.errors import UsageError
 from normexport.latency.measure import Timing
 from normexport.latency.verdict import Comparison, compare
 from normexport.pipeline import timing
-from normexport.precision.int8 import load_calibration
+from normexport.precision.calibration import load_calibration
 from normexport.verdict.parity import INT8_MAX_REL_L2
 from tests.support.graphs import make_model
 
