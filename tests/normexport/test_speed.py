@@ -155,7 +155,8 @@ def test_a_load_burst_in_the_first_timings_undoes_nothing(tmp_path, out_dir, rng
     published, the speed unchecked. (Trusting the two, the search undid every rewrite: every
     model it built was timed, really, not slower.)"""
     model = _layernorm_matmul_bn(tmp_path / "in" / "m.onnx", rng)
-    plain = normexport.optimize(model, output=out_dir / "a.onnx", benchmark=False)
+    # one intra-op thread, as test_a_rewrite_made_slower_is_undone says why
+    plain = normexport.optimize(model, output=out_dir / "a.onnx", benchmark=False, threads=1)
     real, bursts = timing.timed_against_raw, []
 
     def loaded(job, ref, path, *args, **kwargs):
@@ -166,16 +167,20 @@ def test_a_load_burst_in_the_first_timings_undoes_nothing(tmp_path, out_dir, rng
         return latency, comparison
 
     args = [str(model), "-o", str(out_dir / "b.onnx"), "--provider", "cpu", "--budget", "0.5"]
+    args += ["--threads", "1"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(timing, "timed_against_raw", loaded)
         assert cli.main([*args, "--report", str(tmp_path / "r.json")]) == 0
     text = " ".join(capsys.readouterr().out.split())
     speed = json.loads((tmp_path / "r.json").read_text())["speed"]
     assert (out_dir / "b.onnx").read_bytes() == plain.output.read_bytes(), speed
-    assert len(bursts) == 2 and speed["models_timed"] == 3, speed
+    # the third disagrees, or (a real timing on a loaded machine calling it slower too) a later
+    # one: CI's other pytest worker once made the third 1.07x as well, the fourth 0.85x
+    timings = [speed["as_optimized"], *speed["again"]]
+    assert len(bursts) == 2 and speed["models_timed"] == len(timings) >= 3, speed
     assert not speed["checked"] and speed["undone"] == [] and speed["published"] is None
-    assert speed["as_optimized"]["slower"] and speed["again"][0]["slower"]
-    assert not speed["again"][1]["slower"] and speed["again"][1]["ratio"]["runs"] >= MIN_RUNS
+    assert all(t["slower"] for t in timings[:-1]) and not timings[-1]["slower"], speed
+    assert timings[-1]["ratio"]["runs"] >= MIN_RUNS
     assert speed["unchecked"].startswith("the timings disagree")
     assert "speed unchecked: the timings disagree" in text
     assert "published as the stages made it" in text
