@@ -1,8 +1,12 @@
 # Set-up and main jobs. `make demo` and `make test` work on a fresh machine with only python3.
-# The development and CI venv's torch is pinned to 2.13.0: that takes the CPU wheel; an unpinned
-# torch pulls GBs of CUDA. Users' torch is theirs: pyproject.toml declares the measured range
-# (docs/compat.md); `make compat TORCH=2.15.0` measures another version in a venv of its own.
+# The development and CI venv's torch is pinned to 2.13.0. Where pip finds a CPU build of it (the
+# project's CI machines carry one beside their package mirror) that is what it takes; from PyPI on
+# Linux x86-64 the wheel brings NVIDIA's CUDA libraries (GBs): TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes PyTorch's CPU build from its own index instead. Users' torch is theirs: pyproject.toml
+# declares the measured range (docs/compat.md); `make compat TORCH=2.15.0` measures another
+# version in a venv of its own.
 TORCH ?= 2.13.0
+TORCH_INDEX ?=
 # ONNX Runtime's package, as normexport's extra: gpu (onnxruntime-gpu, whose CPU provider runs
 # where there is no GPU) or cpu (onnxruntime).
 RUNTIME ?= gpu
@@ -28,7 +32,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 		": run make PYTHON=python3.11 (or newer)")'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==$(TORCH)
+	$(PIP) install -q torch==$(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q -e '.[models,dev,$(RUNTIME)]'
 	@# the repository's own folders (the zoo, models/) on the venv's path: the wheel has none
 	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "normexport-repository.pth").write_text("$(CURDIR)\n")'

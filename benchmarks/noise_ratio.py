@@ -5,8 +5,8 @@ Runs the pipeline in float32 (ONNX Runtime's CPU provider, no latency run) on
 
 - every float32 gallery entry (:data:`models.norms.GALLERY`), with each exporter it has;
 - every demo model, saved and run as ``make demo`` runs it (:func:`models.demo.demo_options`);
-- every ONNX file of ONNX Runtime's fusion tests in ``../shared/peer/ort/`` (files ONNX Runtime
-  cannot run as given are refused by normexport, exit 2, and counted as such);
+- every ONNX file of ONNX Runtime's fusion tests, as committed in ``tests/data/ort/`` (files ONNX
+  Runtime cannot run as given are refused by normexport, exit 2, and counted as such);
 - the Optimum LLaMA decoder with its KV cache in ``../shared/field/optimum-llama-with-past/``,
   with the shapes of a prefill.
 
@@ -39,7 +39,10 @@ from normexport.errors import UsageError, one_line
 from normexport.io.files import save_figure
 from normexport.verdict.parity import NOISE_WARN_FACTOR
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
+#: ONNX Runtime's fusion test files, committed (tests/data/ort/README.md).
+PEER = ROOT / "tests" / "data" / "ort"
+SHARED = ROOT.parent / "shared"
 #: The field decoder's inputs for a prefill of 8 tokens, batch 2, no past.
 FIELD_SHAPES = [
     "input_ids=2x8:int64",
@@ -85,12 +88,14 @@ def _quiet(run) -> dict:
 
 
 def peer_cases(only, scratch: Path) -> dict[str, dict]:
-    """Every ONNX file of ``../shared/peer/ort/`` (and its variants), and the field decoder."""
-    files = sorted((SHARED / "peer" / "ort").rglob("*.onnx"))
+    """Every ONNX file of ``tests/data/ort/`` (and its variants), named ``peer/ort/...`` as
+    the results have them, and the field decoder (``field/...``)."""
+    files = sorted(PEER.rglob("*.onnx"))
     field = SHARED / "field" / "optimum-llama-with-past" / "model.onnx"
     out = {}
     for path in [*files, field]:
-        name = str(path.relative_to(SHARED))
+        named = path.relative_to(SHARED) if path == field else "peer/ort" / path.relative_to(PEER)
+        name = str(named)
         if (only and path.name not in only) or not path.exists():
             continue
         shapes = FIELD_SHAPES if path == field else []
