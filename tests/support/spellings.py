@@ -117,6 +117,15 @@ def jax2tf_layernorm(rng: np.random.Generator, **form) -> ir.Model:
     return exporters.as_model(g, exporters.jax2tf_layernorm(g, rng, **form))
 
 
+def jax2tf_rows_layernorm(rng: np.random.Generator, **form) -> ir.Model:
+    """Flax's LayerNorm through jax2tf and tf2onnx over a batch of unknown size, each statistic
+    put back by a Reshape to a target computed at run time
+    (:func:`exporter_norms.jax2tf_rows_layernorm`, ``form`` its keywords)."""
+    g = Graph()
+    leading = form.get("leading", 1)
+    return exporters.rows_model(g, exporters.jax2tf_rows_layernorm(g, rng, **form), leading)
+
+
 def rmsnorm(
     rng: np.random.Generator,
     *,
