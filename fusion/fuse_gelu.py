@@ -117,6 +117,32 @@ def _check(checks: list[Check]) -> None:
             )
 
 
+def _check_ranks(checks: list[Check], x: ir.Value) -> None:
+    """Raise unless every constant broadcasts within ``x``'s shape: one of more axes than ``x``
+    (tf2onnx writes the 1 as ``[1, 1, 1]``) gives the subgraph's output more axes than the fused
+    op's, which has ``x``'s shape.
+
+    Raises:
+        CannotFuse: ``gelu_constant`` (a constant of more axes than ``x``), ``unknown_shape``
+            (a constant of one axis or more, and the rank of ``x`` not known).
+    """
+    rank = len(x.shape) if x.shape is not None else None
+    for value, _, what in checks:
+        ndim = const_array(value).ndim
+        if rank is None and ndim > 0:
+            raise CannotFuse(
+                Code.UNKNOWN_SHAPE,
+                f"{what} has {ndim} axes and the rank of x is not known: cannot tell that the "
+                "output keeps x's shape",
+            )
+        if rank is not None and ndim > rank:
+            raise CannotFuse(
+                GeluCode.GELU_CONSTANT,
+                f"{what} has {ndim} axes, x {rank}: the subgraph's output has more axes than x, "
+                "the fused op's does not",
+            )
+
+
 def _reader(value: ir.Value, op_type: str) -> ir.Node | None:
     """The one standard ``op_type`` node that reads ``value`` (other readers may exist: the
     match then stops at :func:`fusion._ir.escaping_value`), or None."""
@@ -248,7 +274,7 @@ class FuseGelu(NodeFusionPass):
         its bias) whose input adds a 1-D bias: None where there is neither.
 
         Raises:
-            CannotFuse: ``gelu_constant``, ``shared_output``.
+            CannotFuse: ``gelu_constant``, ``shared_output``, ``unknown_shape``.
         """
         if self.target == "ort" and Op(node.op_type, node.domain) in _ONE_INPUT:
             return self._biased_op(node)
@@ -264,7 +290,9 @@ class FuseGelu(NodeFusionPass):
         tail = _halved_product(t.outputs[0], x, checks)
         if tail is None:
             return None
-        _check([*checks, (one[1], 1.0, f"the constant added to the {node.op_type}")])
+        checks.append((one[1], 1.0, f"the constant added to the {node.op_type}"))
+        _check(checks)
+        _check_ranks(checks, x)
         nodes = [*before, node, t, *tail[0]]
         leak = escaping_value(nodes, tail[1])
         if leak is not None:

@@ -162,3 +162,18 @@ def test_a_product_with_another_factor_is_no_gelu(spelling):
     fusion_pass = FuseGelu("ort")
     assert not fusion_pass(model).modified and not fusion_pass.outcomes.refused
     assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_a_constant_of_more_axes_than_x_is_refused(rng):
+    """The 1 written as ``[1, 1, 1]`` to a 2-D ``x``: the subgraph's output has three axes, the
+    fused op's would have two (``gelu_constant``); to a 3-D ``x`` it is the formula's 1."""
+    for shape, fused in (((2, H), False), ((1, 2, H), True)):
+        g = Graph(opset=20)
+        f = tanh_part(g, "x")
+        t = g.node("Add", [g.const("one", np.ones((1, 1, 1), np.float32)), f], "t")
+        y = g.node("Mul", ["x", g.node("Mul", [g.const("half", np.float32(0.5)), t], "ht")], "y")
+        model = g.model({"x": (FLOAT, shape)}, {y: (FLOAT, (1, 2, H))})
+        if fused:
+            fuse_and_compare(model, FuseGelu("ort"), rng)
+        else:
+            assert_refused(model, FuseGelu("ort"), Code.GELU_CONSTANT)
