@@ -91,20 +91,20 @@ def _known(entry: Entry) -> bool:
 
 
 def _reshaped(node: ir.Node, shape: tuple, target: list[Entry], keep: tuple, lead: int) -> tuple:
-    """The shape ``Reshape(statistic of shape, target)`` has: ``target`` where every entry is
-    known; ``keep`` where there is one leading axis and ``target`` is one entry, whatever it
-    is, then ``k`` constant ones (the Reshape keeps the element count, the size of that axis,
-    so it succeeds only with that entry the size: docs/fusions/fuse_layernorm.md).
+    """The shape ``Reshape(statistic of shape, target)`` has: ``keep`` where there is one
+    leading axis and ``target`` is one entry, whatever it is, then ``k`` constant ones (the
+    Reshape keeps the element count, the size of that axis, so it succeeds only with that
+    entry the size: docs/fusions/fuse_layernorm.md); else ``target`` where every entry is known.
 
     Raises:
         CannotFuse: ``variance_reshaped``: the shape cannot be told.
     """
-    if all(_known(e) for e in target):
-        return tuple(target)
     k = len(keep) - lead
     rows = shape in (keep, keep[:lead])  # as many elements as the leading axis is long
     if lead == 1 and rows and len(target) == 1 + k and all(e == 1 for e in target[1:]):
         return keep
+    if all(_known(e) for e in target):
+        return tuple(target)
     raise CannotFuse(
         Code.VARIANCE_RESHAPED,
         f"the statistic goes through Reshape '{node.name}' to a target whose entries are not "

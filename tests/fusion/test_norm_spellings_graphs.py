@@ -203,14 +203,20 @@ def _at_two_batches(model, fusion_pass, rng) -> None:
 
 @pytest.mark.parametrize(
     "form",
-    [{}, {"source": "x"}, {"source": "x", "expand": True}, {"source": "x", "leading": 2}],
-    ids=["input_shape", "x_shape", "x_shape_expand", "x_shape_two_leading_axes"],
+    [
+        {},
+        {"source": "x"},
+        {"source": "x", "expand": True},
+        {"source": "x", "leading": 2},
+        {"source": "constant"},
+    ],
+    ids=["input_shape", "x_shape", "x_shape_expand", "x_shape_two_leading_axes", "minus_one"],
 )
 def test_statistics_put_back_by_a_run_time_reshape_are_fused(rng, form):
     """jax2tf's ``keepdims=0`` sums over a batch of unknown size, each put back by a Reshape to
     ``Concat(Slice(Shape(.), 0, 1), [1])``: the keepdims shape, from the element count where
-    the batch comes from the model's input (one leading axis), from ``Shape(x)`` itself
-    otherwise."""
+    the batch comes from the model's input or is ``-1`` (one leading axis), from ``Shape(x)``
+    itself otherwise."""
     g = Graph()
     model = rows_model(g, jax2tf_rows_layernorm(g, rng, **form), form.get("leading", 1))
     fusion_pass = FuseLayerNorm("onnx")

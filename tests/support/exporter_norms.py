@@ -174,10 +174,14 @@ def jax2tf_rows_layernorm(
     input, of ``leading`` axes before ``H``) through jax2tf and tf2onnx for a batch of unknown
     size: ``m = ReduceSum(x, keepdims=0) * (1/N)``, likewise ``E[x^2]``, ``var = Reshape(Max(0,
     E[x^2] - m * m), T)``, ``(x - Reshape(m, T)) * (Reciprocal(Sqrt(var + eps)) * scale) +
-    bias``; ``T`` :func:`runtime_target` of ``source`` (``"input"``, or ``"x"``), each Reshape
+    bias``; ``T`` :func:`runtime_target` of ``source`` (``"input"``, or ``"x"``; ``"constant"``:
+    ``[-1, ..., 1]``), each Reshape
     followed by ``Expand(., T)`` with ``expand``."""
     x = g.node("Add", ["inp", g.const("shift", np.float32(0.25))], "x")
-    t = runtime_target(g, "inp" if source == "input" else x, leading, flipped)
+    if source == "constant":  # a constant target, -1 for the batch
+        t = g.const("t", np.array([-1, *(3,) * (leading - 1), 1], np.int64))
+    else:
+        t = runtime_target(g, "inp" if source == "input" else x, leading, flipped)
     inv = g.const("inv_n", np.float32(1 / H))
 
     def mean(value: str, out: str) -> str:
