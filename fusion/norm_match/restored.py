@@ -69,6 +69,9 @@ def shape_entries(value: ir.Value | None, x: ir.Value) -> list[Entry] | None:
         pass
     elif node.op_type == "Cast" and node.attributes.get_int("to") in _INTEGERS:
         found = shape_entries(node.inputs[0], x)
+        narrow = node.attributes.get_int("to") == ir.DataType.INT32
+        if found and narrow and any(isinstance(e, int) and abs(e) >= 2**31 for e in found):
+            found = None  # a size that does not fit wraps around
     elif node.op_type == "Shape":
         start = node.attributes.get_int("start", 0)
         found = _dims_of(node.inputs[0], x, start, node.attributes.get_int("end", None))

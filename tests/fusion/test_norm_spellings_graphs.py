@@ -16,6 +16,7 @@ import fusion
 from fusion import Code
 from fusion.fuse_layernorm import FuseLayerNorm
 from fusion.fuse_rmsnorm import FuseRMSNorm
+from fusion.norm_match.restored import shape_entries
 from tests.support.exporter_norms import (
     affine,
     as_model,
@@ -271,3 +272,20 @@ def test_moments_the_keepdims_shape_cannot_hold_are_refused(rng, form):
     y = g.node("Mul", [g.node("Sub", ["x", m], "c"), inverse_root(g, var)], "xg")
     code = Code.VARIANCE_RESHAPED if form == "squares_reshaped" else Code.KEEPDIMS_ZERO
     assert_refused(as_model(g, y), FuseLayerNorm("onnx"), code)
+
+
+def test_a_target_is_read_entry_by_entry():
+    """:func:`fusion.norm_match.restored.shape_entries`: ``x``'s own sizes as axes, another
+    tensor's symbolic size unknown, a constant as itself, and one that an int32 Cast wraps
+    around unknown."""
+    g = Graph()
+    x = g.node("Add", ["inp", g.const("shift", np.float32(0.25))], "x")
+    zero, one = g.const("zero", np.array([0], np.int64)), g.const("one", np.array([1], np.int64))
+    own = g.node("Slice", [g.node("Shape", [x], "sx"), zero, one], "own")
+    other = g.node("Slice", [g.node("Shape", ["inp"], "si"), zero, one], "other")
+    big = g.node("Cast", [g.const("big", np.array([2**32 + 1], np.int64))], "big32", to=6)
+    big = g.node("Cast", [big], "big64", to=7)
+    t = g.node("Concat", [own, other, one, big], "t", axis=0)
+    model = g.model({"inp": (FLOAT, ("batch", H))}, {t: (TensorProto.INT64, (4,))})
+    values = {v.name: v for n in model.graph for v in n.outputs}
+    assert shape_entries(values["t"], values["x"]) == [("x", 0), None, 1, None]
