@@ -117,6 +117,32 @@ def _check(checks: list[Check]) -> None:
             )
 
 
+def _check_ranks(checks: list[Check], x: ir.Value) -> None:
+    """Raise unless every constant broadcasts within ``x``'s shape: one of more axes than ``x``
+    (tf2onnx writes the 1 as ``[1, 1, 1]``) gives the subgraph's output more axes than the fused
+    op's, which has ``x``'s shape.
+
+    Raises:
+        CannotFuse: ``gelu_constant`` (a constant of more axes than ``x``), ``unknown_shape``
+            (a constant of one axis or more, and the rank of ``x`` not known).
+    """
+    rank = len(x.shape) if x.shape is not None else None
+    for value, _, what in checks:
+        ndim = const_array(value).ndim
+        if rank is None and ndim > 0:
+            raise CannotFuse(
+                Code.UNKNOWN_SHAPE,
+                f"{what} has {ndim} axes and the rank of x is not known: cannot tell that the "
+                "output keeps x's shape",
+            )
+        if rank is not None and ndim > rank:
+            raise CannotFuse(
+                GeluCode.GELU_CONSTANT,
+                f"{what} has {ndim} axes, x {rank}: the subgraph's output has more axes than x, "
+                "the fused op's does not",
+            )
+
+
 def _reader(value: ir.Value, op_type: str) -> ir.Node | None:
     """The one standard ``op_type`` node that reads ``value`` (other readers may exist: the
     match then stops at :func:`fusion._ir.escaping_value`), or None."""
@@ -135,33 +161,54 @@ def _erf_argument(value: ir.Value, checks: list[Check]) -> tuple[ir.Value, list[
     return None
 
 
-def _cube_of(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
-    """``(x, nodes)`` for ``Pow(x, 3)`` or ``x * x * x`` (either association)."""
-    node = value.producer()
-    if (found := _split(node, "Pow")) is not None and _scalar(found[1]) == 3.0:
-        return found[0], [node]
-    if node is None or node.op_type != "Mul" or node.domain != "" or len(node.inputs) != 2:
+def _power_of(value: ir.Value, x: ir.Value) -> int | None:
+    """``n`` where ``value`` is ``Pow(x, n)`` with ``n`` 2 or 3, else None."""
+    found = _split(value.producer(), "Pow")
+    n = _scalar(found[1]) if found is not None and found[0] is x else None
+    return int(n) if n in (2.0, 3.0) else None
+
+
+def _cubic_term(term: ir.Value, x: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """``(c, nodes)`` where ``term`` is the product of three ``x`` and one one-element constant
+    ``c``, in any association and operand order: ``Mul(c, Pow(x, 3))``, ``Mul(c, Mul(Mul(x,
+    x), x))`` (PyTorch), ``Mul(x, Mul(x, Mul(c, x)))`` (jax2tf), the square as ``Pow(x, 2)``
+    too; ``nodes`` the Muls and Pows. None where a factor is anything else, or the count of
+    ``x`` is not three (docs/fusions/fuse_gelu.md)."""
+    constants: list[ir.Value] = []
+    nodes: list[ir.Node] = []
+    count, pending = 0, [term]
+    while pending and len(nodes) <= 3:
+        value = pending.pop()
+        if value is x:
+            count += 1
+        elif (n := _power_of(value, x)) is not None:
+            count += n
+            nodes.append(value.producer())
+        elif _scalar(value) is not None:
+            constants.append(value)
+        elif (mul := producer(value, "Mul")) is not None and len(mul.inputs) == 2:
+            pending.extend(mul.inputs)
+            nodes.append(mul)
+        else:
+            return None
+    if pending or count != 3 or len(constants) != 1:
         return None
-    for square, x in (node.inputs, node.inputs[::-1]):
-        inner = producer(square, "Mul")
-        if inner is not None and list(inner.inputs) == [x, x]:
-            return x, [inner, node]
-    return None
+    return constants[0], nodes[::-1]
 
 
 def _tanh_argument(value: ir.Value, checks: list[Check]) -> tuple[ir.Value, list[ir.Node]] | None:
-    """``(x, nodes)`` for ``sqrt(2/pi) * (x + 0.044715 * x^3)``."""
+    """``(x, nodes)`` for ``sqrt(2/pi) * (x + 0.044715 * x^3)``, the cubic term as
+    :func:`_cubic_term` reads it."""
     outer = _split(value.producer(), "Mul")
     add = producer(outer[0], "Add") if outer is not None else None
     if add is None:
         return None
     for x, term in (add.inputs, add.inputs[::-1]):
-        cubic = _split(term.producer() if term is not None else None, "Mul")
-        cube = _cube_of(cubic[0]) if cubic is not None else None
-        if cube is not None and cube[0] is x:
+        cubic = _cubic_term(term, x) if x is not None and term is not None else None
+        if cubic is not None:
             checks.append((outer[1], SQRT_2_OVER_PI, "the factor of the tanh's argument"))
-            checks.append((cubic[1], CUBIC, "the cubic term's coefficient"))
-            return x, [*cube[1], term.producer(), add, value.producer()]
+            checks.append((cubic[0], CUBIC, "the cubic term's coefficient"))
+            return x, [*cubic[1], add, value.producer()]
     return None
 
 
@@ -227,7 +274,7 @@ class FuseGelu(NodeFusionPass):
         its bias) whose input adds a 1-D bias: None where there is neither.
 
         Raises:
-            CannotFuse: ``gelu_constant``, ``shared_output``.
+            CannotFuse: ``gelu_constant``, ``shared_output``, ``unknown_shape``.
         """
         if self.target == "ort" and Op(node.op_type, node.domain) in _ONE_INPUT:
             return self._biased_op(node)
@@ -243,7 +290,9 @@ class FuseGelu(NodeFusionPass):
         tail = _halved_product(t.outputs[0], x, checks)
         if tail is None:
             return None
-        _check([*checks, (one[1], 1.0, f"the constant added to the {node.op_type}")])
+        checks.append((one[1], 1.0, f"the constant added to the {node.op_type}"))
+        _check(checks)
+        _check_ranks(checks, x)
         nodes = [*before, node, t, *tail[0]]
         leak = escaping_value(nodes, tail[1])
         if leak is not None:

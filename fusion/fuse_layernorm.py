@@ -91,7 +91,7 @@ class FuseLayerNorm(NormFusionPass):
         if core is None or (center is None and core.mean is None):
             return None  # not a norm, or an RMSNorm (FuseRMSNorm's business)
         first = None  # a weight applied before the division: w * (x - m) / sqrt(var + eps)
-        if found.weighted is None and centered(found.numerator) is None:
+        if found.weighted is None and centered(found.numerator, restores=True) is None:
             first = weight_first(found.numerator)
         numerator = first[0] if first is not None else found.numerator
         x = center.x if center is not None else core.value
@@ -102,7 +102,7 @@ class FuseLayerNorm(NormFusionPass):
             if shift is None:
                 raise CannotFuse(Code.WRONG_NUMERATOR, WRONG_NUMERATOR)
         elif numerator is not core.value:
-            again = centered(numerator)
+            again = centered(numerator, restores=True)
             if again is None and _a_mean(numerator):
                 return None  # the shift's product of a batch-norm-style norm, matched from x's
             if again is None or again.x is not x:

@@ -19,6 +19,7 @@ import onnx_ir as ir
 from fusion._ir import const_array, producer, scalar_const
 from fusion.base import CannotFuse, Code
 from fusion.norm_match.axes import is_one, normalized_dims, reduced_trailing, summed_count
+from fusion.norm_match.restored import check_restores
 
 FLOAT = ir.DataType.FLOAT
 
@@ -206,18 +207,24 @@ class Centering:
         reduce: the ReduceMean or ReduceSum node.
         factor: ``f``, the product of the constants the reduction is multiplied (or divided) by.
         nodes: the reduction, the scalar Mul / Div nodes, the Sub, and a no-op Cast after it.
+        restores: Reshape / Expand nodes that put back the axes a ``keepdims=0`` mean dropped
+            (between the mean and the Sub, or those the variance from the moments goes
+            through), in graph order; :meth:`require_mean` checks them.
     """
 
     x: ir.Value
     reduce: ir.Node
     factor: float
     nodes: list[ir.Node]
+    restores: list[ir.Node] = dataclasses.field(default_factory=list)
 
     @property
     def mean(self) -> ir.Value:
         """The mean's value: the output of the last scalar step after the reduction (of the
         reduction itself where there is none)."""
-        steps = [n for n in self.nodes if n.op_type not in ("Sub", "Cast")]
+        steps = [
+            n for n in self.nodes if n.op_type not in ("Sub", "Cast") and n not in self.restores
+        ]
         return steps[-1].outputs[0]
 
     def require_mean(self, k: int, rank: int | None, dims: tuple[int | None, ...]) -> None:
@@ -226,13 +233,15 @@ class Centering:
 
         Raises:
             CannotFuse: ``different_axes``, ``wrong_mean_divisor``, or a code of
-                :func:`~fusion.norm_match.axes.reduced_trailing` and
+                :func:`~fusion.norm_match.axes.reduced_trailing`,
+                :func:`~fusion.norm_match.restored.check_restores` and
                 :func:`~fusion.norm_match.axes.summed_count`.
         """
-        if reduced_trailing(self.reduce, rank) != k:
+        if reduced_trailing(self.reduce, rank, restored=bool(self.restores)) != k:
             raise CannotFuse(
                 Code.DIFFERENT_AXES, "the mean and the variance reduce over different axes"
             )
+        check_restores(self.restores, self.reduce, self.x, k)
         count = summed_count(self.reduce, dims)
         if not is_one(self.factor * count):
             divisor = f"{1 / self.factor:.7g}" if self.factor else "0"
@@ -261,10 +270,21 @@ def scaled_reduction(value: ir.Value) -> tuple[ir.Node, float, list[ir.Node]] | 
     return node, factor, steps
 
 
-def centered(value: ir.Value) -> Centering | None:
+def restored(value: ir.Value | None) -> tuple[ir.Value | None, list[ir.Node]]:
+    """``(v, nodes)``: ``value`` followed up through Reshape / Expand nodes (their data input)
+    to ``v``, ``nodes`` those nodes in graph order (none where ``value`` is no such output)."""
+    nodes: list[ir.Node] = []
+    while (node := producer(value, "Reshape") or producer(value, "Expand")) is not None:
+        nodes.insert(0, node)
+        value = node.inputs[0]
+    return value, nodes
+
+
+def centered(value: ir.Value, *, restores: bool = False) -> Centering | None:
     """The centering when ``value = Sub(x, f * Reduce(x))`` (see :class:`Centering`), maybe
     followed by a Cast to the type of ``x`` (a no-op, kept by old files whose intermediate
-    types are not recorded); None otherwise."""
+    types are not recorded); with ``restores``, the mean may go through Reshape / Expand nodes
+    before the Sub (:attr:`Centering.restores`, for the caller to check). None otherwise."""
     cast = producer(value, "Cast")
     if cast is not None:
         value = cast.inputs[0]
@@ -272,49 +292,15 @@ def centered(value: ir.Value) -> Centering | None:
     if sub is None:
         return None
     x, mean = sub.inputs
+    mean, chain = restored(mean) if restores else (mean, [])
     found = scaled_reduction(mean)
     if found is None or found[0].inputs[0] is not x:
         return None
     if cast is not None and (x.dtype is None or cast.attributes.get_int("to") != x.dtype):
         return None
     node, factor, steps = found
-    return Centering(x, node, factor, [node, *steps, sub, *([cast] if cast is not None else [])])
-
-
-def _check_restored(core: MeanSquare, x: ir.Value, k: int) -> None:
-    """The Reshape / Expand nodes after the mean must leave it in its keepdims shape.
-
-    Raises:
-        CannotFuse: ``unknown_shape`` (the shape of ``x`` is not static) or
-            ``variance_reshaped`` (a target shape is not a constant of explicit dimensions, or
-            the result is not ``x``'s shape with the ``k`` normalized axes set to 1).
-    """
-    if not core.restores:
-        return
-    dims = tuple(x.shape.dims) if x.shape is not None else ()
-    if not dims or not all(isinstance(d, int) for d in dims):
-        raise CannotFuse(
-            Code.UNKNOWN_SHAPE,
-            "the variance is reshaped, and the input's shape is not static: cannot check that "
-            "the reshape only restores the reduced axes",
-        )
-    keep = dims[: len(dims) - k] + (1,) * k
-    shape = keep if core.reduce.attributes.get_int("keepdims", 1) else keep[: len(dims) - k]
-    for node in core.restores:
-        target = const_array(node.inputs[1]) if len(node.inputs) > 1 else None
-        target = tuple(int(t) for t in target.reshape(-1)) if target is not None else None
-        if target is None or (node.op_type == "Reshape" and min(target, default=1) < 1):
-            raise CannotFuse(
-                Code.VARIANCE_RESHAPED,
-                f"the variance goes through {node.op_type} '{node.name}' to a shape that is not "
-                "a constant of explicit dimensions",
-            )
-        shape = target if node.op_type == "Reshape" else np.broadcast_shapes(shape, target)
-    if tuple(shape) != keep:
-        raise CannotFuse(
-            Code.VARIANCE_RESHAPED,
-            f"the variance is reshaped to {list(shape)}, not to its keepdims shape {list(keep)}",
-        )
+    nodes = [node, *steps, *chain, sub, *([cast] if cast is not None else [])]
+    return Centering(x, node, factor, nodes, chain)
 
 
 def _absent_eps(core: MeanSquare, x: ir.Value) -> np.ndarray:
@@ -343,7 +329,8 @@ def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
     Raises:
         CannotFuse: ``not_constant`` / ``eps_not_scalar`` (eps is not a one-element
             constant), the codes of :func:`~fusion.norm_match.axes.reduced_trailing`,
-            :func:`_check_restored` and :func:`~fusion.norm_match.axes.summed_count`,
+            :func:`~fusion.norm_match.restored.check_restores` and
+            :func:`~fusion.norm_match.axes.summed_count`,
             ``factor_not_positive``, ``unsupported_dtype`` (the norm computes in a type
             other than float32, float16 or bfloat16: :data:`NORM_TYPES`).
     """
@@ -356,7 +343,7 @@ def check_core(core: MeanSquare, x: ir.Value, rank: int | None) -> int:
             Code.EPS_NOT_SCALAR, "eps is not a one-element constant: it cannot become an attribute"
         )
     k = reduced_trailing(core.reduce, rank, restored=bool(core.restores))
-    _check_restored(core, x, k)
+    check_restores(core.restores, core.reduce, x, k)
     core.factor *= summed_count(core.reduce, normalized_dims(k, x, core.value))
     if is_one(core.factor):
         core.factor = 1.0

@@ -1,7 +1,8 @@
 """The variance written from the moments, ``Max(E[x^2] - E[x]^2, 0)``, as Flax's ``nnx.LayerNorm``
 computes it and jax2onnx writes it, and as jax2tf then tf2onnx write it (each mean a
-``ReduceSum`` divided by the count, the clamp ``Max(0, .)``). Why it is the variance, and why
-the clamp at 0 goes: docs/fusions/fuse_layernorm.md.
+``ReduceSum`` divided by the count, the clamp ``Max(0, .)``; over a batch of unknown size the
+sums with ``keepdims=0``, put back by a Reshape checked by :mod:`fusion.norm_match.restored`).
+Why it is the variance, and why the clamp at 0 goes: docs/fusions/fuse_layernorm.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fusion.base import CannotFuse, Code
 from fusion.norm_match.core import (
     Centering,
     MeanSquare,
+    restored,
     scaled_mean_square,
     scaled_reduction,
     square_of,
@@ -76,32 +78,71 @@ def match_moments(den: ir.Value) -> MeanSquare | None:
 
 
 def moments_radicand(value: ir.Value) -> MeanSquare | None:
-    """:func:`match_moments` without the root: ``Add(Max(E[x^2] - E[x]^2, 0), eps)``."""
+    """:func:`match_moments` without the root: ``Add(Max(E[x^2] - E[x]^2, 0), eps)``, the
+    clamped difference maybe put back to its keepdims shape by Reshape / Expand nodes before
+    or after the clamp (:attr:`~fusion.norm_match.core.MeanSquare.restores`; jax2tf's
+    ``keepdims=0`` sums: docs/fusions/fuse_layernorm.md).
+
+    Raises:
+        CannotFuse: ``clamp_not_zero`` (:func:`match_moments`), ``variance_reshaped``
+            (``E[x^2]`` alone goes through a Reshape / Expand before the difference),
+            ``keepdims_zero`` (one moment keeps the reduced axes and the other drops them:
+            their difference broadcasts to a table of rows against rows).
+    """
     add = producer(value, "Add")
     if add is None:
         return None
     for var, eps in (add.inputs, add.inputs[::-1]):
+        var, after = restored(var)
         inner, clamp, bound = _clamped(var)
+        inner, before = restored(inner)
         sub = producer(inner, "Sub")
         if sub is None:
             continue
         squares = scaled_mean_square(sub.inputs[0])
         mean_sq = square_of(sub.inputs[1])
-        if squares is None or mean_sq is None or squares.restores:
+        if squares is None or mean_sq is None:
             continue
         mean = scaled_reduction(mean_sq[0])
         if mean is None or mean[0].inputs[0] is not squares.value:
             continue
-        if bound is not None and bound != 0.0:
-            raise CannotFuse(
-                Code.CLAMP_NOT_ZERO,
-                f"E[x^2] - E[x]^2 is clamped at {bound:g} by {clamp[0].op_type} "
-                f"'{clamp[0].name}': only a clamp at 0 is implied by the variance",
-            )
+        _check_moments(squares, mean[0], clamp, bound)
         reduce, factor, steps = mean
-        nodes = [*squares.nodes, reduce, *steps, mean_sq[1], sub, *clamp, add]
-        found = MeanSquare(squares.value, squares.reduce, None, squares.factor, [], nodes)
-        found.mean = Centering(squares.value, reduce, factor, [reduce, *steps])
+        restores = [*before, *after]
+        nodes = [*squares.nodes, reduce, *steps, mean_sq[1], sub, *before, *clamp, *after, add]
+        found = MeanSquare(squares.value, squares.reduce, None, squares.factor, restores, nodes)
+        found.mean = Centering(squares.value, reduce, factor, [reduce, *steps], restores)
         found.take_eps(eps)
         return found
     return None
+
+
+def _check_moments(squares: MeanSquare, mean: ir.Node, clamp: list[ir.Node], bound) -> None:
+    """Refuse the moments ``E[x^2]`` (``squares``) and ``E[x]`` (its reduction ``mean``),
+    clamped by ``clamp`` at ``bound``, where they are no variance of the keepdims shape.
+
+    Raises:
+        CannotFuse: the codes of :func:`moments_radicand`.
+    """
+    if bound is not None and bound != 0.0:
+        raise CannotFuse(
+            Code.CLAMP_NOT_ZERO,
+            f"E[x^2] - E[x]^2 is clamped at {bound:g} by {clamp[0].op_type} "
+            f"'{clamp[0].name}': only a clamp at 0 is implied by the variance",
+        )
+    if squares.restores:
+        raise CannotFuse(
+            Code.VARIANCE_RESHAPED,
+            f"E[x^2] goes through {squares.restores[0].op_type} '{squares.restores[0].name}' "
+            "before E[x]^2 is subtracted: only the difference of the moments may be reshaped",
+        )
+    keepdims = (
+        squares.reduce.attributes.get_int("keepdims", 1),
+        mean.attributes.get_int("keepdims", 1),
+    )
+    if keepdims[0] != keepdims[1]:
+        raise CannotFuse(
+            Code.KEEPDIMS_ZERO,
+            f"E[x^2] ('{squares.reduce.name}') and E[x] ('{mean.name}') differ in keepdims: "
+            "their difference broadcasts rows against rows",
+        )

@@ -5,11 +5,13 @@ before it taken in for ONNX Runtime; look-alikes with other constants refused by
 from __future__ import annotations
 
 import numpy as np
+import onnx_ir as ir
 import pytest
 from onnx import TensorProto
 
 from fusion import Code
 from fusion.fuse_gelu import FuseGelu
+from tests.support.graphs import assert_close, run
 from tests.support.norm_graphs import SHAPE, Graph, assert_refused, fuse_and_compare
 from tests.support.spellings import erf_part, gelu_product, tanh_part
 
@@ -25,12 +27,12 @@ ASSOCIATIONS = ["x_times_half_t", "half_x_times_t", "x_t_times_half", "x_t_over_
 
 
 @pytest.mark.parametrize("association", ASSOCIATIONS)
-@pytest.mark.parametrize("form", ["erf_div", "erf_mul", "tanh_pow", "tanh_mul"])
+@pytest.mark.parametrize("form", ["erf_div", "erf_mul", "tanh_pow", "tanh_mul", "tanh_jax"])
 @pytest.mark.parametrize("target", ["ort", "onnx"])
 def test_every_spelling_is_one_op(rng, association, form, target):
     g = Graph(opset=20)
     kind, how = form.split("_")
-    f = erf_part(g, "x", how == "div") if kind == "erf" else tanh_part(g, "x", how == "pow")
+    f = erf_part(g, "x", how == "div") if kind == "erf" else tanh_part(g, "x", how)
     model = _model(g, gelu_product(g, "x", f, association))
     report = fuse_and_compare(model, FuseGelu(target), rng)
     assert report.counts["gelu_fused"] == 1 and not report.refused
@@ -98,3 +100,80 @@ def test_below_opset_20_the_portable_target_refuses():
     g = Graph(opset=18)
     model = _model(g, gelu_product(g, "x", erf_part(g, "x"), "half_x_times_t"))
     assert_refused(model, FuseGelu("onnx"), Code.OPSET_TOO_LOW)
+
+
+def _cubic(g: Graph, x: str, spelling: str, c: float = 0.044715) -> str:
+    """The cubic term ``c * x^3`` as a product tree of three ``x`` and ``c``: ``spelling``
+    names the association (a refused one has four ``x`` or a second constant)."""
+    k = g.const("cubic", np.float32(c))
+    count = iter(range(10))
+
+    def mul(a: str, b: str) -> str:
+        return g.node("Mul", [a, b], f"cube_{next(count)}")
+
+    if spelling == "jax":
+        return mul(x, mul(x, mul(k, x)))
+    if spelling == "pairs":
+        return mul(mul(x, x), mul(x, k))
+    if spelling == "square_pow":
+        return mul(mul(k, x), g.node("Pow", [x, g.const("two", np.float32(2))], "square"))
+    if spelling == "four_x":
+        return mul(x, mul(x, mul(x, mul(k, x))))
+    return mul(mul(x, g.const("two", np.float32(2))), mul(mul(x, x), k))  # two constants
+
+
+def _tanh_gelu(g: Graph, spelling: str, c: float = 0.044715) -> str:
+    """jax's tanh GELU of ``x`` as jax2tf then tf2onnx write it, the cubic term :func:`_cubic`."""
+    inner = g.node("Add", ["x", _cubic(g, "x", spelling, c)], "inner")
+    arg = g.node("Mul", [g.const("c", np.float32(np.sqrt(2 / np.pi))), inner], "arg")
+    return gelu_product(g, "x", g.node("Tanh", [arg], "f"), "x_times_half_t")
+
+
+@pytest.mark.parametrize("spelling", ["jax", "pairs", "square_pow"])
+@pytest.mark.parametrize("target", ["ort", "onnx"])
+def test_the_cubic_term_in_any_association_over_a_symbolic_batch(rng, spelling, target):
+    """``0.044715 * x^3`` as any product tree of three ``x`` and the constant (jax2tf:
+    ``Mul(x, Mul(x, Mul(c, x)))``), over a batch of unknown size: fused, and the same on ONNX
+    Runtime at two batch sizes."""
+    g = Graph(opset=20)
+    shape = ("batch", 5, H)
+    model = g.model({"x": (FLOAT, shape)}, {_tanh_gelu(g, spelling): (FLOAT, shape)})
+    feeds = [{"x": (2 * rng.standard_normal((b, 5, H))).astype(np.float32)} for b in (1, 7)]
+    before = [run(model, f) for f in feeds]
+    fusion_pass = FuseGelu(target)
+    assert fusion_pass(model).modified and fusion_pass.outcomes.counts["gelu_fused"] == 1
+    assert [n.op_type for n in model.graph] == ["FastGelu" if target == "ort" else "Gelu"]
+    for f, want in zip(feeds, before, strict=True):
+        assert_close(run(model, f), want, rtol=1e-5)
+
+
+def test_the_coefficient_in_the_jax_association_is_checked():
+    g = Graph(opset=20)
+    model = _model(g, _tanh_gelu(g, "jax", c=0.0447))
+    assert_refused(model, FuseGelu("ort"), Code.GELU_CONSTANT)
+
+
+@pytest.mark.parametrize("spelling", ["four_x", "two_constants"])
+def test_a_product_with_another_factor_is_no_gelu(spelling):
+    """``c * x^4`` or ``2 * c * x^3``: not the cubic term, no candidate (left as it was)."""
+    g = Graph(opset=20)
+    model = _model(g, _tanh_gelu(g, spelling))
+    before = ir.to_proto(model).SerializeToString()
+    fusion_pass = FuseGelu("ort")
+    assert not fusion_pass(model).modified and not fusion_pass.outcomes.refused
+    assert ir.to_proto(model).SerializeToString() == before
+
+
+def test_a_constant_of_more_axes_than_x_is_refused(rng):
+    """The 1 written as ``[1, 1, 1]`` to a 2-D ``x``: the subgraph's output has three axes, the
+    fused op's would have two (``gelu_constant``); to a 3-D ``x`` it is the formula's 1."""
+    for shape, fused in (((2, H), False), ((1, 2, H), True)):
+        g = Graph(opset=20)
+        f = tanh_part(g, "x")
+        t = g.node("Add", [g.const("one", np.ones((1, 1, 1), np.float32)), f], "t")
+        y = g.node("Mul", ["x", g.node("Mul", [g.const("half", np.float32(0.5)), t], "ht")], "y")
+        model = g.model({"x": (FLOAT, shape)}, {y: (FLOAT, (1, 2, H))})
+        if fused:
+            fuse_and_compare(model, FuseGelu("ort"), rng)
+        else:
+            assert_refused(model, FuseGelu("ort"), Code.GELU_CONSTANT)

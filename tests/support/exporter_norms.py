@@ -3,7 +3,8 @@ node (no TensorFlow, no JAX), for the norm passes' tests and the spellings their
 (:mod:`tests.support.spellings`): tf2onnx's TensorFlow moments (the mean as
 ``GlobalAveragePool``, ``Sqrt`` + ``Reciprocal``, the weight folded into the inverse and the mean
 subtracted after it, batch-norm style), jax2onnx's Flax variance ``max(0, E[x^2] - E[x]^2)``,
-jax2tf's means as sums over the count, and ``Pow(., -0.5)``. Each function but
+jax2tf's means as sums over the count (over a batch of unknown size with ``keepdims=0``,
+put back by a Reshape to a target computed at run time), and ``Pow(., -0.5)``. Each function but
 :func:`as_model` adds its nodes to a :class:`~tests.support.norm_graphs.Graph` and returns its
 output's name; weights are random (``rng``)."""
 
@@ -146,3 +147,62 @@ def jax2tf_layernorm(
     scaled = g.node("Mul", [r, affine(g, rng, "scale", (1, 1, H))], "g")
     y = g.node("Mul", [g.node("Sub", ["x", m], "c"), scaled], "xg")
     return g.node("Add", [y, affine(g, rng, "bias", (1, 1, H))], "y")
+
+
+# jax2tf then tf2onnx over a batch of unknown size (Google's magika 1.0.3, tf2onnx 1.16.1): the
+# sums keep no axes, and each statistic is put back by a Reshape to a target computed at run
+# time from the shape of the model's input, after the clamp.
+
+
+def runtime_target(g: Graph, source: str, leading: int = 1, flipped: bool = False) -> str:
+    """``Cast(Concat(Slice(Cast(Shape(source), int32), 0, leading), [1]), int64)``: the first
+    ``leading`` sizes of ``source`` then 1, as tf2onnx computes a Reshape's target; with
+    ``flipped``, 1 first."""
+    sizes = g.node("Cast", [g.node("Shape", [source], "t_shape")], "t_shape32", to=6)
+    zero = g.const("t_zero", np.array([0], np.int64))
+    end = g.const("t_end", np.array([leading], np.int64))
+    lead = g.node("Slice", [sizes, zero, end, zero], "t_lead")
+    one = g.const("t_one", np.array([1], np.int32))
+    parts = [one, lead] if flipped else [lead, one]
+    return g.node("Cast", [g.node("Concat", parts, "t_concat", axis=0)], "t", to=7)
+
+
+def jax2tf_rows_layernorm(
+    g: Graph, rng, *, source="input", leading=1, expand=False, flipped=False
+) -> str:
+    """Flax's ``nnx.LayerNorm`` over the last axis of ``x = inp + c`` (``inp`` the model's
+    input, of ``leading`` axes before ``H``) through jax2tf and tf2onnx for a batch of unknown
+    size: ``m = ReduceSum(x, keepdims=0) * (1/N)``, likewise ``E[x^2]``, ``var = Reshape(Max(0,
+    E[x^2] - m * m), T)``, ``(x - Reshape(m, T)) * (Reciprocal(Sqrt(var + eps)) * scale) +
+    bias``; ``T`` :func:`runtime_target` of ``source`` (``"input"``, or ``"x"``; ``"constant"``:
+    ``[-1, ..., 1]``), each Reshape
+    followed by ``Expand(., T)`` with ``expand``."""
+    x = g.node("Add", ["inp", g.const("shift", np.float32(0.25))], "x")
+    if source == "constant":  # a constant target, -1 for the batch
+        t = g.const("t", np.array([-1, *(3,) * (leading - 1), 1], np.int64))
+    else:
+        t = runtime_target(g, "inp" if source == "input" else x, leading, flipped)
+    inv = g.const("inv_n", np.float32(1 / H))
+
+    def mean(value: str, out: str) -> str:
+        return g.node("Mul", [g.reduce("ReduceSum", value, f"{out}_sum", (-1,), 0), inv], out)
+
+    def back(value: str, out: str) -> str:
+        value = g.node("Reshape", [value, t], out if not expand else f"{out}_r")
+        return g.node("Expand", [value, t], out) if expand else value
+
+    m = mean(x, "m")
+    ex2 = mean(g.node("Mul", [x, x], "xx"), "ex2")
+    var = g.node("Sub", [ex2, g.node("Mul", [m, m], "mm")], "var0")
+    var = back(g.node("Max", [g.const("zero", np.float32(0)), var], "var1"), "var")
+    r = inverse_root(g, var, eps=1e-6)
+    scaled = g.node("Mul", [r, affine(g, rng, "scale", (1, H))], "g")
+    y = g.node("Mul", [g.node("Sub", [x, back(m, "m_kept")], "c"), scaled], "xg")
+    return g.node("Add", [y, affine(g, rng, "bias", (1, H))], "y")
+
+
+def rows_model(g: Graph, y: str, leading: int = 1):
+    """The model of ``g`` built by :func:`jax2tf_rows_layernorm`: input ``inp``, output ``y``,
+    both float32 of a symbolic ``batch``, ``leading - 1`` more axes of 3, then ``H``."""
+    shape = ("batch", *(3,) * (leading - 1), H)
+    return g.model({"inp": (FLOAT, shape)}, {y: (FLOAT, shape)})

@@ -117,6 +117,15 @@ def jax2tf_layernorm(rng: np.random.Generator, **form) -> ir.Model:
     return exporters.as_model(g, exporters.jax2tf_layernorm(g, rng, **form))
 
 
+def jax2tf_rows_layernorm(rng: np.random.Generator, **form) -> ir.Model:
+    """Flax's LayerNorm through jax2tf and tf2onnx over a batch of unknown size, each statistic
+    put back by a Reshape to a target computed at run time
+    (:func:`exporter_norms.jax2tf_rows_layernorm`, ``form`` its keywords)."""
+    g = Graph()
+    leading = form.get("leading", 1)
+    return exporters.rows_model(g, exporters.jax2tf_rows_layernorm(g, rng, **form), leading)
+
+
 def rmsnorm(
     rng: np.random.Generator,
     *,
@@ -206,13 +215,19 @@ def erf_part(g: Graph, x: str, divide: bool = True, constant: float | None = Non
     return g.node("Erf", [g.node("Mul", [x, c], "u")], "f")
 
 
-def tanh_part(g: Graph, x: str, pow_cube: bool = True, cubic: float = 0.044715) -> str:
-    """``tanh(sqrt(2/pi) * (x + 0.044715 x^3))``, the cube as Pow or as products."""
-    if pow_cube:
-        cube = g.node("Pow", [x, g.const("three", np.float32(3))], "cube")
+def tanh_part(g: Graph, x: str, cube: str = "pow", cubic: float = 0.044715) -> str:
+    """``tanh(sqrt(2/pi) * (x + 0.044715 x^3))``, the cubic term ``cube``: ``"pow"``
+    (``Mul(c, Pow(x, 3))``), ``"mul"`` (``Mul(c, Mul(Mul(x, x), x))``) or ``"jax"`` (jax2tf then
+    tf2onnx: ``Mul(x, Mul(x, Mul(c, x)))``, the coefficient multiplied into ``x`` first)."""
+    c3 = g.const("cubic", np.float32(cubic))
+    if cube == "jax":
+        term = g.node("Mul", [x, g.node("Mul", [x, g.node("Mul", [c3, x], "cx")], "cxx")], "term")
     else:
-        cube = g.node("Mul", [g.node("Mul", [x, x], "sq"), x], "cube")
-    term = g.node("Mul", [g.const("cubic", np.float32(cubic)), cube], "term")
+        if cube == "pow":
+            cubed = g.node("Pow", [x, g.const("three", np.float32(3))], "cube")
+        else:
+            cubed = g.node("Mul", [g.node("Mul", [x, x], "sq"), x], "cube")
+        term = g.node("Mul", [c3, cubed], "term")
     inner = g.node("Add", [x, term], "inner")
     c = g.const("c", np.float32(math.sqrt(2 / math.pi)))
     return g.node("Tanh", [g.node("Mul", [c, inner], "arg")], "f")
@@ -240,16 +255,17 @@ def gelu(
     bias: bool = False,
 ) -> ir.Model:
     """GELU of ``x`` :data:`SHAPE`, opset 20: ``form`` ``"erf_div"``, ``"erf_mul"`` (the erf
-    of ``x`` divided by or times a constant), ``"tanh_pow"`` or ``"tanh_mul"`` (the tanh form,
-    the cube as Pow or products), times ``x`` and one half in ``association``
-    (:func:`gelu_product`); with ``bias``, ``x`` is ``v + b``, a projection's 1-D bias."""
+    of ``x`` divided by or times a constant), ``"tanh_pow"``, ``"tanh_mul"`` or ``"tanh_jax"``
+    (the tanh form, the cubic term as :func:`tanh_part`'s ``cube``), times ``x`` and one half
+    in ``association`` (:func:`gelu_product`); with ``bias``, ``x`` is ``v + b``, a
+    projection's 1-D bias."""
     g = Graph(opset=20)
     x, inputs = "x", "x"
     if bias:
         b = g.const("bias", _random(rng, SHAPE[-1:]))
         x, inputs = g.node("Add", ["v", b], "x"), "v"
     kind, how = form.split("_")
-    f = erf_part(g, x, how == "div") if kind == "erf" else tanh_part(g, x, how == "pow")
+    f = erf_part(g, x, how == "div") if kind == "erf" else tanh_part(g, x, how)
     y = gelu_product(g, x, f, association)
     return g.model({inputs: (FLOAT, SHAPE)}, {y: (FLOAT, SHAPE)})
 
