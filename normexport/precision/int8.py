@@ -1,9 +1,10 @@
 """Int8 (``--precision int8`` / ``int8-dynamic``): the optimized float32 model quantized by ONNX
 Runtime's own tools (``onnxruntime.quantization``: :func:`quantize_static` to QDQ with MinMax
 calibration, :func:`quantize_dynamic`), after normexport's passes (BatchNorm folded, branches
-merged), with the fused norms and Softmax kept in float (:func:`kept_ops`); where the int8
-budget fails, the layers that cost most (:func:`layer_costs`, one at a time) are kept in float
-too. Which and why: docs/precision.md#int8.
+merged), with the fused norms, Softmax and the convs int8 is slower for kept in float
+(:func:`kept_ops`); where the int8 budget fails, the layers that cost most
+(:func:`layer_costs`, one at a time) are kept in float too. Which and why:
+docs/precision.md#int8.
 
 normexport writes no quantizer of its own: each model here is one call of ONNX Runtime's.
 """
@@ -37,6 +38,12 @@ KEPT_OP_REASONS = {
     "GroupNorm": "norm",
     "Softmax": "softmax",
 }
+#: A Conv with fewer multiply-adds per output than this (``C_in / group * kh * kw``, the
+#: reduction of its GEMM) stays float (:func:`kept_ops`, reason ``int8_slower``): int8 saves
+#: time per multiply-add and costs a requantization per output, and ONNX Runtime's int8 conv
+#: kernels on x86 lose to its float ones below it (depthwise convs, a conv on an image's three
+#: channels; the figures: docs/precision.md#int8).
+MIN_INT8_MACS = 64
 #: The most layers kept in float for the budget (the costliest by :func:`layer_costs`, one
 #: more at a time, each a quantization and a verdict); beyond it the float32 model is published.
 MAX_KEPT_FOR_BUDGET = 8
@@ -71,21 +78,36 @@ class Int8Report:
 
 def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat32]:
     """The nodes of the model at ``path`` kept in float by op type (:data:`KEPT_OP_REASONS`),
-    and the nodes of every norm the fusions refused (``refused``: :class:`fusion.Refused`;
-    :func:`normexport.precision.kept.decomposed_norms`), reason ``decomposed_norm``.
+    the Convs with fewer than :data:`MIN_INT8_MACS` multiply-adds per output (reason
+    ``int8_slower``: :func:`macs_per_output`), and the nodes of every norm the fusions refused
+    (``refused``: :class:`fusion.Refused`; :func:`normexport.precision.kept.decomposed_norms`),
+    reason ``decomposed_norm``.
 
     Raises:
         ValueError: a node has no name (ONNX Runtime's exclusion list goes by name; the
             optimized model names every node).
     """
     graph = onnx.load(path, load_external_data=False).graph
+    weights = {t.name: list(t.dims) for t in graph.initializer}
     kept = []
     for node in graph.node:
         reason = KEPT_OP_REASONS.get(node.op_type)
-        if reason is None:
+        macs = macs_per_output(node, weights)
+        if reason is None and (macs is None or macs >= MIN_INT8_MACS):
             continue
         if not node.name:
             raise ValueError(f"a {node.op_type} node has no name")
+        if reason is None:
+            kept.append(
+                KeptFloat32(
+                    node.name,
+                    node.op_type,
+                    "int8_slower",
+                    f"a conv of {macs} multiply-adds per output: ONNX Runtime's int8 conv is "
+                    f"slower than its float one below {MIN_INT8_MACS}",
+                )
+            )
+            continue
         detail = (
             "a norm's statistics stay float: int8 input moves the mean and deviation it divides by"
             if reason == "norm"
@@ -94,6 +116,16 @@ def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat32]:
         )
         kept.append(KeptFloat32(node.name, node.op_type, reason, detail))
     return [*kept, *decomposed_norms(graph, refused, "int8")]
+
+
+def macs_per_output(node: onnx.NodeProto, weights: Mapping[str, Sequence[int]]) -> int | None:
+    """The multiply-adds per output value of a Conv ``node`` whose weight is an initializer
+    (``weights``: name -> dims, ``(C_out, C_in / group, kh, kw, ...)``): ``C_in / group``
+    times the kernel's size, the reduction of the GEMM it runs as (ONNX ``Conv``); None for
+    another op or a weight computed at run time."""
+    if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in weights:
+        return None
+    return int(np.prod(weights[node.input[1]][1:]))
 
 
 #: The first ai.onnx opset whose DequantizeLinear takes an axis (per-channel weights).
@@ -180,7 +212,7 @@ def quantize(
             _quantize(src, dst, precision, calibration, excluded, external_data, cache)
     finally:
         root.setLevel(level)
-    _float_inputs(dst, set(excluded))
+    _float_inputs(src, dst, set(excluded))
     if precision == "int8-dynamic":
         return f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__}"
     return f"onnxruntime.quantization.quantize_static {onnxruntime.__version__} (QDQ U8S8, MinMax)"
@@ -216,12 +248,19 @@ def _quantize(src, dst, precision, calibration, excluded, external_data, cache) 
         )
 
 
-def _float_inputs(path: Path, kept: set[str]) -> None:
+def _float_inputs(src: Path, path: Path, kept: set[str]) -> None:
     """Let each node of ``kept`` read its float inputs: ONNX Runtime's QDQ quantizer leaves an
     excluded node reading a Quantize/DequantizeLinear round trip where the tensor's producer
     was quantized (its output quantized for the int8 kernel after it), so that the node
     excluded still computes on int8-rounded values. Each such input is read from before the
-    round trip instead, and the round trips no node reads any more are removed."""
+    round trip instead, and the round trips no node reads any more are removed; except where
+    the tensor before the round trip is no longer what the float32 model at ``src`` computes
+    there: the quantizer removes a Relu or Clip after a quantized node (its clipping done by
+    the quantized range: ``QDQKeepRemovableActivations``) and gives the node before it the
+    activation's output name, so that the tensor before the round trip is the unclipped one;
+    such a node reads the round trip, whose range clips as the activation did."""
+    float_graph = onnx.load(src, load_external_data=False).graph
+    source = {o: n.name for n in float_graph.node for o in n.output}
     model = onnx.load(path, load_external_data=False)
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -234,6 +273,9 @@ def _float_inputs(path: Path, kept: set[str]) -> None:
         qn = producer.get(dq.input[0])
         if qn is None or qn.op_type != "QuantizeLinear" or qn.input[0] in inits:
             return name
+        made = producer.get(qn.input[0])
+        if (made.name if made is not None else None) != source.get(qn.input[0]):
+            return name  # an activation the quantizer removed: the tensor is not its output
         return qn.input[0]
 
     changed = False
