@@ -47,6 +47,9 @@ MIN_INT8_MACS = 64
 #: The most layers kept in float for the budget (the costliest by :func:`layer_costs`, one
 #: more at a time, each a quantization and a verdict); beyond it the float32 model is published.
 MAX_KEPT_FOR_BUDGET = 8
+#: The most layers :func:`layer_costs` measures one at a time (each a quantization of the whole
+#: model): where there are more, those whose input int8 rounds most (:func:`rounding_errors`).
+MAX_MEASURED = 2 * MAX_KEPT_FOR_BUDGET
 
 
 @dataclasses.dataclass
@@ -195,7 +198,8 @@ def quantize(
     the nodes named in ``kept`` left in float: ``int8``, :func:`quantize_static` (QDQ, uint8
     activations and per-channel int8 weights, "U8S8", the form ONNX Runtime's x86 kernels are
     fast for, MinMax calibration on ``calibration``: docs/precision.md#int8); ``int8-dynamic``,
-    :func:`quantize_dynamic` (int8 weights, per tensor); both with 7-bit weights
+    :func:`quantize_dynamic` (per-channel int8 weights, activations quantized per tensor at
+    run time); both with 7-bit weights
     (``reduce_range``) on an x86 CPU without VNNI (:func:`reduce_range`). ``cache``: a JSON
     file of the calibrated ranges, written on the first call and read on the next (one
     calibration per run). Returns the quantizer, in words.
@@ -214,7 +218,10 @@ def quantize(
         root.setLevel(level)
     _float_inputs(src, dst, set(excluded))
     if precision == "int8-dynamic":
-        return f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__}"
+        return (
+            f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__} "
+            "(per-channel weights)"
+        )
     return f"onnxruntime.quantization.quantize_static {onnxruntime.__version__} (QDQ U8S8, MinMax)"
 
 
@@ -227,6 +234,7 @@ def _quantize(src, dst, precision, calibration, excluded, external_data, cache) 
             src,
             dst,
             weight_type=q.QuantType.QInt8,
+            per_channel=True,
             reduce_range=reduce_range(),
             nodes_to_exclude=excluded,
             use_external_data_format=external_data,
@@ -340,9 +348,13 @@ def layer_costs(
     against the float one on the same inputs): the int8 model with ``kept`` in float is run on
     ``feeds`` and so is each with one candidate more in float; a candidate's cost is how much
     the output's relative L2 error to the float32 model at ``src`` falls with it in float.
+    Each measurement is a quantization of the whole model: of more than :data:`MAX_MEASURED`
+    candidates, the :data:`MAX_MEASURED` whose input int8 rounds most
+    (:func:`rounding_errors`, one pass) are measured.
 
     Returns:
-        The error with every candidate quantized, and candidate -> cost (larger: worse).
+        The error with every candidate quantized, and measured candidate -> cost (larger:
+        worse).
     """
     import onnxruntime as ort
 
@@ -350,6 +362,10 @@ def layer_costs(
 
     if not candidates:
         return 0.0, {}
+    if len(candidates) > MAX_MEASURED:
+        progress.step(f"the int8 rounding of the inputs of {len(candidates)} layer(s)")
+        rounding = rounding_errors(src, feeds, candidates)
+        candidates = sorted(candidates, key=rounding.get, reverse=True)[:MAX_MEASURED]
     progress.step(f"the cost of each of {len(candidates)} layer(s), one at a time")
 
     options = ort.SessionOptions()
@@ -380,6 +396,45 @@ def layer_costs(
             costs[name] = everything - error(one)
             one.unlink()
     return everything, costs
+
+
+def rounding_errors(
+    src: Path, feeds: Sequence[Mapping[str, np.ndarray]], candidates: Sequence[str]
+) -> dict[str, float]:
+    """How much int8 rounds the input of each of ``candidates`` (nodes of the float32 model at
+    ``src``), in one pass: the float activations on ``feeds``, collected by ONNX Runtime's QDQ
+    debugging tools (``qdq_loss_debug.modify_model_output_intermediate_tensors``,
+    ``collect_activations``), each rounded to uint8 over its range on every feed (ONNX Runtime's
+    ``quant_utils.quantize_data``: the range MinMax calibration gives, and a bound on the
+    ranges ``quantize_dynamic`` takes at run time) and compared with itself (relative L2
+    error, :func:`rel_l2`). A layer whose input has outliers, which set the range and round
+    every other value coarsely, has a large one. A candidate whose input is no float tensor
+    (an integer input) gets 0.
+
+    Returns:
+        candidate -> relative L2 error of its input's int8 rounding.
+    """
+    from onnxruntime.quantization import qdq_loss_debug
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    nodes = {n.name: n for n in onnx.load(src, load_external_data=False).graph.node}
+    ops = sorted({nodes[name].op_type for name in candidates})
+    with tempfile.TemporaryDirectory() as folder:
+        augmented = Path(folder) / "augmented.onnx"
+        qdq_loss_debug.modify_model_output_intermediate_tensors(src, augmented, ops)
+        activations = qdq_loss_debug.collect_activations(str(augmented), [dict(f) for f in feeds])
+    errors = {}
+    for name in candidates:
+        values = [np.float32(a).ravel() for a in activations.get(nodes[name].input[0], [])]
+        if not values:
+            errors[name] = 0.0
+            continue
+        zero_point, scale, rounded = quantize_data(
+            np.concatenate(values), onnx.TensorProto.UINT8, False
+        )
+        dequantized = (np.float64(rounded) - np.float64(zero_point)) * np.float64(scale)
+        errors[name] = rel_l2([dequantized], [np.concatenate(values)])
+    return errors
 
 
 def costliest(src: Path, everything: float, costs: Mapping[str, float]) -> list[KeptFloat32]:

@@ -24,6 +24,7 @@ from normexport.errors import UsageError
 from normexport.latency.measure import Timing
 from normexport.latency.verdict import Comparison, compare
 from normexport.pipeline import timing
+from normexport.precision import int8 as quant
 from normexport.precision.calibration import load_calibration
 from normexport.verdict.parity import INT8_MAX_REL_L2
 from tests.support.graphs import make_model
@@ -255,3 +256,67 @@ def test_a_norm_left_decomposed_stays_float(tmp_path, out_dir, rng):
     project = next(n for n in graph.node if n.name == "project")
     assert producer[project.input[0]] == "DequantizeLinear"
     assert report["parity"]["passed"]
+
+
+def test_dynamic_weights_are_per_channel(tmp_path, out_dir, rng):
+    """``int8-dynamic`` on a MatMul whose weight has one output column 100x the others: per
+    channel, each column keeps its own int8 step and the model is within budget with no
+    layer kept float for it (one int8 step for the whole weight, set by that column, rounds
+    most other weights to zero: out of budget, the MatMul would be kept float)."""
+    w = rng.standard_normal((D, CLASSES)) / np.sqrt(D)
+    w[:, 0] *= 100.0
+    model = make_model(
+        [("MatMul", ["x", "w"], ["y"], {"name": "project"})],
+        {"x": (TensorProto.FLOAT, [ROWS, D])},
+        {"y": (TensorProto.FLOAT, [ROWS, CLASSES])},
+        {"w": w.astype(np.float32)},
+    )
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir()
+    ir.save(model, path)
+    out = out_dir / "m.onnx"
+    flags = ("--precision", "int8-dynamic", "--no-benchmark")
+    report = _run(path, out, tmp_path / "r.json", *flags)
+    assert "per-channel" in report["precision"]["quantizer"]
+    assert [k for k in report["precision"]["kept_float"] if k["reason"] == "budget"] == []
+    assert report["parity"]["passed"]
+    graph = onnx.load(out).graph
+    assert "MatMulInteger" in {n.op_type for n in graph.node}
+    scales = [t for t in graph.initializer if t.name.startswith("w") and "scale" in t.name]
+    assert [list(t.dims) for t in scales] == [[CLASSES]], [(t.name, t.dims) for t in scales]
+
+
+def test_many_layers_measured_where_their_input_rounds_most(tmp_path, rng):
+    """A chain of MAX_MEASURED + 4 MatMuls, the input of the last but one with a channel 300x
+    the others: the costs are measured for MAX_MEASURED layers only, chosen by how much int8
+    rounds their input (one pass), not the first ones, and that layer is among them and the
+    costliest."""
+    count = quant.MAX_MEASURED + 4
+    weights, nodes, value = {}, [], "x"
+    for i in range(count):
+        w = rng.standard_normal((D, D)) / np.sqrt(D)
+        if i == count - 3:
+            w[:, 0] *= 300.0  # the input of the next layer: one channel 300x the others
+        if i == count - 2:
+            w[0, :] /= 300.0
+        weights[f"w{i}"] = w.astype(np.float32)
+        nodes.append(("MatMul", [value, f"w{i}"], [f"h{i}"], {"name": f"layer{i}"}))
+        value = f"h{i}"
+    model = make_model(
+        nodes, {"x": (TensorProto.FLOAT, [ROWS, D])}, {value: (TensorProto.FLOAT, [ROWS, D])},
+        weights,
+    )  # fmt: skip
+    src = tmp_path / "m.onnx"
+    ir.save(model, src)
+    feeds = [{"x": rng.standard_normal((ROWS, D)).astype(np.float32)} for _ in range(3)]
+    names = [f"layer{i}" for i in range(count)]
+    worst = names[-2]
+    rounding = quant.rounding_errors(src, feeds, names)
+    assert max(rounding, key=rounding.get) == worst, rounding
+    everything, costs = quant.layer_costs(
+        src, precision="int8", calibration=feeds, feeds=feeds, kept=[], candidates=names,
+        cache=None,
+    )  # fmt: skip
+    assert len(costs) == quant.MAX_MEASURED and worst in costs
+    assert max(costs, key=costs.get) == worst, costs
+    assert everything > INT8_MAX_REL_L2 > everything - costs[worst]
