@@ -1,10 +1,10 @@
 """Int8 (``--precision int8`` / ``int8-dynamic``): the optimized float32 model quantized by ONNX
 Runtime's own tools (``onnxruntime.quantization``: :func:`quantize_static` to QDQ with MinMax
 calibration, :func:`quantize_dynamic`), after normexport's passes (BatchNorm folded, branches
-merged), with the fused norms, Softmax and the convs int8 is slower for kept in float
-(:func:`kept_ops`); where the int8 budget fails, the layers that cost most
-(:func:`layer_costs`, one at a time) are kept in float too. Which and why:
-docs/precision.md#int8.
+merged), with the fused norms and Softmax kept in float (:func:`kept_ops`), and the convs
+int8 is slower for (:func:`slow_convs`) where the model times faster so; where the int8
+budget fails, the layers that cost most (:func:`layer_costs`, one at a time) are kept in
+float too. Which and why: docs/precision.md#int8.
 
 normexport writes no quantizer of its own: each model here is one call of ONNX Runtime's.
 """
@@ -39,10 +39,10 @@ KEPT_OP_REASONS = {
     "Softmax": "softmax",
 }
 #: A Conv with fewer multiply-adds per output than this (``C_in / group * kh * kw``, the
-#: reduction of its GEMM) stays float (:func:`kept_ops`, reason ``int8_slower``): int8 saves
-#: time per multiply-add and costs a requantization per output, and ONNX Runtime's int8 conv
-#: kernels on x86 lose to its float ones below it (depthwise convs, a conv on an image's three
-#: channels; the figures: docs/precision.md#int8).
+#: reduction of its GEMM) may stay float (:func:`slow_convs`, reason ``int8_slower``): int8
+#: saves time per multiply-add and costs a requantization per output, and ONNX Runtime's int8
+#: conv kernels on x86 lose to its float ones below it (depthwise convs, a conv on an image's
+#: three channels; the figures: docs/precision.md#int8).
 MIN_INT8_MACS = 64
 #: The most layers kept in float for the budget (the costliest by :func:`layer_costs`, one
 #: more at a time, each a quantization and a verdict); beyond it the float32 model is published.
@@ -81,36 +81,21 @@ class Int8Report:
 
 def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat32]:
     """The nodes of the model at ``path`` kept in float by op type (:data:`KEPT_OP_REASONS`),
-    the Convs with fewer than :data:`MIN_INT8_MACS` multiply-adds per output (reason
-    ``int8_slower``: :func:`macs_per_output`), and the nodes of every norm the fusions refused
-    (``refused``: :class:`fusion.Refused`; :func:`normexport.precision.kept.decomposed_norms`),
-    reason ``decomposed_norm``.
+    and the nodes of every norm the fusions refused (``refused``: :class:`fusion.Refused`;
+    :func:`normexport.precision.kept.decomposed_norms`), reason ``decomposed_norm``.
 
     Raises:
         ValueError: a node has no name (ONNX Runtime's exclusion list goes by name; the
             optimized model names every node).
     """
     graph = onnx.load(path, load_external_data=False).graph
-    weights = {t.name: list(t.dims) for t in graph.initializer}
     kept = []
     for node in graph.node:
         reason = KEPT_OP_REASONS.get(node.op_type)
-        macs = macs_per_output(node, weights)
-        if reason is None and (macs is None or macs >= MIN_INT8_MACS):
+        if reason is None:
             continue
         if not node.name:
             raise ValueError(f"a {node.op_type} node has no name")
-        if reason is None:
-            kept.append(
-                KeptFloat32(
-                    node.name,
-                    node.op_type,
-                    "int8_slower",
-                    f"a conv of {macs} multiply-adds per output: ONNX Runtime's int8 conv is "
-                    f"slower than its float one below {MIN_INT8_MACS}",
-                )
-            )
-            continue
         detail = (
             "a norm's statistics stay float: int8 input moves the mean and deviation it divides by"
             if reason == "norm"
@@ -119,6 +104,27 @@ def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat32]:
         )
         kept.append(KeptFloat32(node.name, node.op_type, reason, detail))
     return [*kept, *decomposed_norms(graph, refused, "int8")]
+
+
+def slow_convs(path: Path) -> list[KeptFloat32]:
+    """The Convs of the model at ``path`` with fewer than :data:`MIN_INT8_MACS` multiply-adds
+    per output (:func:`macs_per_output`), as kept in float, reason ``int8_slower``: depthwise
+    convs, a first conv on an image's channels. Whether they are kept float is the latency
+    verdict's to say (:func:`normexport.pipeline.rewrite.int8`): the float conv is faster, the
+    Quantize/DequantizeLinear and layout transposes around it cost, and either may win."""
+    graph = onnx.load(path, load_external_data=False).graph
+    weights = {t.name: list(t.dims) for t in graph.initializer}
+    slow = []
+    for node in graph.node:
+        macs = macs_per_output(node, weights)
+        if macs is None or macs >= MIN_INT8_MACS:
+            continue
+        detail = (
+            f"a conv of {macs} multiply-adds per output: ONNX Runtime's int8 conv is slower "
+            f"than its float one below {MIN_INT8_MACS}, and the model timed faster with it float"
+        )
+        slow.append(KeptFloat32(node.name, node.op_type, "int8_slower", detail))
+    return slow
 
 
 def macs_per_output(node: onnx.NodeProto, weights: Mapping[str, Sequence[int]]) -> int | None:

@@ -53,7 +53,7 @@ class KeptFloat32:
             int8's ``norm`` or ``softmax`` (kept by op type,
             :data:`normexport.precision.int8.KEPT_OP_REASONS`), ``int8_slower`` (a Conv of
             fewer than :data:`normexport.precision.int8.MIN_INT8_MACS` multiply-adds per
-            output) and ``budget`` (a quantized
+            output, where the model timed faster with them float) and ``budget`` (a quantized
             layer that cost the output most, :func:`normexport.precision.int8.layer_costs`).
         detail: one sentence for people.
     """
