@@ -324,6 +324,45 @@ def test_many_layers_measured_where_their_input_rounds_most(tmp_path, rng):
     assert everything > INT8_MAX_REL_L2 > everything - costs[worst]
 
 
+def test_out_of_budget_with_the_most_kept_publishes_float32(tmp_path, out_dir, rng):
+    """A chain of MAX_KEPT_FOR_BUDGET + 2 MatMuls, each input with one channel 1000x the
+    others: with the 8 costliest float, two still round their inputs to nothing and the model
+    stays out of budget; the stage keeps them float one more at a time (the error need not
+    fall with each: a count that fails can pass with one layer fewer), and, out of budget
+    with the 8, publishes float32 saying why."""
+    count = quant.MAX_KEPT_FOR_BUDGET + 2
+    weights, nodes, value = {}, [], "x"
+    for i in range(count):
+        w = rng.standard_normal((D, D)) / np.sqrt(D)
+        w[:, 0] *= 1000.0
+        if i:
+            w[0, :] /= 1000.0
+        weights[f"w{i}"] = w.astype(np.float32)
+        nodes.append(("MatMul", [value, f"w{i}"], [f"h{i}"], {"name": f"layer{i}"}))
+        value = f"h{i}"
+    f32 = TensorProto.FLOAT
+    model = make_model(nodes, {"x": (f32, [ROWS, D])}, {value: (f32, [ROWS, D])}, weights)
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir()
+    ir.save(model, path)
+    real, calls = quant.quantize, []
+
+    def counted(*args, **kwargs):
+        calls.append(len(kwargs["kept"]))
+        return real(*args, **kwargs)
+
+    flags = ("--precision", "int8", "--no-benchmark")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quant, "quantize", counted)
+        report = _run(path, out_dir / "m.onnx", tmp_path / "r.json", *flags)
+    int8 = report["precision"]
+    assert int8["published"] == "fp32", int8
+    assert f"out of its budget with {quant.MAX_KEPT_FOR_BUDGET} node(s)" in int8["why_float32"]
+    # the model as quantized, the costs (all quantized, then each layer float), 1 to 8 kept
+    assert calls == [0, 0, *[1] * count, *range(1, quant.MAX_KEPT_FOR_BUDGET + 1)], calls
+    assert {n.op_type for n in onnx.load(out_dir / "m.onnx").graph.node} == {"MatMul"}
+
+
 C, HW = 16, 16
 
 
