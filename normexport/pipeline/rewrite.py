@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -191,9 +192,21 @@ def half(job: Job, ref: RawModel, staged: Staged, work: Path) -> Staged:
     return dataclasses.replace(staged, checker=checker, verified=None, precision=report)
 
 
-def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> Staged:
+def int8(
+    job: Job,
+    ref: RawModel,
+    staged: Staged,
+    judge: Judge,
+    work: Path,
+    faster: Callable[[Path, Path], bool] | None = None,
+) -> Staged:
     """Quantize the staged model by ONNX Runtime's tools (:func:`normexport.precision.int8.
-    quantize`), norms and Softmax kept float, and judge it by the int8 budget; where it fails,
+    quantize`), norms and Softmax kept float; where it has convs int8 may be slower for
+    (:func:`normexport.precision.int8.slow_convs`) and ``faster`` is given (whether the model
+    at the first path is faster than the one at the second: the latency verdict's, None
+    without it), quantize it again with them float too and keep that one where ``faster``
+    says so (else every conv is int8: ONNX Runtime's own choice). Judge it by the int8 budget;
+    where it fails,
     measure what each linear layer costs the output (one at a time,
     :func:`normexport.precision.int8.layer_costs`) and keep the costliest in float, one more
     at a time, until it passes, at most :data:`~normexport.precision.int8.MAX_KEPT_FOR_BUDGET`;
@@ -225,6 +238,10 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
         return how, judge(model, candidate, precision=opts.precision)
 
     quantizer, verdict = quantized()
+    slow = quant.slow_convs(float32)
+    if slow and faster is not None:
+        chosen = _slow_convs_float(model, slow, kept, quantized, faster)
+        quantizer, verdict = chosen or (quantizer, verdict)
     if not verdict.passed:
         costs = quant.layer_costs(
             float32, precision=opts.precision, calibration=calibration,
@@ -250,6 +267,30 @@ def int8(job: Job, ref: RawModel, staged: Staged, judge: Judge, work: Path) -> S
         "float32 published"
     )
     return dataclasses.replace(staged, precision=report)
+
+
+def _slow_convs_float(
+    model: Path,
+    slow: list[quant.KeptFloat32],
+    kept: list[quant.KeptFloat32],
+    quantized: Callable[[], tuple[str, ParityResult]],
+    faster: Callable[[Path, Path], bool],
+) -> tuple[str, ParityResult] | None:
+    """The int8 model at ``model`` quantized again (``quantized``) with the convs of ``slow``
+    float too (appended to ``kept``) and kept where ``faster`` times it faster than the one
+    with every conv int8: its quantizer and verdict; else the model with every conv int8 put
+    back at ``model``, ``kept`` as it was, and None."""
+    every = model.parent.with_name("every_conv") / model.name
+    every.parent.mkdir()
+    move_onto(model, every)
+    kept += slow
+    chosen = quantized()
+    progress.step(f"int8 with {len(slow)} conv(s) float, against every conv int8")
+    if faster(model, every):
+        return chosen
+    del kept[-len(slow) :]
+    move_onto(every, model)
+    return None
 
 
 def _float32_copy(job: Job, staged: Path, path: Path) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import onnx
@@ -68,7 +69,10 @@ def run(opts: Options) -> Report:
                     staged = rewrite.tune(job, ref, staged)
             if opts.conversion == "int8":
                 with progress.stage(opts.precision):
-                    staged = rewrite.int8(job, ref, staged, judge, work)
+                    faster = None
+                    if opts.benchmark and memory.latency is None:
+                        faster = functools.partial(timing.faster_than, job, ref)
+                    staged = rewrite.int8(job, ref, staged, judge, work, faster)
             elif opts.conversion == "half":
                 with progress.stage(opts.precision):
                     staged = rewrite.half(job, ref, staged, work)

@@ -159,6 +159,25 @@ def int8_or_float32(
     return staged, latency, speed
 
 
+#: What the int8 model with its slow convs float is timed against (:func:`faster_than`).
+EVERY_CONV_INT8 = "the time of the int8 model with every conv int8"
+
+
+def faster_than(job: Job, ref: RawModel, path: Path, base: Path) -> bool:
+    """Whether the model at ``path`` is faster than the one at ``base`` (the int8 model with
+    the convs of :func:`normexport.precision.int8.slow_convs` float, against every conv int8:
+    docs/precision.md#int8): timed interleaved for a quarter of ``--budget``,
+    :data:`~verdict.MIN_RUNS` rounds at least, with the A/A controls
+    (:func:`timed_against_raw`), and :attr:`~verdict.Comparison.faster`; False where they were
+    timed apart (no comparison)."""
+    seconds = job.opts.budget_s / 4
+    base_words = (base, EVERY_CONV_INT8)
+    _, comparison = timed_against_raw(
+        job, ref, path, seconds, min_runs=verdict.MIN_RUNS, base=base_words
+    )
+    return comparison is not None and comparison.faster
+
+
 #: What the model as optimized is timed against where the search undid rewrites.
 WITHOUT = "the time of the model without them"
 

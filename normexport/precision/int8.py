@@ -1,9 +1,10 @@
 """Int8 (``--precision int8`` / ``int8-dynamic``): the optimized float32 model quantized by ONNX
 Runtime's own tools (``onnxruntime.quantization``: :func:`quantize_static` to QDQ with MinMax
 calibration, :func:`quantize_dynamic`), after normexport's passes (BatchNorm folded, branches
-merged), with the fused norms and Softmax kept in float (:func:`kept_ops`); where the int8
-budget fails, the layers that cost most (:func:`layer_costs`, one at a time) are kept in float
-too. Which and why: docs/precision.md#int8.
+merged), with the fused norms and Softmax kept in float (:func:`kept_ops`), and the convs
+int8 is slower for (:func:`slow_convs`) where the model times faster so; where the int8
+budget fails, the layers that cost most (:func:`layer_costs`, one at a time) are kept in
+float too. Which and why: docs/precision.md#int8.
 
 normexport writes no quantizer of its own: each model here is one call of ONNX Runtime's.
 """
@@ -37,9 +38,18 @@ KEPT_OP_REASONS = {
     "GroupNorm": "norm",
     "Softmax": "softmax",
 }
+#: A Conv with fewer multiply-adds per output than this (``C_in / group * kh * kw``, the
+#: reduction of its GEMM) may stay float (:func:`slow_convs`, reason ``int8_slower``): int8
+#: saves time per multiply-add and costs a requantization per output, and ONNX Runtime's int8
+#: conv kernels on x86 lose to its float ones below it (depthwise convs, a conv on an image's
+#: three channels; the figures: docs/precision.md#int8).
+MIN_INT8_MACS = 64
 #: The most layers kept in float for the budget (the costliest by :func:`layer_costs`, one
 #: more at a time, each a quantization and a verdict); beyond it the float32 model is published.
 MAX_KEPT_FOR_BUDGET = 8
+#: The most layers :func:`layer_costs` measures one at a time (each a quantization of the whole
+#: model): where there are more, those whose input int8 rounds most (:func:`rounding_errors`).
+MAX_MEASURED = 2 * MAX_KEPT_FOR_BUDGET
 
 
 @dataclasses.dataclass
@@ -94,6 +104,37 @@ def kept_ops(path: Path, refused: Iterable = ()) -> list[KeptFloat32]:
         )
         kept.append(KeptFloat32(node.name, node.op_type, reason, detail))
     return [*kept, *decomposed_norms(graph, refused, "int8")]
+
+
+def slow_convs(path: Path) -> list[KeptFloat32]:
+    """The Convs of the model at ``path`` with fewer than :data:`MIN_INT8_MACS` multiply-adds
+    per output (:func:`macs_per_output`), as kept in float, reason ``int8_slower``: depthwise
+    convs, a first conv on an image's channels. Whether they are kept float is the latency
+    verdict's to say (:func:`normexport.pipeline.rewrite.int8`): the float conv is faster, the
+    Quantize/DequantizeLinear and layout transposes around it cost, and either may win."""
+    graph = onnx.load(path, load_external_data=False).graph
+    weights = {t.name: list(t.dims) for t in graph.initializer}
+    slow = []
+    for node in graph.node:
+        macs = macs_per_output(node, weights)
+        if macs is None or macs >= MIN_INT8_MACS:
+            continue
+        detail = (
+            f"a conv of {macs} multiply-adds per output: ONNX Runtime's int8 conv is slower "
+            f"than its float one below {MIN_INT8_MACS}, and the model timed faster with it float"
+        )
+        slow.append(KeptFloat32(node.name, node.op_type, "int8_slower", detail))
+    return slow
+
+
+def macs_per_output(node: onnx.NodeProto, weights: Mapping[str, Sequence[int]]) -> int | None:
+    """The multiply-adds per output value of a Conv ``node`` whose weight is an initializer
+    (``weights``: name -> dims, ``(C_out, C_in / group, kh, kw, ...)``): ``C_in / group``
+    times the kernel's size, the reduction of the GEMM it runs as (ONNX ``Conv``); None for
+    another op or a weight computed at run time."""
+    if node.op_type != "Conv" or len(node.input) < 2 or node.input[1] not in weights:
+        return None
+    return int(np.prod(weights[node.input[1]][1:]))
 
 
 #: The first ai.onnx opset whose DequantizeLinear takes an axis (per-channel weights).
@@ -163,7 +204,8 @@ def quantize(
     the nodes named in ``kept`` left in float: ``int8``, :func:`quantize_static` (QDQ, uint8
     activations and per-channel int8 weights, "U8S8", the form ONNX Runtime's x86 kernels are
     fast for, MinMax calibration on ``calibration``: docs/precision.md#int8); ``int8-dynamic``,
-    :func:`quantize_dynamic` (int8 weights, per tensor); both with 7-bit weights
+    :func:`quantize_dynamic` (per-channel int8 weights, activations quantized per tensor at
+    run time); both with 7-bit weights
     (``reduce_range``) on an x86 CPU without VNNI (:func:`reduce_range`). ``cache``: a JSON
     file of the calibrated ranges, written on the first call and read on the next (one
     calibration per run). Returns the quantizer, in words.
@@ -180,9 +222,12 @@ def quantize(
             _quantize(src, dst, precision, calibration, excluded, external_data, cache)
     finally:
         root.setLevel(level)
-    _float_inputs(dst, set(excluded))
+    _float_inputs(src, dst, set(excluded))
     if precision == "int8-dynamic":
-        return f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__}"
+        return (
+            f"onnxruntime.quantization.quantize_dynamic {onnxruntime.__version__} "
+            "(per-channel weights)"
+        )
     return f"onnxruntime.quantization.quantize_static {onnxruntime.__version__} (QDQ U8S8, MinMax)"
 
 
@@ -195,6 +240,7 @@ def _quantize(src, dst, precision, calibration, excluded, external_data, cache) 
             src,
             dst,
             weight_type=q.QuantType.QInt8,
+            per_channel=True,
             reduce_range=reduce_range(),
             nodes_to_exclude=excluded,
             use_external_data_format=external_data,
@@ -216,12 +262,19 @@ def _quantize(src, dst, precision, calibration, excluded, external_data, cache) 
         )
 
 
-def _float_inputs(path: Path, kept: set[str]) -> None:
+def _float_inputs(src: Path, path: Path, kept: set[str]) -> None:
     """Let each node of ``kept`` read its float inputs: ONNX Runtime's QDQ quantizer leaves an
     excluded node reading a Quantize/DequantizeLinear round trip where the tensor's producer
     was quantized (its output quantized for the int8 kernel after it), so that the node
     excluded still computes on int8-rounded values. Each such input is read from before the
-    round trip instead, and the round trips no node reads any more are removed."""
+    round trip instead, and the round trips no node reads any more are removed; except where
+    the tensor before the round trip is no longer what the float32 model at ``src`` computes
+    there: the quantizer removes a Relu or Clip after a quantized node (its clipping done by
+    the quantized range: ``QDQKeepRemovableActivations``) and gives the node before it the
+    activation's output name, so that the tensor before the round trip is the unclipped one;
+    such a node reads the round trip, whose range clips as the activation did."""
+    float_graph = onnx.load(src, load_external_data=False).graph
+    source = {o: n.name for n in float_graph.node for o in n.output}
     model = onnx.load(path, load_external_data=False)
     graph = model.graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -234,6 +287,9 @@ def _float_inputs(path: Path, kept: set[str]) -> None:
         qn = producer.get(dq.input[0])
         if qn is None or qn.op_type != "QuantizeLinear" or qn.input[0] in inits:
             return name
+        made = producer.get(qn.input[0])
+        if (made.name if made is not None else None) != source.get(qn.input[0]):
+            return name  # an activation the quantizer removed: the tensor is not its output
         return qn.input[0]
 
     changed = False
@@ -298,9 +354,13 @@ def layer_costs(
     against the float one on the same inputs): the int8 model with ``kept`` in float is run on
     ``feeds`` and so is each with one candidate more in float; a candidate's cost is how much
     the output's relative L2 error to the float32 model at ``src`` falls with it in float.
+    Each measurement is a quantization of the whole model: of more than :data:`MAX_MEASURED`
+    candidates, the :data:`MAX_MEASURED` whose input int8 rounds most
+    (:func:`rounding_errors`, one pass) are measured.
 
     Returns:
-        The error with every candidate quantized, and candidate -> cost (larger: worse).
+        The error with every candidate quantized, and measured candidate -> cost (larger:
+        worse).
     """
     import onnxruntime as ort
 
@@ -308,6 +368,10 @@ def layer_costs(
 
     if not candidates:
         return 0.0, {}
+    if len(candidates) > MAX_MEASURED:
+        progress.step(f"the int8 rounding of the inputs of {len(candidates)} layer(s)")
+        rounding = rounding_errors(src, feeds, candidates)
+        candidates = sorted(candidates, key=rounding.get, reverse=True)[:MAX_MEASURED]
     progress.step(f"the cost of each of {len(candidates)} layer(s), one at a time")
 
     options = ort.SessionOptions()
@@ -338,6 +402,45 @@ def layer_costs(
             costs[name] = everything - error(one)
             one.unlink()
     return everything, costs
+
+
+def rounding_errors(
+    src: Path, feeds: Sequence[Mapping[str, np.ndarray]], candidates: Sequence[str]
+) -> dict[str, float]:
+    """How much int8 rounds the input of each of ``candidates`` (nodes of the float32 model at
+    ``src``), in one pass: the float activations on ``feeds``, collected by ONNX Runtime's QDQ
+    debugging tools (``qdq_loss_debug.modify_model_output_intermediate_tensors``,
+    ``collect_activations``), each rounded to uint8 over its range on every feed (ONNX Runtime's
+    ``quant_utils.quantize_data``: the range MinMax calibration gives, and a bound on the
+    ranges ``quantize_dynamic`` takes at run time) and compared with itself (relative L2
+    error, :func:`rel_l2`). A layer whose input has outliers, which set the range and round
+    every other value coarsely, has a large one. A candidate whose input is no float tensor
+    (an integer input) gets 0.
+
+    Returns:
+        candidate -> relative L2 error of its input's int8 rounding.
+    """
+    from onnxruntime.quantization import qdq_loss_debug
+    from onnxruntime.quantization.quant_utils import quantize_data
+
+    nodes = {n.name: n for n in onnx.load(src, load_external_data=False).graph.node}
+    ops = sorted({nodes[name].op_type for name in candidates})
+    with tempfile.TemporaryDirectory() as folder:
+        augmented = Path(folder) / "augmented.onnx"
+        qdq_loss_debug.modify_model_output_intermediate_tensors(src, augmented, ops)
+        activations = qdq_loss_debug.collect_activations(str(augmented), [dict(f) for f in feeds])
+    errors = {}
+    for name in candidates:
+        values = [np.float32(a).ravel() for a in activations.get(nodes[name].input[0], [])]
+        if not values:
+            errors[name] = 0.0
+            continue
+        zero_point, scale, rounded = quantize_data(
+            np.concatenate(values), onnx.TensorProto.UINT8, False
+        )
+        dequantized = (np.float64(rounded) - np.float64(zero_point)) * np.float64(scale)
+        errors[name] = rel_l2([dequantized], [np.concatenate(values)])
+    return errors
 
 
 def costliest(src: Path, everything: float, costs: Mapping[str, float]) -> list[KeptFloat32]:

@@ -51,7 +51,9 @@ class KeptFloat32:
             deviation it divides by), ``fp16_overflow`` / ``fp16_underflow`` (it reads an
             initializer or a Constant's value float16 cannot hold, or it is that Constant);
             int8's ``norm`` or ``softmax`` (kept by op type,
-            :data:`normexport.precision.int8.KEPT_OP_REASONS`) and ``budget`` (a quantized
+            :data:`normexport.precision.int8.KEPT_OP_REASONS`), ``int8_slower`` (a Conv of
+            fewer than :data:`normexport.precision.int8.MIN_INT8_MACS` multiply-adds per
+            output, where the model timed faster with them float) and ``budget`` (a quantized
             layer that cost the output most, :func:`normexport.precision.int8.layer_costs`).
         detail: one sentence for people.
     """

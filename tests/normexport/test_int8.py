@@ -1,6 +1,7 @@
 """``--precision int8`` / ``int8-dynamic``: ONNX Runtime's quantizer after the passes, norms and
-Softmax kept float, the int8 budget with the costliest layer kept float, and float32 published
-where int8 is not faster.
+Softmax kept float, the convs int8 may be slower for kept float where the model times faster
+so, the int8 budget with the costliest layer kept float, and float32 published where int8 is
+not faster.
 
 Real graphs built node by node (random weights, a LayerNormalization with random gamma and
 beta), run on ONNX Runtime through the whole pipeline; the latency verdict's timings are
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto
 
@@ -24,6 +26,7 @@ from normexport.errors import UsageError
 from normexport.latency.measure import Timing
 from normexport.latency.verdict import Comparison, compare
 from normexport.pipeline import timing
+from normexport.precision import int8 as quant
 from normexport.precision.calibration import load_calibration
 from normexport.verdict.parity import INT8_MAX_REL_L2
 from tests.support.graphs import make_model
@@ -255,3 +258,211 @@ def test_a_norm_left_decomposed_stays_float(tmp_path, out_dir, rng):
     project = next(n for n in graph.node if n.name == "project")
     assert producer[project.input[0]] == "DequantizeLinear"
     assert report["parity"]["passed"]
+
+
+def test_dynamic_weights_are_per_channel(tmp_path, out_dir, rng):
+    """``int8-dynamic`` on a MatMul whose weight has one output column 100x the others: per
+    channel, each column keeps its own int8 step and the model is within budget with no
+    layer kept float for it (one int8 step for the whole weight, set by that column, rounds
+    most other weights to zero: out of budget, the MatMul would be kept float)."""
+    w = rng.standard_normal((D, CLASSES)) / np.sqrt(D)
+    w[:, 0] *= 100.0
+    model = make_model(
+        [("MatMul", ["x", "w"], ["y"], {"name": "project"})],
+        {"x": (TensorProto.FLOAT, [ROWS, D])},
+        {"y": (TensorProto.FLOAT, [ROWS, CLASSES])},
+        {"w": w.astype(np.float32)},
+    )
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir()
+    ir.save(model, path)
+    out = out_dir / "m.onnx"
+    flags = ("--precision", "int8-dynamic", "--no-benchmark")
+    report = _run(path, out, tmp_path / "r.json", *flags)
+    assert "per-channel" in report["precision"]["quantizer"]
+    assert [k for k in report["precision"]["kept_float"] if k["reason"] == "budget"] == []
+    assert report["parity"]["passed"]
+    graph = onnx.load(out).graph
+    assert "MatMulInteger" in {n.op_type for n in graph.node}
+    scales = [t for t in graph.initializer if t.name.startswith("w") and "scale" in t.name]
+    assert [list(t.dims) for t in scales] == [[CLASSES]], [(t.name, t.dims) for t in scales]
+
+
+def test_many_layers_measured_where_their_input_rounds_most(tmp_path, rng):
+    """A chain of MAX_MEASURED + 4 MatMuls, the input of the last but one with a channel 300x
+    the others: the costs are measured for MAX_MEASURED layers only, chosen by how much int8
+    rounds their input (one pass), not the first ones, and that layer is among them and the
+    costliest."""
+    count = quant.MAX_MEASURED + 4
+    weights, nodes, value = {}, [], "x"
+    for i in range(count):
+        w = rng.standard_normal((D, D)) / np.sqrt(D)
+        if i == count - 3:
+            w[:, 0] *= 300.0  # the input of the next layer: one channel 300x the others
+        if i == count - 2:
+            w[0, :] /= 300.0
+        weights[f"w{i}"] = w.astype(np.float32)
+        nodes.append(("MatMul", [value, f"w{i}"], [f"h{i}"], {"name": f"layer{i}"}))
+        value = f"h{i}"
+    model = make_model(
+        nodes, {"x": (TensorProto.FLOAT, [ROWS, D])}, {value: (TensorProto.FLOAT, [ROWS, D])},
+        weights,
+    )  # fmt: skip
+    src = tmp_path / "m.onnx"
+    ir.save(model, src)
+    feeds = [{"x": rng.standard_normal((ROWS, D)).astype(np.float32)} for _ in range(3)]
+    names = [f"layer{i}" for i in range(count)]
+    worst = names[-2]
+    rounding = quant.rounding_errors(src, feeds, names)
+    assert max(rounding, key=rounding.get) == worst, rounding
+    everything, costs = quant.layer_costs(
+        src, precision="int8", calibration=feeds, feeds=feeds, kept=[], candidates=names,
+        cache=None,
+    )  # fmt: skip
+    assert len(costs) == quant.MAX_MEASURED and worst in costs
+    assert max(costs, key=costs.get) == worst, costs
+    assert everything > INT8_MAX_REL_L2 > everything - costs[worst]
+
+
+def test_out_of_budget_with_the_most_kept_publishes_float32(tmp_path, out_dir, rng):
+    """A chain of MAX_KEPT_FOR_BUDGET + 2 MatMuls, each input with one channel 1000x the
+    others: with the 8 costliest float, two still round their inputs to nothing and the model
+    stays out of budget; the stage keeps them float one more at a time (the error need not
+    fall with each: a count that fails can pass with one layer fewer), and, out of budget
+    with the 8, publishes float32 saying why."""
+    count = quant.MAX_KEPT_FOR_BUDGET + 2
+    weights, nodes, value = {}, [], "x"
+    for i in range(count):
+        w = rng.standard_normal((D, D)) / np.sqrt(D)
+        w[:, 0] *= 1000.0
+        if i:
+            w[0, :] /= 1000.0
+        weights[f"w{i}"] = w.astype(np.float32)
+        nodes.append(("MatMul", [value, f"w{i}"], [f"h{i}"], {"name": f"layer{i}"}))
+        value = f"h{i}"
+    f32 = TensorProto.FLOAT
+    model = make_model(nodes, {"x": (f32, [ROWS, D])}, {value: (f32, [ROWS, D])}, weights)
+    path = tmp_path / "in" / "m.onnx"
+    path.parent.mkdir()
+    ir.save(model, path)
+    real, calls = quant.quantize, []
+
+    def counted(*args, **kwargs):
+        calls.append(len(kwargs["kept"]))
+        return real(*args, **kwargs)
+
+    flags = ("--precision", "int8", "--no-benchmark")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(quant, "quantize", counted)
+        report = _run(path, out_dir / "m.onnx", tmp_path / "r.json", *flags)
+    int8 = report["precision"]
+    assert int8["published"] == "fp32", int8
+    assert f"out of its budget with {quant.MAX_KEPT_FOR_BUDGET} node(s)" in int8["why_float32"]
+    # the model as quantized, the costs (all quantized, then each layer float), 1 to 8 kept
+    assert calls == [0, 0, *[1] * count, *range(1, quant.MAX_KEPT_FOR_BUDGET + 1)], calls
+    assert {n.op_type for n in onnx.load(out_dir / "m.onnx").graph.node} == {"MatMul"}
+
+
+C, HW = 16, 16
+
+
+def _convnet(path: Path, rng: np.random.Generator) -> Path:
+    """images (1, 3, HW, HW) -> stem Conv 3x3 (3 -> C: 27 multiply-adds per output) -> Relu ->
+    dense Conv 3x3 (C -> C: 144) -> Relu -> depthwise Conv 3x3 (group C: 9) -> dense Conv 1x1
+    (C -> C): a MobileNet's pattern, each conv with a bias (a BatchNorm folded in)."""
+
+    def conv(o, i, k):
+        w = rng.standard_normal((o, i, k, k)) / np.sqrt(i * k * k)
+        return w.astype(np.float32), (0.3 * rng.standard_normal(o)).astype(np.float32)
+
+    weights = {}
+    shapes = {"stem": (C, 3, 3), "dense": (C, C, 3), "dw": (C, 1, 3), "pw": (C, C, 1)}
+    for name, shape in shapes.items():
+        weights[f"{name}_w"], weights[f"{name}_b"] = conv(*shape)
+    pad = {"pads": [1, 1, 1, 1]}
+    nodes = [
+        ("Conv", ["images", "stem_w", "stem_b"], ["s"], {"name": "stem", **pad}),
+        ("Relu", ["s"], ["s_relu"], {"name": "stem_relu"}),
+        ("Conv", ["s_relu", "dense_w", "dense_b"], ["d"], {"name": "dense", **pad}),
+        ("Relu", ["d"], ["d_relu"], {"name": "dense_relu"}),
+        ("Conv", ["d_relu", "dw_w", "dw_b"], ["e"], {"name": "depthwise", "group": C, **pad}),
+        ("Conv", ["e", "pw_w", "pw_b"], ["y"], {"name": "pointwise"}),
+    ]
+    f32 = TensorProto.FLOAT
+    model = make_model(
+        nodes, {"images": (f32, [1, 3, HW, HW])}, {"y": (f32, [1, C, HW, HW])}, weights
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ir.save(model, path)
+    return path
+
+
+def _outputs(path: Path, feeds: list[dict]) -> list[np.ndarray]:
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    return [session.run(None, f)[0] for f in feeds]
+
+
+def test_convs_with_few_multiply_adds_stay_float_and_read_clipped_values(tmp_path, rng):
+    """The stem conv (27 multiply-adds per output), the depthwise conv (9) and the 1x1 conv
+    (16) are the slow convs, reason ``int8_slower``; the dense 3x3 conv (144) is not. Kept
+    float, the dense conv int8: The
+    depthwise conv follows a Relu that ONNX Runtime's quantizer removes (the
+    dense conv's quantized range clips instead): it reads that clipped round trip, not the
+    unclipped conv output, and the int8 model stays within 5% relative L2 error of the float
+    one (reading the unclipped values, the error is of order 1)."""
+    src = _convnet(tmp_path / "m.onnx", rng)
+    assert quant.kept_ops(src) == []
+    kept = quant.slow_convs(src)
+    assert {(k.node, k.reason) for k in kept} == {
+        ("stem", "int8_slower"),
+        ("depthwise", "int8_slower"),
+        ("pointwise", "int8_slower"),
+    }, kept
+    assert "27 multiply-adds" in next(k.detail for k in kept if k.node == "stem")
+    feeds = [{"images": rng.uniform(0, 1, (1, 3, HW, HW)).astype(np.float32)} for _ in range(6)]
+    dst = tmp_path / "int8.onnx"
+    quant.quantize(
+        src, dst, precision="int8", calibration=feeds[:4], kept=[k.node for k in kept],
+        external_data=False,
+    )  # fmt: skip
+    graph = onnx.load(dst).graph
+    nodes = {n.name: n for n in graph.node}
+    producer = {o: n for n in graph.node for o in n.output}
+    assert "dense_relu" not in nodes  # removed by the quantizer: the premise of this test
+    assert producer[nodes["depthwise"].input[0]].op_type == "DequantizeLinear"
+    assert producer[nodes["dense"].input[1]].op_type == "DequantizeLinear"  # int8 weights
+    for name in ("stem", "depthwise", "pointwise"):
+        assert nodes[name].input[1] in {t.name for t in graph.initializer}, name  # float
+    error = quant.rel_l2(_outputs(dst, feeds[4:]), _outputs(src, feeds[4:]))
+    assert error < 0.05, error
+
+
+@pytest.mark.parametrize("ratio", [0.5, 1.5])
+def test_slow_convs_float_only_where_timed_faster(tmp_path, out_dir, rng, ratio):
+    """The pipeline quantizes the convnet twice, every conv int8 and the slow convs float, and
+    times the second against the first (the latency verdict's timing replaced: ``ratio`` its
+    time over the other's): the slow convs are float only where it is faster; either way the
+    model is within its budget and, timed faster than float32, int8 is published."""
+    src = _convnet(tmp_path / "in" / "m.onnx", rng)
+    real, bases = timing.timed_against_raw, []
+
+    def timed(job, ref, path, *args, base=None, **kwargs):
+        latency, _ = real(job, ref, path, *args, base=base, **kwargs)
+        bases.append(base[1])
+        return latency, _timing(ratio if base[1] == timing.EVERY_CONV_INT8 else 0.5)
+
+    report = tmp_path / "r.json"
+    argv = [str(src), "-o", str(out_dir / "m.onnx"), "--report", str(report), "--provider",
+            "cpu", "--precision", "int8", "--budget", "0.3"]  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(timing, "timed_against_raw", timed)
+        assert cli.main(argv) == 0
+    result = json.loads(report.read_text())
+    assert bases == [timing.EVERY_CONV_INT8, timing.FLOAT32]
+    kept = {k["node"] for k in result["precision"]["kept_float"] if k["reason"] == "int8_slower"}
+    assert kept == ({"stem", "depthwise", "pointwise"} if ratio < 1 else set()), kept
+    graph = onnx.load(out_dir / "m.onnx").graph
+    weights = {t.name for t in graph.initializer}
+    float_convs = {n.name for n in graph.node if n.op_type == "Conv" and n.input[1] in weights}
+    assert float_convs == kept
+    assert result["precision"]["published"] == "int8" and result["parity"]["passed"]
