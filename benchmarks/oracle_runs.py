@@ -1,15 +1,17 @@
-"""How the float64 oracle should run its input sets: one at a time on the session's default
-intra-op threads (the build before this choice), one at a time on one thread, or as many at once
-as there are cores, one thread each (:attr:`normexport.runtime.plan.MemoryPlan.oracle_runs`).
+"""How the float64 oracle should run its input sets: one at a time on ONNX Runtime's default
+intra-op threads (one per core: the build before :data:`normexport.verdict.oracle.THREADS`),
+one at a time on one thread (the choice), or as many at once as there are cores, one thread
+each.
 
 For each file (``--files``; by default the CNNs of ``benchmarks/oracle.py``, built in a temporary
-folder), the oracle is built as the reference stage builds it
-(:func:`normexport.verdict.oracle.onnx_float64`, the file as written for its self-check) and
-records ``--sets`` input sets of the example's shapes (random normal float inputs), each
-variant's sessions opened once, the variants interleaved in random order for ``--rounds``
-rounds (:func:`normexport.latency.measure.time_interleaved`, one round = every set once); the
-default variant timed twice (A/A). Reported: each variant's median seconds per round and its
-ratio to the default with a 95% bootstrap interval.
+folder), the oracle's float64 graph is built as the reference stage builds it
+(:func:`normexport.verdict.oracle.to_float64`) and saved once; each variant opens its own
+sessions of it (as the verdict opens them: :func:`normexport.runtime.check_session`) and runs
+``--sets`` input sets of the file's input shapes (random normal, symbolic axes 1), the
+variants interleaved in random order for ``--rounds`` rounds
+(:func:`normexport.latency.measure.time_interleaved`, one round = every set once); the default
+variant timed twice (A/A). Reported: each variant's median seconds per round and its ratio to
+the default with a 95% bootstrap interval.
 
     python benchmarks/oracle_runs.py [--files A.onnx B.onnx] [--sets 8] [--rounds 7]
 
@@ -22,66 +24,72 @@ import argparse
 import json
 import os
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 import onnxruntime
 import oracle  # the CNNs of benchmarks/oracle.py
 
 from normexport import runtime
+from normexport.io import files
 from normexport.io.files import save_figure
 from normexport.latency.measure import latency_threads, paired_ratio, time_interleaved
-from normexport.verdict.oracle import onnx_float64
-from normexport.verdict.parity import Recorded
+from normexport.verdict.oracle import to_float64
 
 ROOT = Path(__file__).resolve().parents[1]
-#: The default variant's name (the build before ``oracle_runs``).
+#: The default variant's name (the build before :data:`normexport.verdict.oracle.THREADS`).
 DEFAULT = "one at a time, default threads"
 
 
 def _feeds(path: Path, sets: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """``sets`` random input sets of the file's inputs (symbolic axes 1, float normal)."""
+    """``sets`` random input sets of the float64 graph at ``path`` (symbolic axes 1; float
+    inputs normal in float64, as the oracle widens them)."""
     rng = np.random.default_rng(seed)
-    session = runtime.make_session(path, "cpu", optimization_level=runtime.AS_WRITTEN)
+    session = runtime.check_session(path, "cpu")
     found = []
     for _ in range(sets):
         feeds = {}
         for i in session.get_inputs():
             shape = [d if isinstance(d, int) else 1 for d in i.shape]
-            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+            dtype = np.float64 if i.type == "tensor(double)" else np.float32
+            feeds[i.name] = rng.standard_normal(shape).astype(dtype)
         found.append(feeds)
     return found
 
 
-def _noop() -> None:
-    """The sessions stay open across rounds: nothing to close."""
+def variants(path: Path, sets: list, cores: int) -> dict:
+    """Variant name -> a zero-argument call running every set on that variant's sessions
+    (opened once)."""
+    default = [runtime.check_session(path, "cpu") for _ in range(2)]
+    one = runtime.check_session(path, "cpu", threads=1)
+    pool = ThreadPoolExecutor(cores)
 
+    def in_turn(session) -> None:
+        for feeds in sets:
+            session.run(None, feeds)
 
-def variants(path: Path, sets: list, work: Path, cores: int) -> dict:
-    """Variant name -> a zero-argument call recording every set after the example with a
-    fresh :class:`Recorded` on that variant's oracle (its session opened once, kept open)."""
-    session = runtime.make_session(path, "cpu", optimization_level=runtime.AS_WRITTEN)
-    as_written = lambda feeds: runtime.run(session, feeds)  # noqa: E731
-    made = {}
-    for name, one_thread, at_once in (
-        (DEFAULT, False, 1),
-        (f"{DEFAULT} (A/A)", False, 1),
-        ("one at a time, 1 thread", True, 1),
-        (f"{cores} at once, 1 thread each", True, cores),
-    ):
-        folder = work / str(len(made))
-        folder.mkdir()
-        found = onnx_float64(path, as_written, sets[0], folder, "the file", 2 if one_thread else 1)
-        concurrent = found.concurrent if at_once > 1 else None
-        recorded = (found.run, _noop, concurrent)
-        made[name] = lambda r=recorded, n=at_once: Recorded(*r).record(sets[1:], at_once=n)
-    return made
+    def at_once() -> None:
+        list(pool.map(lambda feeds: one.run(None, feeds), sets))
+
+    return {
+        DEFAULT: lambda: in_turn(default[0]),
+        f"{DEFAULT} (A/A)": lambda: in_turn(default[1]),
+        "one at a time, 1 thread": lambda: in_turn(one),
+        f"{cores} at once, 1 thread each": at_once,
+    }
 
 
 def measure(path: Path, sets: int, rounds: int, work: Path) -> dict:
-    """One file's timings (seconds per round) and ratios to :data:`DEFAULT`."""
+    """One file's timings (seconds per round) and ratios to :data:`DEFAULT`: its float64 graph
+    saved in ``work``."""
     cores = latency_threads()
-    calls = variants(path, _feeds(path, sets), work, cores)
+    wide = to_float64(ir.load(path))
+    wide.finish()
+    saved = work / "float64.onnx"
+    files.save_model(wide.model, saved, external_data=True)
+    calls = variants(saved, _feeds(saved, sets), cores)
     timed = time_interleaved(calls, warmup=1, min_runs=rounds, max_runs=rounds, budget_s=0)
     base = timed[DEFAULT]
     return {

@@ -99,7 +99,6 @@ def _planned(job: Job, raw: ir.Model) -> tuple[plan.MemoryPlan, Job]:
         by_blocks=job.loaded.module is None,
         feeds=job.sets["example"],
         sets=len(job.sets),
-        cores=job.threads,
     )
     if memory.said:
         progress.say(memory.line)
@@ -144,7 +143,6 @@ def _reference(
             rule=job.computes_in,
             block_bytes=memory.block_bytes,
             float64=memory.float64_oracle,
-            oracle_runs=memory.oracle_runs,
             last_position=(0,) if job.policy.last_rows else (),
         )
         judge.record((job.output_rule,))

@@ -65,13 +65,6 @@ class MemoryPlan:
         block_bytes: parity goes block by block, each block reading at most this many bytes
             of weights on file and computing from them at most as many again, together
             (:func:`normexport.verdict.blocks.boundaries`); None: the whole model at once.
-        float64_oracle: whether the oracle is a float64 run (else the model as written).
-        oracle_runs: how many input sets the float64 oracle runs at once, each on one
-            intra-op thread (docs/parity.md#the-oracles-runs-at-once): the cores given
-            (``--threads``, else this process's), as many as fit beside the rest of parity
-            with one more float64 run's activations each; 1 where parity runs block by block
-            or does not fit.
-        input_sets: how many input sets parity keeps, where fewer than asked (None: all).
         latency: why the latency is not timed (a deployed session does not fit); None: it is.
         deployed: why the models are not judged as deployed (a deployed session does not
             fit: docs/parity.md#judged-as-deployed); None: they are.
@@ -89,7 +82,6 @@ class MemoryPlan:
     parity_fits: bool
     block_bytes: int | None
     float64_oracle: bool
-    oracle_runs: int
     input_sets: int | None
     latency: str | None
     deployed: str | None
@@ -118,16 +110,14 @@ def plan(
     by_blocks: bool = True,
     feeds: Mapping[str, np.ndarray] | None = None,
     sets: int = 1,
-    cores: int = 1,
 ) -> MemoryPlan:
     """The memory plan of the raw ``model`` (its initializers read from their headers), named
     ``source`` in messages, on ``provider``; ``latency``, ``autotune``: whether they run;
     ``by_blocks``: whether parity can run block by block (ONNX input: a PyTorch model is in
     memory whole, and its parity runs whole); ``feeds``: the example inputs (graph input name
     -> array; their shapes fix the activations: none counted where None); ``sets``: how many
-    input sets parity runs; ``cores``: the cores the run may use (the float64 oracle's runs
-    at once: :attr:`MemoryPlan.oracle_runs`). What does not fit degrades in this order: a
-    float32 oracle where the float64 run's activations alone do not fit, fewer input sets (at least
+    input sets parity runs. What does not fit degrades in this order: a float32 oracle where
+    the float64 run's activations alone do not fit, fewer input sets (at least
     :data:`MIN_SETS`) where their kept outputs would take more than :data:`KEPT_SHARE` of
     what is left beside the run, then parity block by block (docs/memory.md#the-memory-plan).
 
@@ -175,7 +165,6 @@ def plan(
         parity_fits=parity.fits,
         block_bytes=parity.blocks,
         float64_oracle=parity.float64,
-        oracle_runs=_oracle_runs(parity, share, cores, sets),
         input_sets=parity.sets,
         latency=skipped,
         deployed=unjudged,
@@ -285,18 +274,6 @@ def _parity(
             f"{count} of the {sets} input sets"
         )
     return _Parity(float64, acts, kept, computed, count, needed, fits, blocks, line)
-
-
-def _oracle_runs(parity: _Parity, share: float | None, cores: int, sets: int) -> int:
-    """:attr:`MemoryPlan.oracle_runs`: at most ``cores`` and the input sets, each run after the
-    first one more float64 run's activations beside what whole-model parity needs."""
-    if not parity.float64 or not parity.fits or parity.blocks is not None:
-        return 1
-    most = max(1, min(cores, parity.sets or sets))
-    if share is None:
-        return most
-    room = share - parity.needed
-    return max(1, min(most, 1 + int(room // max(parity.activation_bytes, 1))))
 
 
 def made_tensor(model: ir.Model) -> tuple[int, str]:

@@ -46,9 +46,6 @@ class Oracle:
         close: frees what ``run`` holds (its ONNX Runtime session, the PyTorch copy); the
             next run builds it again. None where it holds nothing worth freeing.
         float32: an ONNX graph's nodes the oracle runs in float32 (islands), by op type.
-        concurrent: ``run`` as several threads may call it at once, once ``run`` has run
-            (:class:`~normexport.verdict.parity.Recorded`'s ``concurrent``); None where it
-            runs one input set at a time.
     """
 
     run: Run | None
@@ -56,7 +53,6 @@ class Oracle:
     notes: list[str] = dataclasses.field(default_factory=list)
     close: Callable[[], None] | None = None
     float32: list[Float32Nodes] = dataclasses.field(default_factory=list)
-    concurrent: Run | None = None
 
 
 def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[str]) -> Oracle:
@@ -92,12 +88,7 @@ def pytorch_float64(loaded: LoadedModel, example: Mapping, feed_names: Sequence[
 
 
 def onnx_float64(
-    source: Path | ir.Model,
-    as_written: Run,
-    example: Mapping,
-    work: Path,
-    what: str,
-    at_once: int = 1,
+    source: Path | ir.Model, as_written: Run, example: Mapping, work: Path, what: str
 ) -> Oracle:
     """The ONNX model at ``source`` (a file, or a model, widened in place) in float64 on ONNX
     Runtime's CPU provider (:func:`to_float64`: float64 forms and float32 islands where it has
@@ -116,9 +107,6 @@ def onnx_float64(
         example: feeds for the check (float inputs are cast to float64 on every run).
         work: a scratch folder for the float64 model (and its external data).
         what: how the notes name the model, e.g. ``"the input graph"``.
-        at_once: how many input sets will run at once (more than 1: its session gets one
-            intra-op thread, and the oracle a ``concurrent`` run:
-            docs/parity.md#the-oracles-runs-at-once).
 
     Returns:
         an :class:`Oracle` of kind ``"onnx_float64"`` (the notes say what is not float64, and
@@ -129,7 +117,7 @@ def onnx_float64(
         needed, memory = 2 * _float32_bytes(model), memory_bytes()
         if memory is not None and needed > memory * MEMORY_SHARE:
             return Oracle(None, "", [_no_room(what, needed, memory)])
-        run = Float64Run(to_float64(model), work, as_written, 1 if at_once > 1 else None)
+        run = Float64Run(to_float64(model), work, as_written)
         run.build()
     except RunTimedOut:
         raise
@@ -142,12 +130,12 @@ def onnx_float64(
         return found
     found.notes += [*run.notes, *run.described()]
     run.notes, run.fallback = found.notes, True  # what happens on later input sets is said
-    concurrent = run.plain if at_once > 1 else None
-    return dataclasses.replace(
-        found, close=run.close, float32=run.wide.float32, concurrent=concurrent
-    )
+    return dataclasses.replace(found, close=run.close, float32=run.wide.float32)
 
 
+#: The float64 session's intra-op threads: one, faster than ONNX Runtime's default of one per
+#: core, and than two input sets at once (docs/parity.md#one-intra-op-thread).
+THREADS = 1
 #: How many times the float64 graph is built again with one more op type made a float32
 #: island, where ONNX Runtime names a node it cannot load or run.
 REPAIRS = 8
@@ -163,12 +151,10 @@ class Float64Run:
         work: a scratch folder for it.
         as_written: the model as written, the oracle of an input set where the float64 graph
             cannot run once the oracle has been checked (:attr:`fallback`).
-        threads: its session's intra-op threads (None: ONNX Runtime's default).
     """
 
-    def __init__(self, wide: Float64Graph, work: Path, as_written: Run, threads: int | None = None):
+    def __init__(self, wide: Float64Graph, work: Path, as_written: Run):
         self.wide, self.work, self.as_written = wide, work, as_written
-        self.threads = threads
         self.session: runtime.OnDemand | None = None
         self.repairs, self.seconds = 0, []
         self.notes: list[str] = []
@@ -186,7 +172,7 @@ class Float64Run:
         """
         while True:
             self.wide.finish()
-            session = _float64_session(self.wide.model, self.work, self.threads)
+            session = _float64_session(self.wide.model, self.work)
             try:
                 session.open()
             except Exception as err:  # ORT's own error types
@@ -218,22 +204,6 @@ class Float64Run:
                 return self._as_written(feeds, err)
             self.seconds.append(time.perf_counter() - start)
             return outputs
-
-    def plain(self, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
-        """A run on the session as it is, which several threads may make at once (once a run
-        has opened it): nothing mended, nothing falls back.
-
-        Raises:
-            RuntimeError: no session is open.
-            whatever ONNX Runtime raises.
-        """
-        session = self.session
-        if session is None:
-            raise RuntimeError("the float64 session is not open")
-        start = time.perf_counter()
-        outputs = runtime.run(session.open(), _widen(feeds), kept=True)
-        self.seconds.append(time.perf_counter() - start)
-        return outputs
 
     def _island(self, err: BaseException, why: str) -> bool:
         """Make the node ``err`` names (and those like it) a float32 island; False where it
@@ -306,13 +276,13 @@ def _said(err: BaseException) -> str:
 INLINE_BYTES = 2**28
 
 
-def _float64_session(model: ir.Model, work: Path, threads: int | None) -> runtime.OnDemand:
+def _float64_session(model: ir.Model, work: Path) -> runtime.OnDemand:
     """A session of the widened ``model``, opened on demand. Where what the widening changed
     is small (a float16 model: its norms' float32 parts) and the rest lies in one folder, the
     graph is given as one protobuf with the widened tensors in it, and the tensors it did not
     change are read from the model's own external data file: nothing is copied. Otherwise the
     float64 model is written to ``work`` (``oracle_float64.onnx``, each tensor widened as it
-    is written). ``threads``: the session's intra-op threads (None: ONNX Runtime's default)."""
+    is written). One intra-op thread (:data:`THREADS`)."""
     on_file = [v.const_value for g in model.graphs() for v in g.initializers.values()]
     on_file = [t for t in on_file if isinstance(t, ir.ExternalTensor)]
     folders = {Path(t.base_dir).resolve() for t in on_file}
@@ -325,10 +295,10 @@ def _float64_session(model: ir.Model, work: Path, threads: int | None) -> runtim
     if held <= INLINE_BYTES and len(folders) <= 1:
         graph = ir.to_proto(model).SerializeToString()
         folder = next(iter(folders), None)
-        return runtime.OnDemand(graph, "cpu", external_data_folder=folder, threads=threads)
+        return runtime.OnDemand(graph, "cpu", external_data_folder=folder, threads=THREADS)
     path = work / "oracle_float64.onnx"
     files.save_model(model, path, external_data=True)
-    return runtime.OnDemand(path, "cpu", threads=threads)
+    return runtime.OnDemand(path, "cpu", threads=THREADS)
 
 
 def _checked(run: Float64Run, as_written: Run, example, what: str) -> Oracle:

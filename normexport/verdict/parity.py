@@ -10,14 +10,11 @@ the result types in :mod:`normexport.verdict.result`, and all are importable fro
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from normexport import progress
-from normexport.errors import RunTimedOut
 from normexport.verdict.result import OutputError, ParityResult
 from normexport.verdict.tolerance import (
     BF16_MAX_REL_L2,
@@ -199,18 +196,10 @@ class Recorded:
         model: feeds -> outputs.
         close: frees what runs ``model`` (an ONNX Runtime session, a PyTorch copy), where it
             holds anything; the outputs stay recorded, and a later miss runs ``model`` again.
-        concurrent: ``model`` as several threads may call it at once, once ``model`` has run
-            (:meth:`record`'s ``at_once``); it may raise where ``model`` would mend itself,
-            and those feeds then run through ``model``. None: one run at a time.
     """
 
-    def __init__(
-        self,
-        model: Model,
-        close: Callable[[], None] | None = None,
-        concurrent: Model | None = None,
-    ):
-        self._model, self._close, self._concurrent = model, close, concurrent
+    def __init__(self, model: Model, close: Callable[[], None] | None = None):
+        self._model, self._close = model, close
         self._seen: dict[int, tuple[Mapping, Sequence[np.ndarray]]] = {}
 
     def __call__(self, feeds: Mapping[str, np.ndarray]) -> Sequence[np.ndarray]:
@@ -222,45 +211,15 @@ class Recorded:
         """Whether the outputs on this very mapping (its identity) are recorded."""
         return self._seen.get(id(feeds), (None,))[0] is feeds
 
-    def record(
-        self, sets: Iterable[Mapping[str, np.ndarray]], what: str = "", at_once: int = 1
-    ) -> None:
+    def record(self, sets: Iterable[Mapping[str, np.ndarray]], what: str = "") -> None:
         """Run the model on each feeds mapping of ``sets`` it has not seen (saying so on the
-        progress display as ``what``, where there is one), then free it: the first alone, the
-        rest ``at_once`` at a time where there is a ``concurrent`` run (threads: ONNX Runtime
-        and PyTorch release the GIL while they compute), those it raises on again one at a
-        time through ``model``.
-
-        Raises:
-            whatever ``model`` raises; :class:`~normexport.errors.RunTimedOut` from any run.
-        """
+        progress display as ``what``, where there is one), then free it."""
         missing = [f for f in sets if not self._has(f)]
         if missing and what:
             progress.step(what)
-        for feeds in missing[:1] if self._concurrent is not None and at_once > 1 else missing:
+        for feeds in missing:
             self(feeds)
-        if self._concurrent is not None and at_once > 1 and len(missing) > 1:
-            with ThreadPoolExecutor(at_once) as pool:  # each run in a copy of this context
-                futures = [  # (--run-timeout is a context variable)
-                    pool.submit(contextvars.copy_context().run, self._attempt, feeds)
-                    for feeds in missing[1:]
-                ]
-                ran = [future.result() for future in futures]
-            for feeds, outputs in zip(missing[1:], ran, strict=True):
-                if outputs is not None:
-                    self._seen[id(feeds)] = (feeds, outputs)
-            for feeds in missing[1:]:
-                self(feeds)  # those the concurrent run raised on
         self.close()
-
-    def _attempt(self, feeds: Mapping[str, np.ndarray]) -> Sequence[np.ndarray] | None:
-        """The concurrent run on ``feeds``, or None where it raised (but a run-time limit)."""
-        try:
-            return self._concurrent(feeds)
-        except RunTimedOut:
-            raise
-        except Exception:  # ONNX Runtime's own error types: run again through ``model``
-            return None
 
     def close(self) -> None:
         """Free what runs the model (see ``close`` above)."""

@@ -73,9 +73,6 @@ class Judge:
         float64: whether a float64 oracle may be built (False: the memory plan has no room
             for its run; the reference is then the raw model or PyTorch float32, and the
             notes say why).
-        oracle_runs: how many input sets an ONNX float64 oracle runs at once, each on one
-            intra-op thread (the memory plan's :attr:`~normexport.runtime.plan.MemoryPlan.
-            oracle_runs`; 1: one at a time, on the session's default threads).
 
     Raises:
         ValueError: ``last_position`` with ``block_bytes`` (the blocks' values are compared
@@ -98,14 +95,12 @@ class Judge:
         rule: str = "fp32",
         block_bytes: int | None = None,
         float64: bool = True,
-        oracle_runs: int = 1,
         last_position: tuple[int, ...] = (),
     ):
         if last_position and block_bytes is not None:
             raise ValueError("a verdict block by block compares whole outputs")
         self.loaded, self.raw, self.raw_path, self.rule = loaded, raw, raw_path, rule
         self.last_position, self.float64 = last_position, float64
-        self.oracle_runs = oracle_runs
         self.chains = None
         if block_bytes is not None and loaded.module is None:
             self.chains = _chains(raw_path, block_bytes, work, provider)
@@ -144,8 +139,7 @@ class Judge:
             refs["notes"] = [*self._chain_notes, *others]
             return
         oracle = refs["reference"]
-        what = f"the oracle ({refs['oracle_kind']})"
-        oracle.record([*self.sets.values(), *rounded], what, at_once=self.oracle_runs)
+        oracle.record([*self.sets.values(), *rounded], f"the oracle ({refs['oracle_kind']})")
         for name, what in (("raw", "the raw model"), ("pytorch", "PyTorch float32")):
             if refs.get(name) is not None and refs[name] is not oracle:
                 refs[name].record(self.sets.values(), f"{what} on every input set")
@@ -255,9 +249,8 @@ def references(judge: Judge) -> dict:
     rule's ``round_inputs``, :func:`normexport.verdict.parity.ulp_perturbed`)."""
     raw, example = judge.raw, judge.sets["example"]
     if judge.loaded.module is None:
-        at_once = judge.oracle_runs
         found = (
-            onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph", at_once)
+            onnx_float64(judge.raw_path, raw, example, judge.work, "the input graph")
             if judge.float64
             else Oracle(None, "", [NO_ROOM])
         )
@@ -265,7 +258,7 @@ def references(judge: Judge) -> dict:
             notes = [*found.notes, "the reference is the input file as written, in float32"]
             return dict(reference=raw, reference_kind="onnx", oracle_kind="onnx", notes=notes)
         return {
-            "reference": Recorded(found.run, found.close, found.concurrent),
+            "reference": Recorded(found.run, found.close),
             "reference_kind": "onnx",
             "raw": raw,
             "oracle_kind": found.kind,

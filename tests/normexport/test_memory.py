@@ -377,37 +377,3 @@ def test_imports_spared_collects_first_then_skips_what_was_alive_until_it_closes
         assert gone() is None
         assert gc.get_freeze_count() >= len(alive)
     assert gc.get_freeze_count() == 0
-
-
-def test_the_float64_oracle_runs_as_many_input_sets_at_once_as_cores_and_memory_allow(
-    tmp_path, rng, monkeypatch
-):
-    """``oracle_runs``: the cores given where memory is plenty (one core, one); where memory is
-    short, one more run for each float64 run's activations that fit beside whole-model parity
-    (a pooled Conv net: outputs of 32 bytes, so the kept outputs never cut the input sets)."""
-    weights = {"w": rng.standard_normal((8, 8, 3, 3)).astype(np.float32) / 8}
-    nodes = [
-        ("Conv", ["x", "w"], ["c"], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
-        ("ReduceMean", ["c"], ["y"], {"axes": [2, 3], "keepdims": 1}),
-    ]
-    path = tmp_path / "m.onnx"
-    model = make_model(nodes, {"x": (F, [1, 8, 128, 128])}, {"y": (F, [1, 8, 1, 1])}, weights)
-    ir.save(model, path)
-    feeds = {"x": np.zeros((1, 8, 128, 128), np.float32)}
-
-    def planned(cores: int) -> plan.MemoryPlan:
-        model = ir.load(path)
-        return plan.plan(
-            model, "m", "cpu", latency=False, autotune=False, feeds=feeds, sets=8, cores=cores
-        )
-
-    monkeypatch.setattr(memory, "available_bytes", lambda: 2**40)
-    assert [planned(cores).oracle_runs for cores in (1, 2, 4)] == [1, 2, 4]
-    need = planned(2)
-    for room, runs in ((0.5, 1), (1.5, 2), (2.5, 3)):
-        share = need.parity_bytes + room * need.oracle_activation_bytes
-        available = int(share / memory.SESSIONS_SHARE) + 1
-        monkeypatch.setattr(memory, "available_bytes", lambda a=available: a)
-        found = planned(8)
-        assert found.parity_fits and found.input_sets is None, found.line
-        assert found.oracle_runs == runs, (room, found.line)

@@ -9,7 +9,6 @@ an exact numpy computation in float64, and with the graph as written in float32.
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +17,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from normexport import pipeline, runtime
-from normexport.errors import RunTimedOut
 from normexport.io import files
 from normexport.verdict import float64, oracle
-from normexport.verdict.parity import Recorded
 from tests.support.graphs import make_model
 
 F = TensorProto.FLOAT
@@ -506,76 +503,11 @@ def test_the_oracle_runs_once_per_input_set_where_the_rewrite_is_within_rounding
     assert len(ran) == len(parity["probes"]), len(ran)
 
 
-def _conv_graph(rng) -> tuple[ir.Model, dict]:
-    """x (1, 4, 12, 12) -> Conv 3x3 (pads 1, bias) -> Sigmoid: a Conv's float64 form."""
-    weights = {
-        "w": rng.standard_normal((6, 4, 3, 3)).astype(np.float32),
-        "b": rng.standard_normal(6).astype(np.float32),
-    }
-    nodes = [
-        ("Conv", ["x", "w", "b"], ["c"], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
-        ("Sigmoid", ["c"], ["y"], {}),
-    ]
-    model = make_model(nodes, {"x": (F, [1, 4, 12, 12])}, {"y": (F, [1, 6, 12, 12])}, weights)
-    return model, {"x": rng.standard_normal((1, 4, 12, 12)).astype(np.float32)}
-
-
-def test_input_sets_run_at_once_give_what_one_at_a_time_gives(rng, tmp_path, monkeypatch):
-    """The float64 oracle of a Conv graph built for two runs at once (one intra-op thread):
-    the example's outputs are its self-check's, every other set runs through the concurrent
-    run in the pool's threads, and the outputs equal those of the oracle run one set at a
-    time (ONNX Runtime's default threads)."""
-    model, example = _conv_graph(rng)
-    shape = (1, 4, 12, 12)
-    sets = [example, *({"x": rng.standard_normal(shape).astype(np.float32)} for _ in "abcd")]
-    one = _oracle(model, tmp_path / "one", example)
-    one_at_a_time = Recorded(one.run, one.close)
-    one_at_a_time.record(sets)
-    plain, threads = oracle.Float64Run.plain, []
-
-    def spied(run, feeds):
-        threads.append(threading.get_ident())
-        return plain(run, feeds)
-
-    monkeypatch.setattr(oracle.Float64Run, "plain", spied)
-    path = _save(model, tmp_path / "two")
-    session = runtime.make_session(path, "cpu", optimization_level=runtime.AS_WRITTEN)
-    (tmp_path / "two" / "work").mkdir()
-    found = oracle.onnx_float64(
-        path, lambda f: runtime.run(session, f), example, tmp_path / "two" / "work", "m", 2
-    )
-    assert found.concurrent is not None and found.run.threads == 1
-    at_once = Recorded(found.run, found.close, found.concurrent)
-    at_once.record(sets, at_once=2)
-    assert len(threads) == len(sets) - 1 and threading.get_ident() not in threads
-    for feeds in sets:
-        assert at_once(feeds)[0].dtype == np.float64
-        np.testing.assert_allclose(at_once(feeds)[0], one_at_a_time(feeds)[0], rtol=1e-14)
-
-
-def test_a_set_the_concurrent_run_fails_on_runs_again_one_at_a_time():
-    """``Recorded.record(at_once=2)``: the first set runs alone through the model, the rest
-    through the concurrent run; one it raises on runs again through the model (which mends
-    itself), and a run past the run-time limit ends the recording."""
-    sets = [{"x": np.full(2, float(i))} for i in range(4)]
-    through_model = []
-
-    def model(feeds):
-        through_model.append(feeds)
-        return [feeds["x"] + 1]
-
-    def concurrent(feeds):
-        if feeds is sets[2]:
-            raise RuntimeError("a node failed in float64")
-        return [feeds["x"] + 1]
-
-    recorded = Recorded(model, None, concurrent)
-    recorded.record(sets, at_once=2)
-    assert [f["x"][0] for f in through_model] == [0.0, 2.0]
-    assert [recorded(f)[0][0] for f in sets] == [1.0, 2.0, 3.0, 4.0]
-
-    def timed_out(feeds):
-        raise RunTimedOut("past --run-timeout")
-
-    with pytest.raises(RunTimedOut):
-        Recorded(model, None, timed_out).record([{"x": np.zeros(1)}, {"x": np.ones(1)}], at_once=2)
+def test_the_float64_session_runs_on_one_intra_op_thread(rng, tmp_path):
+    """The oracle's float64 session has one intra-op thread (``oracle.THREADS``: faster than
+    ONNX Runtime's default of one per core on the Conv forms' memory traffic)."""
+    model, _ = _layernorm_model(rng)
+    found = _oracle(model, tmp_path, {"x": rng.standard_normal((2, 3, 8)).astype(np.float32)})
+    assert found.kind == "onnx_float64", found.notes
+    options = found.run.session.open().get_session_options()
+    assert options.intra_op_num_threads == oracle.THREADS == 1
