@@ -130,6 +130,9 @@ def check_given(given: Mapping[str, int], inputs: Sequence[ir.Value], path: str)
 #: docs/model-files.md#sizes-normexport-picks.
 LADDER = (16, 256, 4096)
 IMAGE_LADDER = (64, 256, 1024)
+#: After the ladder, the last try divides the first sizes by this: a model that runs at one
+#: size below the first only (PaddleOCR v2's text recognizer: an image 32 high, no other).
+SMALLER = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,8 +179,8 @@ def tries(inputs: Sequence[ir.Value], given: Mapping[str, int]) -> list[Sizes]:
     spatial axis of an image, else :data:`LADDER`'s. An axis with no name (or a
     :data:`PLACEHOLDERS` one) is a batch of 1 first, else picked alike, on its own. Each
     further try multiplies every picked and usual size but the batches' by the next step of its
-    ladder (16 times, or 4 times for an image): as many tries as :data:`LADDER` has sizes, one
-    where nothing grows.
+    ladder (16 times, or 4 times for an image), and the last divides the first ones by
+    :data:`SMALLER`: one more try than :data:`LADDER` has sizes, one where nothing grows.
 
     Args:
         inputs: the graph's inputs (initializers aside).
@@ -215,9 +218,16 @@ def tries(inputs: Sequence[ir.Value], given: Mapping[str, int]) -> list[Sizes]:
                     fixed[(v.name, axis)] = 1
                 else:
                     growing[(v.name, axis)] = (ladder[0], ladder)
+    steps: list[dict] = [{}]  # nothing grows: one try
+    if growing:  # up the ladder, then half the first: a model that takes one size below only
+        ladder = [
+            [base * lad[i] // lad[0] for base, lad in growing.values()] for i in range(len(LADDER))
+        ]
+        smaller = [base // SMALLER for base, _ in growing.values()]
+        steps = [dict(zip(growing, sizes, strict=True)) for sizes in [*ladder, smaller]]
     out = []
-    for step in range(len(LADDER) if growing else 1):
-        sized = fixed | {k: base * lad[step] // lad[0] for k, (base, lad) in growing.items()}
+    for step in steps:
+        sized = fixed | step
         picked = {k: sized[k] for k in keys if k not in given}
         out.append(
             Sizes(

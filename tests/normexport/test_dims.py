@@ -186,17 +186,18 @@ def test_a_spatial_axis_of_an_image_is_picked_64_and_a_name_has_one_size():
     classifier's outputs came out constant, onnx.reference warned of means of empty slices):
     the axes 2 and 3 of a 4-D input are picked 64, every other axis 16; a name is one size
     across the inputs (``batch`` a first axis here, the second there: 1 in both), and each
-    further try grows what was picked, never the batch."""
+    further try grows what was picked, never the batch; the last halves the first."""
     image = ir.Value(name="img", shape=ir.Shape([1, 3, None, None]))
     pixels = ir.Value(name="pix", shape=ir.Shape([1, 3, "height", "width"]))
     ids = ir.Value(name="ids", shape=ir.Shape(["batch", "seq"]))
     state = ir.Value(name="state", shape=ir.Shape([2, "batch", "seq"]))
-    first, second, third = dims.tries([image, pixels, ids, state], {"seq": 5})
+    first, second, third, last = dims.tries([image, pixels, ids, state], {"seq": 5})
     assert [first.shape(v) for v in (image, pixels, ids, state)] == [
         (1, 3, 64, 64), (1, 3, 64, 64), (1, 5), (2, 1, 5)]  # fmt: skip
     assert first.picked == {"img[2]": 64, "img[3]": 64, "height": 64, "width": 64, "batch": 1}
     assert second.shape(pixels) == (1, 3, 256, 256) and third.shape(image) == (1, 3, 1024, 1024)
     assert third.shape(state) == (2, 1, 5)
+    assert last.shape(image) == last.shape(pixels) == (1, 3, 32, 32) and last.shape(ids) == (1, 5)
     assert len(dims.tries([ids], {"seq": 5})) == 1  # nothing to grow: one try
 
 
@@ -278,6 +279,29 @@ def test_a_window_longer_than_the_size_picked_is_tried_larger(tmp_path, out_dir,
     assert report["inputs"]["state"]["shape"] == [2, 1, 8]
     said = "batch=1, samples=4096 (the model refused samples=16, 256)"
     assert said in _picked(report) and said in " ".join(out.split())  # wrapped to the terminal
+
+
+def test_an_image_the_model_takes_at_32_high_only_is_tried_smaller(tmp_path, out_dir, rng, capsys):
+    """A text recognizer's height pooled away by 32 and squeezed (PaddleOCR v2's: an image 32
+    high, no other): 64, 256 and 1024 refused, the last try, half the first, runs (exit 0), and
+    the note says the sizes refused."""
+    weights = {"w": rng.standard_normal((4, 3, 3, 3)).astype(np.float32)}
+    nodes = [
+        ("Conv", ["img", "w"], ["c"], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}),
+        ("AveragePool", ["c"], ["p"], {"kernel_shape": [32, 1], "strides": [32, 1]}),
+        ("Squeeze", ["p", "axis"], ["y"], {}),
+    ]
+    weights["axis"] = np.array([2], np.int64)
+    shapes = {"img": (F, [1, 3, "height", "width"])}, {"y": (F, [1, 4, "width"])}
+    path = tmp_path / "in" / "rec.onnx"
+    path.parent.mkdir()
+    ir.save(make_model(nodes, *shapes, weights, opset=13), path)
+    code, report = _run([str(path), "-o", str(out_dir / "m.onnx")], tmp_path)
+    out, err = capsys.readouterr()
+    assert code == EXIT_OK and not err.strip(), err
+    assert report["inputs"]["img"]["shape"] == [1, 3, 32, 32]
+    said = "height=32, width=32 (the model refused height=64, 256, 1024; width=64, 256, 1024)"
+    assert said in _picked(report), _picked(report)
 
 
 def test_dim_overrides_the_sizes_picked(tmp_path, out_dir, rng):
