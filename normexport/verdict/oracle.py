@@ -133,8 +133,9 @@ def onnx_float64(
     return dataclasses.replace(found, close=run.close, float32=run.wide.float32)
 
 
-#: The float64 session's intra-op threads: one, faster than ONNX Runtime's default of one per
-#: core, and than two input sets at once (docs/parity.md#one-intra-op-thread).
+#: The float64 session's intra-op threads: one, no slower than ONNX Runtime's default of one
+#: per core or two input sets at once, faster on a busy machine
+#: (docs/parity.md#one-intra-op-thread).
 THREADS = 1
 #: How many times the float64 graph is built again with one more op type made a float32
 #: island, where ONNX Runtime names a node it cannot load or run.
