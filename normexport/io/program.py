@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.utils._pytree as pytree
-from torch.export.pt2_archive import constants as _pt2
 
 from normexport.errors import InputFileError, one_line
 from normexport.io.quiet import quiet_torch
@@ -118,7 +117,8 @@ def load_program(path: str | Path, *, trust_pickle: bool = False) -> torch.expor
             load it (the message names the file and the reason).
     """
     path = Path(path)
-    from torch.export.pt2_archive import PT2ArchiveReader
+    from torch.export.pt2_archive import PT2ArchiveReader  # here: 0.6 s of imports (dynamo)
+    from torch.export.pt2_archive import constants as _pt2
 
     try:
         with quiet_torch():
@@ -162,6 +162,8 @@ _PICKLE_HINT = "loading it runs code from the file; if you trust its source, add
 
 def _refuse_code(path: Path, reader, names: list[str], models: list[str], specs: list[str]) -> None:
     """Raise InputFileError if loading the archive would unpickle or import anything from it."""
+    from torch.export.pt2_archive import constants as _pt2
+
     if any(n.startswith(_pt2.AOTINDUCTOR_DIR) for n in names):
         raise InputFileError(f"{path} holds AOTInductor shared libraries: {_PICKLE_HINT}")
     for model_file in models:

@@ -1,6 +1,7 @@
 """FuseGroupQueryAttention: decoder attention with its rotary embedding made one
 com.microsoft GroupQueryAttention, run on ONNX Runtime against PyTorch."""
 
+import functools
 import math
 
 import numpy as np
@@ -64,6 +65,17 @@ def _export(module, args, names, **kwargs) -> ir.Model:
     return exported.export(module, tensors, input_names=names, **kwargs)
 
 
+def _fixed_length(family: str) -> ir.Model:
+    """A copy of :class:`Hidden` ``(family)``'s export at :data:`IDS`' size, each call its own
+    (the export, seconds, made once per family: several tests start from llama's)."""
+    return ir.serde.deserialize_model(_fixed_length_proto(family))
+
+
+@functools.cache
+def _fixed_length_proto(family: str) -> onnx.ModelProto:
+    return ir.serde.serialize_model(_export(Hidden(family), [IDS], ["input_ids"]))
+
+
 def _gqa_nodes(model: ir.Model) -> list[ir.Node]:
     """The ops, in the main graph or in the branch of an If that guards them."""
     nodes = ir.traversal.RecursiveGraphIterator(model.graph)
@@ -87,7 +99,7 @@ def _assert_matches_torch(module, model, feeds):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_decoders_exported_at_a_fixed_length_get_one_op_per_layer_and_are_exact(family):
     module = Hidden(family)
-    model = _export(module, [IDS], ["input_ids"])
+    model = _fixed_length(family)
     report = fusion.optimize(model, target="ort")
     nodes = _gqa_nodes(model)
     assert report.counts["gqa_fused"] == len(nodes) == COMMON["num_hidden_layers"], report
@@ -185,11 +197,11 @@ def test_torch_onnx_export_with_dynamic_axes_as_users_call_it(tmp_path):
 
 def test_opting_out_and_the_portable_target_and_cuda_keep_the_attention():
     for target, options in (("ort", {"gqa": False}), ("onnx", {})):
-        model = _export(Hidden("llama"), [IDS], ["input_ids"])
+        model = _fixed_length("llama")
         report = fusion.optimize(model, target=target, attention=False, **options)
         assert report.counts["gqa_fused"] == 0 and not _gqa_nodes(model)
     with pytest.raises(ValueError, match="target='ort'"):
-        fusion.optimize(_export(Hidden("llama"), [IDS], ["input_ids"]), target="onnx", gqa=True)
+        fusion.optimize(_fixed_length("llama"), target="onnx", gqa=True)
 
 
 class HandAttention(torch.nn.Module):

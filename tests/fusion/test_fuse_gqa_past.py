@@ -19,6 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def _export_with_past(module: torch.nn.Module, path) -> None:
+    """``module``'s decode step (:class:`models.llama.WithPast`) exported by the dynamo exporter
+    at ``path``, its batch and lengths symbolic."""
     example = dt.feeds(np.random.default_rng(1), 2, 3, 5, 0)
     dims = {n: torch.export.Dim(n) for n in ("batch", "sequence", "past", "total")}
     shapes = {
@@ -33,11 +35,22 @@ def _export_with_past(module: torch.nn.Module, path) -> None:
     program.save(str(path), external_data=True)
 
 
-def _optimized(family: str, tmp_path):
+def _exported(family: str, export_cache, tmp_path):
+    """The path of a copy of the family's decode-step export (:func:`_export_with_past` of
+    :func:`tests.support.decoder_testing.causal_lm`, seeded: the same model every time), made
+    once per session: several tests read one family's export."""
+    folder, _ = export_cache.copy(
+        f"gqa-past-{family}",
+        lambda to: _export_with_past(dt.causal_lm(family), to / "model.onnx"),
+        tmp_path / "export",
+    )
+    return folder / "model.onnx"
+
+
+def _optimized(family: str, export_cache, tmp_path):
     """The family's decode-step export, optimized for ONNX Runtime: ``(model, report, path
     of the export, its opset)``."""
-    path = tmp_path / "model.onnx"
-    _export_with_past(dt.causal_lm(family), path)
+    path = _exported(family, export_cache, tmp_path)
     model = ir.load(path)
     opset = model.opset_imports[""]
     return model, fusion.optimize(model, target="ort"), path, opset
@@ -73,9 +86,9 @@ def _assert_rotation_from_the_frequencies(model: ir.Model) -> None:
 
 @pytest.mark.parametrize("family", sorted(dt.FAMILIES))
 def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_export_everywhere(
-    family, tmp_path
+    family, export_cache, tmp_path
 ):
-    model, report, path, opset = _optimized(family, tmp_path)
+    model, report, path, opset = _optimized(family, export_cache, tmp_path)
     nodes = dt.nodes(model, "Attention")
     assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert model.opset_imports[""] == standard.OPSET
@@ -98,13 +111,14 @@ def test_a_decoder_with_its_kv_cache_becomes_onnx_attention_and_computes_the_exp
 
 
 @pytest.mark.parametrize("family", sorted(dt.WINDOWED))
-def test_sliding_window_caches_and_soft_capped_scores_become_onnx_attention(family, tmp_path):
+def test_sliding_window_caches_and_soft_capped_scores_become_onnx_attention(
+    family, export_cache, tmp_path
+):
     """A sliding-window cache crops the past before the new keys join it: the keys' length is
     not provably the mask's, which the model adds, so spans them wherever the model runs; ONNX's
     Attention takes the cropped past and the mask. Gemma 2 caps its scores before the mask, as
     ``softcap`` does (Operators.md, Attention-23). Every layer fuses and computes the export."""
-    path = tmp_path / "model.onnx"
-    _export_with_past(dt.causal_lm(family), path)
+    path = _exported(family, export_cache, tmp_path)
     model = ir.load(path)
     report = fusion.optimize(model, target="ort")
     nodes = dt.nodes(model, "Attention")
@@ -115,10 +129,12 @@ def test_sliding_window_caches_and_soft_capped_scores_become_onnx_attention(fami
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])
-def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, monkeypatch):
+def test_below_opset_23_groupqueryattention_goes_behind_an_if(
+    family, export_cache, tmp_path, monkeypatch
+):
     """As for a model whose opset onnxscript's converter does not take (below 18)."""
     monkeypatch.setattr(standard, "convertible", lambda model: False)
-    model, report, path, opset = _optimized(family, tmp_path)
+    model, report, path, opset = _optimized(family, export_cache, tmp_path)
     nodes = dt.nodes(model, "GroupQueryAttention")
     assert report.counts["gqa_fused"] == len(nodes) == dt.LAYERS, report.refused
     assert model.opset_imports[""] == opset
@@ -134,12 +150,13 @@ def test_below_opset_23_groupqueryattention_goes_behind_an_if(family, tmp_path, 
     _assert_computes_the_export(model, path)
 
 
-def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_path, monkeypatch):
+def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(
+    export_cache, tmp_path, monkeypatch
+):
     """GroupQueryAttention's attention_bias must be as long as the keys; a sliding-window
     cache's mask is not provably so: without ONNX's Attention, the layers stay as they are."""
     monkeypatch.setattr(standard, "convertible", lambda model: False)
-    path = tmp_path / "model.onnx"
-    _export_with_past(dt.causal_lm("mistral"), path)
+    path = _exported("mistral", export_cache, tmp_path)
     model = ir.load(path)
     report = fusion.optimize(model, target="ort", attention=False)
     assert report.counts["gqa_fused"] == 0
@@ -148,12 +165,11 @@ def test_below_opset_23_a_sliding_window_cache_is_refused_with_the_reason(tmp_pa
     _assert_computes_the_export(model, path)
 
 
-def test_under_skip_kv_cache_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path):
+def test_under_skip_kv_cache_a_model_with_a_kv_cache_gets_the_skip_ops(export_cache, tmp_path):
     """``skip="kv_cache"`` (the CPU provider's choice, with ``gqa`` and no transposed SDPA):
     a decode step's residual Adds and RMSNorms become SkipSimplifiedLayerNormalization (a model
     without a cache keeps them: the explain tests, test_explain.py)."""
-    path = tmp_path / "model.onnx"
-    _export_with_past(dt.causal_lm("llama"), path)
+    path = _exported("llama", export_cache, tmp_path)
     model = ir.load(path)
     report = fusion.optimize(model, target="ort", skip="kv_cache", gqa=True, sdpa_transposed=False)
     assert report.counts["skip_fused"] == len(dt.nodes(model, "SkipSimplifiedLayerNormalization"))
@@ -161,10 +177,9 @@ def test_under_skip_kv_cache_a_model_with_a_kv_cache_gets_the_skip_ops(tmp_path)
     _assert_computes_the_export(model, path)
 
 
-def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(tmp_path):
-    module = dt.causal_lm("llama")
-    path = tmp_path / "model.onnx"
-    _export_with_past(module, path)
+def test_a_decode_step_matches_pytorch_and_keeps_the_cache_layout(export_cache, tmp_path):
+    module = dt.causal_lm("llama")  # the model the cached export came from (seeded)
+    path = _exported("llama", export_cache, tmp_path)
     model = ir.load(path)
     fusion.optimize(model, target="ort")
     feeds = dt.feeds(np.random.default_rng(2), 2, 1, 9, 4)

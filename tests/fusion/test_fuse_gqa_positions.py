@@ -48,7 +48,7 @@ def _export(path, family: str, dynamo: bool) -> None:
     feeds = dt.feeds(np.random.default_rng(1), 2, 3, 5, 0)
     example = _with_positions(feeds, np.tile(np.arange(5, 8), (2, 1)))
     args = (
-        WithPositions(dt.causal_lm("llama")),
+        WithPositions(dt.causal_lm(family)),
         tuple(torch.from_numpy(a) for a in example.values()),
     )
     names = {"input_names": NAMES, "output_names": ["logits", *dt.PRESENT]}

@@ -244,15 +244,17 @@ def _half_stack(path: Path, rng, layers: int, d: int) -> Path:
 @pytest.mark.slow
 @pytest.mark.skipif(cgroup.why_not() is not None, reason=f"{cgroup.why_not()}")
 def test_a_container_whose_limit_is_below_the_whole_model_need_runs_by_blocks(tmp_path, rng):
-    """The CLI in a 768 MiB memory cgroup made as a container runtime makes one (at the root
-    of the hierarchy, the page cache dropped first), on 0.88 GiB of float16 weights: the plan
-    reads the group's limit, parity runs by blocks (5 here) and passes, exit 0, no OOM kill.
-    With each block's ONNX Runtime arena kept alive by its outputs, the kernel killed it."""
-    path = _half_stack(tmp_path / "in" / "m.onnx", rng, layers=28, d=4096)
+    """The CLI in a 640 MiB memory cgroup made as a container runtime makes one (at the root
+    of the hierarchy, the page cache dropped first), on 0.31 GiB of float16 weights (whole-model
+    parity needs about 0.51 GiB, 0.37 GiB is available): the plan reads the group's limit,
+    parity runs by blocks (4 here) and passes, exit 0, no OOM kill. With each block's ONNX
+    Runtime arena kept alive by its outputs (float32 casts of its weights), the kernel kills
+    it."""
+    path = _half_stack(tmp_path / "in" / "m.onnx", rng, layers=10, d=4096)
     out = tmp_path / "out"
     argv = [str(path), "-o", str(out / "m.onnx"), "--make-dirs", "--provider", "cpu"]
     argv += ["--no-benchmark", "--report", str(out / "r.json")]
-    with cgroup.limited(768 * 2**20, cache="cold") as group:
+    with cgroup.limited(640 * 2**20, cache="cold") as group:
         ran = subprocess.run(
             [sys.executable, "-m", "normexport", *argv], cwd=tmp_path, preexec_fn=group.enter,
             env=os.environ | {"PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
@@ -262,7 +264,7 @@ def test_a_container_whose_limit_is_below_the_whole_model_need_runs_by_blocks(tm
     report = json.loads((out / "r.json").read_text())
     assert "under a memory cgroup's limit" in report["memory"]["line"]
     assert len(report["parity"]["blocks"]) >= 2 and report["parity"]["passed"]
-    assert report["fusions"]["rmsnorm_fused"] == 28
+    assert report["fusions"]["rmsnorm_fused"] == 10
 
 
 @pytest.mark.skipif(cgroup.why_not() is not None, reason=f"{cgroup.why_not()}")

@@ -1,24 +1,19 @@
 """The published model holds no node that the raw export would not have unless a rewrite made
 it (issue 52): per op, no more nodes than ``torch.onnx.export``'s output with its defaults
 (its own optimizer run), but the ops the rewrites that were made declare
-(:func:`graphs.excess_ops`), on small modules and on every model of the demo zoo as ``make demo``
-saves it. normexport exports with that optimizer off (docs/model-files.md) and cleans up itself:
+(:func:`graphs.excess_ops`), on small modules here and on every model of the demo zoo as ``make
+demo`` saves it in ``tests/models/test_end_to_end.py`` (one pipeline run per model, checked for
+both). normexport exports with that optimizer off (docs/model-files.md) and cleans up itself:
 torchaudio's ConvTasNet came out with 34 ``CastLike`` of constants, 3 ``Constant`` nodes and an
 ``x + 0`` that the default export folds."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import onnx_ir as ir
 import pytest
 import torch
 
-import models
 import normexport
-from fusion.base import Op
-from models.demo import demo_options
-from normexport import pipeline
 from tests.support.graphs import excess_ops
 
 pytestmark = pytest.mark.slow  # exports PyTorch models
@@ -129,37 +124,3 @@ def test_no_op_beyond_the_default_export_on_small_modules(name, tmp_path):
     assert report.parity.passed
     raw, published = ir.load(tmp_path / "raw.onnx"), ir.load(tmp_path / "m.onnx")
     assert excess_ops(raw, published, report.fusions.counts) == {}
-
-
-#: What a rewrite writes beside the ops its kind declares, per zoo model: GroupQueryAttention
-#: takes the query's batch and length as inputs, read by Gathers of its shape
-#: (fusion/fuse_gqa/build.py, ``sizes``).
-WRITTEN = {"llama-tiny": (Op("Gather"),)}
-
-
-def _raw_export(zoo: models.ZooModel, saved: Path, path: Path) -> ir.Model:
-    """What ``torch.onnx.export`` with its defaults makes of the file ``make demo`` saved (the
-    module it holds; llama-tiny's ``torch.export`` program; crepe-full's TorchScript archive,
-    which only the TorchScript exporter takes), or the ONNX file as it ships."""
-    if zoo.module is None:
-        return ir.load(zoo.onnx_path)
-    args = tuple(torch.from_numpy(a) for a in zoo.inputs.values())
-    if saved.suffix == ".pt2":
-        torch.onnx.export(torch.export.load(saved), args, path)
-    elif zoo.name == "crepe-full":
-        torch.onnx.export(torch.jit.load(saved), args, path, dynamo=False)
-    else:
-        torch.onnx.export(zoo.module, args, path)
-    return ir.load(path)
-
-
-@pytest.mark.parametrize("name", sorted(models.ZOO))
-def test_no_op_beyond_the_raw_export_on_the_demo_zoo(name, tmp_path):
-    zoo = models.load(name)
-    (tmp_path / "demo").mkdir()
-    opts = demo_options(zoo, tmp_path / "demo", provider="cpu", make_dirs=True)
-    report = pipeline.run(opts)
-    raw = _raw_export(zoo, Path(opts.model), tmp_path / "raw.onnx")
-    published = ir.load(opts.output)
-    assert excess_ops(raw, published, report.fusions.counts, WRITTEN.get(name, ())) == {}
-    assert report.parity.passed

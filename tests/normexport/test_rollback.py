@@ -179,17 +179,18 @@ def test_a_measured_failure_with_no_rewrite_left_ends_the_search():
 
 
 class Levit(nn.Module):
-    """transformers' LevitModel (key/query heads of 8, value heads of 16: attention_ratio 2),
-    random weights and BatchNorm statistics; returns ``last_hidden_state``."""
+    """transformers' LevitModel of two stages (key/query heads of 8, value heads of 16:
+    attention_ratio 2; two attentions and some 17 Conv/Linear + BatchNorm pairs), random
+    weights and BatchNorm statistics; returns ``last_hidden_state``."""
 
     def __init__(self):
         super().__init__()
         from transformers import LevitConfig, LevitModel
 
         config = LevitConfig(
-            image_size=32, hidden_sizes=[16, 24, 32], num_attention_heads=[1, 2, 2],
-            depths=[1, 1, 1], key_dim=[8, 8, 8], drop_path_rate=0, mlp_ratio=[2, 2, 2],
-            attention_ratio=[2, 2, 2],
+            image_size=32, hidden_sizes=[16, 24], num_attention_heads=[1, 2], depths=[1, 1],
+            key_dim=[8, 8], drop_path_rate=0, mlp_ratio=[2, 2], attention_ratio=[2, 2],
+            down_ops=[["Subsample", 8, 2, 4, 2, 2]],
         )  # fmt: skip
         torch.manual_seed(0)
         self.levit = LevitModel(config).eval()
