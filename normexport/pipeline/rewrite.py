@@ -206,13 +206,11 @@ def int8(
     at the first path is faster than the one at the second: the latency verdict's, None
     without it), quantize it again with them float too and keep that one where ``faster``
     says so (else every conv is int8: ONNX Runtime's own choice). Judge it by the int8 budget;
-    where it fails,
-    measure what each linear layer costs the output (one at a time,
+    where it fails, measure what each linear layer costs the output (one at a time,
     :func:`normexport.precision.int8.layer_costs`) and keep the costliest in float, one more
     at a time, until it passes, at most :data:`~normexport.precision.int8.MAX_KEPT_FOR_BUDGET`;
-    out of budget even then, the float32
-    model stays staged and the report says why. The float32 model is kept beside it
-    (:attr:`Staged.float32`) for the latency verdict.
+    out of budget even then, the float32 model stays staged and the report says why. The
+    float32 model is kept beside it (:attr:`Staged.float32`) for the latency verdict.
 
     Raises:
         UsageError: the model passes protobuf's 2 GiB limit (ONNX Runtime's quantizer takes
