@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,8 +35,42 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.module is not _FROZEN_AT.get("module"):
         _FROZEN_AT["module"] = item.module
         gc.unfreeze()
+    _build_torchlib_registry_once()
     gc.collect()
     gc.freeze()
+
+
+def _build_torchlib_registry_once() -> None:
+    """Once the dynamo exporter has been imported (by the first export), make its table of
+    ONNX functions per opset once per worker, not once per export: ``torch.onnx.export``
+    builds it anew each call from onnxscript's torchlib, reading and parsing the source of
+    some 500 functions (``TracedOnnxFunction.function_ir`` is not cached), 0.3 s of a
+    0.6 s gallery export. Each export gets its own copy of the table (the exporter adds a
+    caller's ``custom_translation_table`` to the one it is given), made by torch's own
+    ``from_torchlib``: what is exported does not change. Without that module (another torch)
+    nothing is changed."""
+    registration = sys.modules.get("torch.onnx._internal.exporter._registration")
+    if registration is None or _TORCHLIB_BUILD:
+        return
+    registry = registration.ONNXRegistry
+    build = registry.from_torchlib
+
+    def from_torchlib(cls, opset_version=registration._constants.TORCHLIB_OPSET):
+        if opset_version not in _TORCHLIB_TABLES:
+            _TORCHLIB_TABLES[opset_version] = build(opset_version=opset_version)
+        made, copy = _TORCHLIB_TABLES[opset_version], cls()
+        copy._opset_version = made._opset_version
+        copy.functions = {target: list(metas) for target, metas in made.functions.items()}
+        return copy
+
+    registry.from_torchlib = classmethod(from_torchlib)
+    _TORCHLIB_BUILD.append(build)
+
+
+#: The dynamo exporter's torchlib tables by opset (:func:`_build_torchlib_registry_once`).
+_TORCHLIB_TABLES: dict[int, Any] = {}
+#: torch's own ``ONNXRegistry.from_torchlib``, once replaced.
+_TORCHLIB_BUILD: list[Callable[..., Any]] = []
 
 
 #: The module of the last test :func:`pytest_runtest_setup` ran before.
