@@ -58,13 +58,20 @@ def _build_torchlib_registry_once() -> None:
     def from_torchlib(cls, opset_version=registration._constants.TORCHLIB_OPSET):
         if opset_version not in _TORCHLIB_TABLES:
             _TORCHLIB_TABLES[opset_version] = build(opset_version=opset_version)
-        made, copy = _TORCHLIB_TABLES[opset_version], cls()
-        copy._opset_version = made._opset_version
-        copy.functions = {target: list(metas) for target, metas in made.functions.items()}
+        made, copy = _TORCHLIB_TABLES[opset_version], cls.__new__(cls)
+        copy.__dict__.update({name: _copied(value) for name, value in vars(made).items()})
         return copy
 
     registry.from_torchlib = classmethod(from_torchlib)
     _TORCHLIB_BUILD.append(build)
+
+
+def _copied(value: Any) -> Any:
+    """A registry attribute as a new export may change it: a dict with its lists copied (the
+    functions per target), a list copied; anything else shared (the functions themselves)."""
+    if isinstance(value, dict):
+        return {key: list(v) if isinstance(v, list) else v for key, v in value.items()}
+    return list(value) if isinstance(value, list) else value
 
 
 #: The dynamo exporter's torchlib tables by opset (:func:`_build_torchlib_registry_once`).
