@@ -47,15 +47,22 @@ def _build_torchlib_registry_once() -> None:
     some 500 functions (``TracedOnnxFunction.function_ir`` is not cached), 0.3 s of a
     0.6 s gallery export. Each export gets its own copy of the table (the exporter adds a
     caller's ``custom_translation_table`` to the one it is given), made by torch's own
-    ``from_torchlib``: what is exported does not change. Without that module (another torch)
-    nothing is changed."""
+    ``from_torchlib``: what is exported does not change. Without that module, its class or its
+    default opset (another torch), nothing is changed; a call with other arguments than the
+    opset goes to torch's own."""
     registration = sys.modules.get("torch.onnx._internal.exporter._registration")
     if registration is None or _TORCHLIB_BUILD:
         return
-    registry = registration.ONNXRegistry
-    build = registry.from_torchlib
+    registry = getattr(registration, "ONNXRegistry", None)
+    build = getattr(registry, "from_torchlib", None)
+    default = getattr(getattr(registration, "_constants", None), "TORCHLIB_OPSET", None)
+    if build is None or default is None:
+        return
 
-    def from_torchlib(cls, opset_version=registration._constants.TORCHLIB_OPSET):
+    def from_torchlib(cls, *args, **kwargs):
+        if args or set(kwargs) - {"opset_version"}:
+            return build(*args, **kwargs)
+        opset_version = kwargs.get("opset_version", default)
         if opset_version not in _TORCHLIB_TABLES:
             _TORCHLIB_TABLES[opset_version] = build(opset_version=opset_version)
         made, copy = _TORCHLIB_TABLES[opset_version], cls.__new__(cls)
