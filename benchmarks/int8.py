@@ -50,7 +50,7 @@ from normexport.latency.measure import (  # noqa: E402
     rotating,
     time_interleaved,
 )
-from normexport.precision.int8 import rel_l2  # noqa: E402
+from normexport.precision.int8_budget import rel_l2  # noqa: E402
 from normexport.verdict.tolerance import top1_agreement  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

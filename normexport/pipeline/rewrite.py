@@ -22,6 +22,7 @@ from normexport.io import files
 from normexport.pipeline.job import Job
 from normexport.pipeline.raw_model import RawModel
 from normexport.precision import int8 as quant
+from normexport.precision import int8_budget as budget
 from normexport.precision.convert import load_for_conversion, name_nodes
 from normexport.tuning import autotune
 from normexport.verdict import rollback
@@ -207,10 +208,11 @@ def int8(
     without it), quantize it again with them float too and keep that one where ``faster``
     says so (else every conv is int8: ONNX Runtime's own choice). Judge it by the int8 budget;
     where it fails, measure what each linear layer costs the output (one at a time,
-    :func:`normexport.precision.int8.layer_costs`) and keep the costliest in float, one more
-    at a time, until it passes, at most :data:`~normexport.precision.int8.MAX_KEPT_FOR_BUDGET`;
-    out of budget even then, the float32 model stays staged and the report says why. The
-    float32 model is kept beside it (:attr:`Staged.float32`) for the latency verdict.
+    :func:`normexport.precision.int8_budget.layer_costs`) and keep the costliest in float, one
+    more at a time, until it passes, at most
+    :data:`~normexport.precision.int8_budget.MAX_KEPT_FOR_BUDGET`; out of budget even then, the
+    float32 model stays staged and the report says why. The float32 model is kept beside it
+    (:attr:`Staged.float32`) for the latency verdict.
 
     Raises:
         UsageError: the model passes protobuf's 2 GiB limit (ONNX Runtime's quantizer takes
@@ -241,12 +243,12 @@ def int8(
         chosen = _slow_convs_float(model, slow, kept, quantized, faster)
         quantizer, verdict = chosen or (quantizer, verdict)
     if not verdict.passed:
-        costs = quant.layer_costs(
+        costs = budget.layer_costs(
             float32, precision=opts.precision, calibration=calibration,
             feeds=list(job.sets.values()), kept=[k.node for k in kept],
-            candidates=quant.linear_nodes(float32, [k.node for k in kept]), cache=cache,
+            candidates=budget.linear_nodes(float32, [k.node for k in kept]), cache=cache,
         )  # fmt: skip
-        for worst in quant.costliest(float32, *costs):
+        for worst in budget.costliest(float32, *costs):
             kept.append(worst)
             quantizer, verdict = quantized()
             if verdict.passed:

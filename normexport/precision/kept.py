@@ -54,7 +54,7 @@ class KeptFloat32:
             :data:`normexport.precision.int8.KEPT_OP_REASONS`), ``int8_slower`` (a Conv of
             fewer than :data:`normexport.precision.int8.MIN_INT8_MACS` multiply-adds per
             output, where the model timed faster with them float) and ``budget`` (a quantized
-            layer that cost the output most, :func:`normexport.precision.int8.layer_costs`).
+            layer that cost the output most, :func:`normexport.precision.int8_budget.layer_costs`).
         detail: one sentence for people.
     """
 

@@ -27,6 +27,7 @@ from normexport.latency.measure import Timing
 from normexport.latency.verdict import Comparison, compare
 from normexport.pipeline import timing
 from normexport.precision import int8 as quant
+from normexport.precision import int8_budget as budget
 from normexport.precision.calibration import load_calibration
 from normexport.verdict.parity import INT8_MAX_REL_L2
 from tests.support.graphs import make_model
@@ -293,7 +294,7 @@ def test_many_layers_measured_where_their_input_rounds_most(tmp_path, rng):
     the others: the costs are measured for MAX_MEASURED layers only, chosen by how much int8
     rounds their input (one pass), not the first ones, and that layer is among them and the
     costliest."""
-    count = quant.MAX_MEASURED + 4
+    count = budget.MAX_MEASURED + 4
     weights, nodes, value = {}, [], "x"
     for i in range(count):
         w = rng.standard_normal((D, D)) / np.sqrt(D)
@@ -313,13 +314,13 @@ def test_many_layers_measured_where_their_input_rounds_most(tmp_path, rng):
     feeds = [{"x": rng.standard_normal((ROWS, D)).astype(np.float32)} for _ in range(3)]
     names = [f"layer{i}" for i in range(count)]
     worst = names[-2]
-    rounding = quant.rounding_errors(src, feeds, names)
+    rounding = budget.rounding_errors(src, feeds, names)
     assert max(rounding, key=rounding.get) == worst, rounding
-    everything, costs = quant.layer_costs(
+    everything, costs = budget.layer_costs(
         src, precision="int8", calibration=feeds, feeds=feeds, kept=[], candidates=names,
         cache=None,
     )  # fmt: skip
-    assert len(costs) == quant.MAX_MEASURED and worst in costs
+    assert len(costs) == budget.MAX_MEASURED and worst in costs
     assert max(costs, key=costs.get) == worst, costs
     assert everything > INT8_MAX_REL_L2 > everything - costs[worst]
 
@@ -330,7 +331,7 @@ def test_out_of_budget_with_the_most_kept_publishes_float32(tmp_path, out_dir, r
     stays out of budget; the stage keeps them float one more at a time (the error need not
     fall with each: a count that fails can pass with one layer fewer), and, out of budget
     with the 8, publishes float32 saying why."""
-    count = quant.MAX_KEPT_FOR_BUDGET + 2
+    count = budget.MAX_KEPT_FOR_BUDGET + 2
     weights, nodes, value = {}, [], "x"
     for i in range(count):
         w = rng.standard_normal((D, D)) / np.sqrt(D)
@@ -357,9 +358,9 @@ def test_out_of_budget_with_the_most_kept_publishes_float32(tmp_path, out_dir, r
         report = _run(path, out_dir / "m.onnx", tmp_path / "r.json", *flags)
     int8 = report["precision"]
     assert int8["published"] == "fp32", int8
-    assert f"out of its budget with {quant.MAX_KEPT_FOR_BUDGET} node(s)" in int8["why_float32"]
+    assert f"out of its budget with {budget.MAX_KEPT_FOR_BUDGET} node(s)" in int8["why_float32"]
     # the model as quantized, the costs (all quantized, then each layer float), 1 to 8 kept
-    assert calls == [0, 0, *[1] * count, *range(1, quant.MAX_KEPT_FOR_BUDGET + 1)], calls
+    assert calls == [0, 0, *[1] * count, *range(1, budget.MAX_KEPT_FOR_BUDGET + 1)], calls
     assert {n.op_type for n in onnx.load(out_dir / "m.onnx").graph.node} == {"MatMul"}
 
 
@@ -433,7 +434,7 @@ def test_convs_with_few_multiply_adds_stay_float_and_read_clipped_values(tmp_pat
     assert producer[nodes["dense"].input[1]].op_type == "DequantizeLinear"  # int8 weights
     for name in ("stem", "depthwise", "pointwise"):
         assert nodes[name].input[1] in {t.name for t in graph.initializer}, name  # float
-    error = quant.rel_l2(_outputs(dst, feeds[4:]), _outputs(src, feeds[4:]))
+    error = budget.rel_l2(_outputs(dst, feeds[4:]), _outputs(src, feeds[4:]))
     assert error < 0.05, error
 
 
